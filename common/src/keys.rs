@@ -1,0 +1,101 @@
+//! Every Redis key, stream, group and consumer name batchfleet uses.
+//!
+//! Job-level keys share the hash tag `{job}`; each partition's keys share
+//! `{job:pN}`, so every multi-key script runs in one Redis Cluster slot.
+//! Job names are restricted (see [`valid_job_name`]) so they can never break
+//! a hash tag.
+
+/// The consumer group every worker of every job reads through.
+pub const GROUP: &str = "workers";
+
+/// Why a job name was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("job name `{0}` is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -")]
+pub struct BadJobName(pub String);
+
+/// Checks a human job name: it becomes part of every key.
+pub fn valid_job_name(name: &str) -> Result<(), BadJobName> {
+    let ok = (1..=64).contains(&name.len())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok { Ok(()) } else { Err(BadJobName(name.to_owned())) }
+}
+
+/// Set of all job names ever enqueued.
+pub fn jobs() -> String {
+    "bf:jobs".to_owned()
+}
+
+/// The job's spec as TOML text; workers run exactly what was enqueued.
+pub fn spec(job: &str) -> String {
+    format!("bf:{{{job}}}:spec")
+}
+
+/// The job's manifest (JSON): dataset, expected records, drops, versions.
+pub fn manifest(job: &str) -> String {
+    format!("bf:{{{job}}}:manifest")
+}
+
+/// The producer's resume cursor (JSON): offset, line, counters, file fingerprint.
+pub fn cursor(job: &str) -> String {
+    format!("bf:{{{job}}}:cursor")
+}
+
+/// Hash of dropped dataset lines: `<dataset sha12>:<line>` -> JSON entry.
+pub fn dropped_lines(job: &str) -> String {
+    format!("bf:{{{job}}}:dropped_lines")
+}
+
+/// The hash tag shared by all keys of one partition.
+fn partition_tag(job: &str, partition: u32) -> String {
+    format!("{{{job}:p{partition}}}")
+}
+
+/// The partition's task stream, read through [`GROUP`].
+pub fn stream(job: &str, partition: u32) -> String {
+    format!("bf:{}:tasks", partition_tag(job, partition))
+}
+
+/// Hash record_id -> state (`queued`, `done`, `review`, `dropped:<reason>`, `cancelled`).
+pub fn state(job: &str, partition: u32) -> String {
+    format!("bf:{}:state", partition_tag(job, partition))
+}
+
+/// Idempotency key of one record (`SET NX EX`); its value is the record's origin.
+pub fn idem(job: &str, partition: u32, record_id: &str) -> String {
+    format!("bf:{}:idem:{record_id}", partition_tag(job, partition))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(key: &str) -> &str {
+        let start = key.find('{').unwrap_or(0);
+        let end = key[start..].find('}').map_or(key.len(), |e| start + e);
+        &key[start + 1..end]
+    }
+
+    #[test]
+    fn partition_keys_share_one_hash_tag() {
+        let keys = [stream("j1", 3), state("j1", 3), idem("j1", 3, "ab12")];
+        assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
+        assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));
+    }
+
+    #[test]
+    fn job_keys_share_the_job_tag() {
+        for k in [spec("a.b"), manifest("a.b"), cursor("a.b"), dropped_lines("a.b")] {
+            assert_eq!(tag(&k), "a.b");
+        }
+    }
+
+    #[test]
+    fn job_names_that_could_break_a_tag_are_refused() {
+        for bad in ["", "a{b", "a}b", "a b", "a:b", &"x".repeat(65)] {
+            assert!(valid_job_name(bad).is_err(), "{bad}");
+        }
+        for good in ["demo", "run-2026.11_a"] {
+            assert!(valid_job_name(good).is_ok());
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! batchfleet's shared core. Producer and worker depend on it; it knows
+//! nothing of HTTP servers or command lines.
+//!
+//! - [`spec`]: the job spec (TOML): serde types, defaults, `validate()`.
+//! - [`template`]: strict `{{field}}` rendering; the system prompt's field list.
+//! - [`record`]: a dataset line as a typed record; `record_id`; partitioning.
+//! - [`keys`]: every Redis key, stream, group and consumer name.
+//! - [`manifest`]: the job manifest and the producer's resume cursor.
+//! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
+
+pub mod keys;
+pub mod manifest;
+pub mod record;
+pub mod spec;
+pub mod store;
+pub mod template;

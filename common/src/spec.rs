@@ -1,0 +1,639 @@
+//! The job spec: one TOML file per job, its serde types, defaults, and `validate()`.
+//!
+//! Every key is documented here because these comments are the operator's
+//! reference. Unknown keys are refused (`deny_unknown_fields`), and every error
+//! names the key path it is about (`output.fields.confidence.max`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::template::Template;
+
+/// A whole job spec, as loaded from `job.toml`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// How records are identified and split.
+    pub job: JobSection,
+    /// Declared versions; any change makes new record ids.
+    pub versions: Versions,
+    /// The input template: system and user messages.
+    pub prompt: PromptSection,
+    /// The output field spec the validator enforces.
+    pub output: OutputSection,
+    /// The OpenAI-compatible endpoint and model settings.
+    pub provider: Provider,
+    /// Fleet-wide rate limits of the provider key.
+    #[serde(default)]
+    pub limits: Limits,
+    /// How failed attempts are retried.
+    #[serde(default)]
+    pub retry: RetryPolicy,
+    /// Prices in USD per million tokens, for cost reports.
+    #[serde(default)]
+    pub prices: Prices,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JobSection {
+    /// The input field that holds the record's business key (string or integer).
+    pub id_field: String,
+    /// Number of stream partitions the job's work is split over.
+    #[serde(default = "default_partitions")]
+    pub partitions: u32,
+    /// A dataset line longer than this many bytes is dropped as `too_large`.
+    #[serde(default = "default_max_record_bytes")]
+    pub max_record_bytes: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Versions {
+    /// Version of the source data (bump when the dataset's meaning changes).
+    pub source: String,
+    /// Version of the prompt (bump when the template changes).
+    pub prompt: String,
+    /// Version of the output spec / validator.
+    pub output: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PromptSection {
+    /// System message; the output field list is appended to it by code.
+    pub system: String,
+    /// User message with `{{field}}` placeholders filled from the record.
+    pub user: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    /// Fields of the JSON object the model must return, in prompt order.
+    pub fields: OrderedFields,
+}
+
+/// The type of one output field. Booleans are never numbers.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FieldType {
+    String,
+    Number,
+    Integer,
+    Boolean,
+    Array,
+    Object,
+}
+
+impl FieldType {
+    pub fn name(self) -> &'static str {
+        match self {
+            FieldType::String => "string",
+            FieldType::Number => "number",
+            FieldType::Integer => "integer",
+            FieldType::Boolean => "boolean",
+            FieldType::Array => "array",
+            FieldType::Object => "object",
+        }
+    }
+}
+
+/// One output field's rules.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FieldSpec {
+    /// The JSON type the value must have.
+    #[serde(rename = "type")]
+    pub kind: FieldType,
+    /// A short description, rendered into the system prompt.
+    #[serde(default)]
+    pub description: Option<String>,
+    /// The field must be present (default true).
+    #[serde(default = "default_true")]
+    pub required: bool,
+    /// `null` is an accepted value.
+    #[serde(default)]
+    pub nullable: bool,
+    /// The value must be one of these (strings, numbers or integers).
+    #[serde(default, rename = "enum")]
+    pub enum_values: Option<Vec<serde_json::Value>>,
+    /// Smallest accepted number.
+    #[serde(default)]
+    pub min: Option<f64>,
+    /// Largest accepted number.
+    #[serde(default)]
+    pub max: Option<f64>,
+    /// Longest accepted string (in characters) or array (in items).
+    #[serde(default)]
+    pub max_len: Option<usize>,
+    /// The field is required when another field has a given value.
+    #[serde(default)]
+    pub required_if: Option<RequiredIf>,
+}
+
+/// `required_if = { field = "task_type", equals = "extract" }`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RequiredIf {
+    pub field: String,
+    pub equals: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Provider {
+    /// Base URL of the OpenAI-compatible API, e.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    /// Model name sent in each request.
+    pub model: String,
+    /// Name of the environment variable that holds the API key (never the key itself).
+    #[serde(default = "default_api_key_env")]
+    pub api_key_env: String,
+    /// Per-request timeout in seconds.
+    #[serde(default = "default_timeout_secs")]
+    pub timeout_secs: u64,
+    /// `max_tokens` sent with each request; also reserved against the output budget.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// Sampling temperature.
+    #[serde(default)]
+    pub temperature: f64,
+    /// Send a strict `response_format` JSON schema generated from the output spec.
+    #[serde(default)]
+    pub structured_output: bool,
+}
+
+/// Fleet-wide limits of the provider key; each is optional.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    pub requests_per_minute: Option<u64>,
+    pub input_tokens_per_minute: Option<u64>,
+    pub output_tokens_per_minute: Option<u64>,
+    /// Requests in flight across the whole fleet.
+    pub max_concurrent: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Jitter {
+    /// Delay drawn uniformly from 0..=exponential delay (AWS "full jitter").
+    Full,
+    /// The exponential delay itself.
+    None,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Attempts per record, the first included.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// Delay before the second attempt; doubles each attempt.
+    #[serde(default = "default_base_delay_ms")]
+    pub base_delay_ms: u64,
+    /// Upper bound of any delay.
+    #[serde(default = "default_max_delay_ms")]
+    pub max_delay_ms: u64,
+    #[serde(default = "default_jitter")]
+    pub jitter: Jitter,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: default_max_attempts(),
+            base_delay_ms: default_base_delay_ms(),
+            max_delay_ms: default_max_delay_ms(),
+            jitter: default_jitter(),
+        }
+    }
+}
+
+/// USD per million tokens.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Prices {
+    #[serde(default)]
+    pub input_per_mtok: f64,
+    /// Cached prompt tokens; defaults to the input price when absent.
+    #[serde(default)]
+    pub cached_input_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub output_per_mtok: f64,
+}
+
+fn default_partitions() -> u32 {
+    4
+}
+fn default_max_record_bytes() -> usize {
+    64 * 1024
+}
+fn default_true() -> bool {
+    true
+}
+fn default_api_key_env() -> String {
+    "OPENAI_API_KEY".to_owned()
+}
+fn default_timeout_secs() -> u64 {
+    60
+}
+fn default_max_tokens() -> u32 {
+    512
+}
+fn default_max_attempts() -> u32 {
+    4
+}
+fn default_base_delay_ms() -> u64 {
+    1000
+}
+fn default_max_delay_ms() -> u64 {
+    60_000
+}
+fn default_jitter() -> Jitter {
+    Jitter::Full
+}
+
+/// Output field names the system fills in itself; the model never provides them.
+pub const SYSTEM_FIELDS: &[&str] = &["record_id", "_model", "_attempt"];
+
+/// A spec that cannot be used. Each problem names its key path.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("cannot read spec {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("spec {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("spec {path} is invalid:\n{}", problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid { path: String, problems: Vec<Problem> },
+}
+
+/// One validation problem: the key path and what is wrong there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+impl JobSpec {
+    /// Reads and validates a spec file.
+    pub fn load(path: &str) -> Result<JobSpec, SpecError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SpecError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        JobSpec::parse(&text, path)
+    }
+
+    /// Parses and validates spec text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<JobSpec, SpecError> {
+        let parse_err = |message: String| SpecError::Parse {
+            path: origin.to_owned(),
+            message,
+        };
+        let de = toml::Deserializer::parse(text).map_err(|e| parse_err(e.to_string()))?;
+        let spec: JobSpec = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            parse_err(format!("at `{path}`: {}", inner.trim()))
+        })?;
+        let problems = spec.problems();
+        if problems.is_empty() {
+            Ok(spec)
+        } else {
+            Err(SpecError::Invalid {
+                path: origin.to_owned(),
+                problems,
+            })
+        }
+    }
+
+    /// Every impossible or inconsistent value in the spec; empty when usable.
+    pub fn problems(&self) -> Vec<Problem> {
+        let mut p = Problems::default();
+        if !is_field_path(&self.job.id_field) {
+            p.add("job.id_field", "must be a field name like `message_id` or `meta.id`");
+        }
+        if !(1..=1024).contains(&self.job.partitions) {
+            p.add("job.partitions", format!("{} is outside 1..=1024", self.job.partitions));
+        }
+        if !(64..=16 * 1024 * 1024).contains(&self.job.max_record_bytes) {
+            p.add("job.max_record_bytes", "must be between 64 bytes and 16 MiB");
+        }
+        for (key, value) in [
+            ("versions.source", &self.versions.source),
+            ("versions.prompt", &self.versions.prompt),
+            ("versions.output", &self.versions.output),
+        ] {
+            if value.trim().is_empty() {
+                p.add(key, "must not be empty");
+            }
+        }
+        for (key, text) in [("prompt.system", &self.prompt.system), ("prompt.user", &self.prompt.user)] {
+            match Template::parse(text) {
+                Ok(t) if key == "prompt.user" && t.fields().is_empty() => {
+                    p.add(key, "has no {{field}} placeholder: every record would get the same prompt")
+                }
+                Ok(_) => {}
+                Err(e) => p.add(key, e.to_string()),
+            }
+        }
+        self.output_problems(&mut p);
+        self.provider_problems(&mut p);
+        self.limit_problems(&mut p);
+        p.0
+    }
+
+    fn output_problems(&self, p: &mut Problems) {
+        let fields = &self.output.fields;
+        if fields.is_empty() {
+            p.add("output.fields", "must define at least one field");
+        }
+        for (name, f) in fields.iter() {
+            let at = |k: &str| {
+                if k.is_empty() {
+                    format!("output.fields.{name}")
+                } else {
+                    format!("output.fields.{name}.{k}")
+                }
+            };
+            if !is_identifier(name) {
+                p.add(at(""), "field names are letters, digits and `_`, starting with a letter");
+            }
+            if SYSTEM_FIELDS.contains(&name.as_str()) {
+                p.add(at(""), "is filled in by batchfleet itself and cannot be asked of the model");
+            }
+            let numeric = matches!(f.kind, FieldType::Number | FieldType::Integer);
+            if let Some(values) = &f.enum_values {
+                if values.is_empty() {
+                    p.add(at("enum"), "has no values");
+                }
+                if !matches!(f.kind, FieldType::String | FieldType::Number | FieldType::Integer) {
+                    p.add(at("enum"), format!("is not allowed on a {} field", f.kind.name()));
+                }
+                for v in values {
+                    if !value_has_type(v, f.kind) {
+                        p.add(at("enum"), format!("value {v} is not a {}", f.kind.name()));
+                    }
+                }
+            }
+            if (f.min.is_some() || f.max.is_some()) && !numeric {
+                p.add(at("min"), format!("min/max apply to numbers, not to a {} field", f.kind.name()));
+            }
+            if let (Some(min), Some(max)) = (f.min, f.max)
+                && min > max
+            {
+                p.add(at("max"), format!("max ({max}) is less than min ({min})"));
+            }
+            for (k, v) in [("min", f.min), ("max", f.max)] {
+                if v.is_some_and(|v| !v.is_finite()) {
+                    p.add(at(k), "must be a finite number");
+                }
+            }
+            if let Some(n) = f.max_len {
+                if !matches!(f.kind, FieldType::String | FieldType::Array) {
+                    p.add(at("max_len"), format!("applies to strings and arrays, not to a {} field", f.kind.name()));
+                }
+                if n == 0 {
+                    p.add(at("max_len"), "must be at least 1");
+                }
+            }
+            if let Some(cond) = &f.required_if {
+                match fields.get(&cond.field) {
+                    None => p.add(at("required_if.field"), format!("`{}` is not an output field", cond.field)),
+                    Some(_) if cond.field == *name => p.add(at("required_if.field"), "a field cannot depend on itself"),
+                    Some(other) => {
+                        if !value_has_type(&cond.equals, other.kind) {
+                            p.add(at("required_if.equals"), format!("{} is not a {}", cond.equals, other.kind.name()));
+                        } else if let Some(values) = &other.enum_values
+                            && !values.contains(&cond.equals)
+                        {
+                            p.add(at("required_if.equals"), format!("{} is not in `{}`'s enum", cond.equals, cond.field));
+                        }
+                    }
+                }
+                if f.required {
+                    p.add(at("required_if"), "set `required = false` on a conditionally required field");
+                }
+            }
+        }
+    }
+
+    fn provider_problems(&self, p: &mut Problems) {
+        let pr = &self.provider;
+        if !(pr.base_url.starts_with("http://") || pr.base_url.starts_with("https://")) {
+            p.add("provider.base_url", "must start with http:// or https://");
+        }
+        if pr.model.trim().is_empty() {
+            p.add("provider.model", "must not be empty");
+        }
+        let env_ok = !pr.api_key_env.is_empty()
+            && pr.api_key_env.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            && !pr.api_key_env.starts_with(|c: char| c.is_ascii_digit());
+        if !env_ok {
+            p.add("provider.api_key_env", "must be the NAME of an environment variable (A-Z, 0-9, _), never the key");
+        }
+        if !(1..=600).contains(&pr.timeout_secs) {
+            p.add("provider.timeout_secs", "must be between 1 and 600");
+        }
+        if !(1..=1_000_000).contains(&pr.max_tokens) {
+            p.add("provider.max_tokens", "must be between 1 and 1000000");
+        }
+        if !(0.0..=2.0).contains(&pr.temperature) {
+            p.add("provider.temperature", "must be between 0 and 2");
+        }
+    }
+
+    fn limit_problems(&self, p: &mut Problems) {
+        let l = &self.limits;
+        for (key, v) in [
+            ("limits.requests_per_minute", l.requests_per_minute),
+            ("limits.input_tokens_per_minute", l.input_tokens_per_minute),
+            ("limits.output_tokens_per_minute", l.output_tokens_per_minute),
+            ("limits.max_concurrent", l.max_concurrent),
+        ] {
+            if v == Some(0) {
+                p.add(key, "must be at least 1 (leave it out for no limit)");
+            }
+        }
+        if let Some(otpm) = l.output_tokens_per_minute
+            && otpm < u64::from(self.provider.max_tokens)
+        {
+            p.add(
+                "limits.output_tokens_per_minute",
+                format!("{otpm} is below provider.max_tokens ({}): no request could ever be sent", self.provider.max_tokens),
+            );
+        }
+        let r = &self.retry;
+        if !(1..=100).contains(&r.max_attempts) {
+            p.add("retry.max_attempts", "must be between 1 and 100");
+        }
+        if r.base_delay_ms > r.max_delay_ms {
+            p.add("retry.max_delay_ms", format!("{} is less than retry.base_delay_ms ({})", r.max_delay_ms, r.base_delay_ms));
+        }
+        let pr = &self.prices;
+        for (key, v) in [
+            ("prices.input_per_mtok", Some(pr.input_per_mtok)),
+            ("prices.cached_input_per_mtok", pr.cached_input_per_mtok),
+            ("prices.output_per_mtok", Some(pr.output_per_mtok)),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+                p.add(key, "must be a non-negative number");
+            }
+        }
+    }
+
+    /// Version of the model configuration: what changes the model's answers.
+    /// Part of every record id, so changing it makes a new set of results.
+    pub fn model_config_version(&self) -> String {
+        let canonical = serde_json::json!({
+            "model": self.provider.model,
+            "temperature": self.provider.temperature,
+            "max_tokens": self.provider.max_tokens,
+            "structured_output": self.provider.structured_output,
+        });
+        short_sha(canonical.to_string().as_bytes())
+    }
+
+    /// sha256 of the spec's canonical JSON form: edits of any kind change it.
+    pub fn fingerprint(&self) -> String {
+        let canonical = serde_json::to_vec(self).unwrap_or_default();
+        hex::encode(Sha256::digest(&canonical))
+    }
+}
+
+/// First 12 hex digits of a sha256: a short, stable version tag.
+pub fn short_sha(bytes: &[u8]) -> String {
+    let mut h = hex::encode(Sha256::digest(bytes));
+    h.truncate(12);
+    h
+}
+
+#[derive(Default)]
+struct Problems(Vec<Problem>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && s.len() <= 64
+}
+
+/// `a`, `a.b`, `a_b.c1`: a field or a dotted path into nested objects.
+pub fn is_field_path(s: &str) -> bool {
+    !s.is_empty()
+        && s.split('.')
+            .all(|part| !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+}
+
+/// Whether a JSON value has the given field type. Booleans are never numbers.
+pub fn value_has_type(v: &serde_json::Value, kind: FieldType) -> bool {
+    use serde_json::Value;
+    match kind {
+        FieldType::String => v.is_string(),
+        FieldType::Number => v.is_number(),
+        FieldType::Integer => match v {
+            Value::Number(n) => n.is_i64() || n.is_u64() || n.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() < 9.0e15),
+            _ => false,
+        },
+        FieldType::Boolean => v.is_boolean(),
+        FieldType::Array => v.is_array(),
+        FieldType::Object => v.is_object(),
+    }
+}
+
+/// An ordered map of output fields: TOML table order is the prompt's order.
+pub use ordered_fields::OrderedFields;
+mod ordered_fields {
+    use super::FieldSpec;
+    use serde::de::{MapAccess, Visitor};
+    use serde::ser::SerializeMap;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::fmt;
+
+    #[derive(Debug, Clone, Default, PartialEq)]
+    pub struct OrderedFields(Vec<(String, FieldSpec)>);
+
+    impl OrderedFields {
+        pub fn iter(&self) -> impl Iterator<Item = (&String, &FieldSpec)> {
+            self.0.iter().map(|(k, v)| (k, v))
+        }
+        pub fn get(&self, name: &str) -> Option<&FieldSpec> {
+            self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+        }
+        pub fn is_empty(&self) -> bool {
+            self.0.is_empty()
+        }
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+    }
+
+    impl FromIterator<(String, FieldSpec)> for OrderedFields {
+        fn from_iter<I: IntoIterator<Item = (String, FieldSpec)>>(iter: I) -> Self {
+            OrderedFields(iter.into_iter().collect())
+        }
+    }
+
+    impl Serialize for OrderedFields {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut map = s.serialize_map(Some(self.0.len()))?;
+            for (k, v) in &self.0 {
+                map.serialize_entry(k, v)?;
+            }
+            map.end()
+        }
+    }
+
+    impl<'de> Deserialize<'de> for OrderedFields {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = OrderedFields;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a table of output fields")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<OrderedFields, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some((k, v)) = map.next_entry::<String, FieldSpec>()? {
+                        out.push((k, v));
+                    }
+                    Ok(OrderedFields(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+}
+
+/// Maps each version name to its value, for manifests and reports.
+pub fn versions_map(spec: &JobSpec) -> BTreeMap<&'static str, String> {
+    BTreeMap::from([
+        ("source", spec.versions.source.clone()),
+        ("prompt", spec.versions.prompt.clone()),
+        ("output", spec.versions.output.clone()),
+        ("model_config", spec.model_config_version()),
+    ])
+}

@@ -1,0 +1,19 @@
+//! The queue store: job state in Redis, spoken in queue verbs.
+//!
+//! Every key comes from [`crate::keys`]; every multi-key step is a Lua script
+//! in `scripts/` whose header lists its KEYS, ARGV and return values.
+
+mod redis_store;
+
+pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
+
+/// A store operation that failed. Messages never contain credentials.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot reach Redis at {url}: {reason}")]
+    Unreachable { url: String, reason: String },
+    #[error("Redis error: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("corrupt value at {key}: {reason}")]
+    Corrupt { key: String, reason: String },
+}

@@ -1,0 +1,248 @@
+//! The Redis implementation of the store.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{AsyncCommands, Script};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::StoreError;
+use crate::keys;
+use crate::manifest::{Cursor, DroppedLine, Manifest};
+
+const ENQUEUE_LUA: &str = include_str!("scripts/enqueue.lua");
+
+/// One record to enqueue (a task, or a record dropped for an input error).
+#[derive(Debug, Clone)]
+pub struct TaskEntry {
+    pub partition: u32,
+    pub record_id: String,
+    /// `<dataset sha12>:<line>`: where the record came from.
+    pub origin: String,
+    /// `queued` for a task; `dropped:<reason>` for a record that is not sent.
+    pub state: String,
+    pub key: String,
+    pub input: String,
+}
+
+/// What happened to one [`TaskEntry`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnqueueOutcome {
+    /// Newly added.
+    Added,
+    /// Already in the job; carries the origin that added it, when still known.
+    Present { origin: Option<String> },
+}
+
+/// Job state in one Redis server (or behind one proxy).
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    enqueue: Script,
+}
+
+/// The URL with any password replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            if userinfo.contains(':') {
+                format!("{scheme}://{user}:***@{host}")
+            } else {
+                format!("{scheme}://***@{host}")
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
+impl RedisStore {
+    /// Connects and checks the server answers.
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        let unreachable = |e: redis::RedisError| StoreError::Unreachable {
+            url: redact_url(url),
+            reason: e.to_string(),
+        };
+        let client = redis::Client::open(url).map_err(unreachable)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(Duration::from_secs(5)))
+            .set_response_timeout(Some(Duration::from_secs(30)))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_secs(2));
+        let mut conn = client.get_connection_manager_with_config(config).await.map_err(unreachable)?;
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(unreachable)?;
+        Ok(RedisStore {
+            conn,
+            enqueue: Script::new(ENQUEUE_LUA),
+        })
+    }
+
+    /// A connection for callers that need raw commands (tests, status).
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// Registers the job, stores its spec, and creates every partition's stream
+    /// and consumer group (from id 0, so no task added later is missed).
+    pub async fn prepare_job(&self, job: &str, spec_toml: &str, partitions: u32) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        let _: () = c.sadd(keys::jobs(), job).await?;
+        let _: () = c.set(keys::spec(job), spec_toml).await?;
+        for p in 0..partitions {
+            let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(keys::stream(job, p))
+                .arg(keys::GROUP)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async(&mut c)
+                .await;
+            match created {
+                Ok(()) => {}
+                Err(e) if e.code() == Some("BUSYGROUP") => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds records, each exactly once. Entries are grouped by partition and
+    /// each group is one atomic script call; the calls of a batch are pipelined
+    /// over the multiplexed connection. Outcomes come back in input order.
+    pub async fn enqueue(&self, job: &str, idem_ttl_secs: u64, entries: &[TaskEntry]) -> Result<Vec<EnqueueOutcome>, StoreError> {
+        let mut by_partition: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        for (i, e) in entries.iter().enumerate() {
+            by_partition.entry(e.partition).or_default().push(i);
+        }
+        let mut calls = Vec::with_capacity(by_partition.len());
+        for (partition, idx) in by_partition {
+            let mut inv = self.enqueue.prepare_invoke();
+            inv.key(keys::stream(job, partition)).key(keys::state(job, partition));
+            inv.arg(idem_ttl_secs);
+            for &i in &idx {
+                let e = &entries[i];
+                inv.key(keys::idem(job, partition, &e.record_id));
+                inv.arg(&e.record_id).arg(&e.origin).arg(&e.state).arg(&e.key).arg(&e.input);
+            }
+            let mut conn = self.conn.clone();
+            let call = async move {
+                let replies: Vec<redis::Value> = inv.invoke_async(&mut conn).await?;
+                Ok::<_, StoreError>((idx, replies))
+            };
+            calls.push(call);
+        }
+        let mut out = vec![EnqueueOutcome::Added; entries.len()];
+        for (idx, replies) in futures_util::future::try_join_all(calls).await? {
+            if replies.len() != idx.len() {
+                return Err(StoreError::Corrupt {
+                    key: "enqueue.lua".into(),
+                    reason: format!("{} replies for {} records", replies.len(), idx.len()),
+                });
+            }
+            for (i, reply) in idx.into_iter().zip(replies) {
+                out[i] = match reply {
+                    redis::Value::Int(1) => EnqueueOutcome::Added,
+                    redis::Value::BulkString(b) if b.is_empty() => EnqueueOutcome::Present { origin: None },
+                    redis::Value::BulkString(b) => EnqueueOutcome::Present {
+                        origin: Some(String::from_utf8_lossy(&b).into_owned()),
+                    },
+                    _ => EnqueueOutcome::Present { origin: None },
+                };
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stores dropped lines, keyed by `<dataset sha12>:<line>` so a replay rewrites, never duplicates.
+    pub async fn record_dropped(&self, job: &str, dataset_short: &str, lines: &[DroppedLine]) -> Result<(), StoreError> {
+        if lines.is_empty() {
+            return Ok(());
+        }
+        let items: Vec<(String, String)> = lines
+            .iter()
+            .map(|d| (format!("{dataset_short}:{}", d.line), serde_json::to_string(d).unwrap_or_default()))
+            .collect();
+        let _: () = self.conn.clone().hset_multiple(keys::dropped_lines(job), &items).await?;
+        Ok(())
+    }
+
+    /// Every dropped line of the job, in line order.
+    pub async fn dropped_lines(&self, job: &str) -> Result<Vec<DroppedLine>, StoreError> {
+        let all: Vec<(String, String)> = self.conn.clone().hgetall(keys::dropped_lines(job)).await?;
+        let mut out = Vec::with_capacity(all.len());
+        for (field, json) in all {
+            out.push(serde_json::from_str::<DroppedLine>(&json).map_err(|e| StoreError::Corrupt {
+                key: format!("{} {field}", keys::dropped_lines(job)),
+                reason: e.to_string(),
+            })?);
+        }
+        out.sort_by_key(|d| d.line);
+        Ok(out)
+    }
+
+    pub async fn load_cursor(&self, job: &str) -> Result<Option<Cursor>, StoreError> {
+        self.get_json(&keys::cursor(job)).await
+    }
+
+    pub async fn save_cursor(&self, job: &str, cursor: &Cursor) -> Result<(), StoreError> {
+        self.set_json(&keys::cursor(job), cursor).await
+    }
+
+    pub async fn load_manifest(&self, job: &str) -> Result<Option<Manifest>, StoreError> {
+        self.get_json(&keys::manifest(job)).await
+    }
+
+    pub async fn save_manifest(&self, job: &str, manifest: &Manifest) -> Result<(), StoreError> {
+        self.set_json(&keys::manifest(job), manifest).await
+    }
+
+    /// The spec TOML stored for a job at enqueue.
+    pub async fn load_spec_text(&self, job: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().get(keys::spec(job)).await?)
+    }
+
+    /// Distinct records the job holds: the sum of its state hashes' sizes.
+    pub async fn count_records(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
+        let mut c = self.conn.clone();
+        let mut total = 0u64;
+        for p in 0..partitions {
+            let n: u64 = c.hlen(keys::state(job, p)).await?;
+            total += n;
+        }
+        Ok(total)
+    }
+
+    /// Number of tasks in each partition stream (entries not yet deleted).
+    pub async fn stream_lengths(&self, job: &str, partitions: u32) -> Result<Vec<u64>, StoreError> {
+        let mut c = self.conn.clone();
+        let mut out = Vec::with_capacity(partitions as usize);
+        for p in 0..partitions {
+            out.push(c.xlen(keys::stream(job, p)).await?);
+        }
+        Ok(out)
+    }
+
+    async fn get_json<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StoreError> {
+        let text: Option<String> = self.conn.clone().get(key).await?;
+        text.map(|t| {
+            serde_json::from_str(&t).map_err(|e| StoreError::Corrupt {
+                key: key.to_owned(),
+                reason: e.to_string(),
+            })
+        })
+        .transpose()
+    }
+
+    async fn set_json<T: Serialize>(&self, key: &str, value: &T) -> Result<(), StoreError> {
+        let text = serde_json::to_string(value).map_err(|e| StoreError::Corrupt {
+            key: key.to_owned(),
+            reason: e.to_string(),
+        })?;
+        let _: () = self.conn.clone().set(key, text).await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,202 @@
+//! The command line of `producer`, and `run()`, which `main` calls.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use common::manifest::Sample;
+use common::spec::JobSpec;
+use common::store::RedisStore;
+use common::template::system_prompt;
+use tokio_util::sync::CancellationToken;
+
+use crate::enqueue::{EnqueueArgs, EnqueueError, Summary, enqueue};
+
+/// Exit code when input (spec, dataset, flags) is refused.
+pub const EXIT_INPUT: u8 = 2;
+/// Exit code when an enqueue was interrupted (rerun to resume).
+pub const EXIT_INTERRUPTED: u8 = 130;
+
+#[derive(Debug, Parser)]
+#[command(name = "producer", version, about = "batchfleet producer: enqueue datasets and inspect jobs")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct RedisArgs {
+    /// Redis URL (`redis://[user:password@]host:port[/db]`).
+    #[arg(long = "redis", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
+    pub url: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Enqueue a JSONL dataset into a job: idempotent and resumable.
+    Enqueue(EnqueueCmd),
+    /// Job specs.
+    #[command(subcommand)]
+    Spec(SpecCmd),
+    /// Print a job's manifest (JSON).
+    Manifest {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+    /// Print a job's dropped lines (JSONL: line, id, reason, detail).
+    Dropped {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SpecCmd {
+    /// Validate a spec and print the system prompt it renders.
+    Check { spec: PathBuf },
+}
+
+#[derive(Debug, Args)]
+pub struct EnqueueCmd {
+    /// The JSONL dataset, one record per line.
+    pub dataset: PathBuf,
+    /// Job name (A-Z a-z 0-9 . _ -, up to 64).
+    #[arg(long)]
+    pub job: String,
+    /// The job spec (TOML).
+    #[arg(long)]
+    pub spec: PathBuf,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Start from the first line even when the job has a cursor; with another
+    /// dataset, add it to the job (records already present are kept).
+    #[arg(long)]
+    pub restart: bool,
+    /// Enqueue a reproducible sample of N lines instead of the whole file.
+    #[arg(long, value_name = "N", requires = "seed")]
+    pub sample: Option<u64>,
+    /// Seed of the sample.
+    #[arg(long, value_name = "S", requires = "sample")]
+    pub seed: Option<u64>,
+    /// Records per batch confirmed by Redis (the cursor moves per batch).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub batch_size: u64,
+    /// Lifetime of each record's idempotency key, in seconds.
+    #[arg(long, default_value_t = 7 * 24 * 3600, value_parser = clap::value_parser!(u64).range(60..))]
+    pub idem_ttl: u64,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar or progress lines.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Runs a parsed command line; `main` only sets up the runtime and signals.
+pub async fn run(cli: Cli, cancel: CancellationToken) -> ExitCode {
+    match run_inner(cli, cancel).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Spec(SpecCmd::Check { spec }) => match JobSpec::load(&spec.display().to_string()) {
+            Ok(s) => {
+                println!("{}: ok ({} output fields, {} partitions)", spec.display(), s.output.fields.len(), s.job.partitions);
+                println!("--- system prompt ---\n{}", system_prompt(&s));
+                Ok(ExitCode::SUCCESS)
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                Ok(ExitCode::from(EXIT_INPUT))
+            }
+        },
+        Command::Manifest { job, redis } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            match store.load_manifest(&job).await? {
+                Some(m) => {
+                    println!("{}", serde_json::to_string_pretty(&m)?);
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("error: job `{job}` has no manifest (never enqueued to completion)");
+                    Ok(ExitCode::from(EXIT_INPUT))
+                }
+            }
+        }
+        Command::Dropped { job, redis } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            for d in store.dropped_lines(&job).await? {
+                println!("{}", serde_json::to_string(&d)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Enqueue(cmd) => run_enqueue(cmd, cancel).await,
+    }
+}
+
+async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    let args = EnqueueArgs {
+        dataset: cmd.dataset,
+        job: cmd.job,
+        spec_path: cmd.spec.display().to_string(),
+        redis_url: cmd.redis.url,
+        restart: cmd.restart,
+        sample: cmd.sample.zip(cmd.seed).map(|(size, seed)| Sample { size, seed }),
+        batch_size: cmd.batch_size as usize,
+        idem_ttl_secs: cmd.idem_ttl,
+        progress: !cmd.no_progress && !cmd.json,
+    };
+    match enqueue(&args, cancel).await {
+        Ok(summary) => {
+            if cmd.json {
+                println!("{}", serde_json::to_string(&summary)?);
+            } else {
+                print_summary(&summary);
+            }
+            Ok(if summary.interrupted { ExitCode::from(EXIT_INTERRUPTED) } else { ExitCode::SUCCESS })
+        }
+        Err(e @ (EnqueueError::Spec(_) | EnqueueError::JobName(_) | EnqueueError::Dataset { .. } | EnqueueError::Refused(_))) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(EXIT_INPUT))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn print_summary(s: &Summary) {
+    let status = if s.interrupted {
+        format!("INTERRUPTED after line {} (cursor saved: rerun the same command to resume)", s.lines)
+    } else {
+        "complete".to_owned()
+    };
+    println!("job {} ({}): {status}", s.job, &s.job_key[..12]);
+    println!("  dataset        {} (sha256 {})", s.dataset, &s.dataset_sha256[..12]);
+    if s.resumed_from_line > 0 {
+        println!("  resumed after  line {}", s.resumed_from_line);
+    }
+    println!("  lines          {} ({} blank)", s.lines, s.blank_lines);
+    println!("  enqueued       {}", s.enqueued);
+    println!("  already there  {}", s.already_present);
+    println!("  dropped        {}", s.dropped);
+    for (reason, n) in &s.dropped_by_reason {
+        println!("    {reason:<28} {n}");
+    }
+    println!("  records        {} in this dataset", s.records);
+    if let Some(n) = s.job_records {
+        println!("  job records    {n} (expected in the terminal sets)");
+    }
+    println!("  elapsed        {:.2}s ({:.0} lines/s)", s.elapsed_secs, s.lines_per_sec);
+    if s.dropped > 0 {
+        println!("  see every dropped line with: producer dropped --job {}", s.job);
+    }
+}

@@ -1,0 +1,465 @@
+//! `producer enqueue`: a dataset into the job's streams, each record exactly once.
+//!
+//! Order of work: hash the whole file (its fingerprint is part of the job key),
+//! compare with the job's cursor (resume, replay or refuse), then stream the
+//! lines in batches. Each batch is confirmed by Redis before the cursor moves
+//! past it; the next batch is parsed while the previous one is in flight.
+
+use std::collections::{BTreeMap, BinaryHeap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use common::keys;
+use common::manifest::{Counts, Cursor, Dataset, DatasetPass, DroppedLine, Identity, Manifest, Sample, now_rfc3339};
+use common::record::{DropReason, IdContext, Line, parse_line, partition_of};
+use common::spec::{JobSpec, SpecError, versions_map};
+use common::store::{EnqueueOutcome, RedisStore, StoreError, TaskEntry};
+use common::template::Template;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio_util::sync::CancellationToken;
+
+use crate::progress::Progress;
+use crate::reader::{LineReader, file_sha256};
+
+/// Everything `enqueue` needs, already parsed from the command line.
+#[derive(Debug, Clone)]
+pub struct EnqueueArgs {
+    pub dataset: PathBuf,
+    pub job: String,
+    pub spec_path: String,
+    pub redis_url: String,
+    /// Start from the first line even when a cursor exists.
+    pub restart: bool,
+    pub sample: Option<Sample>,
+    /// Records per confirmed batch.
+    pub batch_size: usize,
+    /// TTL of the per-record idempotency keys.
+    pub idem_ttl_secs: u64,
+    /// Show a progress bar (on a terminal) or periodic log lines.
+    pub progress: bool,
+}
+
+/// What a run did. Counts cover the whole pass over the dataset, including
+/// the part confirmed by an earlier run that this one resumed.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub job: String,
+    pub job_key: String,
+    pub dataset: String,
+    pub dataset_sha256: String,
+    pub lines: u64,
+    pub blank_lines: u64,
+    pub enqueued: u64,
+    pub already_present: u64,
+    pub dropped: u64,
+    pub dropped_by_reason: BTreeMap<String, u64>,
+    /// Distinct records of this dataset (tasks and template drops).
+    pub records: u64,
+    /// Distinct records the whole job holds (from Redis), when complete.
+    pub job_records: Option<u64>,
+    /// The line this run started after (0 for a full pass).
+    pub resumed_from_line: u64,
+    pub complete: bool,
+    pub interrupted: bool,
+    pub elapsed_secs: f64,
+    pub lines_per_sec: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnqueueError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    JobName(#[from] keys::BadJobName),
+    #[error("cannot read dataset {path}: {source}")]
+    Dataset { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Enqueues a dataset; stops cleanly (cursor saved) when `cancel` fires.
+pub async fn enqueue(args: &EnqueueArgs, cancel: CancellationToken) -> Result<Summary, EnqueueError> {
+    let started = Instant::now();
+    keys::valid_job_name(&args.job)?;
+    let spec = JobSpec::load(&args.spec_path)?;
+    let spec_text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
+        path: args.spec_path.clone(),
+        source,
+    })?;
+    let dataset_err = |source| EnqueueError::Dataset {
+        path: args.dataset.display().to_string(),
+        source,
+    };
+    let (sha256, bytes) = file_sha256(&args.dataset).map_err(dataset_err)?;
+    let identity = Identity {
+        dataset: Dataset {
+            path: args.dataset.display().to_string(),
+            sha256,
+            bytes,
+        },
+        versions: versions_map(&spec).into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        partitions: spec.job.partitions,
+        sample: args.sample,
+    };
+    let job_key = identity.job_key();
+    let store = RedisStore::connect(&args.redis_url).await?;
+    let start = starting_point(&store, args, &identity, &job_key).await?;
+    let sample_lines = match args.sample {
+        Some(s) => Some(sample_line_numbers(&args.dataset, s).map_err(dataset_err)?),
+        None => None,
+    };
+    store.prepare_job(&args.job, &spec_text, spec.job.partitions).await?;
+
+    let mut pass = Pass {
+        store: &store,
+        job: &args.job,
+        spec: &spec,
+        user: Template::parse(&spec.prompt.user).map_err(|e| {
+            EnqueueError::Refused(format!("prompt.user: {e}")) // unreachable after validation
+        })?,
+        ids: IdContext::new(&args.job, &spec),
+        origin_prefix: identity.dataset.short().to_owned(),
+        cursor: Cursor {
+            job_key: job_key.clone(),
+            identity: identity.clone(),
+            offset: start.offset,
+            line: start.line,
+            counts: start.counts.clone(),
+            complete: false,
+        },
+        idem_ttl_secs: args.idem_ttl_secs,
+    };
+    let progress = Progress::new(args.progress, bytes, start.offset);
+    let interrupted = pass.run(&args.dataset, args.batch_size, sample_lines.as_ref(), &progress, &cancel).await?;
+    progress.finish();
+
+    let mut job_records = None;
+    if !interrupted {
+        pass.cursor.complete = true;
+        store.save_cursor(&args.job, &pass.cursor).await?;
+        let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor).await?;
+        job_records = Some(manifest.expected_records);
+    }
+    let c = &pass.cursor.counts;
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok(Summary {
+        job: args.job.clone(),
+        job_key,
+        dataset: identity.dataset.path.clone(),
+        dataset_sha256: identity.dataset.sha256.clone(),
+        lines: c.lines,
+        blank_lines: c.blank,
+        enqueued: c.enqueued,
+        already_present: c.already_present,
+        dropped: c.dropped,
+        dropped_by_reason: c.dropped_by_reason.clone(),
+        records: c.expected_records(),
+        job_records,
+        resumed_from_line: start.line,
+        complete: !interrupted,
+        interrupted,
+        elapsed_secs: elapsed,
+        lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
+    })
+}
+
+struct Start {
+    offset: u64,
+    line: u64,
+    counts: Counts,
+}
+
+/// Decides where this run starts from the job's cursor, or refuses.
+async fn starting_point(store: &RedisStore, args: &EnqueueArgs, identity: &Identity, job_key: &str) -> Result<Start, EnqueueError> {
+    let fresh = Start {
+        offset: 0,
+        line: 0,
+        counts: Counts::default(),
+    };
+    let Some(cursor) = store.load_cursor(&args.job).await? else {
+        return Ok(fresh);
+    };
+    if !cursor.identity.same_records_as(identity) {
+        return Err(EnqueueError::Refused(format!(
+            "job `{}` was enqueued with spec versions {:?} and {} partitions; this spec has versions {:?} and {} partitions. \
+             Record ids would not match, so this is refused even with --restart: use a new --job name.",
+            args.job, cursor.identity.versions, cursor.identity.partitions, identity.versions, identity.partitions
+        )));
+    }
+    if cursor.job_key == job_key && !args.restart {
+        // Same dataset and spec: resume an interrupted pass; replay a complete
+        // one from the start (every record is found already present).
+        return Ok(if cursor.complete {
+            fresh
+        } else {
+            Start {
+                offset: cursor.offset,
+                line: cursor.line,
+                counts: cursor.counts,
+            }
+        });
+    }
+    if args.restart {
+        return Ok(fresh);
+    }
+    let before = &cursor.identity;
+    let what = if before.dataset.sha256 != identity.dataset.sha256 {
+        format!(
+            "its dataset was {} (sha256 {}, {} bytes) and {} is different (sha256 {}, {} bytes)",
+            before.dataset.path,
+            before.dataset.short(),
+            before.dataset.bytes,
+            identity.dataset.path,
+            identity.dataset.short(),
+            identity.dataset.bytes
+        )
+    } else {
+        format!("its sample was {:?}, this run asks for {:?}", before.sample, identity.sample)
+    };
+    Err(EnqueueError::Refused(format!(
+        "job `{}` already exists and {what}. Refusing to mix them silently: use a new --job name, \
+         or --restart to add this dataset to the job (records already present are not enqueued again).",
+        args.job
+    )))
+}
+
+struct Pass<'a> {
+    store: &'a RedisStore,
+    job: &'a str,
+    spec: &'a JobSpec,
+    user: Template,
+    ids: IdContext,
+    origin_prefix: String,
+    cursor: Cursor,
+    idem_ttl_secs: u64,
+}
+
+type InFlight = tokio::task::JoinHandle<Result<Vec<EnqueueOutcome>, StoreError>>;
+
+/// A parsed batch waiting for Redis: its tasks, its drops, and where it ends.
+#[derive(Default)]
+struct Batch {
+    /// Shared with the task that sends them.
+    tasks: Arc<Vec<TaskEntry>>,
+    /// Line number of each task, for duplicate reports.
+    task_lines: Vec<u64>,
+    dropped: Vec<DroppedLine>,
+    counts: Counts,
+    /// Offset and line number after the batch's last line (0 when nothing was read).
+    end_offset: u64,
+    end_line: u64,
+}
+
+impl Pass<'_> {
+    /// Streams the dataset from the cursor. Returns true when interrupted.
+    async fn run(
+        &mut self,
+        path: &Path,
+        batch_size: usize,
+        sample: Option<&HashSet<u64>>,
+        progress: &Progress,
+        cancel: &CancellationToken,
+    ) -> Result<bool, EnqueueError> {
+        let limit = self.spec.job.max_record_bytes;
+        let mut reader = LineReader::open(path, self.cursor.offset, self.cursor.line, limit).map_err(|source| EnqueueError::Dataset {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut buf = Vec::with_capacity(4096);
+        let mut in_flight: Option<(Batch, InFlight)> = None;
+        let mut eof = false;
+        loop {
+            let mut batch = Batch::default();
+            if !eof && !cancel.is_cancelled() {
+                eof = self.parse_batch(&mut reader, &mut buf, batch_size, sample, &mut batch).map_err(|source| {
+                    EnqueueError::Dataset {
+                        path: path.display().to_string(),
+                        source,
+                    }
+                })?;
+            }
+            if let Some((prev, handle)) = in_flight.take() {
+                let outcomes = handle.await.map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
+                self.confirm(prev, outcomes).await?;
+                progress.set(self.cursor.offset, &self.cursor.counts);
+            }
+            if batch.end_line == 0 {
+                // Nothing read: end of file, or cancelled with the cursor saved.
+                return Ok(!eof);
+            }
+            let (store, job, ttl, tasks) = (self.store.clone(), self.job.to_owned(), self.idem_ttl_secs, batch.tasks.clone());
+            let handle = tokio::spawn(async move { store.enqueue(&job, ttl, &tasks).await });
+            in_flight = Some((batch, handle));
+        }
+    }
+
+    /// Reads up to `batch_size` lines. Returns true at end of file.
+    fn parse_batch(
+        &self,
+        reader: &mut LineReader,
+        buf: &mut Vec<u8>,
+        batch_size: usize,
+        sample: Option<&HashSet<u64>>,
+        batch: &mut Batch,
+    ) -> std::io::Result<bool> {
+        let mut tasks = Vec::with_capacity(batch_size);
+        let eof = loop {
+            if batch.counts.lines >= batch_size as u64 {
+                break false;
+            }
+            let Some(pos) = reader.next_line(buf)? else {
+                break true;
+            };
+            batch.end_offset = pos.end;
+            batch.end_line = pos.number;
+            if sample.is_some_and(|s| !s.contains(&pos.number)) {
+                continue;
+            }
+            batch.counts.lines += 1;
+            let origin = format!("{}:{}", self.origin_prefix, pos.number);
+            match parse_line(buf, pos.oversize, self.spec, &self.user, &self.ids) {
+                Line::Blank => batch.counts.blank += 1,
+                Line::Dropped { key, reason } => {
+                    batch.counts.add_dropped(&reason.code());
+                    batch.dropped.push(dropped_line(pos.number, None, key, &reason));
+                }
+                Line::Record(r) => {
+                    let partition = partition_of(&r.id, self.spec.job.partitions);
+                    let state = match &r.rendered {
+                        Ok(_) => "queued".to_owned(),
+                        Err(missing) => format!("dropped:{missing}"),
+                    };
+                    batch.task_lines.push(pos.number);
+                    tasks.push(TaskEntry {
+                        partition,
+                        record_id: r.id,
+                        origin,
+                        state,
+                        key: r.key,
+                        input: r.input,
+                    });
+                }
+            }
+        };
+        batch.tasks = Arc::new(tasks);
+        Ok(eof)
+    }
+
+    /// Accounts a batch Redis confirmed, stores its drops, then moves the cursor.
+    async fn confirm(&mut self, batch: Batch, outcomes: Vec<EnqueueOutcome>) -> Result<(), EnqueueError> {
+        let Batch {
+            tasks,
+            task_lines,
+            mut dropped,
+            mut counts,
+            end_offset,
+            end_line,
+        } = batch;
+        let this_dataset = format!("{}:", self.origin_prefix);
+        for ((task, &line), outcome) in tasks.iter().zip(&task_lines).zip(outcomes) {
+            // Present with another line of this same dataset as its origin: a duplicate id.
+            let duplicate_of = match &outcome {
+                EnqueueOutcome::Present { origin: Some(o) } if *o != task.origin => {
+                    o.strip_prefix(&this_dataset).and_then(|l| l.parse::<u64>().ok())
+                }
+                _ => None,
+            };
+            let reason = match (duplicate_of, task.state.strip_prefix("dropped:template_missing:")) {
+                (Some(first_line), _) => Some(DropReason::DuplicateId { first_line }),
+                (None, Some(field)) => Some(DropReason::TemplateMissing(field.to_owned())),
+                (None, None) => None,
+            };
+            match (reason, outcome) {
+                (Some(reason), _) => {
+                    counts.add_dropped(&reason.code());
+                    dropped.push(dropped_line(line, Some(task.record_id.clone()), Some(task.key.clone()), &reason));
+                }
+                (None, EnqueueOutcome::Added) => counts.enqueued += 1,
+                (None, EnqueueOutcome::Present { .. }) => counts.already_present += 1,
+            }
+        }
+        self.store.record_dropped(self.job, &self.origin_prefix, &dropped).await?;
+        self.cursor.counts.merge(&counts);
+        self.cursor.offset = end_offset;
+        self.cursor.line = end_line;
+        self.store.save_cursor(self.job, &self.cursor).await?;
+        Ok(())
+    }
+}
+
+fn dropped_line(line: u64, record_id: Option<String>, key: Option<String>, reason: &DropReason) -> DroppedLine {
+    DroppedLine {
+        line,
+        record_id,
+        key,
+        reason: reason.code(),
+        detail: reason.detail(),
+    }
+}
+
+/// Writes (or extends) the manifest once a pass is complete. Totals come from
+/// Redis: the job's records from its state hashes, drops from its drop hash.
+async fn write_manifest(store: &RedisStore, job: &str, spec: &JobSpec, cursor: &Cursor) -> Result<Manifest, EnqueueError> {
+    let previous = store.load_manifest(job).await?;
+    let c = &cursor.counts;
+    let this_pass = DatasetPass {
+        dataset: cursor.identity.dataset.clone(),
+        lines: c.lines,
+        blank_lines: c.blank,
+        records: c.expected_records(),
+        dropped_lines: c.dropped,
+    };
+    let mut datasets: Vec<DatasetPass> = previous.as_ref().map(|m| m.datasets.clone()).unwrap_or_default();
+    datasets.retain(|d| d.dataset.sha256 != this_pass.dataset.sha256);
+    datasets.push(this_pass);
+    let mut dropped_by_reason = BTreeMap::new();
+    let drops = store.dropped_lines(job).await?;
+    for d in &drops {
+        *dropped_by_reason.entry(d.reason.clone()).or_insert(0u64) += 1;
+    }
+    let now = now_rfc3339();
+    let manifest = Manifest {
+        job: job.to_owned(),
+        job_key: cursor.job_key.clone(),
+        datasets,
+        sample: cursor.identity.sample,
+        expected_records: store.count_records(job, spec.job.partitions).await?,
+        dropped_lines: drops.len() as u64,
+        dropped_by_reason,
+        partitions: spec.job.partitions,
+        versions: cursor.identity.versions.clone(),
+        spec_sha256: spec.fingerprint(),
+        created_at: previous.map_or_else(|| now.clone(), |m| m.created_at),
+        updated_at: now,
+    };
+    store.save_manifest(job, &manifest).await?;
+    Ok(manifest)
+}
+
+/// The line numbers of a reproducible sample: the `size` non-blank lines with
+/// the smallest `sha256(seed, line)`. Independent of any RNG implementation.
+fn sample_line_numbers(path: &Path, sample: Sample) -> std::io::Result<HashSet<u64>> {
+    let mut reader = LineReader::open(path, 0, 0, 64)?;
+    let mut heap: BinaryHeap<([u8; 8], u64)> = BinaryHeap::new();
+    let mut buf = Vec::new();
+    while let Some(pos) = reader.next_line(&mut buf)? {
+        if pos.oversize.is_none() && buf.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let mut h = Sha256::new();
+        h.update(sample.seed.to_be_bytes());
+        h.update(pos.number.to_be_bytes());
+        let digest = h.finalize();
+        let mut rank = [0u8; 8];
+        rank.copy_from_slice(&digest[..8]);
+        heap.push((rank, pos.number));
+        if heap.len() as u64 > sample.size {
+            heap.pop();
+        }
+    }
+    Ok(heap.into_iter().map(|(_, line)| line).collect())
+}

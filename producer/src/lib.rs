@@ -1,0 +1,11 @@
+//! The `producer` command: puts datasets into jobs and inspects them.
+//!
+//! - [`cli`]: the command line (one typed config per subcommand).
+//! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
+//! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
+//! - [`progress`]: progress bar or periodic log lines.
+
+pub mod cli;
+pub mod enqueue;
+pub mod progress;
+pub mod reader;

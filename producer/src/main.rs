@@ -1,0 +1,42 @@
+//! `producer`: thin entry point. Parses the command line, wires Ctrl-C and
+//! SIGTERM to a cancellation token, and calls [`producer::cli::run`].
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = producer::cli::Cli::parse();
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        eprintln!("stopping: finishing the batch in flight and saving the cursor (press Ctrl-C again to abort)");
+        on_signal.cancel();
+        shutdown_signal().await;
+        std::process::exit(130);
+    });
+    producer::cli::run(cli, cancel).await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
