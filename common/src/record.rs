@@ -205,3 +205,102 @@ fn business_key(map: &Map<String, Value>, id_field: &str) -> Result<String, Drop
         Some(_) => Err(DropReason::InvalidId),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> JobSpec {
+        JobSpec::parse(include_str!("../../examples/job.toml"), "job.toml").unwrap()
+    }
+
+    fn parse(line: &str) -> Line {
+        let spec = spec();
+        let user = Template::parse(&spec.prompt.user).unwrap();
+        parse_line(line.as_bytes(), None, &spec, &user, &IdContext::new("job1", &spec))
+    }
+
+    fn reason(line: &str) -> String {
+        match parse(line) {
+            Line::Dropped { reason, .. } => reason.code(),
+            other => panic!("expected a drop, got {other:?}"),
+        }
+    }
+
+    const GOOD: &str = r#"{"message_id": "m1", "channel": "chat", "task_type": "classify", "text": "hello"}"#;
+
+    #[test]
+    fn record_ids_are_stable_and_follow_every_version() {
+        let spec = spec();
+        let base = IdContext::new("job1", &spec).record_id("m1");
+        assert_eq!(base, IdContext::new("job1", &spec).record_id("m1"));
+        assert_eq!(base.len(), 64);
+        assert_ne!(base, IdContext::new("job1", &spec).record_id("m2"));
+        assert_ne!(base, IdContext::new("job2", &spec).record_id("m1"));
+        let mut changed = spec.clone();
+        changed.versions.source = "other".into();
+        assert_ne!(base, IdContext::new("job1", &changed).record_id("m1"));
+        let mut changed = spec.clone();
+        changed.versions.prompt = "v2".into();
+        assert_ne!(base, IdContext::new("job1", &changed).record_id("m1"));
+        let mut changed = spec.clone();
+        changed.provider.model = "other-model".into();
+        assert_ne!(base, IdContext::new("job1", &changed).record_id("m1"));
+        // Parts are length-prefixed: moving a boundary changes the id.
+        assert_ne!(IdContext::new("ab", &spec).record_id("c"), IdContext::new("a", &spec).record_id("bc"));
+    }
+
+    #[test]
+    fn a_good_line_becomes_a_rendered_record() {
+        let Line::Record(r) = parse(GOOD) else { panic!("not a record") };
+        assert_eq!(r.key, "m1");
+        assert!(r.rendered.unwrap().contains("Message:\nhello"));
+        assert!(r.input.starts_with("{\"message_id\":\"m1\""), "key order kept: {}", r.input);
+    }
+
+    #[test]
+    fn crlf_and_integer_ids_are_accepted() {
+        let Line::Record(r) = parse(&format!("{}\r", GOOD.replace("\"m1\"", "42"))) else { panic!() };
+        assert_eq!(r.key, "42");
+    }
+
+    #[test]
+    fn every_bad_line_class_has_its_reason() {
+        assert!(matches!(parse("   "), Line::Blank));
+        assert_eq!(reason("{\"message_id\": "), "malformed_json");
+        assert_eq!(reason("[1, 2]"), "not_object");
+        assert_eq!(reason(r#"{"text": "x"}"#), "missing_id");
+        assert_eq!(reason(r#"{"message_id": "", "text": "x"}"#), "empty_id");
+        assert_eq!(reason(r#"{"message_id": null, "text": "x"}"#), "empty_id");
+        assert_eq!(reason(r#"{"message_id": 1.5, "text": "x"}"#), "invalid_id");
+        assert_eq!(reason(r#"{"message_id": true, "text": "x"}"#), "invalid_id");
+        let spec = spec();
+        let user = Template::parse(&spec.prompt.user).unwrap();
+        let ids = IdContext::new("j", &spec);
+        assert!(matches!(
+            parse_line(b"{\"a\": \"\xff\"}", None, &spec, &user, &ids),
+            Line::Dropped { reason: DropReason::InvalidUtf8, .. }
+        ));
+        assert!(matches!(
+            parse_line(b"", Some(1 << 20), &spec, &user, &ids),
+            Line::Dropped { reason: DropReason::TooLarge { bytes: 1_048_576, .. }, .. }
+        ));
+    }
+
+    #[test]
+    fn a_missing_template_field_keeps_the_identity_but_fails_rendering() {
+        let Line::Record(r) = parse(r#"{"message_id": "m9", "channel": "chat", "task_type": "classify"}"#) else { panic!() };
+        assert_eq!(r.rendered.unwrap_err().to_string(), "template_missing:text");
+    }
+
+    #[test]
+    fn partitions_spread_and_stay_in_range() {
+        let spec = spec();
+        let ids = IdContext::new("j", &spec);
+        let mut seen = [0u32; 4];
+        for i in 0..400 {
+            seen[partition_of(&ids.record_id(&i.to_string()), 4) as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 60), "{seen:?}");
+    }
+}

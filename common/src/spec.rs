@@ -637,3 +637,115 @@ pub fn versions_map(spec: &JobSpec) -> BTreeMap<&'static str, String> {
         ("model_config", spec.model_config_version()),
     ])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../../examples/job.toml");
+
+    /// The example spec with one edit: `replace` swapped for `with`.
+    fn edited(replace: &str, with: &str) -> String {
+        assert!(EXAMPLE.contains(replace), "example spec lacks {replace:?}");
+        EXAMPLE.replacen(replace, with, 1)
+    }
+
+    fn problems_of(text: &str) -> Vec<String> {
+        match JobSpec::parse(text, "job.toml") {
+            Ok(_) => vec![],
+            Err(SpecError::Invalid { problems, .. }) => problems.iter().map(ToString::to_string).collect(),
+            Err(e) => vec![e.to_string()],
+        }
+    }
+
+    fn assert_problem(text: &str, needle: &str) {
+        let problems = problems_of(text);
+        assert!(problems.iter().any(|p| p.contains(needle)), "expected a problem containing {needle:?}, got {problems:?}");
+    }
+
+    #[test]
+    fn the_example_spec_is_valid_and_keeps_field_order() {
+        let spec = JobSpec::parse(EXAMPLE, "examples/job.toml").unwrap();
+        let names: Vec<&String> = spec.output.fields.iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["label", "reason", "confidence", "task_type", "items"]);
+        assert_eq!(spec.job.partitions, 4);
+        assert!(spec.output.fields.get("confidence").unwrap().nullable);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_their_path() {
+        assert_problem(&edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"), "at `provider.timeout_sec`");
+        assert_problem(&edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"), "unknown field `timeout_sec`");
+        assert_problem(&edited("max_len = 60", "max_len = 60\nmaxlen = 3"), "output.fields.reason");
+        assert_problem(&format!("{EXAMPLE}\n[extra]\nx = 1\n"), "unknown field `extra`");
+    }
+
+    #[test]
+    fn bad_types_name_the_key() {
+        assert_problem(&edited("partitions = 4", "partitions = \"four\""), "at `job.partitions`");
+        assert_problem(&edited("type = \"number\"", "type = \"float\""), "output.fields.confidence.type");
+        assert_problem(&edited("max_tokens = 200", "max_tokens = -1"), "provider.max_tokens");
+    }
+
+    #[test]
+    fn missing_sections_are_named() {
+        let without_provider = EXAMPLE.split("[provider]").next().unwrap().to_owned();
+        assert_problem(&without_provider, "missing field `provider`");
+    }
+
+    #[test]
+    fn impossible_values_are_refused() {
+        assert_problem(&edited("max = 1.0", "max = -1.0"), "output.fields.confidence.max: max (-1) is less than min (0)");
+        assert_problem(&edited("enum = [\"classify\", \"extract\"]", "enum = []"), "output.fields.task_type.enum: has no values");
+        assert_problem(&edited("enum = [\"classify\", \"extract\"]", "enum = [\"classify\", 3]"), "value 3 is not a string");
+        assert_problem(&edited("max_len = 60", "max_len = 0"), "output.fields.reason.max_len: must be at least 1");
+        assert_problem(&edited("partitions = 4", "partitions = 0"), "job.partitions");
+        assert_problem(&edited("max_attempts = 4", "max_attempts = 0"), "retry.max_attempts");
+        assert_problem(&edited("max_delay_ms = 30000", "max_delay_ms = 10"), "retry.max_delay_ms");
+        assert_problem(&edited("base_url = \"http://127.0.0.1:8089/v1\"", "base_url = \"ftp://x\""), "provider.base_url");
+        assert_problem(&edited("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-abc123\""), "provider.api_key_env");
+        assert_problem(&edited("temperature = 0.0", "temperature = 3.5"), "provider.temperature");
+        assert_problem(&edited("requests_per_minute = 3000", "requests_per_minute = 0"), "limits.requests_per_minute");
+        assert_problem(&edited("output_tokens_per_minute = 300000", "output_tokens_per_minute = 100"), "below provider.max_tokens");
+        assert_problem(&edited("output_per_mtok = 0.60", "output_per_mtok = -1.0"), "prices.output_per_mtok");
+    }
+
+    #[test]
+    fn rules_on_the_wrong_type_are_refused() {
+        assert_problem(&edited("max_len = 60", "max_len = 60\nmin = 1"), "output.fields.reason.min: min/max apply to numbers");
+        assert_problem(&edited("max = 1.0", "max = 1.0\nmax_len = 3"), "output.fields.confidence.max_len");
+        assert_problem(&edited("type = \"array\"", "type = \"boolean\"\nenum = [true]"), "output.fields.items.enum");
+    }
+
+    #[test]
+    fn required_if_must_point_at_a_real_value() {
+        assert_problem(&edited("field = \"task_type\"", "field = \"tasktype\""), "`tasktype` is not an output field");
+        assert_problem(&edited("equals = \"extract\"", "equals = \"summarize\""), "is not in `task_type`'s enum");
+        assert_problem(&edited("required = false\n", ""), "set `required = false`");
+    }
+
+    #[test]
+    fn templates_and_system_fields_are_checked() {
+        assert_problem(&edited("{{text}}", "{{text"), "prompt.user: unclosed");
+        assert_problem(&edited("Task type: {{task_type}}\nChannel: {{channel}}\nMessage:\n{{text}}", "no placeholders"), "prompt.user: has no {{field}}");
+        assert_problem(&edited("[output.fields.reason]", "[output.fields.record_id]"), "filled in by batchfleet");
+        assert_problem(&edited("id_field = \"message_id\"", "id_field = \"a b\""), "job.id_field");
+    }
+
+    #[test]
+    fn syntax_errors_are_reported_with_a_position() {
+        let text = edited("partitions = 4", "partitions = = 4");
+        let err = JobSpec::parse(&text, "job.toml").unwrap_err().to_string();
+        assert!(err.contains("job.toml") && err.contains("line"), "{err}");
+    }
+
+    #[test]
+    fn model_config_version_follows_the_model_settings_only() {
+        let a = JobSpec::parse(EXAMPLE, "a").unwrap();
+        let b = JobSpec::parse(&edited("temperature = 0.0", "temperature = 0.5"), "b").unwrap();
+        let c = JobSpec::parse(&edited("timeout_secs = 30", "timeout_secs = 31"), "c").unwrap();
+        assert_ne!(a.model_config_version(), b.model_config_version());
+        assert_eq!(a.model_config_version(), c.model_config_version());
+        assert_ne!(a.fingerprint(), c.fingerprint());
+    }
+}
