@@ -5,7 +5,7 @@
 //! lines in batches. Each batch is confirmed by Redis before the cursor moves
 //! past it; the next batch is parsed while the previous one is in flight.
 
-use std::collections::{BTreeMap, BinaryHeap, HashSet};
+use std::collections::{BTreeMap, BinaryHeap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -238,6 +238,9 @@ struct Pass<'a> {
     idem_ttl_secs: u64,
 }
 
+/// Batches sent before the oldest must be confirmed.
+const IN_FLIGHT: usize = 3;
+
 type InFlight = tokio::task::JoinHandle<Result<Vec<EnqueueOutcome>, StoreError>>;
 
 /// A parsed batch waiting for Redis: its tasks, its drops, and where it ends.
@@ -270,7 +273,9 @@ impl Pass<'_> {
             source,
         })?;
         let mut buf = Vec::with_capacity(4096);
-        let mut in_flight: Option<(Batch, InFlight)> = None;
+        // Up to IN_FLIGHT batches travel at once so Redis never waits for the
+        // parser; they are confirmed (and the cursor moved) strictly in order.
+        let mut in_flight: VecDeque<(Batch, InFlight)> = VecDeque::with_capacity(IN_FLIGHT);
         let mut eof = false;
         loop {
             let mut batch = Batch::default();
@@ -282,18 +287,22 @@ impl Pass<'_> {
                     }
                 })?;
             }
-            if let Some((prev, handle)) = in_flight.take() {
+            let nothing_read = batch.end_line == 0;
+            if !nothing_read {
+                let (store, job, ttl, tasks) = (self.store.clone(), self.job.to_owned(), self.idem_ttl_secs, batch.tasks.clone());
+                let handle = tokio::spawn(async move { store.enqueue(&job, ttl, &tasks).await });
+                in_flight.push_back((batch, handle));
+            }
+            while in_flight.len() >= IN_FLIGHT || (nothing_read && !in_flight.is_empty()) {
+                let Some((prev, handle)) = in_flight.pop_front() else { break };
                 let outcomes = handle.await.map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
                 self.confirm(prev, outcomes).await?;
                 progress.set(self.cursor.offset, &self.cursor.counts);
             }
-            if batch.end_line == 0 {
-                // Nothing read: end of file, or cancelled with the cursor saved.
+            if nothing_read {
+                // End of file, or cancelled with every sent batch confirmed.
                 return Ok(!eof);
             }
-            let (store, job, ttl, tasks) = (self.store.clone(), self.job.to_owned(), self.idem_ttl_secs, batch.tasks.clone());
-            let handle = tokio::spawn(async move { store.enqueue(&job, ttl, &tasks).await });
-            in_flight = Some((batch, handle));
         }
     }
 

@@ -34,7 +34,7 @@ fn enqueue_json(redis: &RedisServer, dataset: &Path, job: &str, extra: &[&str]) 
     serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", stdout(&out)))
 }
 
-/// Every task in the job's streams: (partition, record id, business key, origin).
+/// Every task in the job's streams: (partition, record id, business key, input).
 fn tasks(redis: &RedisServer, job: &str) -> Vec<(u32, String, String, String)> {
     let mut c = redis.conn();
     let mut out = Vec::new();
@@ -42,7 +42,9 @@ fn tasks(redis: &RedisServer, job: &str) -> Vec<(u32, String, String, String)> {
         let reply: redis::streams::StreamRangeReply = c.xrange_all(keys::stream(job, p)).unwrap();
         for entry in reply.ids {
             let field = |k: &str| -> String { entry.get(k).unwrap_or_default() };
-            out.push((p, field("rid"), field("key"), field("origin")));
+            let input = field("input");
+            let key = serde_json::from_str::<Value>(&input).unwrap()["message_id"].as_str().unwrap_or_default().to_owned();
+            out.push((p, field("rid"), key, input));
         }
     }
     out

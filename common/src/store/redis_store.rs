@@ -12,6 +12,8 @@ use crate::keys;
 use crate::manifest::{Cursor, DroppedLine, Manifest};
 
 const ENQUEUE_LUA: &str = include_str!("scripts/enqueue.lua");
+/// Records per enqueue script call: bounds Lua's `unpack` and each call's latency.
+const MAX_RECORDS_PER_CALL: usize = 1000;
 
 /// One record to enqueue (a task, or a record dropped for an input error).
 #[derive(Debug, Clone)]
@@ -22,6 +24,7 @@ pub struct TaskEntry {
     pub origin: String,
     /// `queued` for a task; `dropped:<reason>` for a record that is not sent.
     pub state: String,
+    /// Business key, for the producer's reports (the task carries it inside `input`).
     pub key: String,
     pub input: String,
 }
@@ -119,14 +122,17 @@ impl RedisStore {
             by_partition.entry(e.partition).or_default().push(i);
         }
         let mut calls = Vec::with_capacity(by_partition.len());
-        for (partition, idx) in by_partition {
+        let chunks = by_partition
+            .into_iter()
+            .flat_map(|(p, idx)| idx.chunks(MAX_RECORDS_PER_CALL).map(|c| (p, c.to_vec())).collect::<Vec<_>>());
+        for (partition, idx) in chunks {
             let mut inv = self.enqueue.prepare_invoke();
             inv.key(keys::stream(job, partition)).key(keys::state(job, partition));
             inv.arg(idem_ttl_secs);
             for &i in &idx {
                 let e = &entries[i];
                 inv.key(keys::idem(job, partition, &e.record_id));
-                inv.arg(&e.record_id).arg(&e.origin).arg(&e.state).arg(&e.key).arg(&e.input);
+                inv.arg(&e.record_id).arg(&e.origin).arg(&e.state).arg(&e.input);
             }
             let mut conn = self.conn.clone();
             let call = async move {

@@ -1,37 +1,52 @@
 -- enqueue.lua: add a batch of records of ONE partition, each exactly once.
 --
--- For each record: take its idempotency key with SET NX EX; when taken, also
--- claim its entry in the state hash (HSETNX, which outlives the key's TTL) and,
--- for a task, XADD it to the partition stream. A record already known adds
+-- A record is known to the job when it has an entry in the partition's state
+-- hash (which lives as long as the job). For each record not known yet: take
+-- its idempotency key with SET NX EX, XADD the task (or, for an input error,
+-- only record it as dropped), and claim its state entry. A record already
+-- known, or whose key is taken (the same id earlier in this batch), adds
 -- nothing. All in one atomic step, over keys of one hash tag.
 --
 -- KEYS[1]      partition stream            bf:{job:pN}:tasks
 -- KEYS[2]      partition state hash        bf:{job:pN}:state
 -- KEYS[2+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
 -- ARGV[1]      idempotency key TTL, seconds
--- ARGV[1+5(i-1)+1..5] for record i:
+-- ARGV[1+4(i-1)+1..4] for record i (at most 1000 records a call):
 --              record_id, origin ("<dataset sha12>:<line>"),
 --              state ("queued" for a task, "dropped:<reason>" for an input error),
---              business key, input JSON
+--              input JSON
+-- A task entry holds `rid` and `input`; the business key is inside the input,
+-- and the origin stays in the idempotency key (small entries enqueue faster).
 -- Returns: an array with, per record i, integer 1 when it was added, else the
 --          origin stored by the run that added it ("" when its key had expired).
-local ttl = ARGV[1]
+local call = redis.call
+local stream, states, ttl = KEYS[1], KEYS[2], ARGV[1]
 local n = #KEYS - 2
-local out = {}
+local ids = {}
 for i = 1, n do
-  local b = 1 + (i - 1) * 5
-  local rid, origin, state, key, input = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
-  if redis.call('SET', KEYS[2 + i], origin, 'NX', 'EX', ttl) then
-    if redis.call('HSETNX', KEYS[2], rid, state) == 1 then
-      if state == 'queued' then
-        redis.call('XADD', KEYS[1], '*', 'rid', rid, 'key', key, 'origin', origin, 'input', input)
-      end
-      out[i] = 1
-    else
-      out[i] = ''
+  ids[i] = ARGV[(i - 1) * 4 + 2]
+end
+-- One read for the whole batch: which records the job already holds.
+local known = call('HMGET', states, unpack(ids))
+local out, claimed = {}, {}
+for i = 1, n do
+  local b = (i - 1) * 4
+  local idem, origin, state = KEYS[2 + i], ARGV[b + 3], ARGV[b + 4]
+  if known[i] then
+    out[i] = call('GET', idem) or ''
+  elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
+    if state == 'queued' then
+      call('XADD', stream, '*', 'rid', ids[i], 'input', ARGV[b + 5])
     end
+    claimed[#claimed + 1] = ids[i]
+    claimed[#claimed + 1] = state
+    out[i] = 1
   else
-    out[i] = redis.call('GET', KEYS[2 + i])
+    -- Taken but not yet in the state hash: the same id earlier in this batch.
+    out[i] = call('GET', idem)
   end
+end
+if #claimed > 0 then
+  call('HSET', states, unpack(claimed))
 end
 return out

@@ -1,0 +1,35 @@
+# batchfleet — the commands the README documents.
+SHELL := /bin/bash
+CARGO ?= cargo
+
+.PHONY: demo test build bench bench-enqueue deps lint clean
+
+## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
+demo: deps
+	$(CARGO) build --release --workspace --bins
+	scripts/demo.sh
+
+## test: every test (unit, and integration against real redis-server processes)
+test: deps
+	$(CARGO) build --workspace --bins
+	$(CARGO) test --workspace --no-fail-fast
+
+## lint: formatting and clippy, warnings are errors
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## bench: every benchmark; figures go to BENCHMARKS.md by hand
+bench: bench-enqueue
+
+## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
+bench-enqueue: deps
+	$(CARGO) build --release --workspace --bins
+	scripts/bench-enqueue.sh
+
+deps:
+	@scripts/ensure-redis.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf .demo .bench
