@@ -6,11 +6,15 @@
 //! - [`record`]: a dataset line as a typed record; `record_id`; partitioning.
 //! - [`keys`]: every Redis key, stream, group and consumer name.
 //! - [`manifest`]: the job manifest and the producer's resume cursor.
+//! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
+//! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
 
+pub mod decision;
 pub mod keys;
 pub mod manifest;
 pub mod record;
 pub mod spec;
 pub mod store;
 pub mod template;
+pub mod validate;

@@ -1,0 +1,169 @@
+//! The worker's one decision: after an attempt, exactly one of commit, retry,
+//! review, drop or halt. Pure: the random draw for jitter is an argument.
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{Jitter, RetryPolicy};
+use crate::validate::FieldError;
+
+/// What one attempt came to, classified by the provider client and validator.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Output passed validation.
+    Valid,
+    /// Output failed validation; these errors go back to the model.
+    Invalid(Vec<FieldError>),
+    /// Timeout, connection error, 5xx, 408/409, empty or broken body.
+    Transient { cause: String, retry_after_ms: Option<u64> },
+    /// 429 `rate_limit_exceeded`: not the record's fault, never its last chance.
+    RateLimited { retry_after_ms: Option<u64> },
+    /// `finish_reason = length`: the output was cut off.
+    Truncated,
+    /// `finish_reason = content_filter`, or a refusal.
+    Refused { cause: String },
+    /// A 4xx the record cannot recover from (400, 404, 422...).
+    Permanent { cause: String },
+    /// 401/403, `insufficient_quota`: the whole fleet must stop.
+    FleetHalt { cause: String },
+    /// The record cannot be sent (template field missing, too large).
+    InputError { reason: String },
+}
+
+/// The decision, applied by one atomic script each.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Decision {
+    Commit,
+    Retry {
+        delay_ms: u64,
+        cause: String,
+        /// Validation errors to show the model next time (never transport errors).
+        feedback: Option<Vec<FieldError>>,
+    },
+    Review { reason: String },
+    Drop { reason: String },
+    Halt { reason: String },
+}
+
+/// How many calls a record may spend on rate limits before it goes to review
+/// (a provider that never stops throttling must not loop forever).
+pub const RATE_LIMITED_CALLS_PER_ATTEMPT: u32 = 5;
+
+/// Decides after attempt `attempt` (1-based, counting this one).
+/// `calls` counts every call for the record, rate-limited ones included.
+/// `unit` is a uniform draw in [0, 1) for the jitter.
+pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy, unit: f64) -> Decision {
+    let attempts_left = attempt < policy.max_attempts;
+    let retry = |cause: &str, retry_after_ms: Option<u64>, feedback: Option<Vec<FieldError>>| Decision::Retry {
+        delay_ms: backoff_ms(attempt, policy, unit).max(retry_after_ms.unwrap_or(0)),
+        cause: cause.to_owned(),
+        feedback,
+    };
+    match outcome {
+        Outcome::Valid => Decision::Commit,
+        Outcome::Invalid(errors) if attempts_left => retry("invalid_output", None, Some(errors.clone())),
+        Outcome::Invalid(_) => Decision::Review { reason: "attempts_exhausted".into() },
+        Outcome::Transient { cause, retry_after_ms } if attempts_left => retry(cause, *retry_after_ms, None),
+        Outcome::Transient { .. } => Decision::Review { reason: "attempts_exhausted".into() },
+        Outcome::RateLimited { retry_after_ms } => {
+            if calls < policy.max_attempts.saturating_mul(RATE_LIMITED_CALLS_PER_ATTEMPT) {
+                retry("rate_limited", *retry_after_ms, None)
+            } else {
+                Decision::Review { reason: "rate_limited_too_often".into() }
+            }
+        }
+        Outcome::Truncated if attempts_left => retry("truncated", None, None),
+        Outcome::Truncated => Decision::Review { reason: "truncated".into() },
+        Outcome::Refused { cause } => Decision::Review { reason: format!("refused:{cause}") },
+        Outcome::Permanent { cause } => Decision::Review { reason: format!("provider_error:{cause}") },
+        Outcome::FleetHalt { cause } => Decision::Halt { reason: cause.clone() },
+        Outcome::InputError { reason } => Decision::Drop { reason: reason.clone() },
+    }
+}
+
+/// Exponential delay before the attempt after `attempt`, capped, with jitter:
+/// full jitter draws uniformly from [0, capped exponential].
+pub fn backoff_ms(attempt: u32, policy: &RetryPolicy, unit: f64) -> u64 {
+    let exp = policy
+        .base_delay_ms
+        .saturating_mul(1u64 << attempt.saturating_sub(1).min(40))
+        .min(policy.max_delay_ms);
+    match policy.jitter {
+        Jitter::Full => (exp as f64 * unit.clamp(0.0, 1.0)).round() as u64,
+        Jitter::None => exp,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::{ErrorCode, FieldError};
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy { max_attempts: 3, base_delay_ms: 1000, max_delay_ms: 5000, jitter: Jitter::None }
+    }
+
+    fn invalid() -> Outcome {
+        Outcome::Invalid(vec![FieldError { code: ErrorCode::Enum, field: "label".into(), message: "x".into() }])
+    }
+
+    #[test]
+    fn valid_output_commits_on_any_attempt() {
+        assert_eq!(decide(1, 1, &Outcome::Valid, &policy(), 0.5), Decision::Commit);
+        assert_eq!(decide(3, 9, &Outcome::Valid, &policy(), 0.5), Decision::Commit);
+    }
+
+    #[test]
+    fn invalid_output_retries_with_feedback_then_goes_to_review() {
+        match decide(1, 1, &invalid(), &policy(), 0.5) {
+            Decision::Retry { feedback: Some(f), delay_ms: 1000, cause } => {
+                assert_eq!(f[0].field, "label");
+                assert_eq!(cause, "invalid_output");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(decide(3, 3, &invalid(), &policy(), 0.5), Decision::Review { reason: "attempts_exhausted".into() });
+    }
+
+    #[test]
+    fn transport_errors_retry_without_feedback_and_honour_retry_after() {
+        let t = Outcome::Transient { cause: "timeout".into(), retry_after_ms: Some(4200) };
+        assert_eq!(decide(1, 1, &t, &policy(), 0.5), Decision::Retry { delay_ms: 4200, cause: "timeout".into(), feedback: None });
+        let t = Outcome::Transient { cause: "http_503".into(), retry_after_ms: None };
+        assert_eq!(decide(2, 2, &t, &policy(), 0.5), Decision::Retry { delay_ms: 2000, cause: "http_503".into(), feedback: None });
+        assert!(matches!(decide(3, 3, &t, &policy(), 0.5), Decision::Review { .. }));
+    }
+
+    #[test]
+    fn rate_limits_do_not_use_up_attempts_but_are_bounded() {
+        let r = Outcome::RateLimited { retry_after_ms: Some(100) };
+        assert!(matches!(decide(3, 3, &r, &policy(), 0.5), Decision::Retry { .. }));
+        assert!(matches!(decide(3, 15, &r, &policy(), 0.5), Decision::Review { .. }));
+    }
+
+    #[test]
+    fn truncation_retries_then_reviews_refusals_review_at_once() {
+        assert!(matches!(decide(1, 1, &Outcome::Truncated, &policy(), 0.5), Decision::Retry { feedback: None, .. }));
+        assert_eq!(decide(3, 3, &Outcome::Truncated, &policy(), 0.5), Decision::Review { reason: "truncated".into() });
+        let refused = Outcome::Refused { cause: "content_filter".into() };
+        assert_eq!(decide(1, 1, &refused, &policy(), 0.5), Decision::Review { reason: "refused:content_filter".into() });
+    }
+
+    #[test]
+    fn input_errors_drop_and_fleet_faults_halt() {
+        let d = decide(1, 1, &Outcome::InputError { reason: "template_missing:text".into() }, &policy(), 0.5);
+        assert_eq!(d, Decision::Drop { reason: "template_missing:text".into() });
+        let h = decide(1, 1, &Outcome::FleetHalt { cause: "http_401".into() }, &policy(), 0.5);
+        assert_eq!(h, Decision::Halt { reason: "http_401".into() });
+    }
+
+    #[test]
+    fn backoff_is_exponential_capped_and_fully_jittered() {
+        let mut p = policy();
+        assert_eq!([1, 2, 3, 4, 60].map(|a| backoff_ms(a, &p, 0.0)), [1000, 2000, 4000, 5000, 5000]);
+        p.jitter = Jitter::Full;
+        assert_eq!(backoff_ms(3, &p, 0.0), 0);
+        assert_eq!(backoff_ms(3, &p, 0.5), 2000);
+        assert_eq!(backoff_ms(3, &p, 1.0), 4000);
+    }
+}
