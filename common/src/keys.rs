@@ -45,6 +45,12 @@ pub fn dropped_lines(job: &str) -> String {
     format!("bf:{{{job}}}:dropped_lines")
 }
 
+/// Set while the job's fleet is halted (401/403, insufficient quota): the reason.
+/// Workers claim nothing for the job while it exists; deleting it resumes.
+pub fn halt(job: &str) -> String {
+    format!("bf:{{{job}}}:halt")
+}
+
 /// The hash tag shared by all keys of one partition.
 fn partition_tag(job: &str, partition: u32) -> String {
     format!("{{{job}:p{partition}}}")
@@ -58,6 +64,21 @@ pub fn stream(job: &str, partition: u32) -> String {
 /// Hash record_id -> state (`queued`, `done`, `review`, `dropped:<reason>`, `cancelled`).
 pub fn state(job: &str, partition: u32) -> String {
     format!("bf:{}:state", partition_tag(job, partition))
+}
+
+/// Hash record_id -> result JSON; written once (first writer wins).
+pub fn results(job: &str, partition: u32) -> String {
+    format!("bf:{}:results", partition_tag(job, partition))
+}
+
+/// Hash record_id -> review entry JSON: what people drain.
+pub fn review(job: &str, partition: u32) -> String {
+    format!("bf:{}:review", partition_tag(job, partition))
+}
+
+/// Sorted set of tasks waiting to retry, scored by due time (Unix ms).
+pub fn delayed(job: &str, partition: u32) -> String {
+    format!("bf:{}:delayed", partition_tag(job, partition))
 }
 
 /// Idempotency key of one record (`SET NX EX`); its value is the record's origin.
@@ -77,14 +98,14 @@ mod tests {
 
     #[test]
     fn partition_keys_share_one_hash_tag() {
-        let keys = [stream("j1", 3), state("j1", 3), idem("j1", 3, "ab12")];
+        let keys = [stream("j1", 3), state("j1", 3), idem("j1", 3, "ab12"), results("j1", 3), review("j1", 3), delayed("j1", 3)];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));
     }
 
     #[test]
     fn job_keys_share_the_job_tag() {
-        for k in [spec("a.b"), manifest("a.b"), cursor("a.b"), dropped_lines("a.b")] {
+        for k in [spec("a.b"), manifest("a.b"), cursor("a.b"), dropped_lines("a.b"), halt("a.b")] {
             assert_eq!(tag(&k), "a.b");
         }
     }

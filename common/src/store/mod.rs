@@ -4,8 +4,10 @@
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
 mod redis_store;
+mod worker_ops;
 
 pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
+pub use worker_ops::{Delivery, Finish, Remaining, RetryTask};
 
 /// A store operation that failed. Messages never contain credentials.
 #[derive(Debug, thiserror::Error)]

@@ -41,8 +41,16 @@ pub enum EnqueueOutcome {
 /// Job state in one Redis server (or behind one proxy).
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
-    enqueue: Script,
+    pub(super) conn: ConnectionManager,
+    pub(super) scripts: Scripts,
+}
+
+/// The Lua scripts, loaded on first use (and again after a server restart).
+#[derive(Clone)]
+pub(super) struct Scripts {
+    pub enqueue: Script,
+    pub finish: Script,
+    pub promote: Script,
 }
 
 /// The URL with any password replaced by `***`, for messages and logs.
@@ -80,7 +88,11 @@ impl RedisStore {
         let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(unreachable)?;
         Ok(RedisStore {
             conn,
-            enqueue: Script::new(ENQUEUE_LUA),
+            scripts: Scripts {
+                enqueue: Script::new(ENQUEUE_LUA),
+                finish: Script::new(include_str!("scripts/finish.lua")),
+                promote: Script::new(include_str!("scripts/promote.lua")),
+            },
         })
     }
 
@@ -126,7 +138,7 @@ impl RedisStore {
             .into_iter()
             .flat_map(|(p, idx)| idx.chunks(MAX_RECORDS_PER_CALL).map(|c| (p, c.to_vec())).collect::<Vec<_>>());
         for (partition, idx) in chunks {
-            let mut inv = self.enqueue.prepare_invoke();
+            let mut inv = self.scripts.enqueue.prepare_invoke();
             inv.key(keys::stream(job, partition)).key(keys::state(job, partition));
             inv.arg(idem_ttl_secs);
             for &i in &idx {

@@ -1,1 +1,546 @@
-fn main() {}
+//! llm-sim: a simulator of an OpenAI-compatible chat completions API, the one
+//! stand-in batchfleet's tests and demo use for a model provider.
+//!
+//! It answers like a structured-output model: with a `response_format` JSON
+//! schema it returns a conforming object, deterministic per prompt and seed,
+//! with a real `usage` object. It enforces requests/min and tokens/min limits
+//! itself (429 with `retry-after` and `x-ratelimit-*` headers), adds latency
+//! from a distribution, and injects a seeded mix of every fault a real
+//! provider shows. `GET /stats` tells what it really served.
+//!
+//! Binds 127.0.0.1 only; prints `llm-sim listening on http://ADDR` first.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "llm-sim", about = "OpenAI-compatible model simulator for tests and demos")]
+struct Args {
+    /// Port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// Mean latency in ms (exponential distribution around it, plus 20% floor).
+    #[arg(long, default_value_t = 0)]
+    latency_ms: u64,
+    /// Requests per minute before 429 (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    rpm: u64,
+    /// Tokens (prompt + max_tokens) per minute before 429 (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    tpm: u64,
+    /// Fault mix: `kind=probability,...`. Kinds: rate_limit, quota, server_error,
+    /// unavailable, hang, empty, broken_json, fence, prose, missing_field,
+    /// bad_enum, bool_number, content_filter, length, unauthorized.
+    #[arg(long, default_value = "")]
+    faults: String,
+    /// Seed of the fault draws and of generated answers.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How long a `hang` fault holds the request.
+    #[arg(long, default_value_t = 3600)]
+    hang_secs: u64,
+    /// Require this bearer token (401 otherwise); any non-empty one when unset.
+    #[arg(long, env = "LLM_SIM_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+}
+
+const FAULT_KINDS: &[&str] = &[
+    "rate_limit",
+    "quota",
+    "server_error",
+    "unavailable",
+    "hang",
+    "empty",
+    "broken_json",
+    "fence",
+    "prose",
+    "missing_field",
+    "bad_enum",
+    "bool_number",
+    "content_filter",
+    "length",
+    "unauthorized",
+];
+
+struct Sim {
+    args: Args,
+    faults: Vec<(String, f64)>,
+    rng: Mutex<StdRng>,
+    limits: Mutex<Limits>,
+    stats: Mutex<Stats>,
+    log: Mutex<VecDeque<Value>>,
+}
+
+/// Token buckets of one minute's budget, refilled continuously.
+struct Limits {
+    rpm: u64,
+    tpm: u64,
+    requests: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+#[derive(Default, serde::Serialize)]
+struct Stats {
+    requests: u64,
+    /// 200 answers with a generated object (faulty or not).
+    served: u64,
+    by_status: BTreeMap<u16, u64>,
+    by_fault: BTreeMap<String, u64>,
+    rate_limited: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    with_feedback: u64,
+}
+
+const LOG_CAP: usize = 20_000;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let faults = parse_faults(&args.faults)?;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
+    let addr = listener.local_addr()?;
+    let sim = Arc::new(Sim {
+        rng: Mutex::new(StdRng::seed_from_u64(args.seed)),
+        limits: Mutex::new(Limits {
+            rpm: args.rpm,
+            tpm: args.tpm,
+            requests: args.rpm as f64,
+            tokens: args.tpm as f64,
+            last: Instant::now(),
+        }),
+        stats: Mutex::new(Stats::default()),
+        log: Mutex::new(VecDeque::new()),
+        faults,
+        args,
+    });
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/stats", get(stats))
+        .route("/log", get(log))
+        .route("/admin/limits", post(set_limits))
+        .with_state(sim);
+    println!("llm-sim listening on http://{addr}");
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
+
+fn parse_faults(spec: &str) -> anyhow::Result<Vec<(String, f64)>> {
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (kind, p) = part.split_once('=').ok_or_else(|| anyhow::anyhow!("--faults: `{part}` is not kind=probability"))?;
+        if !FAULT_KINDS.contains(&kind) {
+            anyhow::bail!("--faults: unknown fault `{kind}` (known: {})", FAULT_KINDS.join(", "));
+        }
+        let p: f64 = p.parse().map_err(|_| anyhow::anyhow!("--faults: `{p}` is not a probability"))?;
+        if !(0.0..=1.0).contains(&p) {
+            anyhow::bail!("--faults: {kind}={p} is outside 0..1");
+        }
+        out.push((kind.to_owned(), p));
+    }
+    let total: f64 = out.iter().map(|(_, p)| p).sum();
+    if total > 1.0 {
+        anyhow::bail!("--faults: probabilities add up to {total} > 1");
+    }
+    Ok(out)
+}
+
+fn error_body(status: StatusCode, message: &str, kind: &str, code: &str) -> Response {
+    (status, Json(json!({"error": {"message": message, "type": kind, "code": code, "param": null}}))).into_response()
+}
+
+fn go_duration(secs: f64) -> String {
+    if secs < 1.0 {
+        format!("{}ms", (secs * 1000.0).ceil() as u64)
+    } else if secs < 60.0 {
+        format!("{secs:.3}s")
+    } else {
+        format!("{}m{:.0}s", (secs / 60.0).floor(), secs % 60.0)
+    }
+}
+
+async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: String) -> Response {
+    if let Ok(mut s) = sim.stats.lock() {
+        s.requests += 1;
+    }
+    let result = answer(&sim, &headers, &body).await;
+    let status = result.status().as_u16();
+    if let Ok(mut s) = sim.stats.lock() {
+        *s.by_status.entry(status).or_default() += 1;
+    }
+    result
+}
+
+async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
+    let token = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let authorized = match &sim.args.api_key {
+        Some(k) => token == k,
+        None => !token.is_empty(),
+    };
+    if !authorized {
+        return error_body(StatusCode::UNAUTHORIZED, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key");
+    }
+    let req: Value = match serde_json::from_str(body) {
+        Ok(v) => v,
+        Err(e) => return error_body(StatusCode::BAD_REQUEST, &format!("invalid JSON body: {e}"), "invalid_request_error", "invalid_json"),
+    };
+    let messages = req["messages"].as_array().cloned().unwrap_or_default();
+    let prompt_text: String = messages.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n");
+    let prompt_tokens = estimate_tokens(&prompt_text);
+    let max_tokens = req["max_tokens"].as_u64().or(req["max_completion_tokens"].as_u64()).unwrap_or(256);
+    let user = messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).unwrap_or("");
+    let with_feedback = user.contains("rejected by the validator");
+    if let Ok(mut log) = sim.log.lock() {
+        if log.len() >= LOG_CAP {
+            log.pop_front();
+        }
+        log.push_back(json!({"user": user.chars().take(4000).collect::<String>(), "feedback": with_feedback}));
+    }
+
+    // Rate limits: the simulator's own buckets.
+    let (limit_headers, retry_after) = take_budget(sim, prompt_tokens + max_tokens);
+    if let Some(wait) = retry_after {
+        if let Ok(mut s) = sim.stats.lock() {
+            s.rate_limited += 1;
+        }
+        let mut r = error_body(
+            StatusCode::TOO_MANY_REQUESTS,
+            "Rate limit reached for requests. Please try again later.",
+            "requests",
+            "rate_limit_exceeded",
+        );
+        r.headers_mut().extend(limit_headers);
+        r.headers_mut().insert("retry-after", HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")));
+        r.headers_mut().insert("retry-after-ms", HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64)).unwrap_or(HeaderValue::from_static("1000")));
+        return r;
+    }
+    if let Ok(mut s) = sim.stats.lock() {
+        s.prompt_tokens += prompt_tokens;
+        if with_feedback {
+            s.with_feedback += 1;
+        }
+    }
+
+    // Latency, then the fault draw.
+    let (fault, latency) = {
+        let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
+        let draw: f64 = rng.random_range(0.0..1.0);
+        let mut acc = 0.0;
+        let mut fault = None;
+        for (kind, p) in &sim.faults {
+            acc += p;
+            if draw < acc {
+                fault = Some(kind.clone());
+                break;
+            }
+        }
+        let mean = sim.args.latency_ms as f64;
+        let u: f64 = rng.random_range(f64::EPSILON..1.0);
+        let latency = if mean > 0.0 { mean * 0.2 + (-u.ln()) * mean * 0.8 } else { 0.0 };
+        (fault, Duration::from_micros((latency * 1000.0) as u64))
+    };
+    // Feedback retries get a clean answer: the model "listened".
+    let fault = if with_feedback { None } else { fault };
+    if let Some(f) = &fault
+        && let Ok(mut s) = sim.stats.lock()
+    {
+        *s.by_fault.entry(f.clone()).or_default() += 1;
+    }
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    match fault.as_deref() {
+        Some("rate_limit") => {
+            let mut r = error_body(StatusCode::TOO_MANY_REQUESTS, "Rate limit reached for tokens.", "tokens", "rate_limit_exceeded");
+            r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+            return r;
+        }
+        Some("quota") => {
+            return error_body(
+                StatusCode::TOO_MANY_REQUESTS,
+                "You exceeded your current quota, please check your plan and billing details.",
+                "insufficient_quota",
+                "insufficient_quota",
+            );
+        }
+        Some("unauthorized") => {
+            return error_body(StatusCode::UNAUTHORIZED, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key");
+        }
+        Some("server_error") => return error_body(StatusCode::INTERNAL_SERVER_ERROR, "The server had an error.", "server_error", "server_error"),
+        Some("unavailable") => {
+            let mut r = error_body(StatusCode::SERVICE_UNAVAILABLE, "The engine is currently overloaded.", "server_error", "overloaded");
+            r.headers_mut().insert("retry-after", HeaderValue::from_static("0.2"));
+            return r;
+        }
+        Some("hang") => {
+            tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
+            return error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout");
+        }
+        Some("empty") => return (StatusCode::OK, "").into_response(),
+        _ => {}
+    }
+
+    let seed_text = format!("{}|{}", sim.args.seed, prompt_text);
+    let object = generate(&req["response_format"], user, &seed_text);
+    let mut finish_reason = "stop";
+    let mut refusal = Value::Null;
+    let content: String = match fault.as_deref() {
+        Some("broken_json") => {
+            let s = object.to_string();
+            s[..s.len() / 2].to_owned()
+        }
+        Some("fence") => format!("```json\n{object}\n```"),
+        Some("prose") => format!("Here is the classification you asked for: {object} Let me know if you need more."),
+        Some("missing_field") => {
+            let mut o = object.clone();
+            if let Some(m) = o.as_object_mut()
+                && let Some(k) = m.keys().next().cloned()
+            {
+                m.remove(&k);
+            }
+            o.to_string()
+        }
+        Some("bad_enum") => {
+            let mut o = object.clone();
+            if let Some(m) = o.as_object_mut() {
+                for (k, v) in schema_props(&req["response_format"]) {
+                    if v.get("enum").is_some() {
+                        m.insert(k, json!("definitely_not_allowed"));
+                        break;
+                    }
+                }
+            }
+            o.to_string()
+        }
+        Some("bool_number") => {
+            let mut o = object.clone();
+            if let Some(m) = o.as_object_mut() {
+                for (k, v) in schema_props(&req["response_format"]) {
+                    if type_names(&v).iter().any(|t| t == "number" || t == "integer") {
+                        m.insert(k, json!(true));
+                        break;
+                    }
+                }
+            }
+            o.to_string()
+        }
+        Some("content_filter") => {
+            finish_reason = "content_filter";
+            String::new()
+        }
+        Some("length") => {
+            finish_reason = "length";
+            let s = object.to_string();
+            s[..s.len() * 2 / 3].to_owned()
+        }
+        _ => object.to_string(),
+    };
+    if fault.as_deref() == Some("content_filter") {
+        refusal = json!("I can't help with that.");
+    }
+    let completion_tokens = estimate_tokens(&content).min(max_tokens);
+    if let Ok(mut s) = sim.stats.lock() {
+        s.served += 1;
+        s.completion_tokens += completion_tokens;
+    }
+    let cached = if prompt_tokens > 64 { prompt_tokens / 2 } else { 0 };
+    let body = json!({
+        "id": format!("chatcmpl-{}", &hex::encode(Sha256::digest(seed_text.as_bytes()))[..24]),
+        "object": "chat.completion",
+        "created": 1_796_000_000u64,
+        "model": req["model"],
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": content, "refusal": refusal},
+            "finish_reason": finish_reason,
+        }],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        },
+    });
+    let mut r = (StatusCode::OK, Json(body)).into_response();
+    r.headers_mut().extend(limit_headers);
+    r
+}
+
+/// Takes one request and `tokens` from the buckets. Returns the rate-limit
+/// headers, and `Some(seconds)` to wait when over a limit.
+fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
+    let mut h = HeaderMap::new();
+    let Ok(mut l) = sim.limits.lock() else { return (h, None) };
+    let now = Instant::now();
+    let dt = now.duration_since(l.last).as_secs_f64();
+    l.last = now;
+    if l.rpm > 0 {
+        l.requests = (l.requests + dt * l.rpm as f64 / 60.0).min(l.rpm as f64);
+    }
+    if l.tpm > 0 {
+        l.tokens = (l.tokens + dt * l.tpm as f64 / 60.0).min(l.tpm as f64);
+    }
+    let mut wait: Option<f64> = None;
+    if l.rpm > 0 && l.requests < 1.0 {
+        wait = Some((1.0 - l.requests) * 60.0 / l.rpm as f64);
+    }
+    if l.tpm > 0 && l.tokens < tokens as f64 {
+        let w = (tokens as f64 - l.tokens) * 60.0 / l.tpm as f64;
+        wait = Some(wait.map_or(w, |x: f64| x.max(w)));
+    }
+    if wait.is_none() {
+        if l.rpm > 0 {
+            l.requests -= 1.0;
+        }
+        if l.tpm > 0 {
+            l.tokens -= tokens as f64;
+        }
+    }
+    let put = |h: &mut HeaderMap, k: &'static str, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(k, v);
+        }
+    };
+    if l.rpm > 0 {
+        put(&mut h, "x-ratelimit-limit-requests", l.rpm.to_string());
+        put(&mut h, "x-ratelimit-remaining-requests", (l.requests.max(0.0) as u64).to_string());
+        put(&mut h, "x-ratelimit-reset-requests", go_duration((l.rpm as f64 - l.requests) * 60.0 / l.rpm as f64));
+    }
+    if l.tpm > 0 {
+        put(&mut h, "x-ratelimit-limit-tokens", l.tpm.to_string());
+        put(&mut h, "x-ratelimit-remaining-tokens", (l.tokens.max(0.0) as u64).to_string());
+        put(&mut h, "x-ratelimit-reset-tokens", go_duration((l.tpm as f64 - l.tokens) * 60.0 / l.tpm as f64));
+    }
+    (h, wait)
+}
+
+/// About 4 characters a token, at least 1 for non-empty text.
+fn estimate_tokens(text: &str) -> u64 {
+    (text.len() as u64).div_ceil(4)
+}
+
+fn schema_props(response_format: &Value) -> Vec<(String, Value)> {
+    response_format["json_schema"]["schema"]["properties"]
+        .as_object()
+        .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default()
+}
+
+fn type_names(prop: &Value) -> Vec<String> {
+    match &prop["type"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
+        _ => vec![],
+    }
+}
+
+/// A conforming answer: deterministic per prompt and seed. Without a schema,
+/// a prose answer (what an unconstrained model tends to give).
+fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
+    let props = schema_props(response_format);
+    if props.is_empty() {
+        return json!(format!("This message looks like a question about {}.", user.split_whitespace().last().unwrap_or("something")));
+    }
+    let digest = Sha256::digest(seed_text.as_bytes());
+    let mut rng = StdRng::seed_from_u64(u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])));
+    let mut out = serde_json::Map::new();
+    for (name, prop) in props {
+        let types = type_names(&prop);
+        let ty = types.iter().find(|t| *t != "null").cloned().unwrap_or_else(|| "string".into());
+        let value = if let Some(values) = prop["enum"].as_array() {
+            let choices: Vec<&Value> = values.iter().filter(|v| !v.is_null()).collect();
+            // Echo a value the prompt names (e.g. "Task type: extract"), as a real model would.
+            choices
+                .iter()
+                .find(|v| v.as_str().is_some_and(|s| user.contains(&format!(": {s}"))))
+                .or_else(|| choices.get(rng.random_range(0..choices.len().max(1))))
+                .map(|v| (*v).clone())
+                .unwrap_or(Value::Null)
+        } else {
+            match ty.as_str() {
+                "number" => {
+                    let lo = prop["minimum"].as_f64().unwrap_or(0.0);
+                    let hi = prop["maximum"].as_f64().unwrap_or(lo + 100.0);
+                    json!(((lo + (hi - lo) * rng.random_range(0.0..1.0)) * 100.0).round() / 100.0)
+                }
+                "integer" => {
+                    let lo = prop["minimum"].as_f64().unwrap_or(0.0) as i64;
+                    let hi = prop["maximum"].as_f64().unwrap_or(lo as f64 + 100.0) as i64;
+                    json!(rng.random_range(lo..=hi.max(lo)))
+                }
+                "boolean" => json!(rng.random_range(0..2) == 1),
+                "array" => {
+                    let words: Vec<&str> = user.split_whitespace().filter(|w| w.len() > 3).take(2).collect();
+                    json!(words)
+                }
+                "object" => json!({}),
+                _ => {
+                    let words: Vec<&str> = user.split_whitespace().rev().take(5).collect();
+                    let mut s = format!("mentions {}", words.join(" "));
+                    s.truncate(40);
+                    json!(s.trim_end())
+                }
+            }
+        };
+        out.insert(name, value);
+    }
+    Value::Object(out)
+}
+
+async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
+    let s = sim.stats.lock().map(|s| serde_json::to_value(&*s).unwrap_or(Value::Null)).unwrap_or(Value::Null);
+    let l = sim.limits.lock().map(|l| json!({"rpm": l.rpm, "tpm": l.tpm})).unwrap_or(Value::Null);
+    Json(json!({"stats": s, "limits": l}))
+}
+
+#[derive(serde::Deserialize)]
+struct LogQuery {
+    contains: Option<String>,
+}
+
+/// Recent requests' user messages, optionally those containing a text.
+async fn log(State(sim): State<Arc<Sim>>, Query(q): Query<LogQuery>) -> Json<Value> {
+    let log = sim.log.lock().map(|l| l.iter().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    let filtered: Vec<Value> = match q.contains {
+        Some(needle) => log.into_iter().filter(|e| e["user"].as_str().is_some_and(|u| u.contains(&needle))).collect(),
+        None => log,
+    };
+    Json(Value::Array(filtered))
+}
+
+/// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.
+async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
+    let Ok(mut l) = sim.limits.lock() else { return StatusCode::INTERNAL_SERVER_ERROR };
+    if let Some(r) = body["rpm"].as_u64() {
+        l.rpm = r;
+        l.requests = l.requests.min(r as f64);
+    }
+    if let Some(t) = body["tpm"].as_u64() {
+        l.tpm = t;
+        l.tokens = l.tokens.min(t as f64);
+    }
+    StatusCode::NO_CONTENT
+}

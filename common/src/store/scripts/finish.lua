@@ -1,0 +1,51 @@
+-- finish.lua: settle one delivered task and acknowledge it, atomically.
+--
+-- The record's state moves only from `queued` or `delayed`; a record already
+-- in a terminal state (done, review, dropped, cancelled) is left as it is, so
+-- a redelivered or late task never writes a second outcome. The entry is
+-- acknowledged and deleted from the stream in every case.
+--
+-- KEYS[1]  partition stream        bf:{job:pN}:tasks
+-- KEYS[2]  partition state hash    bf:{job:pN}:state
+-- KEYS[3]  the mode's target:      commit -> bf:{job:pN}:results (hash)
+--                                  retry  -> bf:{job:pN}:delayed (sorted set)
+--                                  review -> bf:{job:pN}:review  (hash)
+--                                  drop   -> bf:{job:pN}:state   (same as KEYS[2])
+-- ARGV[1]  consumer group
+-- ARGV[2]  stream entry id
+-- ARGV[3]  record_id
+-- ARGV[4]  mode: commit | retry | review | drop
+-- ARGV[5]  commit: result JSON; retry: task JSON; review: entry JSON; drop: reason
+-- ARGV[6]  retry: due time, Unix ms (unused otherwise)
+-- Returns: 1 when this call moved the record, 0 when it was already settled.
+local stream, states, target = KEYS[1], KEYS[2], KEYS[3]
+local group, entry, rid, mode, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local state = redis.call('HGET', states, rid)
+local moved = 0
+if mode == 'retry' then
+  -- Only a record in flight schedules a retry: one already waiting keeps its one.
+  if state == 'queued' then
+    redis.call('ZADD', target, ARGV[6], value)
+    redis.call('HSET', states, rid, 'delayed')
+    moved = 1
+  end
+elseif state == 'queued' or state == 'delayed' then
+  if mode == 'commit' then
+    if redis.call('HSETNX', target, rid, value) == 1 then
+      redis.call('HSET', states, rid, 'done')
+      moved = 1
+    end
+  elseif mode == 'review' then
+    redis.call('HSET', target, rid, value)
+    redis.call('HSET', states, rid, 'review')
+    moved = 1
+  elseif mode == 'drop' then
+    redis.call('HSET', states, rid, 'dropped:' .. value)
+    moved = 1
+  else
+    return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))
+  end
+end
+redis.call('XACK', stream, group, entry)
+redis.call('XDEL', stream, entry)
+return moved

@@ -1,0 +1,292 @@
+//! The store's worker verbs: claim, reclaim, finish (commit / retry / review /
+//! drop, each with its ack), promote due retries, halt.
+
+use redis::AsyncCommands;
+use redis::Value;
+use serde::{Deserialize, Serialize};
+
+use super::{RedisStore, StoreError};
+use crate::keys;
+
+/// A task as delivered to a worker.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub partition: u32,
+    /// The stream entry id (what is acknowledged).
+    pub entry_id: String,
+    pub record_id: String,
+    pub input: String,
+    /// Attempts made before this delivery.
+    pub attempts_before: u32,
+    /// Calls made before this delivery (rate-limited ones included).
+    pub calls_before: u32,
+    /// Validation errors of the previous attempt, as JSON (`[]` when none).
+    pub feedback: String,
+    /// The record's attempt log so far, as a JSON array.
+    pub history: String,
+    /// Times this entry was delivered (1 for a first delivery).
+    pub deliveries: u32,
+}
+
+/// What to do with a delivered task; each is one atomic script with the ack.
+#[derive(Debug, Clone)]
+pub enum Finish {
+    Commit { result: String },
+    Retry { due_ms: u64, task: RetryTask },
+    Review { entry: String },
+    Drop { reason: String },
+}
+
+/// The task put in the delayed set, and back on the stream when due.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RetryTask {
+    pub rid: String,
+    pub input: String,
+    pub attempt: u32,
+    pub calls: u32,
+    pub feedback: String,
+    pub history: String,
+}
+
+/// Where the work of a job stands, from Redis.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Remaining {
+    /// Entries in the streams (new and pending).
+    pub in_streams: u64,
+    /// Tasks waiting to retry.
+    pub delayed: u64,
+}
+
+impl Remaining {
+    pub fn is_empty(&self) -> bool {
+        self.in_streams == 0 && self.delayed == 0
+    }
+}
+
+impl RedisStore {
+    /// Reads up to `count` entries of one partition for `consumer`: new ones
+    /// (`>`), or with `own_pending` the consumer's own pending entries (`0`).
+    pub async fn claim(&self, job: &str, partition: u32, consumer: &str, count: usize, own_pending: bool) -> Result<Vec<Delivery>, StoreError> {
+        let reply: Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg(keys::GROUP)
+            .arg(consumer)
+            .arg("COUNT")
+            .arg(count)
+            .arg("STREAMS")
+            .arg(keys::stream(job, partition))
+            .arg(if own_pending { "0" } else { ">" })
+            .query_async(&mut self.conn.clone())
+            .await?;
+        // [[stream, [[id, [k, v, ...]], ...]]] or nil
+        let mut out = Vec::new();
+        for stream in as_array(&reply) {
+            let parts = as_array(stream);
+            if let Some(entries) = parts.get(1) {
+                for entry in as_array(entries) {
+                    if let Some(d) = parse_entry(partition, entry, 1) {
+                        out.push(d);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Takes over entries idle longer than `min_idle_ms` (their worker died or
+    /// hung). Returns them with their delivery counts.
+    pub async fn reclaim(&self, job: &str, partition: u32, consumer: &str, min_idle_ms: u64, count: usize) -> Result<Vec<Delivery>, StoreError> {
+        let stream = keys::stream(job, partition);
+        let reply: Value = redis::cmd("XAUTOCLAIM")
+            .arg(&stream)
+            .arg(keys::GROUP)
+            .arg(consumer)
+            .arg(min_idle_ms)
+            .arg("0-0")
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let parts = as_array(&reply);
+        let mut out = Vec::new();
+        if let Some(entries) = parts.get(1) {
+            for entry in as_array(entries) {
+                if let Some(mut d) = parse_entry(partition, entry, 1) {
+                    d.deliveries = self.delivery_count(&stream, &d.entry_id).await?.unwrap_or(1);
+                    out.push(d);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn delivery_count(&self, stream: &str, entry_id: &str) -> Result<Option<u32>, StoreError> {
+        let reply: Value = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(keys::GROUP)
+            .arg(entry_id)
+            .arg(entry_id)
+            .arg(1)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(as_array(&reply)
+            .first()
+            .and_then(|row| as_array(row).get(3).and_then(as_u64))
+            .map(|n| n as u32))
+    }
+
+    /// Settles a delivered task and acknowledges it, atomically. Returns false
+    /// when the record was already settled (the call only acknowledged).
+    pub async fn finish(&self, job: &str, d: &Delivery, how: &Finish) -> Result<bool, StoreError> {
+        let p = d.partition;
+        let (mode, target, value, due) = match how {
+            Finish::Commit { result } => ("commit", keys::results(job, p), result.clone(), 0),
+            Finish::Retry { due_ms, task } => (
+                "retry",
+                keys::delayed(job, p),
+                serde_json::to_string(task).map_err(|e| StoreError::Corrupt {
+                    key: keys::delayed(job, p),
+                    reason: e.to_string(),
+                })?,
+                *due_ms,
+            ),
+            Finish::Review { entry } => ("review", keys::review(job, p), entry.clone(), 0),
+            Finish::Drop { reason } => ("drop", keys::state(job, p), reason.clone(), 0),
+        };
+        let moved: i64 = self
+            .scripts
+            .finish
+            .key(keys::stream(job, p))
+            .key(keys::state(job, p))
+            .key(target)
+            .arg(keys::GROUP)
+            .arg(&d.entry_id)
+            .arg(&d.record_id)
+            .arg(mode)
+            .arg(value)
+            .arg(due)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(moved == 1)
+    }
+
+    /// Moves due retries of one partition back to its stream.
+    pub async fn promote_due(&self, job: &str, partition: u32, now_ms: u64, limit: usize) -> Result<u64, StoreError> {
+        let n: u64 = self
+            .scripts
+            .promote
+            .key(keys::stream(job, partition))
+            .key(keys::state(job, partition))
+            .key(keys::delayed(job, partition))
+            .arg(now_ms)
+            .arg(limit)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(n)
+    }
+
+    /// The record's state (`queued`, `delayed`, `done`, ...), if known.
+    pub async fn record_state(&self, job: &str, partition: u32, record_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().hget(keys::state(job, partition), record_id).await?)
+    }
+
+    /// Work left in a job: stream entries and delayed retries over all partitions.
+    pub async fn remaining(&self, job: &str, partitions: u32) -> Result<Remaining, StoreError> {
+        let mut c = self.conn.clone();
+        let mut r = Remaining::default();
+        for p in 0..partitions {
+            let n: u64 = c.xlen(keys::stream(job, p)).await?;
+            let z: u64 = c.zcard(keys::delayed(job, p)).await?;
+            r.in_streams += n;
+            r.delayed += z;
+        }
+        Ok(r)
+    }
+
+    /// Why the job is halted, if it is.
+    pub async fn halted(&self, job: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().get(keys::halt(job)).await?)
+    }
+
+    /// Halts the job's fleet (first reason wins).
+    pub async fn halt(&self, job: &str, reason: &str) -> Result<(), StoreError> {
+        let _: Option<String> = redis::cmd("SET").arg(keys::halt(job)).arg(reason).arg("NX").query_async(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    /// The server's `maxmemory-policy`, or None when CONFIG is not allowed.
+    pub async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
+        let reply: Result<Vec<String>, redis::RedisError> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut self.conn.clone())
+            .await;
+        match reply {
+            Ok(v) => Ok(v.get(1).cloned()),
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) || e.code() == Some("NOPERM") => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// All job names ever enqueued.
+    pub async fn jobs(&self) -> Result<Vec<String>, StoreError> {
+        let mut v: Vec<String> = self.conn.clone().smembers(keys::jobs()).await?;
+        v.sort();
+        Ok(v)
+    }
+}
+
+fn as_array(v: &Value) -> &[Value] {
+    match v {
+        Value::Array(a) => a,
+        _ => &[],
+    }
+}
+
+fn as_string(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        other => as_string(other).and_then(|s| s.parse().ok()),
+    }
+}
+
+/// `[id, [field, value, ...]]` -> Delivery. A deleted entry (nil fields) is skipped.
+fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Delivery> {
+    let parts = as_array(entry);
+    let entry_id = as_string(parts.first()?)?;
+    let fields = as_array(parts.get(1)?);
+    let mut d = Delivery {
+        partition,
+        entry_id,
+        record_id: String::new(),
+        input: String::new(),
+        attempts_before: 0,
+        calls_before: 0,
+        feedback: "[]".into(),
+        history: "[]".into(),
+        deliveries,
+    };
+    for pair in fields.chunks(2) {
+        let (Some(k), Some(v)) = (pair.first().and_then(as_string), pair.get(1).and_then(as_string)) else {
+            continue;
+        };
+        match k.as_str() {
+            "rid" => d.record_id = v,
+            "input" => d.input = v,
+            "attempt" => d.attempts_before = v.parse().unwrap_or(0),
+            "calls" => d.calls_before = v.parse().unwrap_or(0),
+            "feedback" => d.feedback = v,
+            "history" => d.history = v,
+            _ => {}
+        }
+    }
+    (!d.record_id.is_empty()).then_some(d)
+}
