@@ -1,1 +1,9 @@
-//! placeholder
+//! The `worker`: claims tasks, calls the model, validates, decides, commits.
+//!
+//! - [`run`]: the claim / reclaim / promote loop and the shutdown order.
+//! - [`process`]: one task from delivery to its single atomic outcome.
+//! - [`provider`]: the OpenAI-compatible client and failure classification.
+
+pub mod process;
+pub mod provider;
+pub mod run;

@@ -1,1 +1,132 @@
-fn main() {}
+//! `worker`: thin entry point. Parses flags, sets up logs and signals, and
+//! calls [`worker::run::run`].
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use worker::run::{Config, RunError, run};
+
+/// Exit code when a job's fleet is halted (401/403, insufficient quota).
+const EXIT_HALTED: u8 = 3;
+
+#[derive(Debug, Parser)]
+#[command(name = "worker", version, about = "batchfleet worker: claim, call, validate, commit")]
+struct Args {
+    /// Redis URL (`redis://[user:password@]host:port[/db]`).
+    #[arg(long = "redis", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
+    redis_url: String,
+    /// A job to work on (repeat for several); none means every job in Redis.
+    #[arg(long = "job", env = "BATCHFLEET_JOBS", value_delimiter = ',')]
+    jobs: Vec<String>,
+    /// Requests in flight in this process.
+    #[arg(long, env = "BATCHFLEET_CONCURRENCY", default_value_t = 32)]
+    concurrency: usize,
+    /// Consumer name; must be unique per process (default: host-pid-random).
+    #[arg(long, env = "BATCHFLEET_CONSUMER")]
+    consumer: Option<String>,
+    /// Exit once the jobs are complete (nothing queued, pending or delayed).
+    #[arg(long)]
+    drain: bool,
+    /// Seconds in-flight work may take to finish after SIGTERM/SIGINT.
+    #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT_SECS", default_value_t = 25.0)]
+    drain_timeout_secs: f64,
+    /// Milliseconds a pending task may stay idle before another worker takes
+    /// it over (default: the longest provider timeout + 30 s).
+    #[arg(long, env = "BATCHFLEET_VISIBILITY_TIMEOUT_MS")]
+    visibility_timeout_ms: Option<u64>,
+    /// Deliveries after which a task goes to review as poison.
+    #[arg(long, env = "BATCHFLEET_MAX_DELIVERIES", default_value_t = 5)]
+    max_deliveries: u32,
+    /// Milliseconds between claims when idle.
+    #[arg(long, default_value_t = 100)]
+    idle_poll_ms: u64,
+    /// Override every job's provider.base_url (e.g. a local simulator).
+    #[arg(long, env = "BATCHFLEET_BASE_URL")]
+    base_url: Option<String>,
+    /// Start even when Redis may evict keys (tests only).
+    #[arg(long)]
+    allow_evicting_redis: bool,
+    /// Log format: json (default when not a terminal) or text.
+    #[arg(long, env = "BATCHFLEET_LOG_FORMAT")]
+    log_format: Option<String>,
+}
+
+fn default_consumer() -> String {
+    let host = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "worker".into());
+    let suffix: u32 = rand::random();
+    format!("{host}-{}-{:08x}", std::process::id(), suffix)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let json = match args.log_format.as_deref() {
+        Some("json") => true,
+        Some(_) => false,
+        None => !std::io::stderr().is_terminal(),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    if json {
+        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
+    let config = Config {
+        redis_url: args.redis_url,
+        jobs: args.jobs,
+        concurrency: args.concurrency,
+        consumer: args.consumer.unwrap_or_else(default_consumer),
+        drain: args.drain,
+        drain_timeout: Duration::from_secs_f64(args.drain_timeout_secs.max(0.0)),
+        visibility_timeout: args.visibility_timeout_ms.map(Duration::from_millis),
+        max_deliveries: args.max_deliveries,
+        idle_poll: Duration::from_millis(args.idle_poll_ms.max(1)),
+        base_url: args.base_url,
+        allow_evicting_redis: args.allow_evicting_redis,
+    };
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown signal: no new claims; draining in-flight work");
+        on_signal.cancel();
+    });
+    match run(config, cancel).await {
+        Ok(summary) => {
+            eprintln!("worker summary: {}", serde_json::to_string(&summary).unwrap_or_default());
+            if summary.halted.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                for (job, reason) in &summary.halted {
+                    eprintln!("error: job `{job}` is halted ({reason}): tasks stay queued; fix the key or quota, then delete bf:{{{job}}}:halt");
+                }
+                ExitCode::from(EXIT_HALTED)
+            }
+        }
+        Err(RunError::Refused(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
+        let _ = ctrl_c.await;
+        return;
+    };
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term.recv() => {}
+    }
+}

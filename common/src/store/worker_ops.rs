@@ -170,6 +170,25 @@ impl RedisStore {
         Ok(moved == 1)
     }
 
+    /// Acknowledges and deletes an entry whose record is already settled.
+    pub async fn ack(&self, job: &str, d: &Delivery) -> Result<(), StoreError> {
+        let stream = keys::stream(job, d.partition);
+        let _: () = redis::pipe()
+            .atomic()
+            .cmd("XACK")
+            .arg(&stream)
+            .arg(keys::GROUP)
+            .arg(&d.entry_id)
+            .ignore()
+            .cmd("XDEL")
+            .arg(&stream)
+            .arg(&d.entry_id)
+            .ignore()
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
     /// Moves due retries of one partition back to its stream.
     pub async fn promote_due(&self, job: &str, partition: u32, now_ms: u64, limit: usize) -> Result<u64, StoreError> {
         let n: u64 = self

@@ -1,0 +1,265 @@
+//! The OpenAI-compatible chat completions client, and the classification of
+//! everything it can get back into an [`Outcome`]-ready [`CallResult`].
+
+use std::time::{Duration, Instant};
+
+use common::spec::JobSpec;
+use reqwest::StatusCode;
+use reqwest::header::HeaderMap;
+use serde_json::{Value, json};
+
+/// What one call returned, before validation.
+#[derive(Debug, Clone)]
+pub enum CallResult {
+    /// A 200 with a message.
+    Message {
+        content: String,
+        finish_reason: String,
+        refusal: Option<String>,
+        usage: Option<Value>,
+    },
+    /// Anything else, already classified.
+    Failed(CallError),
+}
+
+/// A failed call and what kind of failure it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallError {
+    pub kind: ErrorKind,
+    /// A bounded cause code: `timeout`, `connect`, `http_503`, `insufficient_quota`...
+    pub cause: String,
+    pub status: Option<u16>,
+    pub retry_after_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    Transient,
+    RateLimited,
+    Permanent,
+    FleetHalt,
+}
+
+/// One chat request's parts.
+pub struct Request<'a> {
+    pub system: &'a str,
+    pub user: &'a str,
+    pub response_format: Option<&'a Value>,
+}
+
+/// A client for one job's provider settings.
+#[derive(Clone)]
+pub struct Provider {
+    http: reqwest::Client,
+    url: String,
+    model: String,
+    api_key: String,
+    max_tokens: u32,
+    temperature: f64,
+}
+
+impl Provider {
+    /// `base_url` overrides the spec's (the demo points jobs at llm-sim).
+    pub fn new(spec: &JobSpec, base_url: Option<&str>, api_key: String) -> Result<Provider, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(spec.provider.timeout_secs))
+            .connect_timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(1024)
+            .build()?;
+        let base = base_url.unwrap_or(&spec.provider.base_url).trim_end_matches('/');
+        Ok(Provider {
+            http,
+            url: format!("{base}/chat/completions"),
+            model: spec.provider.model.clone(),
+            api_key,
+            max_tokens: spec.provider.max_tokens,
+            temperature: spec.provider.temperature,
+        })
+    }
+
+    /// Sends one request. Never returns an error: every failure is classified.
+    pub async fn call(&self, req: &Request<'_>) -> (CallResult, Duration) {
+        let started = Instant::now();
+        let mut body = json!({
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": req.system},
+                {"role": "user", "content": req.user},
+            ],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        });
+        if let Some(rf) = req.response_format {
+            body["response_format"] = rf.clone();
+        }
+        let sent = self.http.post(&self.url).bearer_auth(&self.api_key).json(&body).send().await;
+        let result = match sent {
+            Err(e) => CallResult::Failed(transport_error(&e)),
+            Ok(resp) => {
+                let status = resp.status();
+                let headers = resp.headers().clone();
+                match resp.text().await {
+                    Err(e) => CallResult::Failed(transport_error(&e)),
+                    Ok(text) => classify(status, &headers, &text),
+                }
+            }
+        };
+        (result, started.elapsed())
+    }
+}
+
+fn transport_error(e: &reqwest::Error) -> CallError {
+    let cause = if e.is_timeout() {
+        "timeout"
+    } else if e.is_connect() {
+        "connect"
+    } else {
+        "transport"
+    };
+    CallError {
+        kind: ErrorKind::Transient,
+        cause: cause.into(),
+        status: None,
+        retry_after_ms: None,
+    }
+}
+
+/// Classifies a response by status, then by the body's `error.code`/`type`
+/// (two different 429s), with `x-should-retry` overriding.
+pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResult {
+    let retry_after_ms = retry_after_ms(headers);
+    let fail = |kind, cause: String| {
+        CallResult::Failed(CallError {
+            kind,
+            cause,
+            status: Some(status.as_u16()),
+            retry_after_ms,
+        })
+    };
+    if status.is_success() {
+        if text.trim().is_empty() {
+            return fail(ErrorKind::Transient, "empty_body".into());
+        }
+        let Ok(v) = serde_json::from_str::<Value>(text) else {
+            return fail(ErrorKind::Transient, "bad_body".into());
+        };
+        let choice = &v["choices"][0];
+        let message = &choice["message"];
+        if message.is_null() {
+            return fail(ErrorKind::Transient, "no_choices".into());
+        }
+        return CallResult::Message {
+            content: message["content"].as_str().unwrap_or("").to_owned(),
+            finish_reason: choice["finish_reason"].as_str().unwrap_or("").to_owned(),
+            refusal: message["refusal"].as_str().filter(|r| !r.is_empty()).map(str::to_owned),
+            usage: v.get("usage").cloned(),
+        };
+    }
+    let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+    let code = body["error"]["code"].as_str().or(body["error"]["type"].as_str()).unwrap_or("");
+    let should_retry = headers.get("x-should-retry").and_then(|v| v.to_str().ok());
+    let s = status.as_u16();
+    let mut kind = match s {
+        401 | 403 => ErrorKind::FleetHalt,
+        429 if code == "insufficient_quota" || body["error"]["type"] == "insufficient_quota" => ErrorKind::FleetHalt,
+        429 => ErrorKind::RateLimited,
+        408 | 409 | 500..=599 => ErrorKind::Transient,
+        _ => ErrorKind::Permanent,
+    };
+    if kind != ErrorKind::FleetHalt {
+        match should_retry {
+            Some("true") if kind == ErrorKind::Permanent => kind = ErrorKind::Transient,
+            Some("false") if kind == ErrorKind::Transient => kind = ErrorKind::Permanent,
+            _ => {}
+        }
+    }
+    let cause = match (kind, code) {
+        (ErrorKind::FleetHalt, "insufficient_quota") => "insufficient_quota".to_owned(),
+        (ErrorKind::RateLimited, _) => "rate_limited".to_owned(),
+        _ => format!("http_{s}"),
+    };
+    fail(kind, cause)
+}
+
+/// `retry-after-ms`, then `retry-after` as (fractional) seconds. Nonsense is ignored.
+pub fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
+    let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::trim);
+    if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && (0.0..=3_600_000.0).contains(&ms)
+    {
+        return Some(ms.ceil() as u64);
+    }
+    get("retry-after")
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && (0.0..=3600.0).contains(s))
+        .map(|s| (s * 1000.0).ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn kind_of(status: u16, h: &HeaderMap, body: &str) -> (ErrorKind, String) {
+        match classify(StatusCode::from_u16(status).unwrap(), h, body) {
+            CallResult::Failed(e) => (e.kind, e.cause),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_two_429s_are_told_apart_by_the_body() {
+        let quota = r#"{"error": {"code": "insufficient_quota", "type": "insufficient_quota"}}"#;
+        let rate = r#"{"error": {"code": "rate_limit_exceeded", "type": "requests"}}"#;
+        assert_eq!(kind_of(429, &HeaderMap::new(), quota), (ErrorKind::FleetHalt, "insufficient_quota".into()));
+        assert_eq!(kind_of(429, &HeaderMap::new(), rate), (ErrorKind::RateLimited, "rate_limited".into()));
+    }
+
+    #[test]
+    fn statuses_map_to_kinds() {
+        let h = HeaderMap::new();
+        assert_eq!(kind_of(401, &h, "").0, ErrorKind::FleetHalt);
+        assert_eq!(kind_of(403, &h, "").0, ErrorKind::FleetHalt);
+        assert_eq!(kind_of(500, &h, "").0, ErrorKind::Transient);
+        assert_eq!(kind_of(503, &h, "").1, "http_503");
+        assert_eq!(kind_of(408, &h, "").0, ErrorKind::Transient);
+        assert_eq!(kind_of(400, &h, "").0, ErrorKind::Permanent);
+        assert_eq!(kind_of(400, &headers(&[("x-should-retry", "true")]), "").0, ErrorKind::Transient);
+        assert_eq!(kind_of(503, &headers(&[("x-should-retry", "false")]), "").0, ErrorKind::Permanent);
+    }
+
+    #[test]
+    fn empty_and_broken_200s_are_transient() {
+        assert_eq!(kind_of(200, &HeaderMap::new(), "  "), (ErrorKind::Transient, "empty_body".into()));
+        assert_eq!(kind_of(200, &HeaderMap::new(), "{not json"), (ErrorKind::Transient, "bad_body".into()));
+    }
+
+    #[test]
+    fn a_message_keeps_finish_reason_refusal_and_usage() {
+        let body = r#"{"choices":[{"message":{"content":"","refusal":"no"},"finish_reason":"content_filter"}],"usage":{"prompt_tokens":3}}"#;
+        let CallResult::Message { finish_reason, refusal, usage, .. } = classify(StatusCode::OK, &HeaderMap::new(), body) else {
+            panic!()
+        };
+        assert_eq!(finish_reason, "content_filter");
+        assert_eq!(refusal.as_deref(), Some("no"));
+        assert_eq!(usage.unwrap()["prompt_tokens"], 3);
+    }
+
+    #[test]
+    fn retry_hints_in_the_sdk_order_and_nonsense_ignored() {
+        assert_eq!(retry_after_ms(&headers(&[("retry-after-ms", "250"), ("retry-after", "9")])), Some(250));
+        assert_eq!(retry_after_ms(&headers(&[("retry-after", "1.5")])), Some(1500));
+        assert_eq!(retry_after_ms(&headers(&[("retry-after", "-3")])), None);
+        assert_eq!(retry_after_ms(&headers(&[("retry-after", "soon")])), None);
+        assert_eq!(retry_after_ms(&headers(&[("retry-after-ms", "NaN")])), None);
+    }
+}

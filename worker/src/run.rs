@@ -1,0 +1,326 @@
+//! The worker's tasks and its shutdown order.
+//!
+//! One loop claims tasks (own pending first, then new ones) while permits are
+//! free, spawns each on the task tracker, and on a timer reclaims tasks of dead
+//! workers and promotes due retries. Shutdown order: stop claiming; give
+//! in-flight work `drain_timeout` to finish; anything unfinished stays pending
+//! (un-acked) in Redis and is reclaimed by another worker.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::keys;
+use common::spec::JobSpec;
+use common::store::{Delivery, RedisStore, StoreError};
+use common::template::{Template, system_prompt};
+use common::validate::json_schema;
+use serde_json::json;
+use tokio::sync::{Mutex, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::process::{JobCtx, Limits, Settled, now_ms, process};
+use crate::provider::Provider;
+
+/// The worker's configuration; `main` builds it from flags and env.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub redis_url: String,
+    /// Jobs to work on; empty means every job in Redis.
+    pub jobs: Vec<String>,
+    /// Requests in flight in this process.
+    pub concurrency: usize,
+    /// Unique consumer name of this process.
+    pub consumer: String,
+    /// Exit when the jobs are complete (no queued, pending or delayed task).
+    pub drain: bool,
+    /// How long in-flight work may take to finish after SIGTERM.
+    pub drain_timeout: Duration,
+    /// A pending task idle this long is taken over; None: provider timeout + 30 s.
+    pub visibility_timeout: Option<Duration>,
+    /// Deliveries after which a task goes to review as poison.
+    pub max_deliveries: u32,
+    /// Sleep between claims when there is nothing to do.
+    pub idle_poll: Duration,
+    /// Overrides every job's `provider.base_url`.
+    pub base_url: Option<String>,
+    /// Start even when Redis may evict keys (never in production).
+    pub allow_evicting_redis: bool,
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RunSummary {
+    pub outcomes: BTreeMap<String, u64>,
+    pub store_errors: u64,
+    /// Jobs halted, with the reason.
+    pub halted: BTreeMap<String, String>,
+    /// Tasks still running when the drain timeout ran out (left pending).
+    pub abandoned: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+struct Worker {
+    store: RedisStore,
+    jobs: Vec<Arc<JobCtx>>,
+    limits: Limits,
+    config: Config,
+    visibility: Duration,
+    summary: Mutex<RunSummary>,
+}
+
+/// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
+pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
+    let store = RedisStore::connect(&config.redis_url).await?;
+    match store.eviction_policy().await? {
+        Some(p) if p == "noeviction" => {}
+        Some(p) if !config.allow_evicting_redis => {
+            return Err(RunError::Refused(format!(
+                "Redis maxmemory-policy is `{p}`: it can evict queue state and lose records. \
+                 Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction)."
+            )));
+        }
+        None if !config.allow_evicting_redis => {
+            return Err(RunError::Refused(
+                "cannot read Redis maxmemory-policy (CONFIG GET is not allowed): make sure it is `noeviction`, \
+                 then start with --allow-evicting-redis to skip this check"
+                    .into(),
+            ));
+        }
+        _ => tracing::warn!("starting against a Redis whose eviction policy was not verified"),
+    }
+    let names = if config.jobs.is_empty() { store.jobs().await? } else { config.jobs.clone() };
+    let mut jobs = Vec::new();
+    for name in names {
+        jobs.push(Arc::new(load_job(&store, &name, config.base_url.as_deref()).await?));
+    }
+    let max_timeout = jobs.iter().map(|j| j.spec.provider.timeout_secs).max().unwrap_or(60);
+    let visibility = config.visibility_timeout.unwrap_or(Duration::from_secs(max_timeout + 30));
+    if visibility <= Duration::from_secs(max_timeout) {
+        return Err(RunError::Refused(format!(
+            "--visibility-timeout ({visibility:?}) must exceed the longest provider timeout ({max_timeout}s), \
+             or live tasks would be taken over mid-call"
+        )));
+    }
+    let worker = Arc::new(Worker {
+        limits: Limits {
+            max_deliveries: config.max_deliveries,
+            worker: config.consumer.clone(),
+        },
+        store,
+        jobs,
+        visibility,
+        summary: Mutex::new(RunSummary::default()),
+        config,
+    });
+    tracing::info!(consumer = %worker.config.consumer, jobs = worker.jobs.len(), visibility_ms = visibility.as_millis() as u64, "worker started");
+    let tracker = TaskTracker::new();
+    let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
+    worker.main_loop(&tracker, &permits, &cancel).await;
+
+    // Shutdown: claiming has stopped; give in-flight work its deadline.
+    tracker.close();
+    let in_flight = tracker.len();
+    if in_flight > 0 {
+        tracing::info!(in_flight, timeout_ms = worker.config.drain_timeout.as_millis() as u64, "draining in-flight tasks");
+    }
+    let drained = tokio::time::timeout(worker.config.drain_timeout, tracker.wait()).await.is_ok();
+    let mut summary = worker.summary.lock().await.clone();
+    if !drained {
+        summary.abandoned = tracker.len();
+        tracing::warn!(abandoned = summary.abandoned, "drain timeout: unfinished tasks stay pending for another worker");
+    }
+    Ok(summary)
+}
+
+async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Result<JobCtx, RunError> {
+    keys::valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
+    let text = store
+        .load_spec_text(name)
+        .await?
+        .ok_or_else(|| RunError::Refused(format!("job `{name}` does not exist (no spec in Redis): enqueue it first")))?;
+    let spec = JobSpec::parse(&text, &format!("spec of job `{name}`")).map_err(|e| RunError::Refused(e.to_string()))?;
+    let api_key = std::env::var(&spec.provider.api_key_env).unwrap_or_default();
+    if api_key.is_empty() {
+        return Err(RunError::Refused(format!(
+            "job `{name}`: the environment variable {} (provider.api_key_env) is not set",
+            spec.provider.api_key_env
+        )));
+    }
+    let provider = Provider::new(&spec, base_url, api_key).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
+    let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
+    Ok(JobCtx {
+        name: name.to_owned(),
+        system: system_prompt(&spec),
+        user,
+        response_format: spec.provider.structured_output.then(|| json_schema(&spec)),
+        versions: json!(common::spec::versions_map(&spec)),
+        provider,
+        spec,
+    })
+}
+
+impl Worker {
+    async fn main_loop(self: &Arc<Self>, tracker: &TaskTracker, permits: &Arc<Semaphore>, cancel: &CancellationToken) {
+        let mut own_pending = true;
+        let mut last_maintenance = Instant::now() - Duration::from_secs(3600);
+        let maintenance_every = (self.visibility / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
+        let mut last_halt_check = Instant::now() - Duration::from_secs(3600);
+        let mut halted: BTreeMap<String, String> = BTreeMap::new();
+        loop {
+            if cancel.is_cancelled() {
+                return;
+            }
+            // A permit before a claim: a saturated worker does not hoard tasks.
+            let first = tokio::select! {
+                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+                _ = cancel.cancelled() => return,
+            };
+            if last_halt_check.elapsed() >= Duration::from_millis(500) {
+                last_halt_check = Instant::now();
+                halted.clear();
+                for job in &self.jobs {
+                    match self.store.halted(&job.name).await {
+                        Ok(Some(reason)) => {
+                            halted.insert(job.name.clone(), reason);
+                        }
+                        Ok(None) => {}
+                        Err(e) => self.store_error(&e).await,
+                    }
+                }
+            }
+            if last_maintenance.elapsed() >= maintenance_every {
+                last_maintenance = Instant::now();
+                self.maintain(&halted, tracker, permits).await;
+            }
+            let mut claimed = 0usize;
+            let mut first = Some(first);
+            for job in &self.jobs {
+                if halted.contains_key(&job.name) {
+                    continue;
+                }
+                for p in 0..job.spec.job.partitions {
+                    let want = permits.available_permits() + usize::from(first.is_some());
+                    if want == 0 {
+                        break;
+                    }
+                    match self.store.claim(&job.name, p, &self.config.consumer, want, own_pending).await {
+                        Ok(batch) => {
+                            for d in batch {
+                                let permit = match first.take() {
+                                    Some(p) => p,
+                                    None => match permits.clone().try_acquire_owned() {
+                                        Ok(p) => p,
+                                        // Cannot happen (we asked for what was free); leave it pending.
+                                        Err(_) => break,
+                                    },
+                                };
+                                claimed += 1;
+                                self.spawn(tracker, job.clone(), d, permit);
+                            }
+                        }
+                        Err(e) => self.store_error(&e).await,
+                    }
+                }
+            }
+            own_pending = false;
+            drop(first);
+            if claimed > 0 {
+                continue;
+            }
+            if self.config.drain && tracker.is_empty() && self.jobs_finished(&halted).await {
+                let mut s = self.summary.lock().await;
+                s.halted = halted.clone();
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.idle_poll) => {}
+                _ = cancel.cancelled() => return,
+            }
+        }
+    }
+
+    fn spawn(self: &Arc<Self>, tracker: &TaskTracker, job: Arc<JobCtx>, d: Delivery, permit: tokio::sync::OwnedSemaphorePermit) {
+        let me = self.clone();
+        tracker.spawn(async move {
+            let settled = process(&me.store, &job, d, &me.limits).await;
+            drop(permit);
+            let mut s = me.summary.lock().await;
+            match settled {
+                Ok(settled) => {
+                    *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
+                    if let Settled::Halted(reason) = settled {
+                        s.halted.insert(job.name.clone(), reason);
+                    }
+                }
+                Err(e) => {
+                    s.store_errors += 1;
+                    tracing::warn!(error = %e, "store error: the task stays pending and will be retried");
+                }
+            }
+        });
+    }
+
+    /// Promotes due retries and takes over tasks of dead workers.
+    async fn maintain(self: &Arc<Self>, halted: &BTreeMap<String, String>, tracker: &TaskTracker, permits: &Arc<Semaphore>) {
+        let now = now_ms();
+        for job in &self.jobs {
+            for p in 0..job.spec.job.partitions {
+                if let Err(e) = self.store.promote_due(&job.name, p, now, 500).await {
+                    self.store_error(&e).await;
+                }
+                if halted.contains_key(&job.name) {
+                    continue;
+                }
+                let free = permits.available_permits();
+                if free == 0 {
+                    continue;
+                }
+                match self.store.reclaim(&job.name, p, &self.config.consumer, self.visibility.as_millis() as u64, free).await {
+                    Ok(batch) => {
+                        for d in batch {
+                            tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
+                            match permits.clone().try_acquire_owned() {
+                                Ok(permit) => self.spawn(tracker, job.clone(), d, permit),
+                                Err(_) => break, // stays pending, owned by us; reclaimed again later
+                            }
+                        }
+                    }
+                    Err(e) => self.store_error(&e).await,
+                }
+            }
+        }
+    }
+
+    /// Every job is complete, or halted (nothing more this worker can do).
+    async fn jobs_finished(&self, halted: &BTreeMap<String, String>) -> bool {
+        for job in &self.jobs {
+            if halted.contains_key(&job.name) {
+                continue;
+            }
+            match self.store.remaining(&job.name, job.spec.job.partitions).await {
+                Ok(r) if r.is_empty() => {}
+                Ok(_) => return false,
+                Err(e) => {
+                    self.store_error(&e).await;
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    async fn store_error(&self, e: &StoreError) {
+        self.summary.lock().await.store_errors += 1;
+        tracing::warn!(error = %e, "Redis call failed; retrying");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
