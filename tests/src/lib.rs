@@ -185,3 +185,185 @@ pub fn write_records(path: &Path, from: u64, n: u64) {
     }
     f.flush().expect("flush dataset");
 }
+
+/// An `llm-sim` child process on 127.0.0.1 and a free port.
+pub struct LlmSim {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub addr: String,
+}
+
+impl LlmSim {
+    /// Starts llm-sim with extra flags and waits for its address line.
+    pub fn start(args: &[&str]) -> LlmSim {
+        use std::io::BufRead;
+        let mut child = Command::new(bin("llm-sim"))
+            .args(["--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start llm-sim");
+        let stdout = child.stdout.take().expect("llm-sim stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut line).expect("llm-sim address line");
+        let addr = line
+            .trim()
+            .strip_prefix("llm-sim listening on ")
+            .unwrap_or_else(|| panic!("unexpected llm-sim output: {line}"))
+            .to_owned();
+        LlmSim { child, addr }
+    }
+
+    /// The base URL a worker uses (`.../v1`).
+    pub fn base_url(&self) -> String {
+        format!("{}/v1", self.addr)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `GET /stats` -> the `stats` object.
+    pub fn stats(&self) -> serde_json::Value {
+        http_get_json(&self.addr, "/stats")["stats"].clone()
+    }
+
+    /// User messages of recent requests containing `needle`.
+    pub fn log_containing(&self, needle: &str) -> Vec<serde_json::Value> {
+        let q: String = needle
+            .bytes()
+            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .collect();
+        match http_get_json(&self.addr, &format!("/log?contains={q}")) {
+            serde_json::Value::Array(a) => a,
+            other => panic!("unexpected /log reply: {other}"),
+        }
+    }
+
+    /// `POST /admin/limits`.
+    pub fn set_limits(&self, body: &serde_json::Value) {
+        http_request(&self.addr, "POST", "/admin/limits", Some(&body.to_string()));
+    }
+}
+
+impl Drop for LlmSim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A minimal HTTP/1.0 client for the simulator's own endpoints (no extra crates).
+fn http_request(addr: &str, method: &str, path: &str, body: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let host = addr.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(host).expect("connect llm-sim");
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read response");
+    out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()
+}
+
+fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
+    let body = http_request(addr, "GET", path, None);
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("bad JSON from llm-sim {path}: {e}: {body}"))
+}
+
+/// The example spec with replacements, written to `dir/job.toml`.
+pub fn spec_with(dir: &TempDir, replacements: &[(&str, &str)]) -> PathBuf {
+    let mut text = std::fs::read_to_string(example_spec()).expect("read example spec");
+    for (from, to) in replacements {
+        assert!(text.contains(from), "example spec lacks {from:?}");
+        text = text.replacen(from, to, 1);
+    }
+    let path = dir.join("job.toml");
+    std::fs::write(&path, text).expect("write spec");
+    path
+}
+
+/// A `worker` command for one job against a test Redis and simulator.
+pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("worker"));
+    c.args(["--redis", &redis.url(), "--job", job, "--base-url", &sim.base_url(), "--log-format", "json"])
+        .args(["--idle-poll-ms", "20"])
+        .args(extra)
+        .env("OPENAI_API_KEY", "sk-test-key")
+        .env_remove("REDIS_URL")
+        .env_remove("BATCHFLEET_BASE_URL");
+    c
+}
+
+/// Waits for a condition, panicking with `what` after `within`.
+pub fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for a child to exit, killing it (and failing) after `within`.
+pub fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("process {} did not exit within {within:?}", child.id());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A child whose stderr is read on a thread (so a chatty process never blocks
+/// on a full pipe), with a deadline for its exit.
+pub struct Running {
+    pub child: Child,
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Running {
+    /// Spawns `cmd` with stdout discarded and stderr captured.
+    pub fn spawn(mut cmd: Command) -> Running {
+        use std::io::Read;
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn");
+        let mut pipe = child.stderr.take().expect("stderr");
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = pipe.read_to_string(&mut s);
+            s
+        });
+        Running { child, stderr: Some(stderr) }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the exit (killing the process and failing after `within`),
+    /// and returns its status and stderr.
+    pub fn finish(mut self, within: Duration) -> (std::process::ExitStatus, String) {
+        let status = wait_exit(&mut self.child, within);
+        let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        (status, err)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}

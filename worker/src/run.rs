@@ -75,6 +75,8 @@ struct Worker {
     config: Config,
     visibility: Duration,
     summary: Mutex<RunSummary>,
+    /// Jobs this process saw halted, known before the next Redis check.
+    halted_here: std::sync::Mutex<BTreeMap<String, String>>,
 }
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
@@ -119,6 +121,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         jobs,
         visibility,
         summary: Mutex::new(RunSummary::default()),
+        halted_here: std::sync::Mutex::new(BTreeMap::new()),
         config,
     });
     tracing::info!(consumer = %worker.config.consumer, jobs = worker.jobs.len(), visibility_ms = visibility.as_millis() as u64, "worker started");
@@ -184,9 +187,11 @@ impl Worker {
                 p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
                 _ = cancel.cancelled() => return,
             };
-            if last_halt_check.elapsed() >= Duration::from_millis(500) {
+            let seen_here = self.halted_here.lock().map(|h| h.clone()).unwrap_or_default();
+            if last_halt_check.elapsed() >= Duration::from_millis(500) || seen_here.len() > halted.len() {
                 last_halt_check = Instant::now();
                 halted.clear();
+                halted.extend(seen_here);
                 for job in &self.jobs {
                     match self.store.halted(&job.name).await {
                         Ok(Some(reason)) => {
@@ -251,6 +256,10 @@ impl Worker {
     fn spawn(self: &Arc<Self>, tracker: &TaskTracker, job: Arc<JobCtx>, d: Delivery, permit: tokio::sync::OwnedSemaphorePermit) {
         let me = self.clone();
         tracker.spawn(async move {
+            // Claimed before a halt was seen: leave it pending, do not call.
+            if me.halted_here.lock().is_ok_and(|h| h.contains_key(&job.name)) {
+                return;
+            }
             let settled = process(&me.store, &job, d, &me.limits).await;
             drop(permit);
             let mut s = me.summary.lock().await;
@@ -258,6 +267,9 @@ impl Worker {
                 Ok(settled) => {
                     *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
                     if let Settled::Halted(reason) = settled {
+                        if let Ok(mut h) = me.halted_here.lock() {
+                            h.insert(job.name.clone(), reason.clone());
+                        }
                         s.halted.insert(job.name.clone(), reason);
                     }
                 }

@@ -1,0 +1,370 @@
+//! Workers end to end: real redis-server, real llm-sim over HTTP, real
+//! processes killed for real (by pid).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::keys;
+use common::spec::JobSpec;
+use common::validate::{Validation, validate};
+use harness::{LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, wait_for, worker_cmd, write_records};
+use redis::Commands;
+use serde_json::Value;
+
+const P: u32 = 4;
+const FULL_FAULT_MIX: &str = "rate_limit=0.02,server_error=0.02,unavailable=0.02,empty=0.01,broken_json=0.03,fence=0.03,\
+prose=0.02,missing_field=0.03,bad_enum=0.03,bool_number=0.03,content_filter=0.01,length=0.02,hang=0.005";
+
+/// Fast retries and short timeouts for tests.
+fn test_spec(dir: &TempDir, timeout_secs: &str) -> std::path::PathBuf {
+    spec_with(
+        dir,
+        &[
+            ("timeout_secs = 30", &format!("timeout_secs = {timeout_secs}")),
+            ("base_delay_ms = 500", "base_delay_ms = 20"),
+            ("max_delay_ms = 30000", "max_delay_ms = 200"),
+        ],
+    )
+}
+
+fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
+    let out = producer(&[
+        "enqueue",
+        dataset.to_str().unwrap(),
+        "--job",
+        job,
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &redis.url(),
+        "--no-progress",
+    ]);
+    assert!(out.status.success(), "enqueue: {}", stderr(&out));
+}
+
+/// Everything Redis holds about a job's records.
+struct JobView {
+    states: HashMap<String, String>,
+    results: HashMap<String, Value>,
+    reviews: HashMap<String, Value>,
+    in_streams: u64,
+    delayed: u64,
+    pending: u64,
+}
+
+impl JobView {
+    fn read(redis: &RedisServer, job: &str) -> JobView {
+        let mut c = redis.conn();
+        let mut v = JobView {
+            states: HashMap::new(),
+            results: HashMap::new(),
+            reviews: HashMap::new(),
+            in_streams: 0,
+            delayed: 0,
+            pending: 0,
+        };
+        for p in 0..P {
+            v.states.extend(c.hgetall::<_, HashMap<String, String>>(keys::state(job, p)).unwrap());
+            for (k, json) in c.hgetall::<_, HashMap<String, String>>(keys::results(job, p)).unwrap() {
+                v.results.insert(k, serde_json::from_str(&json).unwrap());
+            }
+            for (k, json) in c.hgetall::<_, HashMap<String, String>>(keys::review(job, p)).unwrap() {
+                v.reviews.insert(k, serde_json::from_str(&json).unwrap());
+            }
+            v.in_streams += c.xlen::<_, u64>(keys::stream(job, p)).unwrap();
+            v.delayed += c.zcard::<_, u64>(keys::delayed(job, p)).unwrap();
+            let summary: redis::Value = redis::cmd("XPENDING").arg(keys::stream(job, p)).arg(keys::GROUP).query(&mut c).unwrap();
+            if let redis::Value::Array(parts) = summary
+                && let Some(redis::Value::Int(n)) = parts.first()
+            {
+                v.pending += *n as u64;
+            }
+        }
+        v
+    }
+
+    fn count(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for s in self.states.values() {
+            let class = s.split(':').next().unwrap_or("").to_owned();
+            *out.entry(class).or_default() += 1;
+        }
+        out
+    }
+
+    /// The DESIGN guarantees: every record in exactly one terminal set, one
+    /// result per done record, no result or review for a record not in that set.
+    fn assert_complete(&self, expected: usize) {
+        assert_eq!(self.states.len(), expected, "records known to the job");
+        for (rid, s) in &self.states {
+            let terminal = s == "done" || s == "review" || s.starts_with("dropped:");
+            assert!(terminal, "record {rid} is not terminal: {s}");
+            assert_eq!(self.results.contains_key(rid), s == "done", "result vs state for {rid} ({s})");
+            assert_eq!(self.reviews.contains_key(rid), s == "review", "review vs state for {rid} ({s})");
+        }
+        assert_eq!(self.results.len(), self.count().get("done").copied().unwrap_or(0));
+        assert!(self.results.keys().all(|k| self.states.contains_key(k)), "a result for an unknown record");
+        assert_eq!((self.in_streams, self.delayed, self.pending), (0, 0, 0), "work left over");
+    }
+}
+
+/// Longest a worker may take in these tests.
+const WORKER_DEADLINE: Duration = Duration::from_secs(120);
+
+fn spawn(cmd: std::process::Command) -> Running {
+    Running::spawn(cmd)
+}
+
+fn output(r: Running) -> (std::process::ExitStatus, String) {
+    r.finish(WORKER_DEADLINE)
+}
+
+#[test]
+fn two_workers_with_the_full_fault_mix_account_for_every_record() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "5", "--faults", FULL_FAULT_MIX, "--seed", "11", "--hang-secs", "5"]);
+    let dir = TempDir::new("e2e");
+    let spec_path = test_spec(&dir, "1");
+    let dataset = harness::workspace().join("examples/dataset.jsonl");
+    enqueue(&redis, &dataset, "e2e", &spec_path);
+    let workers: Vec<Running> = (0..2)
+        .map(|_| spawn(worker_cmd(&redis, "e2e", &sim, &["--drain", "--concurrency", "16", "--visibility-timeout-ms", "3000"])))
+        .collect();
+    for w in workers {
+        let (status, err) = output(w);
+        assert!(status.success(), "worker failed: {err}");
+    }
+    let view = JobView::read(&redis, "e2e");
+    view.assert_complete(1201);
+    let counts = view.count();
+    assert_eq!(counts.get("dropped"), Some(&1), "the template-missing record: {counts:?}");
+    assert!(counts.get("done").copied().unwrap_or(0) > 1100, "{counts:?}");
+
+    let spec = JobSpec::parse(&std::fs::read_to_string(&spec_path).unwrap(), "spec").unwrap();
+    for (rid, r) in &view.results {
+        assert_eq!(r["record_id"], rid.as_str());
+        assert_eq!(r["output"]["record_id"], rid.as_str(), "system field filled by code");
+        let mut model_part = r["output"].as_object().unwrap().clone();
+        model_part.remove("record_id");
+        model_part.remove("_model");
+        let check = validate(&spec, &Value::Object(model_part).to_string());
+        assert!(matches!(check, Validation::Valid { .. }), "stored result does not validate: {r}");
+        assert!(r["attempts"].as_u64().unwrap() >= 1);
+        assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "usage kept: {r}");
+    }
+    for (rid, e) in &view.reviews {
+        assert_eq!(e["record_id"], rid.as_str());
+        assert!(e["input"]["message_id"].is_string(), "review keeps the input: {e}");
+        assert!(e["reason"].is_string() && e["attempts"].is_u64());
+        assert!(e.get("last_raw_output").is_some() && e["errors"].is_array() && e["history"].is_array());
+    }
+    // Repairs happened and were recorded (the mix wraps answers in fences and prose).
+    let repaired = view.results.values().filter(|r| !r["repairs"].as_array().unwrap().is_empty()).count();
+    assert!(repaired > 0, "no repair recorded");
+    // llm-sim is the judge: every result is backed by an answer it served.
+    let stats = sim.stats();
+    assert!(stats["served"].as_u64().unwrap() >= view.results.len() as u64, "{stats}");
+}
+
+#[test]
+fn invalid_output_is_retried_with_validation_feedback_only() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.5,server_error=0.3", "--seed", "5"]);
+    let dir = TempDir::new("feedback");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 60);
+    enqueue(&redis, &data, "fb", &spec);
+    let (status, err) = output(spawn(worker_cmd(&redis, "fb", &sim, &["--drain", "--concurrency", "8"])));
+    assert!(status.success(), "{err}");
+    let view = JobView::read(&redis, "fb");
+    view.assert_complete(60);
+    let with_feedback = sim.log_containing("rejected by the validator");
+    assert!(!with_feedback.is_empty(), "no retry carried feedback");
+    for entry in &with_feedback {
+        let user = entry["user"].as_str().unwrap();
+        assert!(user.contains("E_ENUM label"), "feedback names the error and field: {user}");
+        assert!(!user.contains("http_") && !user.contains("500"), "a transport error was fed back: {user}");
+    }
+    // Records retried after an invalid answer show it in their history.
+    let retried = view
+        .results
+        .values()
+        .filter(|r| r["history"].as_array().unwrap().iter().any(|h| h["outcome"] == "invalid_output"))
+        .count();
+    assert_eq!(retried, with_feedback.len(), "one feedback request per invalid answer");
+}
+
+#[test]
+fn kill_9_with_requests_in_flight_is_recovered_without_a_second_result() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "800"]);
+    let dir = TempDir::new("kill9");
+    let spec = test_spec(&dir, "3");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 150);
+    enqueue(&redis, &data, "k", &spec);
+    let mut victim = worker_cmd(&redis, "k", &sim, &["--concurrency", "100", "--visibility-timeout-ms", "4000", "--consumer", "victim"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("requests in flight", Duration::from_secs(30), || sim.stats()["requests"].as_u64().unwrap() >= 50);
+    victim.kill().unwrap(); // SIGKILL, by pid
+    victim.wait().unwrap();
+    let before = JobView::read(&redis, "k");
+    assert!(before.pending > 0, "the victim died holding tasks");
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "k",
+        &sim,
+        &["--drain", "--concurrency", "100", "--visibility-timeout-ms", "4000", "--consumer", "rescuer"],
+    )));
+    assert!(status.success(), "{err}");
+    assert!(err.contains("reclaimed a task"), "the rescuer reclaimed nothing");
+    let view = JobView::read(&redis, "k");
+    view.assert_complete(150);
+    assert_eq!(view.count().get("done"), Some(&150));
+    // Attempts lost with the victim are counted, not hidden.
+    assert!(view.results.values().any(|r| r["attempts"].as_u64().unwrap() >= 2), "lost attempts not counted");
+}
+
+#[test]
+fn sigterm_stops_claiming_and_finishes_in_flight_work() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "300"]);
+    let dir = TempDir::new("term");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 400);
+    enqueue(&redis, &data, "t", &spec);
+    let child = spawn(worker_cmd(&redis, "t", &sim, &["--concurrency", "10", "--drain-timeout-secs", "20"]));
+    wait_for("some commits", Duration::from_secs(30), || JobView::read(&redis, "t").results.len() >= 20);
+    assert!(std::process::Command::new("kill").args(["-TERM", &child.pid().to_string()]).status().unwrap().success());
+    let (status, err) = output(child);
+    assert!(status.success(), "drained worker exits 0: {err}");
+    let view = JobView::read(&redis, "t");
+    assert_eq!(view.pending, 0, "in-flight tasks were finished and acked, not abandoned");
+    assert!(view.in_streams > 0, "it stopped claiming: work is left for others");
+    let (status, err) = output(spawn(worker_cmd(&redis, "t", &sim, &["--drain", "--concurrency", "50"])));
+    assert!(status.success(), "{err}");
+    JobView::read(&redis, "t").assert_complete(400);
+}
+
+#[test]
+fn a_task_delivered_too_often_goes_to_review_as_poison() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("poison");
+    let spec = test_spec(&dir, "1");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 3);
+    enqueue(&redis, &data, "poison", &spec);
+    // A "ghost" consumer takes every task, then one entry's delivery count is
+    // pushed past the limit, as repeated crashes on it would.
+    let mut c = redis.conn();
+    let mut poisoned = None;
+    for p in 0..P {
+        let stream = keys::stream("poison", p);
+        let reply: redis::streams::StreamReadReply = c
+            .xread_options(&[&stream], &[">"], &redis::streams::StreamReadOptions::default().group(keys::GROUP, "ghost"))
+            .unwrap();
+        for key in reply.keys {
+            for id in key.ids {
+                if poisoned.is_none() {
+                    let _: redis::Value = redis::cmd("XCLAIM")
+                        .arg(&stream)
+                        .arg(keys::GROUP)
+                        .arg("ghost")
+                        .arg(0)
+                        .arg(&id.id)
+                        .arg("RETRYCOUNT")
+                        .arg(9)
+                        .query(&mut c)
+                        .unwrap();
+                    poisoned = Some(id.get::<String>("rid").unwrap());
+                }
+            }
+        }
+    }
+    let poisoned = poisoned.expect("a task to poison");
+    std::thread::sleep(Duration::from_millis(1600));
+    let (status, err) = output(spawn(worker_cmd(&redis, "poison", &sim, &["--drain", "--visibility-timeout-ms", "1500"])));
+    assert!(status.success(), "{err}");
+    let view = JobView::read(&redis, "poison");
+    view.assert_complete(3);
+    assert_eq!(view.states[&poisoned], "review");
+    assert_eq!(view.reviews[&poisoned]["reason"], "poison");
+    assert_eq!(view.count().get("done"), Some(&2));
+    assert!(sim.log_containing("message number").len() == 2, "the poison task was never sent to the model");
+}
+
+#[test]
+fn a_401_halts_the_fleet_and_leaves_every_task_queued() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--api-key", "sk-the-right-one"]);
+    let dir = TempDir::new("halt");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 200);
+    enqueue(&redis, &data, "h", &spec);
+    let (status, err) = spawn(worker_cmd(&redis, "h", &sim, &["--drain", "--concurrency", "4"])).finish(Duration::from_secs(30));
+    assert_eq!(status.code(), Some(3), "halted exit code: {err}");
+    assert!(err.contains("halted") && err.contains("http_401"), "{err}");
+    let view = JobView::read(&redis, "h");
+    assert!(view.results.is_empty() && view.reviews.is_empty());
+    assert!(view.states.values().all(|s| s == "queued"), "every record stays queued: {:?}", view.count());
+    assert_eq!(view.in_streams, 200, "no task was acked or lost");
+    let halt: Option<String> = redis.conn().get(keys::halt("h")).unwrap();
+    assert_eq!(halt.as_deref(), Some("http_401"));
+    let sent = sim.stats()["requests"].as_u64().unwrap();
+    assert!(sent <= 8, "the fleet kept calling after a 401: {sent} requests");
+    assert!(!err.contains("sk-test-key"), "the API key leaked into logs");
+}
+
+#[test]
+fn a_redelivered_commit_is_a_no_op() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("redeliver");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "r", &spec);
+    let (status, err) = output(spawn(worker_cmd(&redis, "r", &sim, &["--drain"])));
+    assert!(status.success(), "{err}");
+    let first = JobView::read(&redis, "r");
+    first.assert_complete(5);
+    // Put a copy of every task back, as a crash between commit and ack would.
+    let mut c = redis.conn();
+    for p in 0..P {
+        let results: HashMap<String, String> = c.hgetall(keys::results("r", p)).unwrap();
+        for rid in results.keys() {
+            let _: String = c.xadd(keys::stream("r", p), "*", &[("rid", rid.as_str()), ("input", "{}")]).unwrap();
+        }
+    }
+    let requests_before = sim.stats()["requests"].as_u64().unwrap();
+    let (status, err) = output(spawn(worker_cmd(&redis, "r", &sim, &["--drain"])));
+    assert!(status.success(), "{err}");
+    assert!(err.contains("\"already_settled\":5"), "{err}");
+    let second = JobView::read(&redis, "r");
+    second.assert_complete(5);
+    assert_eq!(second.results, first.results, "results unchanged");
+    assert_eq!(sim.stats()["requests"].as_u64().unwrap(), requests_before, "no model call for a settled record");
+}
+
+#[test]
+fn the_worker_refuses_a_redis_that_can_evict() {
+    let redis = RedisServer::start_with(&["--save", "", "--appendonly", "no", "--maxmemory-policy", "allkeys-lru"]);
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("evict");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 2);
+    enqueue(&redis, &data, "ev", &spec);
+    let (status, err) = output(spawn(worker_cmd(&redis, "ev", &sim, &["--drain"])));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("maxmemory-policy is `allkeys-lru`") && err.contains("noeviction"), "{err}");
+}
