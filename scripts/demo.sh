@@ -1,33 +1,61 @@
 #!/usr/bin/env bash
-# `make demo`: enqueues the example dataset into a throwaway Redis (or the one
-# REDIS_URL names) and prints the summary and the job manifest.
+# `make demo`: the example job end to end on this machine.
+# Starts a throwaway redis-server (unless REDIS_URL is set) and llm-sim with a
+# realistic fault mix (unless OPENAI_API_KEY and BATCHFLEET_BASE_URL are set,
+# then that endpoint is used), enqueues examples/dataset.jsonl, runs two
+# workers until the job is drained, and prints the job status and where the
+# results are. Everything it starts binds to 127.0.0.1 and is stopped at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 bin=target/release
 work=.demo
 rm -rf "$work"; mkdir -p "$work"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  stop_redis
+}
+trap cleanup EXIT
+
 if [ -n "${REDIS_URL:-}" ]; then
-  echo "using Redis from REDIS_URL"
+  echo "using the Redis in REDIS_URL"
 else
   start_redis "$work/redis"
-  trap stop_redis EXIT
   export REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
-  echo "started a throwaway redis-server on 127.0.0.1:$REDIS_PORT (pid $REDIS_PID)"
+  echo "started a throwaway redis-server on 127.0.0.1:$REDIS_PORT"
 fi
+
+if [ -n "${OPENAI_API_KEY:-}" ] && [ -n "${BATCHFLEET_BASE_URL:-}" ]; then
+  echo "using the model endpoint in BATCHFLEET_BASE_URL"
+else
+  faults="rate_limit=0.02,server_error=0.01,unavailable=0.01,empty=0.005,broken_json=0.02,fence=0.03,prose=0.02,missing_field=0.02,bad_enum=0.02,bool_number=0.02,content_filter=0.005,length=0.01"
+  $bin/llm-sim --latency-ms 150 --rpm 20000 --faults "$faults" --seed 7 >"$work/llm-sim.out" 2>"$work/llm-sim.log" &
+  pids+=($!)
+  for _ in $(seq 1 100); do grep -q listening "$work/llm-sim.out" 2>/dev/null && break; sleep 0.05; done
+  addr=$(sed -n 's/^llm-sim listening on //p' "$work/llm-sim.out")
+  export BATCHFLEET_BASE_URL="$addr/v1" OPENAI_API_KEY="sk-demo-not-a-real-key"
+  echo "started llm-sim on $addr (150 ms mean latency, 20000 requests/min, fault mix: $faults)"
+fi
+
 job=demo-$(date +%Y%m%d-%H%M%S)
 echo
-echo "== producer spec check examples/job.toml"
-$bin/producer spec check examples/job.toml | head -1
-echo
 echo "== producer enqueue examples/dataset.jsonl --job $job --spec examples/job.toml"
-$bin/producer enqueue examples/dataset.jsonl --job "$job" --spec examples/job.toml
+$bin/producer enqueue examples/dataset.jsonl --job "$job" --spec examples/job.toml --no-progress
 echo
-echo "== again: an idempotent rerun enqueues nothing new"
-$bin/producer enqueue examples/dataset.jsonl --job "$job" --spec examples/job.toml --no-progress | sed -n '1p;5,7p'
+echo "== two workers, until the job is drained (logs in $work/worker-*.log)"
+for i in 1 2; do
+  $bin/worker --job "$job" --drain --concurrency 32 --log-format json 2>"$work/worker-$i.log" &
+  pids+=($!)
+done
+worker_pids=("${pids[@]: -2}")
+for p in "${worker_pids[@]}"; do wait "$p"; done
+for i in 1 2; do echo "worker $i: $(tail -1 "$work/worker-$i.log")"; done
 echo
-echo "== producer dropped --job $job"
-$bin/producer dropped --job "$job"
+echo "== producer status --job $job --require-complete"
+$bin/producer status --job "$job" --require-complete
 echo
-echo "== producer manifest --job $job"
-$bin/producer manifest --job "$job"
+$bin/producer export --job "$job" --out "$work/results.jsonl"
+echo "results: $work/results.jsonl ($(wc -l <"$work/results.jsonl") records); one of them:"
+head -1 "$work/results.jsonl" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(json.dumps({k: r[k] for k in ("record_id","key","output","attempts")}, indent=2))'
+echo "review queue: Redis hashes bf:{$job:pN}:review; dropped lines: producer dropped --job $job"

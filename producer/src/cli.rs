@@ -14,6 +14,8 @@ use crate::enqueue::{EnqueueArgs, EnqueueError, Summary, enqueue};
 
 /// Exit code when input (spec, dataset, flags) is refused.
 pub const EXIT_INPUT: u8 = 2;
+/// Exit code of `status --require-complete` for an incomplete job.
+pub const EXIT_INCOMPLETE: u8 = 4;
 /// Exit code when an enqueue was interrupted (rerun to resume).
 pub const EXIT_INTERRUPTED: u8 = 130;
 
@@ -44,6 +46,29 @@ pub enum Command {
         job: String,
         #[command(flatten)]
         redis: RedisArgs,
+    },
+    /// Where every record of a job is (from Redis, not counters).
+    Status {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Exit non-zero unless every expected record is in exactly one terminal set.
+        #[arg(long)]
+        require_complete: bool,
+    },
+    /// Write a job's results as JSONL (one line per record, keyed by record_id).
+    Export {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// Output file (`-` for stdout).
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Print a job's dropped lines (JSONL: line, id, reason, detail).
     Dropped {
@@ -138,6 +163,31 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             for d in store.dropped_lines(&job).await? {
                 println!("{}", serde_json::to_string(&d)?);
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { job, redis, json, require_complete } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let s = crate::status::status(&store, &job).await?;
+            if json {
+                println!("{}", serde_json::to_string(&s)?);
+            } else {
+                crate::status::print(&s);
+            }
+            Ok(if require_complete && !s.complete { ExitCode::from(EXIT_INCOMPLETE) } else { ExitCode::SUCCESS })
+        }
+        Command::Export { job, redis, out } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let Some(manifest) = store.load_manifest(&job).await? else {
+                eprintln!("error: job `{job}` has no manifest (never enqueued to completion)");
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            let n = if out.as_os_str() == "-" {
+                crate::status::export(&store, &job, manifest.partitions, &mut std::io::stdout().lock()).await?
+            } else {
+                let file = std::fs::File::create(&out).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
+                crate::status::export(&store, &job, manifest.partitions, &mut std::io::BufWriter::new(file)).await?
+            };
+            eprintln!("exported {n} results of job {job} to {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
         Command::Enqueue(cmd) => run_enqueue(cmd, cancel).await,

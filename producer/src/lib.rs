@@ -4,8 +4,10 @@
 //! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
 //! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
 //! - [`progress`]: progress bar or periodic log lines.
+//! - [`status`]: where every record of a job is; results export.
 
 pub mod cli;
 pub mod enqueue;
 pub mod progress;
 pub mod reader;
+pub mod status;

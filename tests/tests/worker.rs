@@ -163,6 +163,12 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
     // Repairs happened and were recorded (the mix wraps answers in fences and prose).
     let repaired = view.results.values().filter(|r| !r["repairs"].as_array().unwrap().is_empty()).count();
     assert!(repaired > 0, "no repair recorded");
+    let status = producer(&["status", "--job", "e2e", "--redis", &redis.url(), "--json", "--require-complete"]);
+    assert!(status.status.success(), "status --require-complete: {}", harness::stdout(&status));
+    let s: Value = serde_json::from_str(&harness::stdout(&status)).unwrap();
+    assert_eq!(s["done"].as_u64().unwrap() as usize, view.results.len());
+    assert_eq!(s["missing"], 0);
+    assert!(s["tokens"]["prompt"].as_u64().unwrap() > 0);
     // llm-sim is the judge: every result is backed by an answer it served.
     let stats = sim.stats();
     assert!(stats["served"].as_u64().unwrap() >= view.results.len() as u64, "{stats}");
@@ -247,6 +253,8 @@ fn sigterm_stops_claiming_and_finishes_in_flight_work() {
     assert!(status.success(), "drained worker exits 0: {err}");
     let view = JobView::read(&redis, "t");
     assert_eq!(view.pending, 0, "in-flight tasks were finished and acked, not abandoned");
+    let incomplete = producer(&["status", "--job", "t", "--redis", &redis.url(), "--require-complete"]);
+    assert_eq!(incomplete.status.code(), Some(4), "an unfinished job is not complete");
     assert!(view.in_streams > 0, "it stopped claiming: work is left for others");
     let (status, err) = output(spawn(worker_cmd(&redis, "t", &sim, &["--drain", "--concurrency", "50"])));
     assert!(status.success(), "{err}");
@@ -298,7 +306,8 @@ fn a_task_delivered_too_often_goes_to_review_as_poison() {
     assert_eq!(view.states[&poisoned], "review");
     assert_eq!(view.reviews[&poisoned]["reason"], "poison");
     assert_eq!(view.count().get("done"), Some(&2));
-    assert!(sim.log_containing("message number").len() == 2, "the poison task was never sent to the model");
+    let sent = sim.log_containing("message number").len();
+    assert_eq!(sent, 2, "only the two healthy tasks were sent to the model");
 }
 
 #[test]

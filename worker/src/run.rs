@@ -173,8 +173,11 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
 
 impl Worker {
     async fn main_loop(self: &Arc<Self>, tracker: &TaskTracker, permits: &Arc<Semaphore>, cancel: &CancellationToken) {
+        // The first pass reads this consumer's own pending entries; reclaiming
+        // waits until after it, or the entries it takes over would be read
+        // again as "own pending" and processed twice.
         let mut own_pending = true;
-        let mut last_maintenance = Instant::now() - Duration::from_secs(3600);
+        let mut last_maintenance = Instant::now();
         let maintenance_every = (self.visibility / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
         let mut last_halt_check = Instant::now() - Duration::from_secs(3600);
         let mut halted: BTreeMap<String, String> = BTreeMap::new();

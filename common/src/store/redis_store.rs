@@ -234,6 +234,40 @@ impl RedisStore {
         Ok(total)
     }
 
+    /// Calls `f` for every field and value of a hash, scanning in pages
+    /// (HSCAN): memory stays flat however large the hash is.
+    pub async fn scan_hash(&self, key: &str, mut f: impl FnMut(String, String)) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, items): (u64, Vec<String>) = redis::cmd("HSCAN").arg(key).arg(cursor).arg("COUNT").arg(1000).query_async(&mut c).await?;
+            let mut it = items.into_iter();
+            while let (Some(field), Some(value)) = (it.next(), it.next()) {
+                f(field, value);
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
+    /// Entries delivered but not yet acknowledged, per the consumer group.
+    pub async fn pending_count(&self, job: &str, partition: u32) -> Result<u64, StoreError> {
+        let reply: redis::Value = redis::cmd("XPENDING")
+            .arg(keys::stream(job, partition))
+            .arg(keys::GROUP)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(match reply {
+            redis::Value::Array(parts) => match parts.first() {
+                Some(redis::Value::Int(n)) => *n as u64,
+                _ => 0,
+            },
+            _ => 0,
+        })
+    }
+
     /// Number of tasks in each partition stream (entries not yet deleted).
     pub async fn stream_lengths(&self, job: &str, partitions: u32) -> Result<Vec<u64>, StoreError> {
         let mut c = self.conn.clone();

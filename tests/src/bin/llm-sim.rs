@@ -460,6 +460,9 @@ fn type_names(prop: &Value) -> Vec<String> {
 /// A conforming answer: deterministic per prompt and seed. Without a schema,
 /// a prose answer (what an unconstrained model tends to give).
 fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
+    // Answer the record, not the validator's feedback appended to it.
+    let user = user.split("\n\nYour previous answer").next().unwrap_or(user);
+    let user = user.rsplit("Message:").next().unwrap_or(user);
     let props = schema_props(response_format);
     if props.is_empty() {
         return json!(format!("This message looks like a question about {}.", user.split_whitespace().last().unwrap_or("something")));

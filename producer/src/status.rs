@@ -1,0 +1,150 @@
+//! `producer status` and `producer export`: where every record of a job is,
+//! read from the job's state in Redis (not from counters that could drift).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use common::keys;
+use common::store::{RedisStore, StoreError};
+use serde::Serialize;
+use serde_json::Value;
+
+/// Where a job's records are.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct JobStatus {
+    pub job: String,
+    /// From the manifest (None before an enqueue completed).
+    pub expected: Option<u64>,
+    /// Records the job's state knows.
+    pub known: u64,
+    /// Waiting in a stream, not delivered yet.
+    pub queued: u64,
+    /// Delivered to a worker, not yet settled.
+    pub in_flight: u64,
+    /// Waiting to retry.
+    pub delayed: u64,
+    pub done: u64,
+    pub review: u64,
+    pub dropped: u64,
+    pub dropped_by_reason: BTreeMap<String, u64>,
+    pub cancelled: u64,
+    /// Expected records the job's state does not know (should be 0).
+    pub missing: u64,
+    /// Every expected record is in exactly one terminal set.
+    pub complete: bool,
+    /// Attempts per done record: attempts -> records.
+    pub attempts_histogram: BTreeMap<u64, u64>,
+    pub tokens: Tokens,
+    pub halted: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Tokens {
+    pub prompt: u64,
+    pub completion: u64,
+    pub cached: u64,
+}
+
+/// Reads the status of a job from Redis.
+pub async fn status(store: &RedisStore, job: &str) -> Result<JobStatus, StoreError> {
+    let manifest = store.load_manifest(job).await?;
+    let partitions = match &manifest {
+        Some(m) => m.partitions,
+        None => common::spec::JobSpec::parse(&store.load_spec_text(job).await?.unwrap_or_default(), job)
+            .map(|s| s.job.partitions)
+            .unwrap_or(0),
+    };
+    let mut s = JobStatus {
+        job: job.to_owned(),
+        expected: manifest.map(|m| m.expected_records),
+        halted: store.halted(job).await?,
+        ..JobStatus::default()
+    };
+    let mut queued_state = 0u64;
+    for p in 0..partitions {
+        store
+            .scan_hash(&keys::state(job, p), |_, state| {
+                s.known += 1;
+                match state.as_str() {
+                    "queued" => queued_state += 1,
+                    "delayed" => s.delayed += 1,
+                    "done" => s.done += 1,
+                    "review" => s.review += 1,
+                    "cancelled" => s.cancelled += 1,
+                    other => {
+                        if let Some(reason) = other.strip_prefix("dropped:") {
+                            s.dropped += 1;
+                            *s.dropped_by_reason.entry(reason.to_owned()).or_default() += 1;
+                        }
+                    }
+                }
+            })
+            .await?;
+        s.in_flight += store.pending_count(job, p).await?;
+        store
+            .scan_hash(&keys::results(job, p), |_, json| {
+                let Ok(r) = serde_json::from_str::<Value>(&json) else { return };
+                *s.attempts_histogram.entry(r["attempts"].as_u64().unwrap_or(0)).or_default() += 1;
+                for h in r["history"].as_array().into_iter().flatten() {
+                    let u = &h["usage"];
+                    s.tokens.prompt += u["prompt_tokens"].as_u64().unwrap_or(0);
+                    s.tokens.completion += u["completion_tokens"].as_u64().unwrap_or(0);
+                    s.tokens.cached += u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                }
+            })
+            .await?;
+    }
+    s.queued = queued_state.saturating_sub(s.in_flight);
+    s.missing = s.expected.map_or(0, |e| e.saturating_sub(s.known));
+    let terminal = s.done + s.review + s.dropped + s.cancelled;
+    s.complete = s.expected.is_some_and(|e| e == s.known && terminal == s.known);
+    Ok(s)
+}
+
+/// Writes every result of a job as JSONL; returns how many.
+pub async fn export(store: &RedisStore, job: &str, partitions: u32, out: &mut impl Write) -> anyhow::Result<u64> {
+    let mut n = 0u64;
+    let mut failed: Option<std::io::Error> = None;
+    for p in 0..partitions {
+        store
+            .scan_hash(&keys::results(job, p), |_, json| {
+                if failed.is_none() {
+                    match writeln!(out, "{json}") {
+                        Ok(()) => n += 1,
+                        Err(e) => failed = Some(e),
+                    }
+                }
+            })
+            .await?;
+    }
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    out.flush()?;
+    Ok(n)
+}
+
+/// The human view of a status.
+pub fn print(s: &JobStatus) {
+    println!("job {}: {}", s.job, if s.complete { "COMPLETE" } else { "not complete" });
+    if let Some(reason) = &s.halted {
+        println!("  HALTED: {reason} (claiming stopped; tasks stay queued)");
+    }
+    println!("  expected     {}", s.expected.map_or("? (no manifest)".into(), |e| e.to_string()));
+    println!("  queued       {}", s.queued);
+    println!("  in flight    {}", s.in_flight);
+    println!("  delayed      {}", s.delayed);
+    println!("  done         {}", s.done);
+    println!("  review       {}", s.review);
+    println!("  dropped      {}", s.dropped);
+    for (reason, n) in &s.dropped_by_reason {
+        println!("    {reason:<26} {n}");
+    }
+    if s.cancelled > 0 {
+        println!("  cancelled    {}", s.cancelled);
+    }
+    println!("  missing      {}", s.missing);
+    let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
+    println!("  attempts     {} (attempts:records over done records)", hist.join(" "));
+    println!("  tokens       {} prompt ({} cached), {} completion", s.tokens.prompt, s.tokens.cached, s.tokens.completion);
+}
