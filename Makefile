@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test build bench bench-enqueue deps lint clean
+.PHONY: demo test build bench bench-enqueue bench-worker deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -20,7 +20,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue
+bench: bench-enqueue bench-worker
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -33,3 +33,8 @@ deps:
 clean:
 	$(CARGO) clean
 	rm -rf .demo .bench
+
+## bench-worker: records/s per worker vs raw HTTP at zero latency; in-flight and RSS at 1 s latency
+bench-worker: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-worker.py

@@ -103,6 +103,9 @@ struct Stats {
     prompt_tokens: u64,
     completion_tokens: u64,
     with_feedback: u64,
+    /// Requests being answered right now, and the most at once.
+    in_flight: u64,
+    max_in_flight: u64,
 }
 
 const LOG_CAP: usize = 20_000;
@@ -180,13 +183,27 @@ fn go_duration(secs: f64) -> String {
 async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: String) -> Response {
     if let Ok(mut s) = sim.stats.lock() {
         s.requests += 1;
+        s.in_flight += 1;
+        s.max_in_flight = s.max_in_flight.max(s.in_flight);
     }
+    // Counted down even when the client gives up and the handler is dropped.
+    let _guard = InFlight(&sim);
     let result = answer(&sim, &headers, &body).await;
     let status = result.status().as_u16();
     if let Ok(mut s) = sim.stats.lock() {
         *s.by_status.entry(status).or_default() += 1;
     }
     result
+}
+
+struct InFlight<'a>(&'a Sim);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.stats.lock() {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+    }
 }
 
 async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""`make bench-worker`: worker throughput and memory, with a baseline of the same run.
+
+1. llm-sim at zero latency. Baseline: `sim-load` sends the same number of chat
+   requests at the same concurrency with the same HTTP client (no Redis, no
+   validation). Then one worker drains N enqueued tasks. Reported: records/s of
+   the worker, requests/s of the baseline, their ratio, the worker's peak RSS.
+2. llm-sim at 1 s mean latency, one worker with --concurrency 1000: how many
+   requests it keeps in flight (llm-sim counts them) and its RSS at that point.
+
+Everything binds to 127.0.0.1 and is stopped at the end. Release build.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release")
+N = int(os.environ.get("N", "100000"))
+CONC = int(os.environ.get("CONCURRENCY", "64"))
+N_SLOW = int(os.environ.get("N_SLOW", "6000"))
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def start_sim(*args):
+    p = subprocess.Popen([os.path.join(BIN, "llm-sim"), "--port", "0", *args], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline().strip()
+    return p, line.removeprefix("llm-sim listening on ")
+
+
+def sim_stats(addr):
+    with urllib.request.urlopen(addr + "/stats") as r:
+        return json.load(r)["stats"]
+
+
+def rss_kb(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def write_dataset(path, n, prefix):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"message_id": f"{prefix}-{i}", "channel": "email", "task_type": "classify",
+                                "text": f"message {i}: my order A{i:06d} has not arrived"}) + "\n")
+
+
+def enqueue(redis_url, path, job):
+    subprocess.run([os.path.join(BIN, "producer"), "enqueue", path, "--job", job, "--spec",
+                    os.path.join(ROOT, "examples", "job.toml"), "--redis", redis_url, "--no-progress"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def worker(redis_url, job, base_url, concurrency, log):
+    env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
+    return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", redis_url, "--job", job, "--drain",
+                             "--concurrency", str(concurrency), "--base-url", base_url, "--idle-poll-ms", "20"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="bf-bench-worker-")
+    port = free_port()
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    procs = [redis]
+    try:
+        url = f"redis://127.0.0.1:{port}"
+        for _ in range(100):
+            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.05)
+        # 1a. Baseline: raw requests against a zero-latency simulator.
+        sim, addr = start_sim("--seed", "3")
+        procs.append(sim)
+        out = subprocess.run([os.path.join(BIN, "sim-load"), addr + "/v1", str(N), str(CONC)],
+                             check=True, capture_output=True, text=True).stdout
+        base = json.loads(out)
+        sim.terminate(); sim.wait()
+        # 1b. One worker draining N tasks against a fresh zero-latency simulator.
+        sim, addr = start_sim("--seed", "3")
+        procs.append(sim)
+        data = os.path.join(tmp, "fast.jsonl")
+        write_dataset(data, N, "fast")
+        enqueue(url, data, "bench-fast")
+        log = open(os.path.join(tmp, "worker-fast.log"), "w")
+        t0 = time.time()
+        w = worker(url, "bench-fast", addr + "/v1", CONC, log)
+        peak = 0
+        while w.poll() is None:
+            peak = max(peak, rss_kb(w.pid))
+            time.sleep(0.1)
+        wall = time.time() - t0
+        assert w.returncode == 0, f"worker failed, see {log.name}"
+        fast = N / wall
+        served = sim_stats(addr)["requests"]
+        sim.terminate(); sim.wait()
+        # 2. 1 s mean latency, 1000 in flight.
+        sim, addr = start_sim("--latency-ms", "1000", "--seed", "3")
+        procs.append(sim)
+        data = os.path.join(tmp, "slow.jsonl")
+        write_dataset(data, N_SLOW, "slow")
+        enqueue(url, data, "bench-slow")
+        log2 = open(os.path.join(tmp, "worker-slow.log"), "w")
+        w = worker(url, "bench-slow", addr + "/v1", 1000, log2)
+        max_in_flight, rss_at_max, peak_slow = 0, 0, 0
+        while w.poll() is None:
+            s = sim_stats(addr)
+            r = rss_kb(w.pid)
+            peak_slow = max(peak_slow, r)
+            if s["in_flight"] >= max_in_flight:
+                max_in_flight, rss_at_max = s["in_flight"], r
+            time.sleep(0.1)
+        assert w.returncode == 0, f"worker failed, see {log2.name}"
+        sim.terminate(); sim.wait()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print()
+    print("| run | baseline (sim-load, same concurrency) | worker | ratio | worker peak RSS |")
+    print("|---|---|---|---|---|")
+    print(f"| {N:,} tasks, 0 ms latency, concurrency {CONC} | {base['per_sec']:,.0f} req/s | {fast:,.0f} records/s "
+          f"({served:,} requests) | {fast / base['per_sec']:.2f} | {peak / 1024:.1f} MiB |")
+    print()
+    print("| run | most requests in flight (llm-sim) | worker RSS then | worker peak RSS |")
+    print("|---|---|---|---|")
+    print(f"| {N_SLOW:,} tasks, 1 s mean latency, concurrency 1000 | {max_in_flight} | {rss_at_max / 1024:.1f} MiB "
+          f"| {peak_slow / 1024:.1f} MiB |")
+    ok = peak_slow < 100 * 1024 and max_in_flight >= 900
+    print()
+    print("target (>= 900 in flight, RSS < 100 MiB at 1,000 in flight):", "met" if ok else "NOT met")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
