@@ -40,9 +40,15 @@ pub enum Decision {
         /// Validation errors to show the model next time (never transport errors).
         feedback: Option<Vec<FieldError>>,
     },
-    Review { reason: String },
-    Drop { reason: String },
-    Halt { reason: String },
+    Review {
+        reason: String,
+    },
+    Drop {
+        reason: String,
+    },
+    Halt {
+        reason: String,
+    },
 }
 
 /// How many calls a record may spend on rate limits before it goes to review
@@ -62,20 +68,32 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
     match outcome {
         Outcome::Valid => Decision::Commit,
         Outcome::Invalid(errors) if attempts_left => retry("invalid_output", None, Some(errors.clone())),
-        Outcome::Invalid(_) => Decision::Review { reason: "attempts_exhausted".into() },
+        Outcome::Invalid(_) => Decision::Review {
+            reason: "attempts_exhausted".into(),
+        },
         Outcome::Transient { cause, retry_after_ms } if attempts_left => retry(cause, *retry_after_ms, None),
-        Outcome::Transient { .. } => Decision::Review { reason: "attempts_exhausted".into() },
+        Outcome::Transient { .. } => Decision::Review {
+            reason: "attempts_exhausted".into(),
+        },
         Outcome::RateLimited { retry_after_ms } => {
             if calls < policy.max_attempts.saturating_mul(RATE_LIMITED_CALLS_PER_ATTEMPT) {
                 retry("rate_limited", *retry_after_ms, None)
             } else {
-                Decision::Review { reason: "rate_limited_too_often".into() }
+                Decision::Review {
+                    reason: "rate_limited_too_often".into(),
+                }
             }
         }
         Outcome::Truncated if attempts_left => retry("truncated", None, None),
-        Outcome::Truncated => Decision::Review { reason: "truncated".into() },
-        Outcome::Refused { cause } => Decision::Review { reason: format!("refused:{cause}") },
-        Outcome::Permanent { cause } => Decision::Review { reason: format!("provider_error:{cause}") },
+        Outcome::Truncated => Decision::Review {
+            reason: "truncated".into(),
+        },
+        Outcome::Refused { cause } => Decision::Review {
+            reason: format!("refused:{cause}"),
+        },
+        Outcome::Permanent { cause } => Decision::Review {
+            reason: format!("provider_error:{cause}"),
+        },
         Outcome::FleetHalt { cause } => Decision::Halt { reason: cause.clone() },
         Outcome::InputError { reason } => Decision::Drop { reason: reason.clone() },
     }
@@ -100,11 +118,20 @@ mod tests {
     use crate::validate::{ErrorCode, FieldError};
 
     fn policy() -> RetryPolicy {
-        RetryPolicy { max_attempts: 3, base_delay_ms: 1000, max_delay_ms: 5000, jitter: Jitter::None }
+        RetryPolicy {
+            max_attempts: 3,
+            base_delay_ms: 1000,
+            max_delay_ms: 5000,
+            jitter: Jitter::None,
+        }
     }
 
     fn invalid() -> Outcome {
-        Outcome::Invalid(vec![FieldError { code: ErrorCode::Enum, field: "label".into(), message: "x".into() }])
+        Outcome::Invalid(vec![FieldError {
+            code: ErrorCode::Enum,
+            field: "label".into(),
+            message: "x".into(),
+        }])
     }
 
     #[test]
@@ -116,51 +143,126 @@ mod tests {
     #[test]
     fn invalid_output_retries_with_feedback_then_goes_to_review() {
         match decide(1, 1, &invalid(), &policy(), 0.5) {
-            Decision::Retry { feedback: Some(f), delay_ms: 1000, cause } => {
+            Decision::Retry {
+                feedback: Some(f),
+                delay_ms: 1000,
+                cause,
+            } => {
                 assert_eq!(f[0].field, "label");
                 assert_eq!(cause, "invalid_output");
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(decide(3, 3, &invalid(), &policy(), 0.5), Decision::Review { reason: "attempts_exhausted".into() });
+        assert_eq!(
+            decide(3, 3, &invalid(), &policy(), 0.5),
+            Decision::Review {
+                reason: "attempts_exhausted".into()
+            }
+        );
     }
 
     #[test]
     fn transport_errors_retry_without_feedback_and_honour_retry_after() {
-        let t = Outcome::Transient { cause: "timeout".into(), retry_after_ms: Some(4200) };
-        assert_eq!(decide(1, 1, &t, &policy(), 0.5), Decision::Retry { delay_ms: 4200, cause: "timeout".into(), feedback: None });
-        let t = Outcome::Transient { cause: "http_503".into(), retry_after_ms: None };
-        assert_eq!(decide(2, 2, &t, &policy(), 0.5), Decision::Retry { delay_ms: 2000, cause: "http_503".into(), feedback: None });
+        let t = Outcome::Transient {
+            cause: "timeout".into(),
+            retry_after_ms: Some(4200),
+        };
+        assert_eq!(
+            decide(1, 1, &t, &policy(), 0.5),
+            Decision::Retry {
+                delay_ms: 4200,
+                cause: "timeout".into(),
+                feedback: None
+            }
+        );
+        let t = Outcome::Transient {
+            cause: "http_503".into(),
+            retry_after_ms: None,
+        };
+        assert_eq!(
+            decide(2, 2, &t, &policy(), 0.5),
+            Decision::Retry {
+                delay_ms: 2000,
+                cause: "http_503".into(),
+                feedback: None
+            }
+        );
         assert!(matches!(decide(3, 3, &t, &policy(), 0.5), Decision::Review { .. }));
     }
 
     #[test]
     fn rate_limits_do_not_use_up_attempts_but_are_bounded() {
-        let r = Outcome::RateLimited { retry_after_ms: Some(100) };
+        let r = Outcome::RateLimited {
+            retry_after_ms: Some(100),
+        };
         assert!(matches!(decide(3, 3, &r, &policy(), 0.5), Decision::Retry { .. }));
         assert!(matches!(decide(3, 15, &r, &policy(), 0.5), Decision::Review { .. }));
     }
 
     #[test]
     fn truncation_retries_then_reviews_refusals_review_at_once() {
-        assert!(matches!(decide(1, 1, &Outcome::Truncated, &policy(), 0.5), Decision::Retry { feedback: None, .. }));
-        assert_eq!(decide(3, 3, &Outcome::Truncated, &policy(), 0.5), Decision::Review { reason: "truncated".into() });
-        let refused = Outcome::Refused { cause: "content_filter".into() };
-        assert_eq!(decide(1, 1, &refused, &policy(), 0.5), Decision::Review { reason: "refused:content_filter".into() });
+        assert!(matches!(
+            decide(1, 1, &Outcome::Truncated, &policy(), 0.5),
+            Decision::Retry { feedback: None, .. }
+        ));
+        assert_eq!(
+            decide(3, 3, &Outcome::Truncated, &policy(), 0.5),
+            Decision::Review {
+                reason: "truncated".into()
+            }
+        );
+        let refused = Outcome::Refused {
+            cause: "content_filter".into(),
+        };
+        assert_eq!(
+            decide(1, 1, &refused, &policy(), 0.5),
+            Decision::Review {
+                reason: "refused:content_filter".into()
+            }
+        );
     }
 
     #[test]
     fn input_errors_drop_and_fleet_faults_halt() {
-        let d = decide(1, 1, &Outcome::InputError { reason: "template_missing:text".into() }, &policy(), 0.5);
-        assert_eq!(d, Decision::Drop { reason: "template_missing:text".into() });
-        let h = decide(1, 1, &Outcome::FleetHalt { cause: "http_401".into() }, &policy(), 0.5);
-        assert_eq!(h, Decision::Halt { reason: "http_401".into() });
+        let d = decide(
+            1,
+            1,
+            &Outcome::InputError {
+                reason: "template_missing:text".into(),
+            },
+            &policy(),
+            0.5,
+        );
+        assert_eq!(
+            d,
+            Decision::Drop {
+                reason: "template_missing:text".into()
+            }
+        );
+        let h = decide(
+            1,
+            1,
+            &Outcome::FleetHalt {
+                cause: "http_401".into(),
+            },
+            &policy(),
+            0.5,
+        );
+        assert_eq!(
+            h,
+            Decision::Halt {
+                reason: "http_401".into()
+            }
+        );
     }
 
     #[test]
     fn backoff_is_exponential_capped_and_fully_jittered() {
         let mut p = policy();
-        assert_eq!([1, 2, 3, 4, 60].map(|a| backoff_ms(a, &p, 0.0)), [1000, 2000, 4000, 5000, 5000]);
+        assert_eq!(
+            [1, 2, 3, 4, 60].map(|a| backoff_ms(a, &p, 0.0)),
+            [1000, 2000, 4000, 5000, 5000]
+        );
         p.jitter = Jitter::Full;
         assert_eq!(backoff_ms(3, &p, 0.0), 0);
         assert_eq!(backoff_ms(3, &p, 0.5), 2000);

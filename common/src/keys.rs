@@ -16,7 +16,9 @@ pub struct BadJobName(pub String);
 /// Checks a human job name: it becomes part of every key.
 pub fn valid_job_name(name: &str) -> Result<(), BadJobName> {
     let ok = (1..=64).contains(&name.len())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
     if ok { Ok(()) } else { Err(BadJobName(name.to_owned())) }
 }
 
@@ -98,14 +100,27 @@ mod tests {
 
     #[test]
     fn partition_keys_share_one_hash_tag() {
-        let keys = [stream("j1", 3), state("j1", 3), idem("j1", 3, "ab12"), results("j1", 3), review("j1", 3), delayed("j1", 3)];
+        let keys = [
+            stream("j1", 3),
+            state("j1", 3),
+            idem("j1", 3, "ab12"),
+            results("j1", 3),
+            review("j1", 3),
+            delayed("j1", 3),
+        ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));
     }
 
     #[test]
     fn job_keys_share_the_job_tag() {
-        for k in [spec("a.b"), manifest("a.b"), cursor("a.b"), dropped_lines("a.b"), halt("a.b")] {
+        for k in [
+            spec("a.b"),
+            manifest("a.b"),
+            cursor("a.b"),
+            dropped_lines("a.b"),
+            halt("a.b"),
+        ] {
             assert_eq!(tag(&k), "a.b");
         }
     }

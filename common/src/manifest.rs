@@ -211,7 +211,11 @@ mod tests {
 
     #[test]
     fn expected_records_counts_template_drops_but_not_broken_lines() {
-        let mut c = Counts { enqueued: 5, already_present: 2, ..Counts::default() };
+        let mut c = Counts {
+            enqueued: 5,
+            already_present: 2,
+            ..Counts::default()
+        };
         c.add_dropped("malformed_json");
         c.add_dropped("duplicate_id");
         c.add_dropped("template_missing:text");

@@ -129,7 +129,10 @@ impl IdContext {
 
 /// `hash(record_id) mod P`, from the id's first 8 bytes.
 pub fn partition_of(record_id: &str, partitions: u32) -> u32 {
-    let prefix = record_id.get(..16).and_then(|h| u64::from_str_radix(h, 16).ok()).unwrap_or(0);
+    let prefix = record_id
+        .get(..16)
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .unwrap_or(0);
     (prefix % u64::from(partitions.max(1))) as u32
 }
 
@@ -247,20 +250,31 @@ mod tests {
         changed.provider.model = "other-model".into();
         assert_ne!(base, IdContext::new("job1", &changed).record_id("m1"));
         // Parts are length-prefixed: moving a boundary changes the id.
-        assert_ne!(IdContext::new("ab", &spec).record_id("c"), IdContext::new("a", &spec).record_id("bc"));
+        assert_ne!(
+            IdContext::new("ab", &spec).record_id("c"),
+            IdContext::new("a", &spec).record_id("bc")
+        );
     }
 
     #[test]
     fn a_good_line_becomes_a_rendered_record() {
-        let Line::Record(r) = parse(GOOD) else { panic!("not a record") };
+        let Line::Record(r) = parse(GOOD) else {
+            panic!("not a record")
+        };
         assert_eq!(r.key, "m1");
         assert!(r.rendered.unwrap().contains("Message:\nhello"));
-        assert!(r.input.starts_with("{\"message_id\":\"m1\""), "key order kept: {}", r.input);
+        assert!(
+            r.input.starts_with("{\"message_id\":\"m1\""),
+            "key order kept: {}",
+            r.input
+        );
     }
 
     #[test]
     fn crlf_and_integer_ids_are_accepted() {
-        let Line::Record(r) = parse(&format!("{}\r", GOOD.replace("\"m1\"", "42"))) else { panic!() };
+        let Line::Record(r) = parse(&format!("{}\r", GOOD.replace("\"m1\"", "42"))) else {
+            panic!()
+        };
         assert_eq!(r.key, "42");
     }
 
@@ -279,17 +293,25 @@ mod tests {
         let ids = IdContext::new("j", &spec);
         assert!(matches!(
             parse_line(b"{\"a\": \"\xff\"}", None, &spec, &user, &ids),
-            Line::Dropped { reason: DropReason::InvalidUtf8, .. }
+            Line::Dropped {
+                reason: DropReason::InvalidUtf8,
+                ..
+            }
         ));
         assert!(matches!(
             parse_line(b"", Some(1 << 20), &spec, &user, &ids),
-            Line::Dropped { reason: DropReason::TooLarge { bytes: 1_048_576, .. }, .. }
+            Line::Dropped {
+                reason: DropReason::TooLarge { bytes: 1_048_576, .. },
+                ..
+            }
         ));
     }
 
     #[test]
     fn a_missing_template_field_keeps_the_identity_but_fails_rendering() {
-        let Line::Record(r) = parse(r#"{"message_id": "m9", "channel": "chat", "task_type": "classify"}"#) else { panic!() };
+        let Line::Record(r) = parse(r#"{"message_id": "m9", "channel": "chat", "task_type": "classify"}"#) else {
+            panic!()
+        };
         assert_eq!(r.rendered.unwrap_err().to_string(), "template_missing:text");
     }
 

@@ -265,10 +265,7 @@ pub const SYSTEM_FIELDS: &[&str] = &["record_id", "_model", "_attempt"];
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
     #[error("cannot read spec {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("spec {path}: {message}")]
     Parse { path: String, message: String },
     #[error("spec {path} is invalid:\n{}", problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
@@ -342,11 +339,15 @@ impl JobSpec {
                 p.add(key, "must not be empty");
             }
         }
-        for (key, text) in [("prompt.system", &self.prompt.system), ("prompt.user", &self.prompt.user)] {
+        for (key, text) in [
+            ("prompt.system", &self.prompt.system),
+            ("prompt.user", &self.prompt.user),
+        ] {
             match Template::parse(text) {
-                Ok(t) if key == "prompt.user" && t.fields().is_empty() => {
-                    p.add(key, "has no {{field}} placeholder: every record would get the same prompt")
-                }
+                Ok(t) if key == "prompt.user" && t.fields().is_empty() => p.add(
+                    key,
+                    "has no {{field}} placeholder: every record would get the same prompt",
+                ),
                 Ok(_) => {}
                 Err(e) => p.add(key, e.to_string()),
             }
@@ -371,10 +372,16 @@ impl JobSpec {
                 }
             };
             if !is_identifier(name) {
-                p.add(at(""), "field names are letters, digits and `_`, starting with a letter");
+                p.add(
+                    at(""),
+                    "field names are letters, digits and `_`, starting with a letter",
+                );
             }
             if SYSTEM_FIELDS.contains(&name.as_str()) {
-                p.add(at(""), "is filled in by batchfleet itself and cannot be asked of the model");
+                p.add(
+                    at(""),
+                    "is filled in by batchfleet itself and cannot be asked of the model",
+                );
             }
             let numeric = matches!(f.kind, FieldType::Number | FieldType::Integer);
             if let Some(values) = &f.enum_values {
@@ -391,7 +398,10 @@ impl JobSpec {
                 }
             }
             if (f.min.is_some() || f.max.is_some()) && !numeric {
-                p.add(at("min"), format!("min/max apply to numbers, not to a {} field", f.kind.name()));
+                p.add(
+                    at("min"),
+                    format!("min/max apply to numbers, not to a {} field", f.kind.name()),
+                );
             }
             if let (Some(min), Some(max)) = (f.min, f.max)
                 && min > max
@@ -405,7 +415,10 @@ impl JobSpec {
             }
             if let Some(n) = f.max_len {
                 if !matches!(f.kind, FieldType::String | FieldType::Array) {
-                    p.add(at("max_len"), format!("applies to strings and arrays, not to a {} field", f.kind.name()));
+                    p.add(
+                        at("max_len"),
+                        format!("applies to strings and arrays, not to a {} field", f.kind.name()),
+                    );
                 }
                 if n == 0 {
                     p.add(at("max_len"), "must be at least 1");
@@ -413,20 +426,32 @@ impl JobSpec {
             }
             if let Some(cond) = &f.required_if {
                 match fields.get(&cond.field) {
-                    None => p.add(at("required_if.field"), format!("`{}` is not an output field", cond.field)),
+                    None => p.add(
+                        at("required_if.field"),
+                        format!("`{}` is not an output field", cond.field),
+                    ),
                     Some(_) if cond.field == *name => p.add(at("required_if.field"), "a field cannot depend on itself"),
                     Some(other) => {
                         if !value_has_type(&cond.equals, other.kind) {
-                            p.add(at("required_if.equals"), format!("{} is not a {}", cond.equals, other.kind.name()));
+                            p.add(
+                                at("required_if.equals"),
+                                format!("{} is not a {}", cond.equals, other.kind.name()),
+                            );
                         } else if let Some(values) = &other.enum_values
                             && !values.contains(&cond.equals)
                         {
-                            p.add(at("required_if.equals"), format!("{} is not in `{}`'s enum", cond.equals, cond.field));
+                            p.add(
+                                at("required_if.equals"),
+                                format!("{} is not in `{}`'s enum", cond.equals, cond.field),
+                            );
                         }
                     }
                 }
                 if f.required {
-                    p.add(at("required_if"), "set `required = false` on a conditionally required field");
+                    p.add(
+                        at("required_if"),
+                        "set `required = false` on a conditionally required field",
+                    );
                 }
             }
         }
@@ -441,10 +466,16 @@ impl JobSpec {
             p.add("provider.model", "must not be empty");
         }
         let env_ok = !pr.api_key_env.is_empty()
-            && pr.api_key_env.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            && pr
+                .api_key_env
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
             && !pr.api_key_env.starts_with(|c: char| c.is_ascii_digit());
         if !env_ok {
-            p.add("provider.api_key_env", "must be the NAME of an environment variable (A-Z, 0-9, _), never the key");
+            p.add(
+                "provider.api_key_env",
+                "must be the NAME of an environment variable (A-Z, 0-9, _), never the key",
+            );
         }
         if !(1..=600).contains(&pr.timeout_secs) {
             p.add("provider.timeout_secs", "must be between 1 and 600");
@@ -474,7 +505,10 @@ impl JobSpec {
         {
             p.add(
                 "limits.output_tokens_per_minute",
-                format!("{otpm} is below provider.max_tokens ({}): no request could ever be sent", self.provider.max_tokens),
+                format!(
+                    "{otpm} is below provider.max_tokens ({}): no request could ever be sent",
+                    self.provider.max_tokens
+                ),
             );
         }
         let r = &self.retry;
@@ -482,7 +516,13 @@ impl JobSpec {
             p.add("retry.max_attempts", "must be between 1 and 100");
         }
         if r.base_delay_ms > r.max_delay_ms {
-            p.add("retry.max_delay_ms", format!("{} is less than retry.base_delay_ms ({})", r.max_delay_ms, r.base_delay_ms));
+            p.add(
+                "retry.max_delay_ms",
+                format!(
+                    "{} is less than retry.base_delay_ms ({})",
+                    r.max_delay_ms, r.base_delay_ms
+                ),
+            );
         }
         let pr = &self.prices;
         for (key, v) in [
@@ -555,7 +595,9 @@ pub fn value_has_type(v: &serde_json::Value, kind: FieldType) -> bool {
         FieldType::String => v.is_string(),
         FieldType::Number => v.is_number(),
         FieldType::Integer => match v {
-            Value::Number(n) => n.is_i64() || n.is_u64() || n.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() < 9.0e15),
+            Value::Number(n) => {
+                n.is_i64() || n.is_u64() || n.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() < 9.0e15)
+            }
             _ => false,
         },
         FieldType::Boolean => v.is_boolean(),
@@ -660,7 +702,10 @@ mod tests {
 
     fn assert_problem(text: &str, needle: &str) {
         let problems = problems_of(text);
-        assert!(problems.iter().any(|p| p.contains(needle)), "expected a problem containing {needle:?}, got {problems:?}");
+        assert!(
+            problems.iter().any(|p| p.contains(needle)),
+            "expected a problem containing {needle:?}, got {problems:?}"
+        );
     }
 
     #[test]
@@ -674,16 +719,31 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_refused_with_their_path() {
-        assert_problem(&edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"), "at `provider.timeout_sec`");
-        assert_problem(&edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"), "unknown field `timeout_sec`");
-        assert_problem(&edited("max_len = 60", "max_len = 60\nmaxlen = 3"), "output.fields.reason");
+        assert_problem(
+            &edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"),
+            "at `provider.timeout_sec`",
+        );
+        assert_problem(
+            &edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"),
+            "unknown field `timeout_sec`",
+        );
+        assert_problem(
+            &edited("max_len = 60", "max_len = 60\nmaxlen = 3"),
+            "output.fields.reason",
+        );
         assert_problem(&format!("{EXAMPLE}\n[extra]\nx = 1\n"), "unknown field `extra`");
     }
 
     #[test]
     fn bad_types_name_the_key() {
-        assert_problem(&edited("partitions = 4", "partitions = \"four\""), "at `job.partitions`");
-        assert_problem(&edited("type = \"number\"", "type = \"float\""), "output.fields.confidence.type");
+        assert_problem(
+            &edited("partitions = 4", "partitions = \"four\""),
+            "at `job.partitions`",
+        );
+        assert_problem(
+            &edited("type = \"number\"", "type = \"float\""),
+            "output.fields.confidence.type",
+        );
         assert_problem(&edited("max_tokens = 200", "max_tokens = -1"), "provider.max_tokens");
     }
 
@@ -695,41 +755,101 @@ mod tests {
 
     #[test]
     fn impossible_values_are_refused() {
-        assert_problem(&edited("max = 1.0", "max = -1.0"), "output.fields.confidence.max: max (-1) is less than min (0)");
-        assert_problem(&edited("enum = [\"classify\", \"extract\"]", "enum = []"), "output.fields.task_type.enum: has no values");
-        assert_problem(&edited("enum = [\"classify\", \"extract\"]", "enum = [\"classify\", 3]"), "value 3 is not a string");
-        assert_problem(&edited("max_len = 60", "max_len = 0"), "output.fields.reason.max_len: must be at least 1");
+        assert_problem(
+            &edited("max = 1.0", "max = -1.0"),
+            "output.fields.confidence.max: max (-1) is less than min (0)",
+        );
+        assert_problem(
+            &edited("enum = [\"classify\", \"extract\"]", "enum = []"),
+            "output.fields.task_type.enum: has no values",
+        );
+        assert_problem(
+            &edited("enum = [\"classify\", \"extract\"]", "enum = [\"classify\", 3]"),
+            "value 3 is not a string",
+        );
+        assert_problem(
+            &edited("max_len = 60", "max_len = 0"),
+            "output.fields.reason.max_len: must be at least 1",
+        );
         assert_problem(&edited("partitions = 4", "partitions = 0"), "job.partitions");
         assert_problem(&edited("max_attempts = 4", "max_attempts = 0"), "retry.max_attempts");
-        assert_problem(&edited("max_delay_ms = 30000", "max_delay_ms = 10"), "retry.max_delay_ms");
-        assert_problem(&edited("base_url = \"http://127.0.0.1:8089/v1\"", "base_url = \"ftp://x\""), "provider.base_url");
-        assert_problem(&edited("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-abc123\""), "provider.api_key_env");
-        assert_problem(&edited("temperature = 0.0", "temperature = 3.5"), "provider.temperature");
-        assert_problem(&edited("requests_per_minute = 3000", "requests_per_minute = 0"), "limits.requests_per_minute");
-        assert_problem(&edited("output_tokens_per_minute = 300000", "output_tokens_per_minute = 100"), "below provider.max_tokens");
-        assert_problem(&edited("output_per_mtok = 0.60", "output_per_mtok = -1.0"), "prices.output_per_mtok");
+        assert_problem(
+            &edited("max_delay_ms = 30000", "max_delay_ms = 10"),
+            "retry.max_delay_ms",
+        );
+        assert_problem(
+            &edited("base_url = \"http://127.0.0.1:8089/v1\"", "base_url = \"ftp://x\""),
+            "provider.base_url",
+        );
+        assert_problem(
+            &edited("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-abc123\""),
+            "provider.api_key_env",
+        );
+        assert_problem(
+            &edited("temperature = 0.0", "temperature = 3.5"),
+            "provider.temperature",
+        );
+        assert_problem(
+            &edited("requests_per_minute = 3000", "requests_per_minute = 0"),
+            "limits.requests_per_minute",
+        );
+        assert_problem(
+            &edited("output_tokens_per_minute = 300000", "output_tokens_per_minute = 100"),
+            "below provider.max_tokens",
+        );
+        assert_problem(
+            &edited("output_per_mtok = 0.60", "output_per_mtok = -1.0"),
+            "prices.output_per_mtok",
+        );
     }
 
     #[test]
     fn rules_on_the_wrong_type_are_refused() {
-        assert_problem(&edited("max_len = 60", "max_len = 60\nmin = 1"), "output.fields.reason.min: min/max apply to numbers");
-        assert_problem(&edited("max = 1.0", "max = 1.0\nmax_len = 3"), "output.fields.confidence.max_len");
-        assert_problem(&edited("type = \"array\"", "type = \"boolean\"\nenum = [true]"), "output.fields.items.enum");
+        assert_problem(
+            &edited("max_len = 60", "max_len = 60\nmin = 1"),
+            "output.fields.reason.min: min/max apply to numbers",
+        );
+        assert_problem(
+            &edited("max = 1.0", "max = 1.0\nmax_len = 3"),
+            "output.fields.confidence.max_len",
+        );
+        assert_problem(
+            &edited("type = \"array\"", "type = \"boolean\"\nenum = [true]"),
+            "output.fields.items.enum",
+        );
     }
 
     #[test]
     fn required_if_must_point_at_a_real_value() {
-        assert_problem(&edited("field = \"task_type\"", "field = \"tasktype\""), "`tasktype` is not an output field");
-        assert_problem(&edited("equals = \"extract\"", "equals = \"summarize\""), "is not in `task_type`'s enum");
+        assert_problem(
+            &edited("field = \"task_type\"", "field = \"tasktype\""),
+            "`tasktype` is not an output field",
+        );
+        assert_problem(
+            &edited("equals = \"extract\"", "equals = \"summarize\""),
+            "is not in `task_type`'s enum",
+        );
         assert_problem(&edited("required = false\n", ""), "set `required = false`");
     }
 
     #[test]
     fn templates_and_system_fields_are_checked() {
         assert_problem(&edited("{{text}}", "{{text"), "prompt.user: unclosed");
-        assert_problem(&edited("Task type: {{task_type}}\nChannel: {{channel}}\nMessage:\n{{text}}", "no placeholders"), "prompt.user: has no {{field}}");
-        assert_problem(&edited("[output.fields.reason]", "[output.fields.record_id]"), "filled in by batchfleet");
-        assert_problem(&edited("id_field = \"message_id\"", "id_field = \"a b\""), "job.id_field");
+        assert_problem(
+            &edited(
+                "Task type: {{task_type}}\nChannel: {{channel}}\nMessage:\n{{text}}",
+                "no placeholders",
+            ),
+            "prompt.user: has no {{field}}",
+        );
+        assert_problem(
+            &edited("[output.fields.reason]", "[output.fields.record_id]"),
+            "filled in by batchfleet",
+        );
+        assert_problem(
+            &edited("id_field = \"message_id\"", "id_field = \"a b\""),
+            "job.id_field",
+        );
     }
 
     #[test]

@@ -141,7 +141,11 @@ pub fn system_prompt(spec: &JobSpec) -> String {
             (None, None) => {}
         }
         if let Some(n) = f.max_len {
-            let unit = if f.kind == FieldType::Array { "items" } else { "characters" };
+            let unit = if f.kind == FieldType::Array {
+                "items"
+            } else {
+                "characters"
+            };
             rules.push(format!("at most {n} {unit}"));
         }
         if let Some(cond) = &f.required_if {
@@ -167,7 +171,9 @@ mod tests {
     #[test]
     fn renders_strings_numbers_and_nested_fields() {
         let t = Template::parse("Hi {{ name }}, {{n}} items, from {{meta.src}}.").unwrap();
-        let out = t.render(&obj(json!({"name": "Ann", "n": 3, "meta": {"src": "web"}}))).unwrap();
+        let out = t
+            .render(&obj(json!({"name": "Ann", "n": 3, "meta": {"src": "web"}})))
+            .unwrap();
         assert_eq!(out, "Hi Ann, 3 items, from web.");
         assert_eq!(t.fields(), vec!["name", "n", "meta.src"]);
     }
@@ -175,7 +181,11 @@ mod tests {
     #[test]
     fn missing_null_and_empty_fields_are_errors_not_half_prompts() {
         let t = Template::parse("{{a}} and {{b}}").unwrap();
-        for record in [json!({"a": "x"}), json!({"a": "x", "b": null}), json!({"a": "x", "b": "  "})] {
+        for record in [
+            json!({"a": "x"}),
+            json!({"a": "x", "b": null}),
+            json!({"a": "x", "b": "  "}),
+        ] {
             let err = t.render(&obj(record)).unwrap_err();
             assert_eq!(err.to_string(), "template_missing:b");
         }
@@ -185,7 +195,10 @@ mod tests {
     #[test]
     fn falsy_but_present_values_render() {
         let t = Template::parse("{{a}}|{{b}}|{{c}}").unwrap();
-        assert_eq!(t.render(&obj(json!({"a": 0, "b": false, "c": "0"}))).unwrap(), "0|false|0");
+        assert_eq!(
+            t.render(&obj(json!({"a": 0, "b": false, "c": "0"}))).unwrap(),
+            "0|false|0"
+        );
     }
 
     #[test]
@@ -198,6 +211,9 @@ mod tests {
     #[test]
     fn braces_in_text_stay_literal() {
         let t = Template::parse("json like {\"k\": 1} then {{v}}").unwrap();
-        assert_eq!(t.render(&obj(json!({"v": "ok"}))).unwrap(), "json like {\"k\": 1} then ok");
+        assert_eq!(
+            t.render(&obj(json!({"v": "ok"}))).unwrap(),
+            "json like {\"k\": 1} then ok"
+        );
     }
 }

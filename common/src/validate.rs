@@ -84,8 +84,14 @@ pub enum Repair {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Validation {
     /// The output, with only the spec's fields, in spec order.
-    Valid { output: Map<String, Value>, repairs: Vec<Repair> },
-    Invalid { errors: Vec<FieldError>, repairs: Vec<Repair> },
+    Valid {
+        output: Map<String, Value>,
+        repairs: Vec<Repair>,
+    },
+    Invalid {
+        errors: Vec<FieldError>,
+        repairs: Vec<Repair>,
+    },
 }
 
 /// Validates raw model text against the spec's output fields.
@@ -114,7 +120,9 @@ pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
     let mut output = Map::new();
     for (name, f) in fields.iter() {
         let required = f.required
-            || f.required_if.as_ref().is_some_and(|c| obj.get(&c.field) == Some(&c.equals));
+            || f.required_if
+                .as_ref()
+                .is_some_and(|c| obj.get(&c.field) == Some(&c.equals));
         match obj.get(name.as_str()) {
             None => {
                 if required {
@@ -153,21 +161,33 @@ pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
 
 fn check_value(v: &Value, f: &crate::spec::FieldSpec) -> Result<(), FieldError> {
     if !value_has_type(v, f.kind) {
-        return Err(err(ErrorCode::Type, "", &format!("must be a {}, got {}", f.kind.name(), json_type(v))));
+        return Err(err(
+            ErrorCode::Type,
+            "",
+            &format!("must be a {}, got {}", f.kind.name(), json_type(v)),
+        ));
     }
     if let Some(values) = &f.enum_values {
-        let found = values.iter().any(|e| e == v || (e.as_f64().is_some() && e.as_f64() == v.as_f64()));
+        let found = values
+            .iter()
+            .any(|e| e == v || (e.as_f64().is_some() && e.as_f64() == v.as_f64()));
         if !found {
             let list: Vec<String> = values.iter().map(Value::to_string).collect();
-            return Err(err(ErrorCode::Enum, "", &format!("{v} is not one of {}", list.join(", "))));
+            return Err(err(
+                ErrorCode::Enum,
+                "",
+                &format!("{v} is not one of {}", list.join(", ")),
+            ));
         }
     }
-    if let Some(x) = v.as_f64().filter(|_| matches!(f.kind, FieldType::Number | FieldType::Integer)) {
-        if f.min.is_some_and(|min| x < min) || f.max.is_some_and(|max| x > max) {
-            let lo = f.min.map_or("-inf".to_owned(), |m| m.to_string());
-            let hi = f.max.map_or("inf".to_owned(), |m| m.to_string());
-            return Err(err(ErrorCode::Range, "", &format!("{x} is outside {lo}..{hi}")));
-        }
+    if let Some(x) = v
+        .as_f64()
+        .filter(|_| matches!(f.kind, FieldType::Number | FieldType::Integer))
+        && (f.min.is_some_and(|min| x < min) || f.max.is_some_and(|max| x > max))
+    {
+        let lo = f.min.map_or("-inf".to_owned(), |m| m.to_string());
+        let hi = f.max.map_or("inf".to_owned(), |m| m.to_string());
+        return Err(err(ErrorCode::Range, "", &format!("{x} is outside {lo}..{hi}")));
     }
     if let Some(max) = f.max_len {
         let len = match v {
@@ -176,7 +196,11 @@ fn check_value(v: &Value, f: &crate::spec::FieldSpec) -> Result<(), FieldError> 
             _ => 0,
         };
         if len > max {
-            return Err(err(ErrorCode::Len, "", &format!("has length {len}, the maximum is {max}")));
+            return Err(err(
+                ErrorCode::Len,
+                "",
+                &format!("has length {len}, the maximum is {max}"),
+            ));
         }
     }
     Ok(())
@@ -330,7 +354,9 @@ mod tests {
 
     #[test]
     fn a_good_answer_is_valid_without_repairs() {
-        let Validation::Valid { output, repairs } = validate(&spec(), GOOD) else { panic!() };
+        let Validation::Valid { output, repairs } = validate(&spec(), GOOD) else {
+            panic!()
+        };
         assert!(repairs.is_empty());
         assert_eq!(output["label"], "billing");
         assert!(!output.contains_key("items"));
@@ -339,9 +365,13 @@ mod tests {
     #[test]
     fn fenced_and_prose_wrapped_objects_are_extracted_and_recorded() {
         let fenced = format!("```json\n{GOOD}\n```");
-        assert!(matches!(validate(&spec(), &fenced), Validation::Valid { ref repairs, .. } if repairs == &[Repair::CodeFence]));
+        assert!(
+            matches!(validate(&spec(), &fenced), Validation::Valid { ref repairs, .. } if repairs == &[Repair::CodeFence])
+        );
         let prose = format!("Sure! Here is the answer: {GOOD} Hope this helps.");
-        assert!(matches!(validate(&spec(), &prose), Validation::Valid { ref repairs, .. } if repairs == &[Repair::ExtractedFromProse]));
+        assert!(
+            matches!(validate(&spec(), &prose), Validation::Valid { ref repairs, .. } if repairs == &[Repair::ExtractedFromProse])
+        );
     }
 
     #[test]
@@ -349,12 +379,27 @@ mod tests {
         assert_eq!(errors("not json at all"), one(ErrorCode::Json, ""));
         assert_eq!(errors(""), one(ErrorCode::Json, ""));
         assert_eq!(errors("[1,2]"), one(ErrorCode::NotObject, ""));
-        assert_eq!(errors(&GOOD.replace(r#""label": "billing", "#, "")), one(ErrorCode::Missing, "label"));
-        assert_eq!(errors(&GOOD.replace(r#""billing""#, "null")), one(ErrorCode::Null, "label"));
-        assert_eq!(errors(&GOOD.replace(r#""billing""#, r#""refund""#)), one(ErrorCode::Enum, "label"));
+        assert_eq!(
+            errors(&GOOD.replace(r#""label": "billing", "#, "")),
+            one(ErrorCode::Missing, "label")
+        );
+        assert_eq!(
+            errors(&GOOD.replace(r#""billing""#, "null")),
+            one(ErrorCode::Null, "label")
+        );
+        assert_eq!(
+            errors(&GOOD.replace(r#""billing""#, r#""refund""#)),
+            one(ErrorCode::Enum, "label")
+        );
         assert_eq!(errors(&GOOD.replace("0.9", "1.5")), one(ErrorCode::Range, "confidence"));
-        assert_eq!(errors(&GOOD.replace("double charge", &"x".repeat(61))), one(ErrorCode::Len, "reason"));
-        assert_eq!(errors(&GOOD.replace("0.9", "\"0.9\"")), one(ErrorCode::Type, "confidence"));
+        assert_eq!(
+            errors(&GOOD.replace("double charge", &"x".repeat(61))),
+            one(ErrorCode::Len, "reason")
+        );
+        assert_eq!(
+            errors(&GOOD.replace("0.9", "\"0.9\"")),
+            one(ErrorCode::Type, "confidence")
+        );
     }
 
     #[test]
@@ -369,14 +414,22 @@ mod tests {
         assert_eq!(errors(&extract), one(ErrorCode::Missing, "items"));
         let with_items = extract.replace('}', r#", "items": ["A123"]}"#);
         assert!(errors(&with_items).is_empty());
-        assert!(errors(&GOOD.replace('}', r#", "items": null}"#)).is_empty(), "optional null is absent");
-        assert_eq!(errors(&extract.replace('}', r#", "items": null}"#)), one(ErrorCode::Null, "items"));
+        assert!(
+            errors(&GOOD.replace('}', r#", "items": null}"#)).is_empty(),
+            "optional null is absent"
+        );
+        assert_eq!(
+            errors(&extract.replace('}', r#", "items": null}"#)),
+            one(ErrorCode::Null, "items")
+        );
     }
 
     #[test]
     fn system_fields_and_extras_never_come_from_the_model() {
         let raw = GOOD.replace('}', r#", "record_id": "forged", "mood": "happy"}"#);
-        let Validation::Valid { output, repairs } = validate(&spec(), &raw) else { panic!() };
+        let Validation::Valid { output, repairs } = validate(&spec(), &raw) else {
+            panic!()
+        };
         assert!(!output.contains_key("record_id") && !output.contains_key("mood"));
         assert_eq!(repairs, vec![Repair::SystemFieldsIgnored, Repair::ExtraFieldsRemoved]);
     }
@@ -384,9 +437,14 @@ mod tests {
     #[test]
     fn feedback_lists_every_error() {
         let raw = GOOD.replace(r#""billing""#, r#""refund""#).replace("0.9", "7");
-        let Validation::Invalid { errors, .. } = validate(&spec(), &raw) else { panic!() };
+        let Validation::Invalid { errors, .. } = validate(&spec(), &raw) else {
+            panic!()
+        };
         let text = feedback(&errors);
-        assert!(text.contains("E_ENUM label") && text.contains("E_RANGE confidence"), "{text}");
+        assert!(
+            text.contains("E_ENUM label") && text.contains("E_RANGE confidence"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -20,7 +20,11 @@ pub const EXIT_INCOMPLETE: u8 = 4;
 pub const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(Debug, Parser)]
-#[command(name = "producer", version, about = "batchfleet producer: enqueue datasets and inspect jobs")]
+#[command(
+    name = "producer",
+    version,
+    about = "batchfleet producer: enqueue datasets and inspect jobs"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -29,7 +33,12 @@ pub struct Cli {
 #[derive(Debug, Args, Clone)]
 pub struct RedisArgs {
     /// Redis URL (`redis://[user:password@]host:port[/db]`).
-    #[arg(long = "redis", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
+    #[arg(
+        long = "redis",
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
     pub url: String,
 }
 
@@ -136,7 +145,12 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
     match cli.command {
         Command::Spec(SpecCmd::Check { spec }) => match JobSpec::load(&spec.display().to_string()) {
             Ok(s) => {
-                println!("{}: ok ({} output fields, {} partitions)", spec.display(), s.output.fields.len(), s.job.partitions);
+                println!(
+                    "{}: ok ({} output fields, {} partitions)",
+                    spec.display(),
+                    s.output.fields.len(),
+                    s.job.partitions
+                );
                 println!("--- system prompt ---\n{}", system_prompt(&s));
                 Ok(ExitCode::SUCCESS)
             }
@@ -165,7 +179,12 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { job, redis, json, require_complete } => {
+        Command::Status {
+            job,
+            redis,
+            json,
+            require_complete,
+        } => {
             let store = RedisStore::connect(&redis.url).await?;
             let s = crate::status::status(&store, &job).await?;
             if json {
@@ -173,7 +192,11 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             } else {
                 crate::status::print(&s);
             }
-            Ok(if require_complete && !s.complete { ExitCode::from(EXIT_INCOMPLETE) } else { ExitCode::SUCCESS })
+            Ok(if require_complete && !s.complete {
+                ExitCode::from(EXIT_INCOMPLETE)
+            } else {
+                ExitCode::SUCCESS
+            })
         }
         Command::Export { job, redis, out } => {
             let store = RedisStore::connect(&redis.url).await?;
@@ -184,7 +207,8 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             let n = if out.as_os_str() == "-" {
                 crate::status::export(&store, &job, manifest.partitions, &mut std::io::stdout().lock()).await?
             } else {
-                let file = std::fs::File::create(&out).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
+                let file =
+                    std::fs::File::create(&out).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
                 crate::status::export(&store, &job, manifest.partitions, &mut std::io::BufWriter::new(file)).await?
             };
             eprintln!("exported {n} results of job {job} to {}", out.display());
@@ -213,9 +237,18 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
             } else {
                 print_summary(&summary);
             }
-            Ok(if summary.interrupted { ExitCode::from(EXIT_INTERRUPTED) } else { ExitCode::SUCCESS })
+            Ok(if summary.interrupted {
+                ExitCode::from(EXIT_INTERRUPTED)
+            } else {
+                ExitCode::SUCCESS
+            })
         }
-        Err(e @ (EnqueueError::Spec(_) | EnqueueError::JobName(_) | EnqueueError::Dataset { .. } | EnqueueError::Refused(_))) => {
+        Err(
+            e @ (EnqueueError::Spec(_)
+            | EnqueueError::JobName(_)
+            | EnqueueError::Dataset { .. }
+            | EnqueueError::Refused(_)),
+        ) => {
             eprintln!("error: {e}");
             Ok(ExitCode::from(EXIT_INPUT))
         }
@@ -225,7 +258,10 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
 
 fn print_summary(s: &Summary) {
     let status = if s.interrupted {
-        format!("INTERRUPTED after line {} (cursor saved: rerun the same command to resume)", s.lines)
+        format!(
+            "INTERRUPTED after line {} (cursor saved: rerun the same command to resume)",
+            s.lines
+        )
     } else {
         "complete".to_owned()
     };
@@ -245,7 +281,10 @@ fn print_summary(s: &Summary) {
     if let Some(n) = s.job_records {
         println!("  job records    {n} (expected in the terminal sets)");
     }
-    println!("  elapsed        {:.2}s ({:.0} lines/s)", s.elapsed_secs, s.lines_per_sec);
+    println!(
+        "  elapsed        {:.2}s ({:.0} lines/s)",
+        s.elapsed_secs, s.lines_per_sec
+    );
     if s.dropped > 0 {
         println!("  see every dropped line with: producer dropped --job {}", s.job);
     }

@@ -101,7 +101,10 @@ pub async fn enqueue(args: &EnqueueArgs, cancel: CancellationToken) -> Result<Su
             sha256,
             bytes,
         },
-        versions: versions_map(&spec).into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        versions: versions_map(&spec)
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
         partitions: spec.job.partitions,
         sample: args.sample,
     };
@@ -134,7 +137,15 @@ pub async fn enqueue(args: &EnqueueArgs, cancel: CancellationToken) -> Result<Su
         idem_ttl_secs: args.idem_ttl_secs,
     };
     let progress = Progress::new(args.progress, bytes, start.offset);
-    let interrupted = pass.run(&args.dataset, args.batch_size, sample_lines.as_ref(), &progress, &cancel).await?;
+    let interrupted = pass
+        .run(
+            &args.dataset,
+            args.batch_size,
+            sample_lines.as_ref(),
+            &progress,
+            &cancel,
+        )
+        .await?;
     progress.finish();
 
     let mut job_records = None;
@@ -174,7 +185,12 @@ struct Start {
 }
 
 /// Decides where this run starts from the job's cursor, or refuses.
-async fn starting_point(store: &RedisStore, args: &EnqueueArgs, identity: &Identity, job_key: &str) -> Result<Start, EnqueueError> {
+async fn starting_point(
+    store: &RedisStore,
+    args: &EnqueueArgs,
+    identity: &Identity,
+    job_key: &str,
+) -> Result<Start, EnqueueError> {
     let fresh = Start {
         offset: 0,
         line: 0,
@@ -218,7 +234,10 @@ async fn starting_point(store: &RedisStore, args: &EnqueueArgs, identity: &Ident
             identity.dataset.bytes
         )
     } else {
-        format!("its sample was {:?}, this run asks for {:?}", before.sample, identity.sample)
+        format!(
+            "its sample was {:?}, this run asks for {:?}",
+            before.sample, identity.sample
+        )
     };
     Err(EnqueueError::Refused(format!(
         "job `{}` already exists and {what}. Refusing to mix them silently: use a new --job name, \
@@ -268,9 +287,11 @@ impl Pass<'_> {
         cancel: &CancellationToken,
     ) -> Result<bool, EnqueueError> {
         let limit = self.spec.job.max_record_bytes;
-        let mut reader = LineReader::open(path, self.cursor.offset, self.cursor.line, limit).map_err(|source| EnqueueError::Dataset {
-            path: path.display().to_string(),
-            source,
+        let mut reader = LineReader::open(path, self.cursor.offset, self.cursor.line, limit).map_err(|source| {
+            EnqueueError::Dataset {
+                path: path.display().to_string(),
+                source,
+            }
         })?;
         let mut buf = Vec::with_capacity(4096);
         // Up to IN_FLIGHT batches travel at once so Redis never waits for the
@@ -280,22 +301,31 @@ impl Pass<'_> {
         loop {
             let mut batch = Batch::default();
             if !eof && !cancel.is_cancelled() {
-                eof = self.parse_batch(&mut reader, &mut buf, batch_size, sample, &mut batch).map_err(|source| {
-                    EnqueueError::Dataset {
+                eof = self
+                    .parse_batch(&mut reader, &mut buf, batch_size, sample, &mut batch)
+                    .map_err(|source| EnqueueError::Dataset {
                         path: path.display().to_string(),
                         source,
-                    }
-                })?;
+                    })?;
             }
             let nothing_read = batch.end_line == 0;
             if !nothing_read {
-                let (store, job, ttl, tasks) = (self.store.clone(), self.job.to_owned(), self.idem_ttl_secs, batch.tasks.clone());
+                let (store, job, ttl, tasks) = (
+                    self.store.clone(),
+                    self.job.to_owned(),
+                    self.idem_ttl_secs,
+                    batch.tasks.clone(),
+                );
                 let handle = tokio::spawn(async move { store.enqueue(&job, ttl, &tasks).await });
                 in_flight.push_back((batch, handle));
             }
             while in_flight.len() >= IN_FLIGHT || (nothing_read && !in_flight.is_empty()) {
-                let Some((prev, handle)) = in_flight.pop_front() else { break };
-                let outcomes = handle.await.map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
+                let Some((prev, handle)) = in_flight.pop_front() else {
+                    break;
+                };
+                let outcomes = handle
+                    .await
+                    .map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
                 self.confirm(prev, outcomes).await?;
                 progress.set(self.cursor.offset, &self.cursor.counts);
             }
@@ -385,13 +415,20 @@ impl Pass<'_> {
             match (reason, outcome) {
                 (Some(reason), _) => {
                     counts.add_dropped(&reason.code());
-                    dropped.push(dropped_line(line, Some(task.record_id.clone()), Some(task.key.clone()), &reason));
+                    dropped.push(dropped_line(
+                        line,
+                        Some(task.record_id.clone()),
+                        Some(task.key.clone()),
+                        &reason,
+                    ));
                 }
                 (None, EnqueueOutcome::Added) => counts.enqueued += 1,
                 (None, EnqueueOutcome::Present { .. }) => counts.already_present += 1,
             }
         }
-        self.store.record_dropped(self.job, &self.origin_prefix, &dropped).await?;
+        self.store
+            .record_dropped(self.job, &self.origin_prefix, &dropped)
+            .await?;
         self.cursor.counts.merge(&counts);
         self.cursor.offset = end_offset;
         self.cursor.line = end_line;
@@ -412,7 +449,12 @@ fn dropped_line(line: u64, record_id: Option<String>, key: Option<String>, reaso
 
 /// Writes (or extends) the manifest once a pass is complete. Totals come from
 /// Redis: the job's records from its state hashes, drops from its drop hash.
-async fn write_manifest(store: &RedisStore, job: &str, spec: &JobSpec, cursor: &Cursor) -> Result<Manifest, EnqueueError> {
+async fn write_manifest(
+    store: &RedisStore,
+    job: &str,
+    spec: &JobSpec,
+    cursor: &Cursor,
+) -> Result<Manifest, EnqueueError> {
     let previous = store.load_manifest(job).await?;
     let c = &cursor.counts;
     let this_pass = DatasetPass {

@@ -14,7 +14,12 @@ const LOG_EVERY: Duration = Duration::from_secs(5);
 pub enum Progress {
     Off,
     Bar(ProgressBar),
-    Log { total: u64, started: Instant, last: Mutex<Instant>, start_offset: u64 },
+    Log {
+        total: u64,
+        started: Instant,
+        last: Mutex<Instant>,
+        start_offset: u64,
+    },
 }
 
 impl Progress {
@@ -34,7 +39,12 @@ impl Progress {
             Progress::Bar(bar)
         } else {
             let now = Instant::now();
-            Progress::Log { total: total_bytes, started: now, last: Mutex::new(now), start_offset }
+            Progress::Log {
+                total: total_bytes,
+                started: now,
+                last: Mutex::new(now),
+                start_offset,
+            }
         }
     }
 
@@ -44,9 +54,17 @@ impl Progress {
             Progress::Off => {}
             Progress::Bar(bar) => {
                 bar.set_position(offset);
-                bar.set_message(format!("{} lines, {} new, {} dropped", counts.lines, counts.enqueued, counts.dropped));
+                bar.set_message(format!(
+                    "{} lines, {} new, {} dropped",
+                    counts.lines, counts.enqueued, counts.dropped
+                ));
             }
-            Progress::Log { total, started, last, start_offset } => {
+            Progress::Log {
+                total,
+                started,
+                last,
+                start_offset,
+            } => {
                 let Ok(mut last) = last.lock() else { return };
                 if last.elapsed() < LOG_EVERY {
                     return;
@@ -54,7 +72,11 @@ impl Progress {
                 *last = Instant::now();
                 let elapsed = started.elapsed().as_secs_f64().max(1e-9);
                 let rate = (offset - start_offset) as f64 / elapsed;
-                let eta = if rate > 0.0 { (total - offset) as f64 / rate } else { f64::NAN };
+                let eta = if rate > 0.0 {
+                    (total - offset) as f64 / rate
+                } else {
+                    f64::NAN
+                };
                 eprintln!(
                     "enqueue: {:.1}% ({offset}/{total} bytes), {} lines, {} new, {} present, {} dropped, {:.0} bytes/s, eta {eta:.0}s",
                     100.0 * offset as f64 / (*total).max(1) as f64,

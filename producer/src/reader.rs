@@ -137,7 +137,17 @@ mod tests {
         assert_eq!(lines[0].1, b"ab\r");
         assert_eq!(lines[0].0.end, 7);
         assert_eq!(lines[1].1, b"");
-        assert_eq!(lines[2], (LinePos { number: 3, end: 11, oversize: None }, b"cde".to_vec()));
+        assert_eq!(
+            lines[2],
+            (
+                LinePos {
+                    number: 3,
+                    end: 11,
+                    oversize: None
+                },
+                b"cde".to_vec()
+            )
+        );
         // Resuming at a line's end offset continues with the next line number.
         let resumed = read_all(&path, 7, 1, 100);
         assert_eq!(resumed[0].0.number, 2);

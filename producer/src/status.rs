@@ -83,8 +83,12 @@ pub async fn status(store: &RedisStore, job: &str) -> Result<JobStatus, StoreErr
         s.in_flight += store.pending_count(job, p).await?;
         store
             .scan_hash(&keys::results(job, p), |_, json| {
-                let Ok(r) = serde_json::from_str::<Value>(&json) else { return };
-                *s.attempts_histogram.entry(r["attempts"].as_u64().unwrap_or(0)).or_default() += 1;
+                let Ok(r) = serde_json::from_str::<Value>(&json) else {
+                    return;
+                };
+                *s.attempts_histogram
+                    .entry(r["attempts"].as_u64().unwrap_or(0))
+                    .or_default() += 1;
                 for h in r["history"].as_array().into_iter().flatten() {
                     let u = &h["usage"];
                     s.tokens.prompt += u["prompt_tokens"].as_u64().unwrap_or(0);
@@ -126,11 +130,18 @@ pub async fn export(store: &RedisStore, job: &str, partitions: u32, out: &mut im
 
 /// The human view of a status.
 pub fn print(s: &JobStatus) {
-    println!("job {}: {}", s.job, if s.complete { "COMPLETE" } else { "not complete" });
+    println!(
+        "job {}: {}",
+        s.job,
+        if s.complete { "COMPLETE" } else { "not complete" }
+    );
     if let Some(reason) = &s.halted {
         println!("  HALTED: {reason} (claiming stopped; tasks stay queued)");
     }
-    println!("  expected     {}", s.expected.map_or("? (no manifest)".into(), |e| e.to_string()));
+    println!(
+        "  expected     {}",
+        s.expected.map_or("? (no manifest)".into(), |e| e.to_string())
+    );
     println!("  queued       {}", s.queued);
     println!("  in flight    {}", s.in_flight);
     println!("  delayed      {}", s.delayed);
@@ -146,5 +157,8 @@ pub fn print(s: &JobStatus) {
     println!("  missing      {}", s.missing);
     let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     println!("  attempts     {} (attempts:records over done records)", hist.join(" "));
-    println!("  tokens       {} prompt ({} cached), {} completion", s.tokens.prompt, s.tokens.cached, s.tokens.completion);
+    println!(
+        "  tokens       {} prompt ({} cached), {} completion",
+        s.tokens.prompt, s.tokens.cached, s.tokens.completion
+    );
 }

@@ -127,7 +127,10 @@ fn redis_server_binary() -> String {
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
 }
 
 /// Path of a binary built by `cargo build` next to the running test
@@ -137,7 +140,11 @@ pub fn bin(name: &str) -> PathBuf {
     // target/<profile>/deps/<test>-<hash> -> target/<profile>/<name>
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let path = dir.join(name);
-    assert!(path.exists(), "{} is not built: run `cargo build --workspace --bins` (make test does)", path.display());
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --workspace --bins` (make test does)",
+        path.display()
+    );
     path
 }
 
@@ -181,7 +188,12 @@ pub fn write_records(path: &Path, from: u64, n: u64) {
     use std::io::Write;
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).expect("create dataset"));
     for i in from..from + n {
-        writeln!(f, "{}", record_line(&format!("msg-{i}"), &format!("message number {i}"))).expect("write dataset");
+        writeln!(
+            f,
+            "{}",
+            record_line(&format!("msg-{i}"), &format!("message number {i}"))
+        )
+        .expect("write dataset");
     }
     f.flush().expect("flush dataset");
 }
@@ -206,7 +218,9 @@ impl LlmSim {
             .expect("start llm-sim");
         let stdout = child.stdout.take().expect("llm-sim stdout");
         let mut line = String::new();
-        std::io::BufReader::new(stdout).read_line(&mut line).expect("llm-sim address line");
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("llm-sim address line");
         let addr = line
             .trim()
             .strip_prefix("llm-sim listening on ")
@@ -233,7 +247,13 @@ impl LlmSim {
     pub fn log_containing(&self, needle: &str) -> Vec<serde_json::Value> {
         let q: String = needle
             .bytes()
-            .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+            .map(|b| {
+                if b.is_ascii_alphanumeric() {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
             .collect();
         match http_get_json(&self.addr, &format!("/log?contains={q}")) {
             serde_json::Value::Array(a) => a,
@@ -268,7 +288,9 @@ fn http_request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Str
     .expect("write request");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("read response");
-    out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
 }
 
 fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
@@ -291,12 +313,21 @@ pub fn spec_with(dir: &TempDir, replacements: &[(&str, &str)]) -> PathBuf {
 /// A `worker` command for one job against a test Redis and simulator.
 pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("worker"));
-    c.args(["--redis", &redis.url(), "--job", job, "--base-url", &sim.base_url(), "--log-format", "json"])
-        .args(["--idle-poll-ms", "20"])
-        .args(extra)
-        .env("OPENAI_API_KEY", "sk-test-key")
-        .env_remove("REDIS_URL")
-        .env_remove("BATCHFLEET_BASE_URL");
+    c.args([
+        "--redis",
+        &redis.url(),
+        "--job",
+        job,
+        "--base-url",
+        &sim.base_url(),
+        "--log-format",
+        "json",
+    ])
+    .args(["--idle-poll-ms", "20"])
+    .args(extra)
+    .env("OPENAI_API_KEY", "sk-test-key")
+    .env_remove("REDIS_URL")
+    .env_remove("BATCHFLEET_BASE_URL");
     c
 }
 
@@ -343,7 +374,10 @@ impl Running {
             let _ = pipe.read_to_string(&mut s);
             s
         });
-        Running { child, stderr: Some(stderr) }
+        Running {
+            child,
+            stderr: Some(stderr),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -354,7 +388,11 @@ impl Running {
     /// and returns its status and stderr.
     pub fn finish(mut self, within: Duration) -> (std::process::ExitStatus, String) {
         let status = wait_exit(&mut self.child, within);
-        let err = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        let err = self
+            .stderr
+            .take()
+            .map(|h| h.join().unwrap_or_default())
+            .unwrap_or_default();
         (status, err)
     }
 }

@@ -1,6 +1,8 @@
 //! `producer enqueue` against a real redis-server: idempotency, resumption
 //! after kill -9, every bad-line class, refusals, samples.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::Path;
@@ -30,7 +32,12 @@ fn enqueue_json(redis: &RedisServer, dataset: &Path, job: &str, extra: &[&str]) 
     args.extend(["--redis", &url]);
     args.extend(extra);
     let out = producer(&args);
-    assert!(out.status.success(), "enqueue failed: {}\n{}", stderr(&out), stdout(&out));
+    assert!(
+        out.status.success(),
+        "enqueue failed: {}\n{}",
+        stderr(&out),
+        stdout(&out)
+    );
     serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("summary is not JSON ({e}): {}", stdout(&out)))
 }
 
@@ -43,7 +50,10 @@ fn tasks(redis: &RedisServer, job: &str) -> Vec<(u32, String, String, String)> {
         for entry in reply.ids {
             let field = |k: &str| -> String { entry.get(k).unwrap_or_default() };
             let input = field("input");
-            let key = serde_json::from_str::<Value>(&input).unwrap()["message_id"].as_str().unwrap_or_default().to_owned();
+            let key = serde_json::from_str::<Value>(&input).unwrap()["message_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
             out.push((p, field("rid"), key, input));
         }
     }
@@ -52,7 +62,9 @@ fn tasks(redis: &RedisServer, job: &str) -> Vec<(u32, String, String, String)> {
 
 fn state_count(redis: &RedisServer, job: &str) -> u64 {
     let mut c = redis.conn();
-    (0..PARTITIONS).map(|p| c.hlen::<_, u64>(keys::state(job, p)).unwrap()).sum()
+    (0..PARTITIONS)
+        .map(|p| c.hlen::<_, u64>(keys::state(job, p)).unwrap())
+        .sum()
 }
 
 fn assert_unique(tasks: &[(u32, String, String, String)]) {
@@ -85,7 +97,14 @@ fn enqueue_twice_adds_nothing_the_second_time() {
     assert_eq!(second["dropped"], 5);
     assert_eq!(tasks(&redis, "idem").len(), 1200);
     assert_eq!(state_count(&redis, "idem"), 1201);
-    let manifest: Value = serde_json::from_str(&stdout(&producer(&["manifest", "--job", "idem", "--redis", &redis.url()]))).unwrap();
+    let manifest: Value = serde_json::from_str(&stdout(&producer(&[
+        "manifest",
+        "--job",
+        "idem",
+        "--redis",
+        &redis.url(),
+    ])))
+    .unwrap();
     assert_eq!(manifest["expected_records"], 1201);
     assert_eq!(manifest["dropped_lines"], 5);
     assert_eq!(manifest["datasets"].as_array().unwrap().len(), 1);
@@ -102,9 +121,22 @@ fn overlapping_files_share_their_records() {
 
     // Another file under the same job is refused unless asked for.
     let url = redis.url();
-    let refused = producer(&["enqueue", b.to_str().unwrap(), "--job", "ov", "--spec", example_spec().to_str().unwrap(), "--redis", &url]);
+    let refused = producer(&[
+        "enqueue",
+        b.to_str().unwrap(),
+        "--job",
+        "ov",
+        "--spec",
+        example_spec().to_str().unwrap(),
+        "--redis",
+        &url,
+    ]);
     assert_eq!(refused.status.code(), Some(2));
-    assert!(stderr(&refused).contains("--restart") && stderr(&refused).contains("different"), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("--restart") && stderr(&refused).contains("different"),
+        "{}",
+        stderr(&refused)
+    );
     assert_eq!(tasks(&redis, "ov").len(), 600, "a refused run must add nothing");
 
     let added = enqueue_json(&redis, &b, "ov", &["--restart"]);
@@ -114,7 +146,8 @@ fn overlapping_files_share_their_records() {
     let t = tasks(&redis, "ov");
     assert_eq!(t.len(), 900);
     assert_unique(&t);
-    let manifest: Value = serde_json::from_str(&stdout(&producer(&["manifest", "--job", "ov", "--redis", &url]))).unwrap();
+    let manifest: Value =
+        serde_json::from_str(&stdout(&producer(&["manifest", "--job", "ov", "--redis", &url]))).unwrap();
     assert_eq!(manifest["expected_records"], 900);
     assert_eq!(manifest["datasets"].as_array().unwrap().len(), 2);
 }
@@ -128,7 +161,14 @@ fn kill_9_mid_file_then_rerun_enqueues_each_record_exactly_once() {
     write_records(&dataset, 0, n);
     let url = redis.url();
     let mut child = Command::new(bin("producer"))
-        .args(["enqueue", dataset.to_str().unwrap(), "--job", "k9", "--spec", example_spec().to_str().unwrap()])
+        .args([
+            "enqueue",
+            dataset.to_str().unwrap(),
+            "--job",
+            "k9",
+            "--spec",
+            example_spec().to_str().unwrap(),
+        ])
         .args(["--redis", &url, "--batch-size", "200", "--no-progress"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -139,7 +179,9 @@ fn kill_9_mid_file_then_rerun_enqueues_each_record_exactly_once() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let killed_at = loop {
         let cursor: Option<String> = c.get(keys::cursor("k9")).unwrap();
-        let line = cursor.map(|t| serde_json::from_str::<Value>(&t).unwrap()["line"].as_u64().unwrap()).unwrap_or(0);
+        let line = cursor
+            .map(|t| serde_json::from_str::<Value>(&t).unwrap()["line"].as_u64().unwrap())
+            .unwrap_or(0);
         if line > 0 {
             child.kill().unwrap(); // SIGKILL
             break line;
@@ -148,7 +190,10 @@ fn kill_9_mid_file_then_rerun_enqueues_each_record_exactly_once() {
         std::thread::sleep(Duration::from_millis(5));
     };
     child.wait().unwrap();
-    assert!(killed_at < n, "the producer finished before it could be killed; make the dataset bigger");
+    assert!(
+        killed_at < n,
+        "the producer finished before it could be killed; make the dataset bigger"
+    );
     let partial = tasks(&redis, "k9").len() as u64;
     assert!(partial < n, "kill came too late to test a resume ({partial} tasks)");
 
@@ -178,7 +223,14 @@ fn sigterm_stops_cleanly_and_the_rerun_resumes() {
     write_records(&dataset, 0, n);
     let url = redis.url();
     let child = Command::new(bin("producer"))
-        .args(["enqueue", dataset.to_str().unwrap(), "--job", "t1", "--spec", example_spec().to_str().unwrap()])
+        .args([
+            "enqueue",
+            dataset.to_str().unwrap(),
+            "--job",
+            "t1",
+            "--spec",
+            example_spec().to_str().unwrap(),
+        ])
         .args(["--redis", &url, "--batch-size", "200", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -193,11 +245,20 @@ fn sigterm_stops_cleanly_and_the_rerun_resumes() {
     let pid = child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(130), "interrupted exit code; stderr: {}", stderr(&out));
+    assert_eq!(
+        out.status.code(),
+        Some(130),
+        "interrupted exit code; stderr: {}",
+        stderr(&out)
+    );
     let summary: Value = serde_json::from_str(&stdout(&out)).unwrap();
     assert_eq!(summary["interrupted"], true);
     let stopped_at = summary["lines"].as_u64().unwrap();
-    assert_eq!(tasks(&redis, "t1").len() as u64, stopped_at, "a clean stop confirms exactly what it counted");
+    assert_eq!(
+        tasks(&redis, "t1").len() as u64,
+        stopped_at,
+        "a clean stop confirms exactly what it counted"
+    );
 
     let resumed = enqueue_json(&redis, &dataset, "t1", &[]);
     assert_eq!(resumed["resumed_from_line"].as_u64().unwrap(), stopped_at);
@@ -215,7 +276,7 @@ fn every_bad_line_is_dropped_with_its_line_number_and_reason() {
     let big = record_line("big", &"x".repeat(20_000));
     let lines: Vec<Vec<u8>> = vec![
         [b"\xEF\xBB\xBF".as_slice(), record_line("r1", "with a BOM").as_bytes()].concat(), // 1 ok (BOM)
-        format!("{}\r", record_line("r2", "crlf")).into_bytes(),                          // 2 ok (CRLF)
+        format!("{}\r", record_line("r2", "crlf")).into_bytes(),                           // 2 ok (CRLF)
         b"".to_vec(),                                                                      // 3 blank
         b"{\"message_id\": \"r3\", ".to_vec(),                                             // 4 malformed_json
         b"[1, 2, 3]".to_vec(),                                                             // 5 not_object
@@ -260,14 +321,22 @@ fn every_bad_line_is_dropped_with_its_line_number_and_reason() {
             (v["line"].as_u64().unwrap(), v["reason"].as_str().unwrap().to_owned())
         })
         .collect();
-    assert_eq!(got, want.iter().map(|(k, v)| (*k, (*v).to_owned())).collect::<BTreeMap<_, _>>());
+    assert_eq!(
+        got,
+        want.iter()
+            .map(|(k, v)| (*k, (*v).to_owned()))
+            .collect::<BTreeMap<_, _>>()
+    );
     for (reason, n) in s["dropped_by_reason"].as_object().unwrap() {
         assert_eq!(n, 1, "{reason}");
     }
     assert!(stdout(&listed).contains("same id as line 1"));
     // The template-dropped record is a record: in the dropped state, never a task.
     let keys_in_streams: HashSet<String> = tasks(&redis, "bad").into_iter().map(|t| t.2).collect();
-    assert_eq!(keys_in_streams, HashSet::from(["r1".to_owned(), "r2".to_owned(), "r6".to_owned()]));
+    assert_eq!(
+        keys_in_streams,
+        HashSet::from(["r1".to_owned(), "r2".to_owned(), "r6".to_owned()])
+    );
     assert_eq!(state_count(&redis, "bad"), 4);
 }
 
@@ -281,14 +350,38 @@ fn a_changed_file_or_spec_under_the_same_job_is_refused() {
     write_records(&path, 0, 101);
     let url = redis.url();
     let spec = example_spec();
-    let out = producer(&["enqueue", path.to_str().unwrap(), "--job", "ch", "--spec", spec.to_str().unwrap(), "--redis", &url]);
+    let out = producer(&[
+        "enqueue",
+        path.to_str().unwrap(),
+        "--job",
+        "ch",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &url,
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("is different"), "{}", stderr(&out));
 
     let spec2 = dir.join("job2.toml");
-    std::fs::write(&spec2, std::fs::read_to_string(&spec).unwrap().replace("prompt = \"v1\"", "prompt = \"v2\"")).unwrap();
+    std::fs::write(
+        &spec2,
+        std::fs::read_to_string(&spec)
+            .unwrap()
+            .replace("prompt = \"v1\"", "prompt = \"v2\""),
+    )
+    .unwrap();
     for extra in [&[][..], &["--restart"][..]] {
-        let mut args = vec!["enqueue", path.to_str().unwrap(), "--job", "ch", "--spec", spec2.to_str().unwrap(), "--redis", &url];
+        let mut args = vec![
+            "enqueue",
+            path.to_str().unwrap(),
+            "--job",
+            "ch",
+            "--spec",
+            spec2.to_str().unwrap(),
+            "--redis",
+            &url,
+        ];
         args.extend(extra);
         let out = producer(&args);
         assert_eq!(out.status.code(), Some(2));
@@ -322,25 +415,75 @@ fn unusable_inputs_fail_with_clear_messages() {
     let spec = example_spec();
     let url = redis.url();
 
-    let missing = producer(&["enqueue", "/nonexistent/x.jsonl", "--job", "e", "--spec", spec.to_str().unwrap(), "--redis", &url]);
+    let missing = producer(&[
+        "enqueue",
+        "/nonexistent/x.jsonl",
+        "--job",
+        "e",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &url,
+    ]);
     assert_eq!(missing.status.code(), Some(2));
-    assert!(stderr(&missing).contains("cannot read dataset /nonexistent/x.jsonl"), "{}", stderr(&missing));
+    assert!(
+        stderr(&missing).contains("cannot read dataset /nonexistent/x.jsonl"),
+        "{}",
+        stderr(&missing)
+    );
 
     let bad_spec = dir.join("bad.toml");
-    std::fs::write(&bad_spec, std::fs::read_to_string(&spec).unwrap().replace("partitions = 4", "partitions = 0")).unwrap();
-    let out = producer(&["enqueue", path.to_str().unwrap(), "--job", "e", "--spec", bad_spec.to_str().unwrap(), "--redis", &url]);
+    std::fs::write(
+        &bad_spec,
+        std::fs::read_to_string(&spec)
+            .unwrap()
+            .replace("partitions = 4", "partitions = 0"),
+    )
+    .unwrap();
+    let out = producer(&[
+        "enqueue",
+        path.to_str().unwrap(),
+        "--job",
+        "e",
+        "--spec",
+        bad_spec.to_str().unwrap(),
+        "--redis",
+        &url,
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("job.partitions"), "{}", stderr(&out));
 
-    let out = producer(&["enqueue", path.to_str().unwrap(), "--job", "bad name", "--spec", spec.to_str().unwrap(), "--redis", &url]);
+    let out = producer(&[
+        "enqueue",
+        path.to_str().unwrap(),
+        "--job",
+        "bad name",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &url,
+    ]);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("job name `bad name` is invalid"));
 
     let dead = format!("redis://:hunter2secret@127.0.0.1:{}", harness::free_port());
-    let out = producer(&["enqueue", path.to_str().unwrap(), "--job", "e", "--spec", spec.to_str().unwrap(), "--redis", &dead]);
+    let out = producer(&[
+        "enqueue",
+        path.to_str().unwrap(),
+        "--job",
+        "e",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &dead,
+    ]);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("cannot reach Redis"), "{}", stderr(&out));
-    assert!(!stderr(&out).contains("hunter2secret"), "password leaked: {}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("hunter2secret"),
+        "password leaked: {}",
+        stderr(&out)
+    );
 
     let check = producer(&["spec", "check", bad_spec.to_str().unwrap()]);
     assert_eq!(check.status.code(), Some(2));

@@ -1,6 +1,8 @@
 //! Workers end to end: real redis-server, real llm-sim over HTTP, real
 //! processes killed for real (by pid).
 
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::Stdio;
@@ -9,7 +11,9 @@ use std::time::Duration;
 use common::keys;
 use common::spec::JobSpec;
 use common::validate::{Validation, validate};
-use harness::{LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, wait_for, worker_cmd, write_records};
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, wait_for, worker_cmd, write_records,
+};
 use redis::Commands;
 use serde_json::Value;
 
@@ -66,7 +70,8 @@ impl JobView {
             pending: 0,
         };
         for p in 0..P {
-            v.states.extend(c.hgetall::<_, HashMap<String, String>>(keys::state(job, p)).unwrap());
+            v.states
+                .extend(c.hgetall::<_, HashMap<String, String>>(keys::state(job, p)).unwrap());
             for (k, json) in c.hgetall::<_, HashMap<String, String>>(keys::results(job, p)).unwrap() {
                 v.results.insert(k, serde_json::from_str(&json).unwrap());
             }
@@ -75,7 +80,11 @@ impl JobView {
             }
             v.in_streams += c.xlen::<_, u64>(keys::stream(job, p)).unwrap();
             v.delayed += c.zcard::<_, u64>(keys::delayed(job, p)).unwrap();
-            let summary: redis::Value = redis::cmd("XPENDING").arg(keys::stream(job, p)).arg(keys::GROUP).query(&mut c).unwrap();
+            let summary: redis::Value = redis::cmd("XPENDING")
+                .arg(keys::stream(job, p))
+                .arg(keys::GROUP)
+                .query(&mut c)
+                .unwrap();
             if let redis::Value::Array(parts) = summary
                 && let Some(redis::Value::Int(n)) = parts.first()
             {
@@ -101,12 +110,27 @@ impl JobView {
         for (rid, s) in &self.states {
             let terminal = s == "done" || s == "review" || s.starts_with("dropped:");
             assert!(terminal, "record {rid} is not terminal: {s}");
-            assert_eq!(self.results.contains_key(rid), s == "done", "result vs state for {rid} ({s})");
-            assert_eq!(self.reviews.contains_key(rid), s == "review", "review vs state for {rid} ({s})");
+            assert_eq!(
+                self.results.contains_key(rid),
+                s == "done",
+                "result vs state for {rid} ({s})"
+            );
+            assert_eq!(
+                self.reviews.contains_key(rid),
+                s == "review",
+                "review vs state for {rid} ({s})"
+            );
         }
         assert_eq!(self.results.len(), self.count().get("done").copied().unwrap_or(0));
-        assert!(self.results.keys().all(|k| self.states.contains_key(k)), "a result for an unknown record");
-        assert_eq!((self.in_streams, self.delayed, self.pending), (0, 0, 0), "work left over");
+        assert!(
+            self.results.keys().all(|k| self.states.contains_key(k)),
+            "a result for an unknown record"
+        );
+        assert_eq!(
+            (self.in_streams, self.delayed, self.pending),
+            (0, 0, 0),
+            "work left over"
+        );
     }
 }
 
@@ -124,13 +148,29 @@ fn output(r: Running) -> (std::process::ExitStatus, String) {
 #[test]
 fn two_workers_with_the_full_fault_mix_account_for_every_record() {
     let redis = RedisServer::start();
-    let sim = LlmSim::start(&["--latency-ms", "5", "--faults", FULL_FAULT_MIX, "--seed", "11", "--hang-secs", "5"]);
+    let sim = LlmSim::start(&[
+        "--latency-ms",
+        "5",
+        "--faults",
+        FULL_FAULT_MIX,
+        "--seed",
+        "11",
+        "--hang-secs",
+        "5",
+    ]);
     let dir = TempDir::new("e2e");
     let spec_path = test_spec(&dir, "1");
     let dataset = harness::workspace().join("examples/dataset.jsonl");
     enqueue(&redis, &dataset, "e2e", &spec_path);
     let workers: Vec<Running> = (0..2)
-        .map(|_| spawn(worker_cmd(&redis, "e2e", &sim, &["--drain", "--concurrency", "16", "--visibility-timeout-ms", "3000"])))
+        .map(|_| {
+            spawn(worker_cmd(
+                &redis,
+                "e2e",
+                &sim,
+                &["--drain", "--concurrency", "16", "--visibility-timeout-ms", "3000"],
+            ))
+        })
         .collect();
     for w in workers {
         let (status, err) = output(w);
@@ -139,7 +179,11 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
     let view = JobView::read(&redis, "e2e");
     view.assert_complete(1201);
     let counts = view.count();
-    assert_eq!(counts.get("dropped"), Some(&1), "the template-missing record: {counts:?}");
+    assert_eq!(
+        counts.get("dropped"),
+        Some(&1),
+        "the template-missing record: {counts:?}"
+    );
     assert!(counts.get("done").copied().unwrap_or(0) > 1100, "{counts:?}");
 
     let spec = JobSpec::parse(&std::fs::read_to_string(&spec_path).unwrap(), "spec").unwrap();
@@ -150,7 +194,10 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
         model_part.remove("record_id");
         model_part.remove("_model");
         let check = validate(&spec, &Value::Object(model_part).to_string());
-        assert!(matches!(check, Validation::Valid { .. }), "stored result does not validate: {r}");
+        assert!(
+            matches!(check, Validation::Valid { .. }),
+            "stored result does not validate: {r}"
+        );
         assert!(r["attempts"].as_u64().unwrap() >= 1);
         assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "usage kept: {r}");
     }
@@ -161,17 +208,36 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
         assert!(e.get("last_raw_output").is_some() && e["errors"].is_array() && e["history"].is_array());
     }
     // Repairs happened and were recorded (the mix wraps answers in fences and prose).
-    let repaired = view.results.values().filter(|r| !r["repairs"].as_array().unwrap().is_empty()).count();
+    let repaired = view
+        .results
+        .values()
+        .filter(|r| !r["repairs"].as_array().unwrap().is_empty())
+        .count();
     assert!(repaired > 0, "no repair recorded");
-    let status = producer(&["status", "--job", "e2e", "--redis", &redis.url(), "--json", "--require-complete"]);
-    assert!(status.status.success(), "status --require-complete: {}", harness::stdout(&status));
+    let status = producer(&[
+        "status",
+        "--job",
+        "e2e",
+        "--redis",
+        &redis.url(),
+        "--json",
+        "--require-complete",
+    ]);
+    assert!(
+        status.status.success(),
+        "status --require-complete: {}",
+        harness::stdout(&status)
+    );
     let s: Value = serde_json::from_str(&harness::stdout(&status)).unwrap();
     assert_eq!(s["done"].as_u64().unwrap() as usize, view.results.len());
     assert_eq!(s["missing"], 0);
     assert!(s["tokens"]["prompt"].as_u64().unwrap() > 0);
     // llm-sim is the judge: every result is backed by an answer it served.
     let stats = sim.stats();
-    assert!(stats["served"].as_u64().unwrap() >= view.results.len() as u64, "{stats}");
+    assert!(
+        stats["served"].as_u64().unwrap() >= view.results.len() as u64,
+        "{stats}"
+    );
 }
 
 #[test]
@@ -183,7 +249,12 @@ fn invalid_output_is_retried_with_validation_feedback_only() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 60);
     enqueue(&redis, &data, "fb", &spec);
-    let (status, err) = output(spawn(worker_cmd(&redis, "fb", &sim, &["--drain", "--concurrency", "8"])));
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "fb",
+        &sim,
+        &["--drain", "--concurrency", "8"],
+    )));
     assert!(status.success(), "{err}");
     let view = JobView::read(&redis, "fb");
     view.assert_complete(60);
@@ -191,14 +262,26 @@ fn invalid_output_is_retried_with_validation_feedback_only() {
     assert!(!with_feedback.is_empty(), "no retry carried feedback");
     for entry in &with_feedback {
         let user = entry["user"].as_str().unwrap();
-        assert!(user.contains("E_ENUM label"), "feedback names the error and field: {user}");
-        assert!(!user.contains("http_") && !user.contains("500"), "a transport error was fed back: {user}");
+        assert!(
+            user.contains("E_ENUM label"),
+            "feedback names the error and field: {user}"
+        );
+        assert!(
+            !user.contains("http_") && !user.contains("500"),
+            "a transport error was fed back: {user}"
+        );
     }
     // Records retried after an invalid answer show it in their history.
     let retried = view
         .results
         .values()
-        .filter(|r| r["history"].as_array().unwrap().iter().any(|h| h["outcome"] == "invalid_output"))
+        .filter(|r| {
+            r["history"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|h| h["outcome"] == "invalid_output")
+        })
         .count();
     assert_eq!(retried, with_feedback.len(), "one feedback request per invalid answer");
 }
@@ -212,12 +295,26 @@ fn kill_9_with_requests_in_flight_is_recovered_without_a_second_result() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 150);
     enqueue(&redis, &data, "k", &spec);
-    let mut victim = worker_cmd(&redis, "k", &sim, &["--concurrency", "100", "--visibility-timeout-ms", "4000", "--consumer", "victim"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for("requests in flight", Duration::from_secs(30), || sim.stats()["requests"].as_u64().unwrap() >= 50);
+    let mut victim = worker_cmd(
+        &redis,
+        "k",
+        &sim,
+        &[
+            "--concurrency",
+            "100",
+            "--visibility-timeout-ms",
+            "4000",
+            "--consumer",
+            "victim",
+        ],
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    wait_for("requests in flight", Duration::from_secs(30), || {
+        sim.stats()["requests"].as_u64().unwrap() >= 50
+    });
     victim.kill().unwrap(); // SIGKILL, by pid
     victim.wait().unwrap();
     let before = JobView::read(&redis, "k");
@@ -226,7 +323,15 @@ fn kill_9_with_requests_in_flight_is_recovered_without_a_second_result() {
         &redis,
         "k",
         &sim,
-        &["--drain", "--concurrency", "100", "--visibility-timeout-ms", "4000", "--consumer", "rescuer"],
+        &[
+            "--drain",
+            "--concurrency",
+            "100",
+            "--visibility-timeout-ms",
+            "4000",
+            "--consumer",
+            "rescuer",
+        ],
     )));
     assert!(status.success(), "{err}");
     assert!(err.contains("reclaimed a task"), "the rescuer reclaimed nothing");
@@ -234,7 +339,10 @@ fn kill_9_with_requests_in_flight_is_recovered_without_a_second_result() {
     view.assert_complete(150);
     assert_eq!(view.count().get("done"), Some(&150));
     // Attempts lost with the victim are counted, not hidden.
-    assert!(view.results.values().any(|r| r["attempts"].as_u64().unwrap() >= 2), "lost attempts not counted");
+    assert!(
+        view.results.values().any(|r| r["attempts"].as_u64().unwrap() >= 2),
+        "lost attempts not counted"
+    );
 }
 
 #[test]
@@ -246,17 +354,38 @@ fn sigterm_stops_claiming_and_finishes_in_flight_work() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 400);
     enqueue(&redis, &data, "t", &spec);
-    let child = spawn(worker_cmd(&redis, "t", &sim, &["--concurrency", "10", "--drain-timeout-secs", "20"]));
-    wait_for("some commits", Duration::from_secs(30), || JobView::read(&redis, "t").results.len() >= 20);
-    assert!(std::process::Command::new("kill").args(["-TERM", &child.pid().to_string()]).status().unwrap().success());
+    let child = spawn(worker_cmd(
+        &redis,
+        "t",
+        &sim,
+        &["--concurrency", "10", "--drain-timeout-secs", "20"],
+    ));
+    wait_for("some commits", Duration::from_secs(30), || {
+        JobView::read(&redis, "t").results.len() >= 20
+    });
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &child.pid().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
     let (status, err) = output(child);
     assert!(status.success(), "drained worker exits 0: {err}");
     let view = JobView::read(&redis, "t");
-    assert_eq!(view.pending, 0, "in-flight tasks were finished and acked, not abandoned");
+    assert_eq!(
+        view.pending, 0,
+        "in-flight tasks were finished and acked, not abandoned"
+    );
     let incomplete = producer(&["status", "--job", "t", "--redis", &redis.url(), "--require-complete"]);
     assert_eq!(incomplete.status.code(), Some(4), "an unfinished job is not complete");
     assert!(view.in_streams > 0, "it stopped claiming: work is left for others");
-    let (status, err) = output(spawn(worker_cmd(&redis, "t", &sim, &["--drain", "--concurrency", "50"])));
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "t",
+        &sim,
+        &["--drain", "--concurrency", "50"],
+    )));
     assert!(status.success(), "{err}");
     JobView::read(&redis, "t").assert_complete(400);
 }
@@ -277,7 +406,11 @@ fn a_task_delivered_too_often_goes_to_review_as_poison() {
     for p in 0..P {
         let stream = keys::stream("poison", p);
         let reply: redis::streams::StreamReadReply = c
-            .xread_options(&[&stream], &[">"], &redis::streams::StreamReadOptions::default().group(keys::GROUP, "ghost"))
+            .xread_options(
+                &[&stream],
+                &[">"],
+                &redis::streams::StreamReadOptions::default().group(keys::GROUP, "ghost"),
+            )
             .unwrap();
         for key in reply.keys {
             for id in key.ids {
@@ -299,7 +432,12 @@ fn a_task_delivered_too_often_goes_to_review_as_poison() {
     }
     let poisoned = poisoned.expect("a task to poison");
     std::thread::sleep(Duration::from_millis(1600));
-    let (status, err) = output(spawn(worker_cmd(&redis, "poison", &sim, &["--drain", "--visibility-timeout-ms", "1500"])));
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "poison",
+        &sim,
+        &["--drain", "--visibility-timeout-ms", "1500"],
+    )));
     assert!(status.success(), "{err}");
     let view = JobView::read(&redis, "poison");
     view.assert_complete(3);
@@ -319,12 +457,17 @@ fn a_401_halts_the_fleet_and_leaves_every_task_queued() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 200);
     enqueue(&redis, &data, "h", &spec);
-    let (status, err) = spawn(worker_cmd(&redis, "h", &sim, &["--drain", "--concurrency", "4"])).finish(Duration::from_secs(30));
+    let (status, err) =
+        spawn(worker_cmd(&redis, "h", &sim, &["--drain", "--concurrency", "4"])).finish(Duration::from_secs(30));
     assert_eq!(status.code(), Some(3), "halted exit code: {err}");
     assert!(err.contains("halted") && err.contains("http_401"), "{err}");
     let view = JobView::read(&redis, "h");
     assert!(view.results.is_empty() && view.reviews.is_empty());
-    assert!(view.states.values().all(|s| s == "queued"), "every record stays queued: {:?}", view.count());
+    assert!(
+        view.states.values().all(|s| s == "queued"),
+        "every record stays queued: {:?}",
+        view.count()
+    );
     assert_eq!(view.in_streams, 200, "no task was acked or lost");
     let halt: Option<String> = redis.conn().get(keys::halt("h")).unwrap();
     assert_eq!(halt.as_deref(), Some("http_401"));
@@ -351,7 +494,9 @@ fn a_redelivered_commit_is_a_no_op() {
     for p in 0..P {
         let results: HashMap<String, String> = c.hgetall(keys::results("r", p)).unwrap();
         for rid in results.keys() {
-            let _: String = c.xadd(keys::stream("r", p), "*", &[("rid", rid.as_str()), ("input", "{}")]).unwrap();
+            let _: String = c
+                .xadd(keys::stream("r", p), "*", &[("rid", rid.as_str()), ("input", "{}")])
+                .unwrap();
         }
     }
     let requests_before = sim.stats()["requests"].as_u64().unwrap();
@@ -361,7 +506,11 @@ fn a_redelivered_commit_is_a_no_op() {
     let second = JobView::read(&redis, "r");
     second.assert_complete(5);
     assert_eq!(second.results, first.results, "results unchanged");
-    assert_eq!(sim.stats()["requests"].as_u64().unwrap(), requests_before, "no model call for a settled record");
+    assert_eq!(
+        sim.stats()["requests"].as_u64().unwrap(),
+        requests_before,
+        "no model call for a settled record"
+    );
 }
 
 #[test]
@@ -375,5 +524,8 @@ fn the_worker_refuses_a_redis_that_can_evict() {
     enqueue(&redis, &data, "ev", &spec);
     let (status, err) = output(spawn(worker_cmd(&redis, "ev", &sim, &["--drain"])));
     assert_eq!(status.code(), Some(2), "{err}");
-    assert!(err.contains("maxmemory-policy is `allkeys-lru`") && err.contains("noeviction"), "{err}");
+    assert!(
+        err.contains("maxmemory-policy is `allkeys-lru`") && err.contains("noeviction"),
+        "{err}"
+    );
 }

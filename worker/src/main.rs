@@ -16,7 +16,12 @@ const EXIT_HALTED: u8 = 3;
 #[command(name = "worker", version, about = "batchfleet worker: claim, call, validate, commit")]
 struct Args {
     /// Redis URL (`redis://[user:password@]host:port[/db]`).
-    #[arg(long = "redis", env = "REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
+    #[arg(
+        long = "redis",
+        env = "REDIS_URL",
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
     redis_url: String,
     /// A job to work on (repeat for several); none means every job in Redis.
     #[arg(long = "job", env = "BATCHFLEET_JOBS", value_delimiter = ',')]
@@ -72,9 +77,16 @@ async fn main() -> ExitCode {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     if json {
-        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     }
     let config = Config {
         redis_url: args.redis_url,
@@ -98,12 +110,17 @@ async fn main() -> ExitCode {
     });
     match run(config, cancel).await {
         Ok(summary) => {
-            eprintln!("worker summary: {}", serde_json::to_string(&summary).unwrap_or_default());
+            eprintln!(
+                "worker summary: {}",
+                serde_json::to_string(&summary).unwrap_or_default()
+            );
             if summary.halted.is_empty() {
                 ExitCode::SUCCESS
             } else {
                 for (job, reason) in &summary.halted {
-                    eprintln!("error: job `{job}` is halted ({reason}): tasks stay queued; fix the key or quota, then delete bf:{{{job}}}:halt");
+                    eprintln!(
+                        "error: job `{job}` is halted ({reason}): tasks stay queued; fix the key or quota, then delete bf:{{{job}}}:halt"
+                    );
                 }
                 ExitCode::from(EXIT_HALTED)
             }

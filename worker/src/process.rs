@@ -64,7 +64,10 @@ const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
 /// pending and is reclaimed); everything else ends in a [`Settled`].
 pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Limits) -> Result<Settled, StoreError> {
     let state = store.record_state(&job.name, d.partition, &d.record_id).await?;
-    if state.as_deref().is_some_and(|s| TERMINAL_PREFIXES.iter().any(|t| s.starts_with(t))) {
+    if state
+        .as_deref()
+        .is_some_and(|s| TERMINAL_PREFIXES.iter().any(|t| s.starts_with(t)))
+    {
         store.ack(&job.name, &d).await?;
         return Ok(Settled::AlreadySettled);
     }
@@ -114,15 +117,29 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
     let outcome = match result {
         CallResult::Failed(e) => {
             status = e.status;
-            raw = format!("{} ({})", e.cause, e.status.map_or("no response".into(), |s| format!("HTTP {s}")));
+            raw = format!(
+                "{} ({})",
+                e.cause,
+                e.status.map_or("no response".into(), |s| format!("HTTP {s}"))
+            );
             match e.kind {
-                ErrorKind::Transient => Outcome::Transient { cause: e.cause, retry_after_ms: e.retry_after_ms },
-                ErrorKind::RateLimited => Outcome::RateLimited { retry_after_ms: e.retry_after_ms },
+                ErrorKind::Transient => Outcome::Transient {
+                    cause: e.cause,
+                    retry_after_ms: e.retry_after_ms,
+                },
+                ErrorKind::RateLimited => Outcome::RateLimited {
+                    retry_after_ms: e.retry_after_ms,
+                },
                 ErrorKind::Permanent => Outcome::Permanent { cause: e.cause },
                 ErrorKind::FleetHalt => Outcome::FleetHalt { cause: e.cause },
             }
         }
-        CallResult::Message { content, finish_reason: fr, refusal, usage: u } => {
+        CallResult::Message {
+            content,
+            finish_reason: fr,
+            refusal,
+            usage: u,
+        } => {
             status = Some(200);
             usage = u.unwrap_or(Value::Null);
             finish_reason = fr;
@@ -132,9 +149,13 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
                 _ => content,
             };
             if finish_reason == "content_filter" {
-                Outcome::Refused { cause: "content_filter".into() }
+                Outcome::Refused {
+                    cause: "content_filter".into(),
+                }
             } else if refused {
-                Outcome::Refused { cause: "refusal".into() }
+                Outcome::Refused {
+                    cause: "refusal".into(),
+                }
             } else if finish_reason == "length" {
                 Outcome::Truncated
             } else {
@@ -160,7 +181,13 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
         Outcome::Invalid(e) => e.clone(),
         _ => vec![],
     };
-    let decision = decide(attempt.max(1), calls, &outcome, &job.spec.retry, rand::rng().random_range(0.0..1.0));
+    let decision = decide(
+        attempt.max(1),
+        calls,
+        &outcome,
+        &job.spec.retry,
+        rand::rng().random_range(0.0..1.0),
+    );
     history.push(json!({
         "attempt": attempt,
         "call": calls,
@@ -176,8 +203,19 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
         "decision": decision_label(&decision),
     }));
     let history_json = Value::Array(history.clone()).to_string();
-    let codes: Vec<String> = errors.iter().map(|e| format!("{} {}", e.code.as_str(), e.field)).collect();
-    log_event(job, &d, attempt, decision_label(&decision), outcome_label(&outcome), elapsed_ms, &codes);
+    let codes: Vec<String> = errors
+        .iter()
+        .map(|e| format!("{} {}", e.code.as_str(), e.field))
+        .collect();
+    log_event(
+        job,
+        &d,
+        attempt,
+        decision_label(&decision),
+        outcome_label(&outcome),
+        elapsed_ms,
+        &codes,
+    );
 
     match decision {
         Decision::Commit => {
@@ -200,7 +238,16 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
                 "worker": limits.worker,
                 "committed_at": now_rfc3339(),
             });
-            settle(store, job, &d, Finish::Commit { result: result.to_string() }, Settled::Committed).await
+            settle(
+                store,
+                job,
+                &d,
+                Finish::Commit {
+                    result: result.to_string(),
+                },
+                Settled::Committed,
+            )
+            .await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
             let task = RetryTask {
@@ -215,7 +262,9 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
             settle(store, job, &d, Finish::Retry { due_ms, task }, Settled::Retried).await
         }
         Decision::Review { reason } => {
-            let entry = review_entry(job, &d, &key, &rendered, &raw, &errors, attempt, &reason, &history, limits);
+            let entry = review_entry(
+                job, &d, &key, &rendered, &raw, &errors, attempt, &reason, &history, limits,
+            );
             settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed).await
         }
         Decision::Drop { reason } => settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped).await,
@@ -229,7 +278,13 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
     }
 }
 
-async fn settle(store: &RedisStore, job: &JobCtx, d: &Delivery, how: Finish, then: Settled) -> Result<Settled, StoreError> {
+async fn settle(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    how: Finish,
+    then: Settled,
+) -> Result<Settled, StoreError> {
     let moved = store.finish(&job.name, d, &how).await?;
     Ok(if moved { then } else { Settled::AlreadySettled })
 }
@@ -298,7 +353,15 @@ fn decision_label(d: &Decision) -> &'static str {
     }
 }
 
-fn log_event(job: &JobCtx, d: &Delivery, attempt: u32, decision: &str, outcome: &str, elapsed_ms: u64, errors: &[String]) {
+fn log_event(
+    job: &JobCtx,
+    d: &Delivery,
+    attempt: u32,
+    decision: &str,
+    outcome: &str,
+    elapsed_ms: u64,
+    errors: &[String],
+) {
     tracing::info!(
         job = %job.name,
         record_id = %d.record_id,

@@ -92,7 +92,13 @@ impl Provider {
         if let Some(rf) = req.response_format {
             body["response_format"] = rf.clone();
         }
-        let sent = self.http.post(&self.url).bearer_auth(&self.api_key).json(&body).send().await;
+        let sent = self
+            .http
+            .post(&self.url)
+            .bearer_auth(&self.api_key)
+            .json(&body)
+            .send()
+            .await;
         let result = match sent {
             Err(e) => CallResult::Failed(transport_error(&e)),
             Ok(resp) => {
@@ -156,7 +162,10 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
         };
     }
     let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
-    let code = body["error"]["code"].as_str().or(body["error"]["type"].as_str()).unwrap_or("");
+    let code = body["error"]["code"]
+        .as_str()
+        .or(body["error"]["type"].as_str())
+        .unwrap_or("");
     let should_retry = headers.get("x-should-retry").and_then(|v| v.to_str().ok());
     let s = status.as_u16();
     let mut kind = match s {
@@ -220,8 +229,14 @@ mod tests {
     fn the_two_429s_are_told_apart_by_the_body() {
         let quota = r#"{"error": {"code": "insufficient_quota", "type": "insufficient_quota"}}"#;
         let rate = r#"{"error": {"code": "rate_limit_exceeded", "type": "requests"}}"#;
-        assert_eq!(kind_of(429, &HeaderMap::new(), quota), (ErrorKind::FleetHalt, "insufficient_quota".into()));
-        assert_eq!(kind_of(429, &HeaderMap::new(), rate), (ErrorKind::RateLimited, "rate_limited".into()));
+        assert_eq!(
+            kind_of(429, &HeaderMap::new(), quota),
+            (ErrorKind::FleetHalt, "insufficient_quota".into())
+        );
+        assert_eq!(
+            kind_of(429, &HeaderMap::new(), rate),
+            (ErrorKind::RateLimited, "rate_limited".into())
+        );
     }
 
     #[test]
@@ -233,20 +248,38 @@ mod tests {
         assert_eq!(kind_of(503, &h, "").1, "http_503");
         assert_eq!(kind_of(408, &h, "").0, ErrorKind::Transient);
         assert_eq!(kind_of(400, &h, "").0, ErrorKind::Permanent);
-        assert_eq!(kind_of(400, &headers(&[("x-should-retry", "true")]), "").0, ErrorKind::Transient);
-        assert_eq!(kind_of(503, &headers(&[("x-should-retry", "false")]), "").0, ErrorKind::Permanent);
+        assert_eq!(
+            kind_of(400, &headers(&[("x-should-retry", "true")]), "").0,
+            ErrorKind::Transient
+        );
+        assert_eq!(
+            kind_of(503, &headers(&[("x-should-retry", "false")]), "").0,
+            ErrorKind::Permanent
+        );
     }
 
     #[test]
     fn empty_and_broken_200s_are_transient() {
-        assert_eq!(kind_of(200, &HeaderMap::new(), "  "), (ErrorKind::Transient, "empty_body".into()));
-        assert_eq!(kind_of(200, &HeaderMap::new(), "{not json"), (ErrorKind::Transient, "bad_body".into()));
+        assert_eq!(
+            kind_of(200, &HeaderMap::new(), "  "),
+            (ErrorKind::Transient, "empty_body".into())
+        );
+        assert_eq!(
+            kind_of(200, &HeaderMap::new(), "{not json"),
+            (ErrorKind::Transient, "bad_body".into())
+        );
     }
 
     #[test]
     fn a_message_keeps_finish_reason_refusal_and_usage() {
         let body = r#"{"choices":[{"message":{"content":"","refusal":"no"},"finish_reason":"content_filter"}],"usage":{"prompt_tokens":3}}"#;
-        let CallResult::Message { finish_reason, refusal, usage, .. } = classify(StatusCode::OK, &HeaderMap::new(), body) else {
+        let CallResult::Message {
+            finish_reason,
+            refusal,
+            usage,
+            ..
+        } = classify(StatusCode::OK, &HeaderMap::new(), body)
+        else {
             panic!()
         };
         assert_eq!(finish_reason, "content_filter");
@@ -256,7 +289,10 @@ mod tests {
 
     #[test]
     fn retry_hints_in_the_sdk_order_and_nonsense_ignored() {
-        assert_eq!(retry_after_ms(&headers(&[("retry-after-ms", "250"), ("retry-after", "9")])), Some(250));
+        assert_eq!(
+            retry_after_ms(&headers(&[("retry-after-ms", "250"), ("retry-after", "9")])),
+            Some(250)
+        );
         assert_eq!(retry_after_ms(&headers(&[("retry-after", "1.5")])), Some(1500));
         assert_eq!(retry_after_ms(&headers(&[("retry-after", "-3")])), None);
         assert_eq!(retry_after_ms(&headers(&[("retry-after", "soon")])), None);

@@ -99,13 +99,19 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         }
         _ => tracing::warn!("starting against a Redis whose eviction policy was not verified"),
     }
-    let names = if config.jobs.is_empty() { store.jobs().await? } else { config.jobs.clone() };
+    let names = if config.jobs.is_empty() {
+        store.jobs().await?
+    } else {
+        config.jobs.clone()
+    };
     let mut jobs = Vec::new();
     for name in names {
         jobs.push(Arc::new(load_job(&store, &name, config.base_url.as_deref()).await?));
     }
     let max_timeout = jobs.iter().map(|j| j.spec.provider.timeout_secs).max().unwrap_or(60);
-    let visibility = config.visibility_timeout.unwrap_or(Duration::from_secs(max_timeout + 30));
+    let visibility = config
+        .visibility_timeout
+        .unwrap_or(Duration::from_secs(max_timeout + 30));
     if visibility <= Duration::from_secs(max_timeout) {
         return Err(RunError::Refused(format!(
             "--visibility-timeout ({visibility:?}) must exceed the longest provider timeout ({max_timeout}s), \
@@ -133,23 +139,33 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     tracker.close();
     let in_flight = tracker.len();
     if in_flight > 0 {
-        tracing::info!(in_flight, timeout_ms = worker.config.drain_timeout.as_millis() as u64, "draining in-flight tasks");
+        tracing::info!(
+            in_flight,
+            timeout_ms = worker.config.drain_timeout.as_millis() as u64,
+            "draining in-flight tasks"
+        );
     }
-    let drained = tokio::time::timeout(worker.config.drain_timeout, tracker.wait()).await.is_ok();
+    let drained = tokio::time::timeout(worker.config.drain_timeout, tracker.wait())
+        .await
+        .is_ok();
     let mut summary = worker.summary.lock().await.clone();
     if !drained {
         summary.abandoned = tracker.len();
-        tracing::warn!(abandoned = summary.abandoned, "drain timeout: unfinished tasks stay pending for another worker");
+        tracing::warn!(
+            abandoned = summary.abandoned,
+            "drain timeout: unfinished tasks stay pending for another worker"
+        );
     }
     Ok(summary)
 }
 
 async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Result<JobCtx, RunError> {
     keys::valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
-    let text = store
-        .load_spec_text(name)
-        .await?
-        .ok_or_else(|| RunError::Refused(format!("job `{name}` does not exist (no spec in Redis): enqueue it first")))?;
+    let text = store.load_spec_text(name).await?.ok_or_else(|| {
+        RunError::Refused(format!(
+            "job `{name}` does not exist (no spec in Redis): enqueue it first"
+        ))
+    })?;
     let spec = JobSpec::parse(&text, &format!("spec of job `{name}`")).map_err(|e| RunError::Refused(e.to_string()))?;
     let api_key = std::env::var(&spec.provider.api_key_env).unwrap_or_default();
     if api_key.is_empty() {
@@ -158,7 +174,8 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
             spec.provider.api_key_env
         )));
     }
-    let provider = Provider::new(&spec, base_url, api_key).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
+    let provider =
+        Provider::new(&spec, base_url, api_key).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
     Ok(JobCtx {
         name: name.to_owned(),
@@ -220,7 +237,11 @@ impl Worker {
                     if want == 0 {
                         break;
                     }
-                    match self.store.claim(&job.name, p, &self.config.consumer, want, own_pending).await {
+                    match self
+                        .store
+                        .claim(&job.name, p, &self.config.consumer, want, own_pending)
+                        .await
+                    {
                         Ok(batch) => {
                             for d in batch {
                                 let permit = match first.take() {
@@ -256,7 +277,13 @@ impl Worker {
         }
     }
 
-    fn spawn(self: &Arc<Self>, tracker: &TaskTracker, job: Arc<JobCtx>, d: Delivery, permit: tokio::sync::OwnedSemaphorePermit) {
+    fn spawn(
+        self: &Arc<Self>,
+        tracker: &TaskTracker,
+        job: Arc<JobCtx>,
+        d: Delivery,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) {
         let me = self.clone();
         tracker.spawn(async move {
             // Claimed before a halt was seen: leave it pending, do not call.
@@ -285,7 +312,12 @@ impl Worker {
     }
 
     /// Promotes due retries and takes over tasks of dead workers.
-    async fn maintain(self: &Arc<Self>, halted: &BTreeMap<String, String>, tracker: &TaskTracker, permits: &Arc<Semaphore>) {
+    async fn maintain(
+        self: &Arc<Self>,
+        halted: &BTreeMap<String, String>,
+        tracker: &TaskTracker,
+        permits: &Arc<Semaphore>,
+    ) {
         let now = now_ms();
         for job in &self.jobs {
             for p in 0..job.spec.job.partitions {
@@ -299,7 +331,17 @@ impl Worker {
                 if free == 0 {
                     continue;
                 }
-                match self.store.reclaim(&job.name, p, &self.config.consumer, self.visibility.as_millis() as u64, free).await {
+                match self
+                    .store
+                    .reclaim(
+                        &job.name,
+                        p,
+                        &self.config.consumer,
+                        self.visibility.as_millis() as u64,
+                        free,
+                    )
+                    .await
+                {
                     Ok(batch) => {
                         for d in batch {
                             tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");

@@ -84,7 +84,10 @@ impl RedisStore {
             .set_response_timeout(Some(Duration::from_secs(30)))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(2));
-        let mut conn = client.get_connection_manager_with_config(config).await.map_err(unreachable)?;
+        let mut conn = client
+            .get_connection_manager_with_config(config)
+            .await
+            .map_err(unreachable)?;
         let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(unreachable)?;
         Ok(RedisStore {
             conn,
@@ -128,15 +131,22 @@ impl RedisStore {
     /// Adds records, each exactly once. Entries are grouped by partition and
     /// each group is one atomic script call; the calls of a batch are pipelined
     /// over the multiplexed connection. Outcomes come back in input order.
-    pub async fn enqueue(&self, job: &str, idem_ttl_secs: u64, entries: &[TaskEntry]) -> Result<Vec<EnqueueOutcome>, StoreError> {
+    pub async fn enqueue(
+        &self,
+        job: &str,
+        idem_ttl_secs: u64,
+        entries: &[TaskEntry],
+    ) -> Result<Vec<EnqueueOutcome>, StoreError> {
         let mut by_partition: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
         for (i, e) in entries.iter().enumerate() {
             by_partition.entry(e.partition).or_default().push(i);
         }
         let mut calls = Vec::with_capacity(by_partition.len());
-        let chunks = by_partition
-            .into_iter()
-            .flat_map(|(p, idx)| idx.chunks(MAX_RECORDS_PER_CALL).map(|c| (p, c.to_vec())).collect::<Vec<_>>());
+        let chunks = by_partition.into_iter().flat_map(|(p, idx)| {
+            idx.chunks(MAX_RECORDS_PER_CALL)
+                .map(|c| (p, c.to_vec()))
+                .collect::<Vec<_>>()
+        });
         for (partition, idx) in chunks {
             let mut inv = self.scripts.enqueue.prepare_invoke();
             inv.key(keys::stream(job, partition)).key(keys::state(job, partition));
@@ -176,15 +186,29 @@ impl RedisStore {
     }
 
     /// Stores dropped lines, keyed by `<dataset sha12>:<line>` so a replay rewrites, never duplicates.
-    pub async fn record_dropped(&self, job: &str, dataset_short: &str, lines: &[DroppedLine]) -> Result<(), StoreError> {
+    pub async fn record_dropped(
+        &self,
+        job: &str,
+        dataset_short: &str,
+        lines: &[DroppedLine],
+    ) -> Result<(), StoreError> {
         if lines.is_empty() {
             return Ok(());
         }
         let items: Vec<(String, String)> = lines
             .iter()
-            .map(|d| (format!("{dataset_short}:{}", d.line), serde_json::to_string(d).unwrap_or_default()))
+            .map(|d| {
+                (
+                    format!("{dataset_short}:{}", d.line),
+                    serde_json::to_string(d).unwrap_or_default(),
+                )
+            })
             .collect();
-        let _: () = self.conn.clone().hset_multiple(keys::dropped_lines(job), &items).await?;
+        let _: () = self
+            .conn
+            .clone()
+            .hset_multiple(keys::dropped_lines(job), &items)
+            .await?;
         Ok(())
     }
 
@@ -193,10 +217,12 @@ impl RedisStore {
         let all: Vec<(String, String)> = self.conn.clone().hgetall(keys::dropped_lines(job)).await?;
         let mut out = Vec::with_capacity(all.len());
         for (field, json) in all {
-            out.push(serde_json::from_str::<DroppedLine>(&json).map_err(|e| StoreError::Corrupt {
-                key: format!("{} {field}", keys::dropped_lines(job)),
-                reason: e.to_string(),
-            })?);
+            out.push(
+                serde_json::from_str::<DroppedLine>(&json).map_err(|e| StoreError::Corrupt {
+                    key: format!("{} {field}", keys::dropped_lines(job)),
+                    reason: e.to_string(),
+                })?,
+            );
         }
         out.sort_by_key(|d| d.line);
         Ok(out)
@@ -240,7 +266,13 @@ impl RedisStore {
         let mut c = self.conn.clone();
         let mut cursor: u64 = 0;
         loop {
-            let (next, items): (u64, Vec<String>) = redis::cmd("HSCAN").arg(key).arg(cursor).arg("COUNT").arg(1000).query_async(&mut c).await?;
+            let (next, items): (u64, Vec<String>) = redis::cmd("HSCAN")
+                .arg(key)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
+                .await?;
             let mut it = items.into_iter();
             while let (Some(field), Some(value)) = (it.next(), it.next()) {
                 f(field, value);

@@ -66,7 +66,14 @@ impl Remaining {
 impl RedisStore {
     /// Reads up to `count` entries of one partition for `consumer`: new ones
     /// (`>`), or with `own_pending` the consumer's own pending entries (`0`).
-    pub async fn claim(&self, job: &str, partition: u32, consumer: &str, count: usize, own_pending: bool) -> Result<Vec<Delivery>, StoreError> {
+    pub async fn claim(
+        &self,
+        job: &str,
+        partition: u32,
+        consumer: &str,
+        count: usize,
+        own_pending: bool,
+    ) -> Result<Vec<Delivery>, StoreError> {
         let reply: Value = redis::cmd("XREADGROUP")
             .arg("GROUP")
             .arg(keys::GROUP)
@@ -95,7 +102,14 @@ impl RedisStore {
 
     /// Takes over entries idle longer than `min_idle_ms` (their worker died or
     /// hung). Returns them with their delivery counts.
-    pub async fn reclaim(&self, job: &str, partition: u32, consumer: &str, min_idle_ms: u64, count: usize) -> Result<Vec<Delivery>, StoreError> {
+    pub async fn reclaim(
+        &self,
+        job: &str,
+        partition: u32,
+        consumer: &str,
+        min_idle_ms: u64,
+        count: usize,
+    ) -> Result<Vec<Delivery>, StoreError> {
         let stream = keys::stream(job, partition);
         let reply: Value = redis::cmd("XAUTOCLAIM")
             .arg(&stream)
@@ -229,7 +243,12 @@ impl RedisStore {
 
     /// Halts the job's fleet (first reason wins).
     pub async fn halt(&self, job: &str, reason: &str) -> Result<(), StoreError> {
-        let _: Option<String> = redis::cmd("SET").arg(keys::halt(job)).arg(reason).arg("NX").query_async(&mut self.conn.clone()).await?;
+        let _: Option<String> = redis::cmd("SET")
+            .arg(keys::halt(job))
+            .arg(reason)
+            .arg("NX")
+            .query_async(&mut self.conn.clone())
+            .await?;
         Ok(())
     }
 
@@ -242,7 +261,12 @@ impl RedisStore {
             .await;
         match reply {
             Ok(v) => Ok(v.get(1).cloned()),
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) || e.code() == Some("NOPERM") => Ok(None),
+            Err(e)
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
+                    || e.code() == Some("NOPERM") =>
+            {
+                Ok(None)
+            }
             Err(e) => Err(e.into()),
         }
     }

@@ -149,11 +149,15 @@ async fn main() -> anyhow::Result<()> {
 fn parse_faults(spec: &str) -> anyhow::Result<Vec<(String, f64)>> {
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        let (kind, p) = part.split_once('=').ok_or_else(|| anyhow::anyhow!("--faults: `{part}` is not kind=probability"))?;
+        let (kind, p) = part
+            .split_once('=')
+            .ok_or_else(|| anyhow::anyhow!("--faults: `{part}` is not kind=probability"))?;
         if !FAULT_KINDS.contains(&kind) {
             anyhow::bail!("--faults: unknown fault `{kind}` (known: {})", FAULT_KINDS.join(", "));
         }
-        let p: f64 = p.parse().map_err(|_| anyhow::anyhow!("--faults: `{p}` is not a probability"))?;
+        let p: f64 = p
+            .parse()
+            .map_err(|_| anyhow::anyhow!("--faults: `{p}` is not a probability"))?;
         if !(0.0..=1.0).contains(&p) {
             anyhow::bail!("--faults: {kind}={p} is outside 0..1");
         }
@@ -167,7 +171,11 @@ fn parse_faults(spec: &str) -> anyhow::Result<Vec<(String, f64)>> {
 }
 
 fn error_body(status: StatusCode, message: &str, kind: &str, code: &str) -> Response {
-    (status, Json(json!({"error": {"message": message, "type": kind, "code": code, "param": null}}))).into_response()
+    (
+        status,
+        Json(json!({"error": {"message": message, "type": kind, "code": code, "param": null}})),
+    )
+        .into_response()
 }
 
 fn go_duration(secs: f64) -> String {
@@ -217,17 +225,41 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         None => !token.is_empty(),
     };
     if !authorized {
-        return error_body(StatusCode::UNAUTHORIZED, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key");
+        return error_body(
+            StatusCode::UNAUTHORIZED,
+            "Incorrect API key provided.",
+            "invalid_request_error",
+            "invalid_api_key",
+        );
     }
     let req: Value = match serde_json::from_str(body) {
         Ok(v) => v,
-        Err(e) => return error_body(StatusCode::BAD_REQUEST, &format!("invalid JSON body: {e}"), "invalid_request_error", "invalid_json"),
+        Err(e) => {
+            return error_body(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid JSON body: {e}"),
+                "invalid_request_error",
+                "invalid_json",
+            );
+        }
     };
     let messages = req["messages"].as_array().cloned().unwrap_or_default();
-    let prompt_text: String = messages.iter().filter_map(|m| m["content"].as_str()).collect::<Vec<_>>().join("\n");
+    let prompt_text: String = messages
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
     let prompt_tokens = estimate_tokens(&prompt_text);
-    let max_tokens = req["max_tokens"].as_u64().or(req["max_completion_tokens"].as_u64()).unwrap_or(256);
-    let user = messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).unwrap_or("");
+    let max_tokens = req["max_tokens"]
+        .as_u64()
+        .or(req["max_completion_tokens"].as_u64())
+        .unwrap_or(256);
+    let user = messages
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "user")
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or("");
     let with_feedback = user.contains("rejected by the validator");
     if let Ok(mut log) = sim.log.lock() {
         if log.len() >= LOG_CAP {
@@ -249,8 +281,15 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             "rate_limit_exceeded",
         );
         r.headers_mut().extend(limit_headers);
-        r.headers_mut().insert("retry-after", HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")));
-        r.headers_mut().insert("retry-after-ms", HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64)).unwrap_or(HeaderValue::from_static("1000")));
+        r.headers_mut().insert(
+            "retry-after",
+            HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
+        );
+        r.headers_mut().insert(
+            "retry-after-ms",
+            HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
+                .unwrap_or(HeaderValue::from_static("1000")),
+        );
         return r;
     }
     if let Ok(mut s) = sim.stats.lock() {
@@ -275,7 +314,11 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         }
         let mean = sim.args.latency_ms as f64;
         let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        let latency = if mean > 0.0 { mean * 0.2 + (-u.ln()) * mean * 0.8 } else { 0.0 };
+        let latency = if mean > 0.0 {
+            mean * 0.2 + (-u.ln()) * mean * 0.8
+        } else {
+            0.0
+        };
         (fault, Duration::from_micros((latency * 1000.0) as u64))
     };
     // Feedback retries get a clean answer: the model "listened".
@@ -290,7 +333,12 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     }
     match fault.as_deref() {
         Some("rate_limit") => {
-            let mut r = error_body(StatusCode::TOO_MANY_REQUESTS, "Rate limit reached for tokens.", "tokens", "rate_limit_exceeded");
+            let mut r = error_body(
+                StatusCode::TOO_MANY_REQUESTS,
+                "Rate limit reached for tokens.",
+                "tokens",
+                "rate_limit_exceeded",
+            );
             r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
             return r;
         }
@@ -303,11 +351,28 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             );
         }
         Some("unauthorized") => {
-            return error_body(StatusCode::UNAUTHORIZED, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key");
+            return error_body(
+                StatusCode::UNAUTHORIZED,
+                "Incorrect API key provided.",
+                "invalid_request_error",
+                "invalid_api_key",
+            );
         }
-        Some("server_error") => return error_body(StatusCode::INTERNAL_SERVER_ERROR, "The server had an error.", "server_error", "server_error"),
+        Some("server_error") => {
+            return error_body(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "The server had an error.",
+                "server_error",
+                "server_error",
+            );
+        }
         Some("unavailable") => {
-            let mut r = error_body(StatusCode::SERVICE_UNAVAILABLE, "The engine is currently overloaded.", "server_error", "overloaded");
+            let mut r = error_body(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The engine is currently overloaded.",
+                "server_error",
+                "overloaded",
+            );
             r.headers_mut().insert("retry-after", HeaderValue::from_static("0.2"));
             return r;
         }
@@ -443,13 +508,29 @@ fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
     };
     if l.rpm > 0 {
         put(&mut h, "x-ratelimit-limit-requests", l.rpm.to_string());
-        put(&mut h, "x-ratelimit-remaining-requests", (l.requests.max(0.0) as u64).to_string());
-        put(&mut h, "x-ratelimit-reset-requests", go_duration((l.rpm as f64 - l.requests) * 60.0 / l.rpm as f64));
+        put(
+            &mut h,
+            "x-ratelimit-remaining-requests",
+            (l.requests.max(0.0) as u64).to_string(),
+        );
+        put(
+            &mut h,
+            "x-ratelimit-reset-requests",
+            go_duration((l.rpm as f64 - l.requests) * 60.0 / l.rpm as f64),
+        );
     }
     if l.tpm > 0 {
         put(&mut h, "x-ratelimit-limit-tokens", l.tpm.to_string());
-        put(&mut h, "x-ratelimit-remaining-tokens", (l.tokens.max(0.0) as u64).to_string());
-        put(&mut h, "x-ratelimit-reset-tokens", go_duration((l.tpm as f64 - l.tokens) * 60.0 / l.tpm as f64));
+        put(
+            &mut h,
+            "x-ratelimit-remaining-tokens",
+            (l.tokens.max(0.0) as u64).to_string(),
+        );
+        put(
+            &mut h,
+            "x-ratelimit-reset-tokens",
+            go_duration((l.tpm as f64 - l.tokens) * 60.0 / l.tpm as f64),
+        );
     }
     (h, wait)
 }
@@ -482,14 +563,21 @@ fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
     let user = user.rsplit("Message:").next().unwrap_or(user);
     let props = schema_props(response_format);
     if props.is_empty() {
-        return json!(format!("This message looks like a question about {}.", user.split_whitespace().last().unwrap_or("something")));
+        return json!(format!(
+            "This message looks like a question about {}.",
+            user.split_whitespace().last().unwrap_or("something")
+        ));
     }
     let digest = Sha256::digest(seed_text.as_bytes());
     let mut rng = StdRng::seed_from_u64(u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])));
     let mut out = serde_json::Map::new();
     for (name, prop) in props {
         let types = type_names(&prop);
-        let ty = types.iter().find(|t| *t != "null").cloned().unwrap_or_else(|| "string".into());
+        let ty = types
+            .iter()
+            .find(|t| *t != "null")
+            .cloned()
+            .unwrap_or_else(|| "string".into());
         let value = if let Some(values) = prop["enum"].as_array() {
             let choices: Vec<&Value> = values.iter().filter(|v| !v.is_null()).collect();
             // Echo a value the prompt names (e.g. "Task type: extract"), as a real model would.
@@ -531,8 +619,16 @@ fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
 }
 
 async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
-    let s = sim.stats.lock().map(|s| serde_json::to_value(&*s).unwrap_or(Value::Null)).unwrap_or(Value::Null);
-    let l = sim.limits.lock().map(|l| json!({"rpm": l.rpm, "tpm": l.tpm})).unwrap_or(Value::Null);
+    let s = sim
+        .stats
+        .lock()
+        .map(|s| serde_json::to_value(&*s).unwrap_or(Value::Null))
+        .unwrap_or(Value::Null);
+    let l = sim
+        .limits
+        .lock()
+        .map(|l| json!({"rpm": l.rpm, "tpm": l.tpm}))
+        .unwrap_or(Value::Null);
     Json(json!({"stats": s, "limits": l}))
 }
 
@@ -543,9 +639,16 @@ struct LogQuery {
 
 /// Recent requests' user messages, optionally those containing a text.
 async fn log(State(sim): State<Arc<Sim>>, Query(q): Query<LogQuery>) -> Json<Value> {
-    let log = sim.log.lock().map(|l| l.iter().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    let log = sim
+        .log
+        .lock()
+        .map(|l| l.iter().cloned().collect::<Vec<_>>())
+        .unwrap_or_default();
     let filtered: Vec<Value> = match q.contains {
-        Some(needle) => log.into_iter().filter(|e| e["user"].as_str().is_some_and(|u| u.contains(&needle))).collect(),
+        Some(needle) => log
+            .into_iter()
+            .filter(|e| e["user"].as_str().is_some_and(|u| u.contains(&needle)))
+            .collect(),
         None => log,
     };
     Json(Value::Array(filtered))
@@ -553,7 +656,9 @@ async fn log(State(sim): State<Arc<Sim>>, Query(q): Query<LogQuery>) -> Json<Val
 
 /// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.
 async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
-    let Ok(mut l) = sim.limits.lock() else { return StatusCode::INTERNAL_SERVER_ERROR };
+    let Ok(mut l) = sim.limits.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR;
+    };
     if let Some(r) = body["rpm"].as_u64() {
         l.rpm = r;
         l.requests = l.requests.min(r as f64);

@@ -50,6 +50,9 @@ async fn main() -> anyhow::Result<()> {
         ok += t.await?;
     }
     let secs = started.elapsed().as_secs_f64();
-    println!("{{\"requests\": {n}, \"ok\": {ok}, \"seconds\": {secs:.3}, \"per_sec\": {:.1}}}", ok as f64 / secs);
+    println!(
+        "{{\"requests\": {n}, \"ok\": {ok}, \"seconds\": {secs:.3}, \"per_sec\": {:.1}}}",
+        ok as f64 / secs
+    );
     Ok(())
 }
