@@ -30,12 +30,12 @@ if [ -n "${OPENAI_API_KEY:-}" ] && [ -n "${BATCHFLEET_BASE_URL:-}" ]; then
   echo "using the model endpoint in BATCHFLEET_BASE_URL"
 else
   faults="rate_limit=0.02,server_error=0.01,unavailable=0.01,empty=0.005,broken_json=0.02,fence=0.03,prose=0.02,missing_field=0.02,bad_enum=0.02,bool_number=0.02,content_filter=0.005,length=0.01"
-  $bin/llm-sim --latency-ms 150 --rpm 20000 --faults "$faults" --seed 7 >"$work/llm-sim.out" 2>"$work/llm-sim.log" &
+  $bin/llm-sim --latency-ms 150 --rpm 10000 --faults "$faults" --seed 7 >"$work/llm-sim.out" 2>"$work/llm-sim.log" &
   pids+=($!)
   for _ in $(seq 1 100); do grep -q listening "$work/llm-sim.out" 2>/dev/null && break; sleep 0.05; done
   addr=$(sed -n 's/^llm-sim listening on //p' "$work/llm-sim.out")
   export BATCHFLEET_BASE_URL="$addr/v1" OPENAI_API_KEY="sk-demo-not-a-real-key"
-  echo "started llm-sim on $addr (150 ms mean latency, 20000 requests/min, fault mix: $faults)"
+  echo "started llm-sim on $addr (150 ms mean latency, 10000 requests/min, fault mix: $faults)"
 fi
 
 job=demo-$(date +%Y%m%d-%H%M%S)

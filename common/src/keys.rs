@@ -53,6 +53,18 @@ pub fn halt(job: &str) -> String {
     format!("bf:{{{job}}}:halt")
 }
 
+/// Fleet-wide token buckets of one provider key/model (`limiter` is its id):
+/// levels, last refill, pause, limits learned from headers.
+pub fn limit_buckets(limiter: &str) -> String {
+    format!("bf:{{rl:{limiter}}}:buckets")
+}
+
+/// Grants in flight for one provider key/model: a sorted set of grant ids
+/// scored by their expiry (concurrency slots of dead workers expire).
+pub fn limit_inflight(limiter: &str) -> String {
+    format!("bf:{{rl:{limiter}}}:inflight")
+}
+
 /// The hash tag shared by all keys of one partition.
 fn partition_tag(job: &str, partition: u32) -> String {
     format!("{{{job}:p{partition}}}")

@@ -172,6 +172,8 @@ pub struct Provider {
 #[serde(deny_unknown_fields)]
 pub struct Limits {
     pub requests_per_minute: Option<u64>,
+    /// Total tokens per minute (prompt + `max_tokens` reserved, as OpenAI counts TPM).
+    pub tokens_per_minute: Option<u64>,
     pub input_tokens_per_minute: Option<u64>,
     pub output_tokens_per_minute: Option<u64>,
     /// Requests in flight across the whole fleet.
@@ -492,6 +494,7 @@ impl JobSpec {
         let l = &self.limits;
         for (key, v) in [
             ("limits.requests_per_minute", l.requests_per_minute),
+            ("limits.tokens_per_minute", l.tokens_per_minute),
             ("limits.input_tokens_per_minute", l.input_tokens_per_minute),
             ("limits.output_tokens_per_minute", l.output_tokens_per_minute),
             ("limits.max_concurrent", l.max_concurrent),
@@ -500,16 +503,19 @@ impl JobSpec {
                 p.add(key, "must be at least 1 (leave it out for no limit)");
             }
         }
-        if let Some(otpm) = l.output_tokens_per_minute
-            && otpm < u64::from(self.provider.max_tokens)
-        {
-            p.add(
-                "limits.output_tokens_per_minute",
-                format!(
-                    "{otpm} is below provider.max_tokens ({}): no request could ever be sent",
-                    self.provider.max_tokens
-                ),
-            );
+        for (key, v) in [
+            ("limits.output_tokens_per_minute", l.output_tokens_per_minute),
+            ("limits.tokens_per_minute", l.tokens_per_minute),
+        ] {
+            if let Some(tpm) = v
+                && tpm < u64::from(self.provider.max_tokens)
+            {
+                let max = self.provider.max_tokens;
+                p.add(
+                    key,
+                    format!("{tpm} is below provider.max_tokens ({max}): no request could ever be sent"),
+                );
+            }
         }
         let r = &self.retry;
         if !(1..=100).contains(&r.max_attempts) {
@@ -790,11 +796,11 @@ mod tests {
             "provider.temperature",
         );
         assert_problem(
-            &edited("requests_per_minute = 3000", "requests_per_minute = 0"),
+            &edited("requests_per_minute = 10000", "requests_per_minute = 0"),
             "limits.requests_per_minute",
         );
         assert_problem(
-            &edited("output_tokens_per_minute = 300000", "output_tokens_per_minute = 100"),
+            &edited("output_tokens_per_minute = 500000", "output_tokens_per_minute = 100"),
             "below provider.max_tokens",
         );
         assert_problem(

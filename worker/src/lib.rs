@@ -3,7 +3,9 @@
 //! - [`run`]: the claim / reclaim / promote loop and the shutdown order.
 //! - [`process`]: one task from delivery to its single atomic outcome.
 //! - [`provider`]: the OpenAI-compatible client and failure classification.
+//! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
 
+pub mod limiter;
 pub mod process;
 pub mod provider;
 pub mod run;

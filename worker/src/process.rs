@@ -12,6 +12,7 @@ use common::validate::{FieldError, Validation, feedback, validate};
 use rand::RngExt;
 use serde_json::{Map, Value, json};
 
+use crate::limiter::{Limiter, RateHeaders, Used};
 use crate::provider::{CallResult, ErrorKind, Provider, Request};
 
 /// Everything a worker needs to process one job's tasks.
@@ -23,6 +24,15 @@ pub struct JobCtx {
     pub response_format: Option<Value>,
     pub provider: Provider,
     pub versions: Value,
+    /// The fleet-wide budget of the job's provider, when the spec sets limits.
+    pub limiter: Option<Limiter>,
+}
+
+/// What a call used and what the provider said about limits, for settlement.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallReport {
+    pub used: Used,
+    pub headers: RateHeaders,
 }
 
 /// How a task ended for this worker.
@@ -61,8 +71,15 @@ pub struct Limits {
 const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
 
 /// Processes one delivery. Store errors are returned (the task then stays
-/// pending and is reclaimed); everything else ends in a [`Settled`].
-pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Limits) -> Result<Settled, StoreError> {
+/// pending and is reclaimed); everything else ends in a [`Settled`]. `report`
+/// receives what the model call used (it stays None when no call was made).
+pub async fn process(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: Delivery,
+    limits: &Limits,
+    report: &mut Option<CallReport>,
+) -> Result<Settled, StoreError> {
     let state = store.record_state(&job.name, d.partition, &d.record_id).await?;
     if state
         .as_deref()
@@ -105,8 +122,12 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
         user: &user,
         response_format: job.response_format.as_ref(),
     };
-    let (result, elapsed) = job.provider.call(&request).await;
+    let (result, headers, elapsed) = job.provider.call(&request).await;
     let elapsed_ms = elapsed.as_millis() as u64;
+    *report = Some(CallReport {
+        used: used_of(&result),
+        headers,
+    });
 
     let raw: String;
     let status: Option<u16>;
@@ -275,6 +296,23 @@ pub async fn process(store: &RedisStore, job: &JobCtx, d: Delivery, limits: &Lim
             tracing::error!(job = %job.name, reason = %reason, "fleet halted: the provider refuses this key; tasks stay queued");
             Ok(Settled::Halted(reason))
         }
+    }
+}
+
+/// What a call used, for the limiter: usage when the provider reported it.
+fn used_of(result: &CallResult) -> Used {
+    match result {
+        CallResult::Message { usage: Some(u), .. } => Used {
+            prompt_tokens: u["prompt_tokens"].as_u64(),
+            completion_tokens: u["completion_tokens"].as_u64(),
+            ..Used::default()
+        },
+        CallResult::Failed(e) if e.kind == ErrorKind::RateLimited => Used {
+            rate_limited: true,
+            retry_after_ms: e.retry_after_ms,
+            ..Used::default()
+        },
+        _ => Used::default(),
     }
 }
 

@@ -8,6 +8,8 @@ use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 use serde_json::{Value, json};
 
+use crate::limiter::{RateHeaders, rate_headers};
+
 /// What one call returned, before validation.
 #[derive(Debug, Clone)]
 pub enum CallResult {
@@ -78,7 +80,8 @@ impl Provider {
     }
 
     /// Sends one request. Never returns an error: every failure is classified.
-    pub async fn call(&self, req: &Request<'_>) -> (CallResult, Duration) {
+    /// Also returns the rate-limit headers, when there was a response.
+    pub async fn call(&self, req: &Request<'_>) -> (CallResult, RateHeaders, Duration) {
         let started = Instant::now();
         let mut body = json!({
             "model": self.model,
@@ -99,18 +102,20 @@ impl Provider {
             .json(&body)
             .send()
             .await;
+        let mut limits = RateHeaders::default();
         let result = match sent {
             Err(e) => CallResult::Failed(transport_error(&e)),
             Ok(resp) => {
                 let status = resp.status();
                 let headers = resp.headers().clone();
+                limits = rate_headers(&headers);
                 match resp.text().await {
                     Err(e) => CallResult::Failed(transport_error(&e)),
                     Ok(text) => classify(status, &headers, &text),
                 }
             }
         };
-        (result, started.elapsed())
+        (result, limits, started.elapsed())
     }
 }
 

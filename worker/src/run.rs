@@ -20,6 +20,7 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::limiter::{Grant, Limiter};
 use crate::process::{JobCtx, Limits, Settled, now_ms, process};
 use crate::provider::Provider;
 
@@ -58,6 +59,9 @@ pub struct RunSummary {
     pub halted: BTreeMap<String, String>,
     /// Tasks still running when the drain timeout ran out (left pending).
     pub abandoned: usize,
+    /// Times this worker waited for the fleet's rate-limit budget, and how long.
+    pub rate_limit_waits: u64,
+    pub rate_limit_wait_ms: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,7 +110,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     };
     let mut jobs = Vec::new();
     for name in names {
-        jobs.push(Arc::new(load_job(&store, &name, config.base_url.as_deref()).await?));
+        jobs.push(load_job(&store, &name, config.base_url.as_deref()).await?);
     }
     let max_timeout = jobs.iter().map(|j| j.spec.provider.timeout_secs).max().unwrap_or(60);
     let visibility = config
@@ -118,6 +122,13 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
              or live tasks would be taken over mid-call"
         )));
     }
+    // A grant's concurrency slot lives as long as its task may: a dead
+    // worker's slots come back when its tasks could be reclaimed.
+    for job in &mut jobs {
+        let url = config.base_url.as_deref().unwrap_or(&job.spec.provider.base_url);
+        job.limiter = Limiter::for_job(&store, &job.spec, url, &config.consumer, visibility);
+    }
+    let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
     let worker = Arc::new(Worker {
         limits: Limits {
             max_deliveries: config.max_deliveries,
@@ -178,6 +189,7 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
         Provider::new(&spec, base_url, api_key).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
     Ok(JobCtx {
+        limiter: None,
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,
@@ -227,36 +239,62 @@ impl Worker {
                 self.maintain(&halted, tracker, permits).await;
             }
             let mut claimed = 0usize;
+            let mut limited: Option<Duration> = None;
             let mut first = Some(first);
             for job in &self.jobs {
                 if halted.contains_key(&job.name) {
                     continue;
                 }
+                let want = permits.available_permits() + usize::from(first.is_some());
+                // Budget before claim: a throttled fleet leaves tasks in the stream.
+                let mut grants = match self.grants(job, want).await {
+                    Some((g, wait)) => {
+                        if g.is_empty() {
+                            limited = Some(limited.map_or(wait, |w| w.min(wait)));
+                            continue;
+                        }
+                        Some(g)
+                    }
+                    None => None,
+                };
                 for p in 0..job.spec.job.partitions {
-                    let want = permits.available_permits() + usize::from(first.is_some());
+                    let want = match &grants {
+                        Some(g) => g.len(),
+                        None => permits.available_permits() + usize::from(first.is_some()),
+                    };
                     if want == 0 {
                         break;
                     }
-                    match self
+                    let batch = match self
                         .store
                         .claim(&job.name, p, &self.config.consumer, want, own_pending)
                         .await
                     {
-                        Ok(batch) => {
-                            for d in batch {
-                                let permit = match first.take() {
-                                    Some(p) => p,
-                                    None => match permits.clone().try_acquire_owned() {
-                                        Ok(p) => p,
-                                        // Cannot happen (we asked for what was free); leave it pending.
-                                        Err(_) => break,
-                                    },
-                                };
-                                claimed += 1;
-                                self.spawn(tracker, job.clone(), d, permit);
-                            }
+                        Ok(batch) => batch,
+                        Err(e) => {
+                            self.store_error(&e).await;
+                            continue;
                         }
-                        Err(e) => self.store_error(&e).await,
+                    };
+                    for d in batch {
+                        let permit = match first.take() {
+                            Some(p) => p,
+                            None => match permits.clone().try_acquire_owned() {
+                                Ok(p) => p,
+                                // Cannot happen (we asked for what was free); it stays pending.
+                                Err(_) => break,
+                            },
+                        };
+                        claimed += 1;
+                        let grant = grants.as_mut().and_then(Vec::pop);
+                        self.spawn(tracker, job.clone(), d, permit, grant);
+                    }
+                }
+                if let (Some(limiter), Some(unused)) = (&job.limiter, grants) {
+                    for g in unused {
+                        if let Err(e) = limiter.release(g).await {
+                            self.store_error(&e).await;
+                        }
                     }
                 }
             }
@@ -270,9 +308,32 @@ impl Worker {
                 s.halted = halted.clone();
                 return;
             }
+            // Nothing claimed: wait for the budget when that was the reason.
+            let pause = match limited {
+                Some(wait) => {
+                    let wait = wait.clamp(Duration::from_millis(5), Duration::from_secs(1));
+                    let mut s = self.summary.lock().await;
+                    s.rate_limit_waits += 1;
+                    s.rate_limit_wait_ms += wait.as_millis() as u64;
+                    wait
+                }
+                None => self.config.idle_poll,
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.config.idle_poll) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = cancel.cancelled() => return,
+            }
+        }
+    }
+
+    /// Up to `want` grants of the job's limiter (None: the job has no limits).
+    async fn grants(&self, job: &JobCtx, want: usize) -> Option<(Vec<Grant>, Duration)> {
+        let limiter = job.limiter.as_ref()?;
+        match limiter.try_acquire(want).await {
+            Ok(got) => Some(got),
+            Err(e) => {
+                self.store_error(&e).await;
+                Some((Vec::new(), Duration::from_millis(200)))
             }
         }
     }
@@ -283,15 +344,28 @@ impl Worker {
         job: Arc<JobCtx>,
         d: Delivery,
         permit: tokio::sync::OwnedSemaphorePermit,
+        grant: Option<Grant>,
     ) {
         let me = self.clone();
         tracker.spawn(async move {
+            let mut report = None;
             // Claimed before a halt was seen: leave it pending, do not call.
-            if me.halted_here.lock().is_ok_and(|h| h.contains_key(&job.name)) {
-                return;
-            }
-            let settled = process(&me.store, &job, d, &me.limits).await;
+            let settled = if me.halted_here.lock().is_ok_and(|h| h.contains_key(&job.name)) {
+                None
+            } else {
+                Some(process(&me.store, &job, d, &me.limits, &mut report).await)
+            };
             drop(permit);
+            if let (Some(limiter), Some(grant)) = (&job.limiter, grant) {
+                let settled_budget = match &report {
+                    Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
+                    None => limiter.release(grant).await,
+                };
+                if let Err(e) = settled_budget {
+                    tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
+                }
+            }
+            let Some(settled) = settled else { return };
             let mut s = me.summary.lock().await;
             match settled {
                 Ok(settled) => {
@@ -331,6 +405,12 @@ impl Worker {
                 if free == 0 {
                     continue;
                 }
+                let mut grants = match self.grants(job, free).await {
+                    Some((g, _)) if g.is_empty() => continue,
+                    Some((g, _)) => Some(g),
+                    None => None,
+                };
+                let free = grants.as_ref().map_or(free, Vec::len);
                 match self
                     .store
                     .reclaim(
@@ -346,12 +426,22 @@ impl Worker {
                         for d in batch {
                             tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
                             match permits.clone().try_acquire_owned() {
-                                Ok(permit) => self.spawn(tracker, job.clone(), d, permit),
+                                Ok(permit) => {
+                                    let grant = grants.as_mut().and_then(Vec::pop);
+                                    self.spawn(tracker, job.clone(), d, permit, grant);
+                                }
                                 Err(_) => break, // stays pending, owned by us; reclaimed again later
                             }
                         }
                     }
                     Err(e) => self.store_error(&e).await,
+                }
+                if let (Some(limiter), Some(unused)) = (&job.limiter, grants) {
+                    for g in unused {
+                        if let Err(e) = limiter.release(g).await {
+                            self.store_error(&e).await;
+                        }
+                    }
                 }
             }
         }

@@ -3,9 +3,11 @@
 //! Every key comes from [`crate::keys`]; every multi-key step is a Lua script
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
+mod limit_ops;
 mod redis_store;
 mod worker_ops;
 
+pub use limit_ops::{LimitParams, Settlement};
 pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
 pub use worker_ops::{Delivery, Finish, Remaining, RetryTask};
 

@@ -51,6 +51,8 @@ pub(super) struct Scripts {
     pub enqueue: Script,
     pub finish: Script,
     pub promote: Script,
+    pub limit_acquire: Script,
+    pub limit_settle: Script,
 }
 
 /// The URL with any password replaced by `***`, for messages and logs.
@@ -95,6 +97,8 @@ impl RedisStore {
                 enqueue: Script::new(ENQUEUE_LUA),
                 finish: Script::new(include_str!("scripts/finish.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
+                limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
+                limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
             },
         })
     }

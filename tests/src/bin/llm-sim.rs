@@ -443,6 +443,12 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         refusal = json!("I can't help with that.");
     }
     let completion_tokens = estimate_tokens(&content).min(max_tokens);
+    // Like OpenAI: max_tokens was reserved at admission; what was not used comes back.
+    if let Ok(mut l) = sim.limits.lock()
+        && l.tpm > 0
+    {
+        l.tokens = (l.tokens + (max_tokens - completion_tokens) as f64).min(l.tpm as f64);
+    }
     if let Ok(mut s) = sim.stats.lock() {
         s.served += 1;
         s.completion_tokens += completion_tokens;

@@ -1,0 +1,104 @@
+//! The store's rate-limit verbs: fleet-wide grants and their settlement.
+
+use super::{RedisStore, StoreError};
+use crate::keys;
+
+/// Per-minute limits and what one grant takes; 0 means "no limit".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitParams {
+    pub requests: u64,
+    pub tokens: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub max_concurrent: u64,
+    /// Reserved per grant: total, input and output tokens.
+    pub need_tokens: u64,
+    pub need_input: u64,
+    pub need_output: u64,
+    pub burst_ms: u64,
+    pub lease_ms: u64,
+}
+
+/// What settling a grant tells the shared budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Settlement {
+    /// Reserved minus used (negative when the estimate was low).
+    pub tokens_back: i64,
+    pub input_back: i64,
+    pub output_back: i64,
+    /// Limits and remaining budget from the provider's headers, when sent.
+    pub header_limit_requests: Option<u64>,
+    pub header_limit_tokens: Option<u64>,
+    pub header_remaining_requests: Option<u64>,
+    pub header_remaining_tokens: Option<u64>,
+    /// Pause the whole fleet this long (a 429, or an exhausted budget).
+    pub pause_ms: u64,
+}
+
+impl RedisStore {
+    /// Takes up to `want` grants now. Returns their ids and, when fewer were
+    /// granted, how long to wait before asking again.
+    pub async fn limit_acquire(
+        &self,
+        limiter: &str,
+        p: &LimitParams,
+        want: usize,
+        id_prefix: &str,
+    ) -> Result<(Vec<String>, u64), StoreError> {
+        let reply: Vec<redis::Value> = self
+            .scripts
+            .limit_acquire
+            .key(keys::limit_buckets(limiter))
+            .key(keys::limit_inflight(limiter))
+            .arg(p.requests)
+            .arg(p.tokens)
+            .arg(p.input_tokens)
+            .arg(p.output_tokens)
+            .arg(p.max_concurrent)
+            .arg(p.need_tokens)
+            .arg(p.need_input)
+            .arg(p.need_output)
+            .arg(want.max(1))
+            .arg(p.burst_ms)
+            .arg(p.lease_ms)
+            .arg(id_prefix)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let int = |v: Option<&redis::Value>| match v {
+            Some(redis::Value::Int(n)) => (*n).max(0) as u64,
+            _ => 0,
+        };
+        let wait = int(reply.get(1));
+        let ids = reply
+            .iter()
+            .skip(2)
+            .filter_map(|v| match v {
+                redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+                _ => None,
+            })
+            .collect();
+        Ok((ids, wait))
+    }
+
+    /// Settles one grant. Returns false when it had already expired.
+    pub async fn limit_settle(&self, limiter: &str, grant_id: &str, s: &Settlement) -> Result<bool, StoreError> {
+        let opt = |v: Option<u64>| v.map_or(-1, |n| n as i64);
+        let held: i64 = self
+            .scripts
+            .limit_settle
+            .key(keys::limit_buckets(limiter))
+            .key(keys::limit_inflight(limiter))
+            .arg(grant_id)
+            .arg(s.tokens_back)
+            .arg(s.input_back)
+            .arg(s.output_back)
+            .arg(opt(s.header_limit_requests))
+            .arg(opt(s.header_limit_tokens))
+            .arg(opt(s.header_remaining_requests))
+            .arg(opt(s.header_remaining_tokens))
+            .arg(s.pause_ms)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(held == 1)
+    }
+}

@@ -1,0 +1,104 @@
+-- limit_acquire.lua: take up to N request grants from the fleet-wide budget of
+-- one provider key/model, atomically, for every worker of the fleet.
+--
+-- Buckets refill continuously at their per-minute limit and hold at most
+-- `burst_ms` worth of it. A grant takes 1 request, the request's estimated
+-- total tokens (prompt + max_tokens), its input and output estimates, and one
+-- concurrency slot (a member of the in-flight set that expires, so a dead
+-- worker's slots come back by themselves). Limits learned from the provider's
+-- headers tighten the spec's while fresh; a 429 pauses the whole fleet.
+-- The clock is the server's (TIME), the same for every worker.
+--
+-- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
+--          fields: r t i o (levels), at (last refill ms), pause (ms),
+--                  hr ht (header limits), hat (when they were seen, ms)
+-- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight  (member grant id, score expiry ms)
+-- ARGV[1..4]  limits per minute: requests, total tokens, input tokens, output tokens (0 = none)
+-- ARGV[5]  max concurrent requests (0 = none)
+-- ARGV[6..8]  per grant: total tokens, input tokens, output tokens
+-- ARGV[9]  grants wanted (N >= 1)
+-- ARGV[10] burst window, ms
+-- ARGV[11] slot lease, ms (a slot not settled by then is freed)
+-- ARGV[12] grant id prefix (unique per worker); ids are prefix:seq:reserved_tokens
+-- Counters in the bucket hash: `reserved` (tokens of every grant) and
+-- `settled` (tokens of grants settled, released or expired); their difference
+-- is what grants in flight hold, and 0 when the fleet is idle.
+-- Returns: {granted, wait_ms, id1, id2, ...}; wait_ms says when to ask again when granted < N.
+local b, inflight = KEYS[1], KEYS[2]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local want = tonumber(ARGV[9])
+local burst, lease = tonumber(ARGV[10]), tonumber(ARGV[11])
+local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat')
+local pause = tonumber(s[6]) or 0
+if now < pause then
+  return {0, pause - now}
+end
+-- Header limits are trusted for a minute after they were last seen.
+local fresh = (tonumber(s[9]) or 0) > now - 60000
+local limits = {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
+if fresh then
+  local hr, ht = tonumber(s[7]), tonumber(s[8])
+  if hr and hr > 0 and (limits[1] == 0 or hr < limits[1]) then limits[1] = hr end
+  if ht and ht > 0 and (limits[2] == 0 or ht < limits[2]) then limits[2] = ht end
+end
+local need = {1, tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
+local names = {'r', 't', 'i', 'o'}
+local at = tonumber(s[5]) or now
+local level, cap = {}, {}
+for k = 1, 4 do
+  if limits[k] > 0 then
+    cap[k] = math.max(limits[k] * burst / 60000, need[k], 1)
+    local l = tonumber(s[k])
+    if l == nil then l = cap[k] end
+    level[k] = math.min(cap[k], l + (now - at) * limits[k] / 60000)
+  end
+end
+-- Expired grants (their worker died): their tokens count as used.
+local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+if #expired > 0 then
+  local gone = 0
+  for _, id in ipairs(expired) do
+    gone = gone + (tonumber(string.match(id, ':(%d+)$')) or 0)
+  end
+  redis.call('HINCRBY', b, 'settled', gone)
+  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', now)
+end
+local maxc = tonumber(ARGV[5])
+local granted, wait = 0, 0
+local ids = {}
+while granted < want do
+  local ok = true
+  for k = 1, 4 do
+    if limits[k] > 0 and level[k] < math.min(need[k], cap[k]) then
+      ok = false
+      wait = math.max(wait, math.ceil((math.min(need[k], cap[k]) - level[k]) * 60000 / limits[k]))
+    end
+  end
+  if ok and maxc > 0 and redis.call('ZCARD', inflight) >= maxc then
+    ok = false
+    wait = math.max(wait, 20)
+  end
+  if not ok then break end
+  for k = 1, 4 do
+    if limits[k] > 0 then level[k] = level[k] - need[k] end
+  end
+  local id = ARGV[12] .. ':' .. redis.call('HINCRBY', b, 'seq', 1) .. ':' .. need[2]
+  redis.call('ZADD', inflight, now + lease, id)
+  granted = granted + 1
+  ids[#ids + 1] = id
+end
+if granted > 0 then
+  redis.call('HINCRBY', b, 'reserved', granted * need[2])
+end
+local fields = {'at', now}
+for k = 1, 4 do
+  if limits[k] > 0 then
+    fields[#fields + 1] = names[k]
+    fields[#fields + 1] = tostring(level[k])
+  end
+end
+redis.call('HSET', b, unpack(fields))
+local out = {granted, wait}
+for _, id in ipairs(ids) do out[#out + 1] = id end
+return out

@@ -1,0 +1,237 @@
+//! Fleet-wide rate limits against llm-sim enforcing its own limits. llm-sim's
+//! `/stats` is the judge, never the workers' own counters.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use harness::{LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, worker_cmd, write_records};
+use redis::Commands;
+use serde_json::Value;
+
+const RPM: u64 = 3000;
+
+struct Fleet {
+    redis: RedisServer,
+    sim: LlmSim,
+    _dir: TempDir,
+    workers: Vec<Running>,
+}
+
+/// A job of many records, a simulator enforcing `rpm`/`tpm`, and a spec that
+/// tells the fleet the same limits.
+fn fleet(rpm: u64, tpm: Option<u64>) -> Fleet {
+    let redis = RedisServer::start();
+    let mut sim_args = vec!["--latency-ms".to_owned(), "50".into(), "--rpm".into(), rpm.to_string()];
+    if let Some(t) = tpm {
+        sim_args.extend(["--tpm".into(), t.to_string()]);
+    }
+    let sim = LlmSim::start(&sim_args.iter().map(String::as_str).collect::<Vec<_>>());
+    let dir = TempDir::new("ratelimit");
+    let tokens = tpm.map_or("# no total token limit".to_owned(), |t| {
+        format!("tokens_per_minute = {t}")
+    });
+    let spec: PathBuf = spec_with(
+        &dir,
+        &[
+            ("requests_per_minute = 10000", &format!("requests_per_minute = {rpm}")),
+            ("input_tokens_per_minute = 2000000", &tokens),
+            ("output_tokens_per_minute = 500000", ""),
+            ("max_concurrent = 64", ""),
+        ],
+    );
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 6000);
+    let out = producer(&[
+        "enqueue",
+        data.to_str().unwrap(),
+        "--job",
+        "rl",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &redis.url(),
+        "--no-progress",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    Fleet {
+        redis,
+        sim,
+        _dir: dir,
+        workers: Vec::new(),
+    }
+}
+
+impl Fleet {
+    fn add_workers(&mut self, n: usize) {
+        for _ in 0..n {
+            let cmd = worker_cmd(&self.redis, "rl", &self.sim, &["--concurrency", "64"]);
+            self.workers.push(Running::spawn(cmd));
+        }
+    }
+
+    /// SIGTERM every worker; each must drain and exit 0.
+    fn stop(&mut self) {
+        for w in &self.workers {
+            let pid = w.pid().to_string();
+            assert!(
+                std::process::Command::new("kill")
+                    .args(["-TERM", &pid])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+        }
+        for w in self.workers.drain(..) {
+            let (status, err) = w.finish(Duration::from_secs(60));
+            assert!(status.success(), "worker: {err}");
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let s = self.sim.stats();
+        let get = |code: &str| s["by_status"][code].as_u64().unwrap_or(0);
+        Snapshot {
+            at: Instant::now(),
+            accepted: get("200"),
+            rejected: get("429"),
+            tokens: s["prompt_tokens"].as_u64().unwrap() + s["completion_tokens"].as_u64().unwrap(),
+        }
+    }
+
+    /// The shared buckets' `reserved` and `settled` token counters.
+    fn reservations(&self) -> (i64, i64) {
+        let mut c = self.redis.conn();
+        let keys: Vec<String> = c.keys("bf:{rl:*}:buckets").unwrap();
+        assert_eq!(keys.len(), 1, "one budget for one provider key/model: {keys:?}");
+        let reserved: Option<i64> = c.hget(&keys[0], "reserved").unwrap();
+        let settled: Option<i64> = c.hget(&keys[0], "settled").unwrap();
+        (reserved.unwrap_or(0), settled.unwrap_or(0))
+    }
+}
+
+struct Snapshot {
+    at: Instant,
+    accepted: u64,
+    rejected: u64,
+    tokens: u64,
+}
+
+struct Window {
+    minutes: f64,
+    accepted: u64,
+    rejected: u64,
+    tokens: u64,
+}
+
+fn window(a: &Snapshot, b: &Snapshot) -> Window {
+    Window {
+        minutes: b.at.duration_since(a.at).as_secs_f64() / 60.0,
+        accepted: b.accepted - a.accepted,
+        rejected: b.rejected - a.rejected,
+        tokens: b.tokens - a.tokens,
+    }
+}
+
+impl Window {
+    fn request_utilization(&self, rpm: u64) -> f64 {
+        self.accepted as f64 / (rpm as f64 * self.minutes)
+    }
+    fn rate_429(&self) -> f64 {
+        self.rejected as f64 / (self.accepted + self.rejected).max(1) as f64
+    }
+}
+
+fn run_for(secs: u64) {
+    std::thread::sleep(Duration::from_secs(secs));
+}
+
+fn assert_fleet_within(w: &Window, utilization: f64, what: &str) {
+    assert!(
+        utilization >= 0.90,
+        "{what}: utilization {utilization:.3} < 0.90 ({} accepted)",
+        w.accepted
+    );
+    assert!(
+        w.rate_429() <= 0.01,
+        "{what}: 429 rate {:.4} > 1% ({} of {})",
+        w.rate_429(),
+        w.rejected,
+        w.accepted + w.rejected
+    );
+}
+
+#[test]
+fn one_worker_uses_the_request_budget_without_429s() {
+    let mut f = fleet(RPM, None);
+    let a = f.snapshot();
+    f.add_workers(1);
+    run_for(40);
+    let b = f.snapshot();
+    f.stop();
+    let w = window(&a, &b);
+    assert_fleet_within(&w, w.request_utilization(RPM), "1 worker");
+    let (reserved, settled) = f.reservations();
+    assert!(reserved > 0);
+    assert_eq!(reserved - settled, 0, "every reservation settled after the run");
+}
+
+#[test]
+fn three_workers_share_one_token_budget() {
+    // Tokens bind before requests: ~200 tokens a request, 200,000 a minute.
+    let tpm = 200_000;
+    let mut f = fleet(RPM, Some(tpm));
+    let a = f.snapshot();
+    f.add_workers(3);
+    run_for(40);
+    let b = f.snapshot();
+    f.stop();
+    let w = window(&a, &b);
+    let token_utilization = w.tokens as f64 / (tpm as f64 * w.minutes);
+    assert_fleet_within(&w, token_utilization, "3 workers, tokens/min-bound");
+    assert!(
+        w.request_utilization(RPM) < 0.5,
+        "the token limit, not the request limit, was binding"
+    );
+    let (reserved, settled) = f.reservations();
+    assert_eq!(
+        reserved - settled,
+        0,
+        "reserved minus settled tokens is zero after the run"
+    );
+}
+
+#[test]
+fn scaling_from_one_to_four_workers_keeps_429s_down() {
+    let mut f = fleet(RPM, None);
+    let a = f.snapshot();
+    f.add_workers(1);
+    run_for(15);
+    f.add_workers(3);
+    run_for(20);
+    let b = f.snapshot();
+    f.stop();
+    let w = window(&a, &b);
+    assert_fleet_within(&w, w.request_utilization(RPM), "1 -> 4 workers");
+}
+
+#[test]
+fn a_lowered_provider_limit_is_followed_within_seconds() {
+    let mut f = fleet(RPM, None);
+    f.add_workers(2);
+    run_for(8);
+    f.sim.set_limits(&serde_json::json!({"rpm": 1200}));
+    run_for(4); // "within seconds"
+    let a = f.snapshot();
+    run_for(16);
+    let b = f.snapshot();
+    f.stop();
+    let w = window(&a, &b);
+    let rate = w.accepted as f64 / w.minutes;
+    assert!(rate <= 1200.0 * 1.05, "still above the lowered limit: {rate:.0}/min");
+    assert!(rate >= 1200.0 * 0.85, "the lowered limit is not used: {rate:.0}/min");
+    assert!(w.rate_429() <= 0.01, "429 rate {:.4} after the change", w.rate_429());
+    let stats: Value = f.sim.stats();
+    assert!(stats["requests"].as_u64().unwrap() > 0);
+}

@@ -1,0 +1,291 @@
+//! Fleet-wide rate limits: grants from token buckets shared in Redis by every
+//! worker of a provider key/model, taken before a task is claimed and settled
+//! with the real usage after the call.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::spec::JobSpec;
+use common::store::{LimitParams, RedisStore, Settlement, StoreError};
+use reqwest::header::HeaderMap;
+use sha2::{Digest, Sha256};
+
+/// How many seconds of a limit the shared buckets may hold (the burst).
+const BURST_MS: u64 = 2_000;
+/// Longest fleet pause a provider's reset hint may cause.
+const MAX_PAUSE_MS: u64 = 60_000;
+
+/// One reservation: a request, its tokens and a concurrency slot.
+#[derive(Debug, Clone)]
+pub struct Grant {
+    pub id: String,
+    tokens: u64,
+    input: u64,
+    output: u64,
+}
+
+/// The budget of one provider key/model, shared by the fleet.
+pub struct Limiter {
+    store: RedisStore,
+    id: String,
+    params: LimitParams,
+    prefix: String,
+    max_tokens: u64,
+    /// Running estimate of a request's prompt tokens (before the task is known).
+    prompt_estimate: AtomicU64,
+}
+
+/// What the provider's rate-limit headers said.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateHeaders {
+    pub limit_requests: Option<u64>,
+    pub limit_tokens: Option<u64>,
+    pub remaining_requests: Option<u64>,
+    pub remaining_tokens: Option<u64>,
+    pub reset_requests_ms: Option<u64>,
+    pub reset_tokens_ms: Option<u64>,
+}
+
+/// What a call used, as far as it is known.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Used {
+    /// The provider answered 200 with a `usage` object.
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// The provider refused the call for rate limits (nothing was counted).
+    pub rate_limited: bool,
+    pub retry_after_ms: Option<u64>,
+}
+
+impl Limiter {
+    /// The limiter of a job, or None when its spec sets no limit.
+    /// `base_url` is where requests really go; `consumer` prefixes grant ids.
+    pub fn for_job(
+        store: &RedisStore,
+        spec: &JobSpec,
+        base_url: &str,
+        consumer: &str,
+        lease: Duration,
+    ) -> Option<Limiter> {
+        let l = &spec.limits;
+        if l.requests_per_minute.is_none()
+            && l.tokens_per_minute.is_none()
+            && l.input_tokens_per_minute.is_none()
+            && l.output_tokens_per_minute.is_none()
+            && l.max_concurrent.is_none()
+        {
+            return None;
+        }
+        // The budget belongs to the key and model, not to the job.
+        let identity = format!(
+            "{}|{}|{}",
+            base_url.trim_end_matches('/'),
+            spec.provider.api_key_env,
+            spec.provider.model
+        );
+        let mut id = hex::encode(Sha256::digest(identity.as_bytes()));
+        id.truncate(16);
+        let max_tokens = u64::from(spec.provider.max_tokens);
+        let system = estimate_tokens(&common::template::system_prompt(spec));
+        Some(Limiter {
+            store: store.clone(),
+            id,
+            params: LimitParams {
+                requests: l.requests_per_minute.unwrap_or(0),
+                tokens: l.tokens_per_minute.unwrap_or(0),
+                input_tokens: l.input_tokens_per_minute.unwrap_or(0),
+                output_tokens: l.output_tokens_per_minute.unwrap_or(0),
+                max_concurrent: l.max_concurrent.unwrap_or(0),
+                need_tokens: 0,
+                need_input: 0,
+                need_output: 0,
+                burst_ms: BURST_MS,
+                lease_ms: lease.as_millis() as u64,
+            },
+            prefix: consumer.to_owned(),
+            max_tokens,
+            prompt_estimate: AtomicU64::new(system + 100),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Takes up to `want` grants now; with fewer, also how long to wait.
+    pub async fn try_acquire(&self, want: usize) -> Result<(Vec<Grant>, Duration), StoreError> {
+        // A margin over the running average: a longer prompt than usual must
+        // not push the fleet over the limit before settlement corrects it.
+        let input = self.prompt_estimate.load(Ordering::Relaxed) * 5 / 4;
+        let mut p = self.params;
+        p.need_input = input;
+        p.need_output = self.max_tokens;
+        p.need_tokens = input + self.max_tokens;
+        let (ids, wait_ms) = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
+        let grants = ids
+            .into_iter()
+            .map(|id| Grant {
+                id,
+                tokens: p.need_tokens,
+                input,
+                output: self.max_tokens,
+            })
+            .collect();
+        Ok((grants, Duration::from_millis(wait_ms)))
+    }
+
+    /// Returns an unused grant whole.
+    pub async fn release(&self, g: Grant) -> Result<(), StoreError> {
+        let s = Settlement {
+            tokens_back: g.tokens as i64,
+            input_back: g.input as i64,
+            output_back: g.output as i64,
+            ..Settlement::default()
+        };
+        self.store.limit_settle(&self.id, &g.id, &s).await.map(|_| ())
+    }
+
+    /// Settles a grant after its call: the difference between reserved and
+    /// used tokens goes back (usage unknown, e.g. a timeout: counted as used),
+    /// headers tighten the shared budget, a 429 pauses the fleet.
+    pub async fn settle(&self, g: Grant, used: &Used, headers: &RateHeaders) -> Result<(), StoreError> {
+        let mut s = Settlement {
+            header_limit_requests: headers.limit_requests,
+            header_limit_tokens: headers.limit_tokens,
+            header_remaining_requests: headers.remaining_requests,
+            header_remaining_tokens: headers.remaining_tokens,
+            ..Settlement::default()
+        };
+        if used.rate_limited {
+            // Not counted by the provider: everything back, and the fleet waits.
+            s.tokens_back = g.tokens as i64;
+            s.input_back = g.input as i64;
+            s.output_back = g.output as i64;
+            s.pause_ms = used.retry_after_ms.unwrap_or(1000).min(MAX_PAUSE_MS);
+        } else if let (Some(prompt), Some(completion)) = (used.prompt_tokens, used.completion_tokens) {
+            s.tokens_back = g.tokens as i64 - (prompt + completion) as i64;
+            s.input_back = g.input as i64 - prompt as i64;
+            s.output_back = g.output as i64 - completion as i64;
+            // Learn the prompt size for the next reservations (moving average).
+            let old = self.prompt_estimate.load(Ordering::Relaxed);
+            self.prompt_estimate
+                .store((old * 7 + prompt).div_ceil(8), Ordering::Relaxed);
+        }
+        // An exhausted budget with a reset time is a real signal; 0 alone is not.
+        let exhausted =
+            |remaining: Option<u64>, reset: Option<u64>| remaining == Some(0) && reset.is_some_and(|r| r > 0);
+        if exhausted(headers.remaining_requests, headers.reset_requests_ms) {
+            s.pause_ms = s.pause_ms.max(headers.reset_requests_ms.unwrap_or(0).min(MAX_PAUSE_MS));
+        }
+        if exhausted(headers.remaining_tokens, headers.reset_tokens_ms) {
+            s.pause_ms = s.pause_ms.max(headers.reset_tokens_ms.unwrap_or(0).min(MAX_PAUSE_MS));
+        }
+        self.store.limit_settle(&self.id, &g.id, &s).await.map(|_| ())
+    }
+}
+
+/// A conservative prompt estimate: about 4 bytes a token, rounded up, plus
+/// the chat format's per-message overhead. Settlement corrects it.
+pub fn estimate_tokens(text: &str) -> u64 {
+    (text.len() as u64).div_ceil(4) + 8
+}
+
+/// Reads `x-ratelimit-*` headers. Values that are not plain non-negative
+/// numbers (or -1) are unknown, never trusted.
+pub fn rate_headers(h: &HeaderMap) -> RateHeaders {
+    let num = |k: &str| -> Option<u64> {
+        let v = h.get(k)?.to_str().ok()?.trim();
+        let n: u64 = v.parse().ok()?;
+        Some(n)
+    };
+    let dur = |k: &str| -> Option<u64> { parse_go_duration(h.get(k)?.to_str().ok()?) };
+    RateHeaders {
+        limit_requests: num("x-ratelimit-limit-requests").filter(|&n| n > 0),
+        limit_tokens: num("x-ratelimit-limit-tokens").filter(|&n| n > 0),
+        remaining_requests: num("x-ratelimit-remaining-requests"),
+        remaining_tokens: num("x-ratelimit-remaining-tokens"),
+        reset_requests_ms: dur("x-ratelimit-reset-requests"),
+        reset_tokens_ms: dur("x-ratelimit-reset-tokens"),
+    }
+}
+
+/// Parses Go-style durations (`1s`, `6m0s`, `12ms`, `1m30.5s`, `2h`) to ms.
+pub fn parse_go_duration(s: &str) -> Option<u64> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    let mut total_ms = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if num_len == 0 {
+            return None;
+        }
+        let n: f64 = rest[..num_len].parse().ok()?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let factor = match &rest[..unit_len] {
+            "ms" => 1.0,
+            "s" => 1000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            "us" | "µs" => 0.001,
+            "ns" => 0.000_001,
+            _ => return None,
+        };
+        total_ms += n * factor;
+        rest = &rest[unit_len..];
+    }
+    (total_ms.is_finite() && total_ms <= 86_400_000.0).then(|| total_ms.ceil() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("1s"), Some(1000));
+        assert_eq!(parse_go_duration("6m0s"), Some(360_000));
+        assert_eq!(parse_go_duration("12ms"), Some(12));
+        assert_eq!(parse_go_duration("1m30.5s"), Some(90_500));
+        assert_eq!(parse_go_duration("0.25s"), Some(250));
+        for bad in ["", "s", "5", "1x", "-1s", "1s2", "1e9s"] {
+            assert_eq!(parse_go_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn headers_nonsense_is_unknown() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("x-ratelimit-limit-requests", "3000"),
+            ("x-ratelimit-remaining-requests", "-1"),
+            ("x-ratelimit-limit-tokens", "0"),
+            ("x-ratelimit-remaining-tokens", "12abc"),
+            ("x-ratelimit-reset-requests", "20ms"),
+            ("x-ratelimit-reset-tokens", "soon"),
+        ] {
+            h.insert(k, HeaderValue::from_static(v));
+        }
+        let r = rate_headers(&h);
+        assert_eq!(r.limit_requests, Some(3000));
+        assert_eq!(r.remaining_requests, None);
+        assert_eq!(r.limit_tokens, None, "0 is unknown, not a limit");
+        assert_eq!(r.remaining_tokens, None);
+        assert_eq!(r.reset_requests_ms, Some(20));
+        assert_eq!(r.reset_tokens_ms, None);
+    }
+
+    #[test]
+    fn estimates_round_up() {
+        assert_eq!(estimate_tokens(""), 8);
+        assert_eq!(estimate_tokens("abcde"), 10);
+    }
+}
