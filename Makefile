@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test build bench bench-enqueue bench-worker deps lint clean
+.PHONY: demo test build bench bench-enqueue bench-worker bench-ratelimit deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -20,7 +20,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker
+bench: bench-enqueue bench-worker bench-ratelimit
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -38,3 +38,8 @@ clean:
 bench-worker: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-worker.py
+
+## bench-ratelimit: fleet utilization of the provider's limit and 429 rate, 1/2/4 workers and tokens-bound
+bench-ratelimit: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-ratelimit.py

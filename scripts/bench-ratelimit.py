@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""`make bench-ratelimit`: how much of a provider's limit the fleet uses, and
+how many 429s it causes, for 1, 2 and 4 workers and for a tokens/min-bound job.
+
+llm-sim enforces the limits itself and is the judge: utilization is what it
+accepted over the window against its limit, the 429 rate is its 429s over all
+requests. Each run lasts SECONDS (default 40). Release build, 127.0.0.1 only.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release")
+SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
+RPM = 3000
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def stats(addr):
+    with urllib.request.urlopen(addr + "/stats") as r:
+        return json.load(r)["stats"]
+
+
+def run(tmp, workers, tpm):
+    port = free_port()
+    rdir = tempfile.mkdtemp(dir=tmp)
+    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", rdir], stdout=subprocess.DEVNULL)
+    sim_args = ["--latency-ms", "50", "--rpm", str(RPM)] + (["--tpm", str(tpm)] if tpm else [])
+    sim = subprocess.Popen([os.path.join(BIN, "llm-sim"), "--port", "0", *sim_args], stdout=subprocess.PIPE, text=True)
+    addr = sim.stdout.readline().strip().removeprefix("llm-sim listening on ")
+    procs = []
+    try:
+        url = f"redis://127.0.0.1:{port}"
+        for _ in range(100):
+            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.05)
+        spec = open(os.path.join(ROOT, "examples", "job.toml")).read()
+        spec = spec.replace("requests_per_minute = 10000", f"requests_per_minute = {RPM}")
+        spec = spec.replace("input_tokens_per_minute = 2000000", f"tokens_per_minute = {tpm}" if tpm else "")
+        spec = spec.replace("output_tokens_per_minute = 500000", "").replace("max_concurrent = 64", "")
+        spec_path = os.path.join(tmp, f"spec-{workers}-{tpm}.toml")
+        open(spec_path, "w").write(spec)
+        data = os.path.join(tmp, "data.jsonl")
+        if not os.path.exists(data):
+            with open(data, "w") as f:
+                for i in range(RPM * SECONDS // 60 * 2):
+                    f.write(json.dumps({"message_id": f"m{i}", "channel": "chat", "task_type": "classify",
+                                        "text": f"message number {i}: where is my order?"}) + "\n")
+        subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "rl", "--spec", spec_path,
+                        "--redis", url, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+        a, t0 = stats(addr), time.time()
+        env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
+        for _ in range(workers):
+            procs.append(subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", "rl",
+                                           "--base-url", addr + "/v1", "--concurrency", "64"],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(SECONDS)
+        b, t1 = stats(addr), time.time()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait()
+        sim.terminate(); sim.wait()
+        redis.terminate(); redis.wait()
+    minutes = (t1 - t0) / 60
+    ok = b["by_status"].get("200", 0) - a["by_status"].get("200", 0)
+    r429 = b["by_status"].get("429", 0) - a["by_status"].get("429", 0)
+    tokens = (b["prompt_tokens"] + b["completion_tokens"]) - (a["prompt_tokens"] + a["completion_tokens"])
+    util = tokens / (tpm * minutes) if tpm else ok / (RPM * minutes)
+    return ok, r429, util, r429 / max(1, ok + r429)
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="bf-bench-rl-")
+    rows = []
+    try:
+        for workers, tpm in [(1, 0), (2, 0), (4, 0), (3, 200_000)]:
+            ok, r429, util, rate = run(tmp, workers, tpm)
+            bound = f"{tpm:,} tokens/min" if tpm else f"{RPM:,} requests/min"
+            rows.append((workers, bound, ok, r429, util, rate))
+            print(f"  {workers} worker(s), {bound}: {util:.3f} utilization, {rate:.4f} 429 rate", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print(f"| workers | binding limit | accepted in {SECONDS} s | 429s | utilization | 429 rate |")
+    print("|---|---|---|---|---|---|")
+    for workers, bound, ok, r429, util, rate in rows:
+        print(f"| {workers} | {bound} | {ok:,} | {r429} | {util:.1%} | {rate:.2%} |")
+    met = all(u >= 0.95 and r <= 0.005 for *_, u, r in rows)
+    print()
+    print("goal (>= 95% utilization, <= 0.5% 429s):", "met" if met else "NOT met")
+
+
+if __name__ == "__main__":
+    main()
