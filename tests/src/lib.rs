@@ -405,3 +405,25 @@ impl Drop for Running {
         }
     }
 }
+
+/// `producer enqueue DATASET --job JOB --spec SPEC --redis URL` as a command,
+/// for tests that watch or kill it.
+pub fn enqueue_cmd(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) -> Command {
+    let mut c = Command::new(bin("producer"));
+    c.arg("enqueue")
+        .arg(dataset)
+        .args(["--job", job, "--spec"])
+        .arg(spec)
+        .args(["--redis", &redis.url()])
+        .env_remove("REDIS_URL");
+    c
+}
+
+/// Enqueues a dataset quietly and asserts it worked.
+pub fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
+    let out = enqueue_cmd(redis, dataset, job, spec)
+        .arg("--no-progress")
+        .output()
+        .expect("run producer");
+    assert!(out.status.success(), "enqueue failed: {}", stderr(&out));
+}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::keys;
 use common::record::partition_of;
-use harness::{RedisServer, TempDir, bin, example_spec, producer, record_line, stderr, stdout, write_records};
+use harness::{RedisServer, TempDir, enqueue_cmd, example_spec, producer, record_line, stderr, stdout, write_records};
 use redis::Commands;
 use serde_json::Value;
 
@@ -159,17 +159,8 @@ fn kill_9_mid_file_then_rerun_enqueues_each_record_exactly_once() {
     let dataset = dir.join("big.jsonl");
     let n = 60_000;
     write_records(&dataset, 0, n);
-    let url = redis.url();
-    let mut child = Command::new(bin("producer"))
-        .args([
-            "enqueue",
-            dataset.to_str().unwrap(),
-            "--job",
-            "k9",
-            "--spec",
-            example_spec().to_str().unwrap(),
-        ])
-        .args(["--redis", &url, "--batch-size", "200", "--no-progress"])
+    let mut child = enqueue_cmd(&redis, &dataset, "k9", &example_spec())
+        .args(["--batch-size", "200", "--no-progress"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -221,17 +212,8 @@ fn sigterm_stops_cleanly_and_the_rerun_resumes() {
     let dataset = dir.join("big.jsonl");
     let n = 60_000;
     write_records(&dataset, 0, n);
-    let url = redis.url();
-    let child = Command::new(bin("producer"))
-        .args([
-            "enqueue",
-            dataset.to_str().unwrap(),
-            "--job",
-            "t1",
-            "--spec",
-            example_spec().to_str().unwrap(),
-        ])
-        .args(["--redis", &url, "--batch-size", "200", "--json"])
+    let child = enqueue_cmd(&redis, &dataset, "t1", &example_spec())
+        .args(["--batch-size", "200", "--json"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use harness::{LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, worker_cmd, write_records};
+use harness::{LlmSim, RedisServer, Running, TempDir, enqueue, spec_with, worker_cmd, write_records};
 use redis::Commands;
 use serde_json::Value;
 
@@ -43,18 +43,7 @@ fn fleet(rpm: u64, tpm: Option<u64>) -> Fleet {
     );
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 6000);
-    let out = producer(&[
-        "enqueue",
-        data.to_str().unwrap(),
-        "--job",
-        "rl",
-        "--spec",
-        spec.to_str().unwrap(),
-        "--redis",
-        &redis.url(),
-        "--no-progress",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    enqueue(&redis, &data, "rl", &spec);
     Fleet {
         redis,
         sim,

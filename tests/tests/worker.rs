@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -12,7 +11,7 @@ use common::keys;
 use common::spec::JobSpec;
 use common::validate::{Validation, validate};
 use harness::{
-    LlmSim, RedisServer, Running, TempDir, producer, spec_with, stderr, wait_for, worker_cmd, write_records,
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, wait_for, worker_cmd, write_records,
 };
 use redis::Commands;
 use serde_json::Value;
@@ -31,21 +30,6 @@ fn test_spec(dir: &TempDir, timeout_secs: &str) -> std::path::PathBuf {
             ("max_delay_ms = 30000", "max_delay_ms = 200"),
         ],
     )
-}
-
-fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
-    let out = producer(&[
-        "enqueue",
-        dataset.to_str().unwrap(),
-        "--job",
-        job,
-        "--spec",
-        spec.to_str().unwrap(),
-        "--redis",
-        &redis.url(),
-        "--no-progress",
-    ]);
-    assert!(out.status.success(), "enqueue: {}", stderr(&out));
 }
 
 /// Everything Redis holds about a job's records.
