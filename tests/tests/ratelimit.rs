@@ -60,8 +60,8 @@ impl Fleet {
         }
     }
 
-    /// SIGTERM every worker; each must drain and exit 0.
-    fn stop(&mut self) {
+    /// SIGTERM every worker; each must drain and exit 0. Returns their summaries.
+    fn stop(&mut self) -> Vec<Value> {
         for w in &self.workers {
             let pid = w.pid().to_string();
             assert!(
@@ -72,10 +72,17 @@ impl Fleet {
                     .success()
             );
         }
+        let mut summaries = Vec::new();
         for w in self.workers.drain(..) {
             let (status, err) = w.finish(Duration::from_secs(60));
             assert!(status.success(), "worker: {err}");
+            let line = err
+                .lines()
+                .find_map(|l| l.strip_prefix("worker summary: "))
+                .expect("a worker summary");
+            summaries.push(serde_json::from_str(line).unwrap());
         }
+        summaries
     }
 
     fn snapshot(&self) -> Snapshot {
@@ -158,9 +165,14 @@ fn one_worker_uses_the_request_budget_without_429s() {
     f.add_workers(1);
     run_for(40);
     let b = f.snapshot();
-    f.stop();
+    let summaries = f.stop();
     let w = window(&a, &b);
     assert_fleet_within(&w, w.request_utilization(RPM), "1 worker");
+    // The worker's own limiter metrics agree with what the provider saw.
+    let l = &summaries[0]["limiters"]["rl"];
+    assert!(l["grants"].as_u64().unwrap() >= w.accepted, "{l}");
+    assert_eq!(l["rate_limited"], 0, "{l}");
+    assert!(l["budget"]["requests"].is_number(), "current budget reported: {l}");
     let (reserved, settled) = f.reservations();
     assert!(reserved > 0);
     assert_eq!(reserved - settled, 0, "every reservation settled after the run");

@@ -33,6 +33,29 @@ pub struct Limiter {
     max_tokens: u64,
     /// Running estimate of a request's prompt tokens (before the task is known).
     prompt_estimate: AtomicU64,
+    stats: LimiterStats,
+}
+
+/// This worker's view of the shared budget, for metrics and the run summary.
+#[derive(Debug, Default)]
+pub struct LimiterStats {
+    pub grants: AtomicU64,
+    pub tokens_reserved: AtomicU64,
+    /// Tokens given back at settlement (reserved but not used, or unused grants).
+    pub tokens_returned: AtomicU64,
+    /// 429s from the provider (each paused the fleet).
+    pub rate_limited: AtomicU64,
+}
+
+/// A snapshot of [`LimiterStats`] and of the shared bucket levels.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LimiterReport {
+    pub grants: u64,
+    pub tokens_reserved: u64,
+    pub tokens_returned: u64,
+    pub rate_limited: u64,
+    /// Current level of each shared bucket (`r`, `t`, `i`, `o`), from Redis.
+    pub budget: std::collections::BTreeMap<String, f64>,
 }
 
 /// What the provider's rate-limit headers said.
@@ -105,6 +128,7 @@ impl Limiter {
             prefix: consumer.to_owned(),
             max_tokens,
             prompt_estimate: AtomicU64::new(system + 100),
+            stats: LimiterStats::default(),
         })
     }
 
@@ -122,6 +146,10 @@ impl Limiter {
         p.need_output = self.max_tokens;
         p.need_tokens = input + self.max_tokens;
         let (ids, wait_ms) = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
+        self.stats.grants.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.stats
+            .tokens_reserved
+            .fetch_add(ids.len() as u64 * p.need_tokens, Ordering::Relaxed);
         let grants = ids
             .into_iter()
             .map(|id| Grant {
@@ -136,6 +164,7 @@ impl Limiter {
 
     /// Returns an unused grant whole.
     pub async fn release(&self, g: Grant) -> Result<(), StoreError> {
+        self.stats.tokens_returned.fetch_add(g.tokens, Ordering::Relaxed);
         let s = Settlement {
             tokens_back: g.tokens as i64,
             input_back: g.input as i64,
@@ -157,6 +186,7 @@ impl Limiter {
             ..Settlement::default()
         };
         if used.rate_limited {
+            self.stats.rate_limited.fetch_add(1, Ordering::Relaxed);
             // Not counted by the provider: everything back, and the fleet waits.
             s.tokens_back = g.tokens as i64;
             s.input_back = g.input as i64;
@@ -180,7 +210,22 @@ impl Limiter {
         if exhausted(headers.remaining_tokens, headers.reset_tokens_ms) {
             s.pause_ms = s.pause_ms.max(headers.reset_tokens_ms.unwrap_or(0).min(MAX_PAUSE_MS));
         }
+        self.stats
+            .tokens_returned
+            .fetch_add(s.tokens_back.max(0) as u64, Ordering::Relaxed);
         self.store.limit_settle(&self.id, &g.id, &s).await.map(|_| ())
+    }
+
+    /// Counters of this worker and the shared buckets' current levels.
+    pub async fn report(&self) -> Result<LimiterReport, StoreError> {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Ok(LimiterReport {
+            grants: load(&self.stats.grants),
+            tokens_reserved: load(&self.stats.tokens_reserved),
+            tokens_returned: load(&self.stats.tokens_returned),
+            rate_limited: load(&self.stats.rate_limited),
+            budget: self.store.limit_levels(&self.id).await?,
+        })
     }
 }
 

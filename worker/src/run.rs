@@ -62,6 +62,8 @@ pub struct RunSummary {
     /// Times this worker waited for the fleet's rate-limit budget, and how long.
     pub rate_limit_waits: u64,
     pub rate_limit_wait_ms: u64,
+    /// Per job with limits: grants, tokens reserved and returned, 429s, budget.
+    pub limiters: BTreeMap<String, crate::limiter::LimiterReport>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -160,6 +162,13 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         .await
         .is_ok();
     let mut summary = worker.summary.lock().await.clone();
+    for job in &worker.jobs {
+        if let Some(limiter) = &job.limiter
+            && let Ok(report) = limiter.report().await
+        {
+            summary.limiters.insert(job.name.clone(), report);
+        }
+    }
     if !drained {
         summary.abandoned = tracker.len();
         tracing::warn!(

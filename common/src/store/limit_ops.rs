@@ -101,4 +101,18 @@ impl RedisStore {
             .await?;
         Ok(held == 1)
     }
+
+    /// Current levels of a limiter's buckets (`r`, `t`, `i`, `o`).
+    pub async fn limit_levels(&self, limiter: &str) -> Result<std::collections::BTreeMap<String, f64>, StoreError> {
+        let fields: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(keys::limit_buckets(limiter))
+            .arg(&["r", "t", "i", "o"])
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(["requests", "tokens", "input_tokens", "output_tokens"]
+            .iter()
+            .zip(fields)
+            .filter_map(|(name, v)| Some(((*name).to_owned(), v?.parse().ok()?)))
+            .collect())
+    }
 }
