@@ -68,6 +68,12 @@ pub enum Command {
         /// Exit non-zero unless every expected record is in exactly one terminal set.
         #[arg(long)]
         require_complete: bool,
+        /// List the record ids of missing, duplicated and unknown records.
+        #[arg(long)]
+        ids: bool,
+        /// Refresh every 2 seconds until interrupted (or complete).
+        #[arg(long)]
+        watch: bool,
     },
     /// Write a job's results as JSONL (one line per record, keyed by record_id).
     Export {
@@ -184,19 +190,32 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             redis,
             json,
             require_complete,
+            ids,
+            watch,
         } => {
             let store = RedisStore::connect(&redis.url).await?;
-            let s = crate::status::status(&store, &job).await?;
-            if json {
-                println!("{}", serde_json::to_string(&s)?);
-            } else {
-                crate::status::print(&s);
+            loop {
+                let s = crate::status::status(&store, &job, ids).await?;
+                if json {
+                    println!("{}", serde_json::to_string(&s)?);
+                } else {
+                    if watch {
+                        print!("\x1b[2J\x1b[H"); // clear the screen, cursor home
+                    }
+                    crate::status::print(&s);
+                }
+                if !watch || s.complete {
+                    return Ok(if require_complete && !s.complete {
+                        ExitCode::from(EXIT_INCOMPLETE)
+                    } else {
+                        ExitCode::SUCCESS
+                    });
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+                    _ = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+                }
             }
-            Ok(if require_complete && !s.complete {
-                ExitCode::from(EXIT_INCOMPLETE)
-            } else {
-                ExitCode::SUCCESS
-            })
         }
         Command::Export { job, redis, out } => {
             let store = RedisStore::connect(&redis.url).await?;

@@ -5,9 +5,11 @@
 //! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
 //! - [`progress`]: progress bar or periodic log lines.
 //! - [`status`]: where every record of a job is; results export.
+//! - [`reconcile`]: missing / duplicated / unknown records, from the data.
 
 pub mod cli;
 pub mod enqueue;
 pub mod progress;
 pub mod reader;
+pub mod reconcile;
 pub mod status;

@@ -9,6 +9,8 @@ use common::store::{RedisStore, StoreError};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::reconcile::{Reconciliation, reconcile};
+
 /// Where a job's records are.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct JobStatus {
@@ -28,9 +30,18 @@ pub struct JobStatus {
     pub dropped: u64,
     pub dropped_by_reason: BTreeMap<String, u64>,
     pub cancelled: u64,
-    /// Expected records the job's state does not know (should be 0).
+    /// Expected records that are nowhere: not known to the job's state, or
+    /// known but their task, retry, result or review entry is gone.
     pub missing: u64,
-    /// Every expected record is in exactly one terminal set.
+    /// Records in two places (or twice in one): two outcomes, two tasks.
+    pub duplicates: u64,
+    /// Tasks, retries, results or review entries of records the job does not know.
+    pub unknown: u64,
+    /// The anomalies by record id (with `--ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub anomalies: Option<Reconciliation>,
+    /// Every expected record is in exactly one terminal set, and nothing is
+    /// missing, duplicated or unknown.
     pub complete: bool,
     /// Attempts per done record: attempts -> records.
     pub attempts_histogram: BTreeMap<u64, u64>,
@@ -45,8 +56,9 @@ pub struct Tokens {
     pub cached: u64,
 }
 
-/// Reads the status of a job from Redis.
-pub async fn status(store: &RedisStore, job: &str) -> Result<JobStatus, StoreError> {
+/// Reads the status of a job from Redis, with its reconciliation.
+/// `with_ids` keeps the record ids of every anomaly.
+pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<JobStatus, StoreError> {
     let manifest = store.load_manifest(job).await?;
     let partitions = match &manifest {
         Some(m) => m.partitions,
@@ -99,9 +111,15 @@ pub async fn status(store: &RedisStore, job: &str) -> Result<JobStatus, StoreErr
             .await?;
     }
     s.queued = queued_state.saturating_sub(s.in_flight);
-    s.missing = s.expected.map_or(0, |e| e.saturating_sub(s.known));
+    let r = reconcile(store, job, partitions).await?;
+    s.missing = s.expected.map_or(0, |e| e.saturating_sub(s.known)) + r.missing.len() as u64;
+    s.duplicates = r.duplicates.len() as u64;
+    s.unknown = r.unknown.len() as u64;
     let terminal = s.done + s.review + s.dropped + s.cancelled;
-    s.complete = s.expected.is_some_and(|e| e == s.known && terminal == s.known);
+    s.complete = r.is_clean() && s.expected.is_some_and(|e| e == s.known && terminal == s.known);
+    if with_ids {
+        s.anomalies = Some(r);
+    }
     Ok(s)
 }
 
@@ -155,6 +173,19 @@ pub fn print(s: &JobStatus) {
         println!("  cancelled    {}", s.cancelled);
     }
     println!("  missing      {}", s.missing);
+    println!("  duplicates   {}", s.duplicates);
+    println!("  unknown      {}", s.unknown);
+    if let Some(r) = &s.anomalies {
+        for (kind, list) in [
+            ("missing", &r.missing),
+            ("duplicate", &r.duplicates),
+            ("unknown", &r.unknown),
+        ] {
+            for a in list {
+                println!("    {kind:<10} {} (p{}): {}", a.record_id, a.partition, a.what);
+            }
+        }
+    }
     let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     println!("  attempts     {} (attempts:records over done records)", hist.join(" "));
     println!(

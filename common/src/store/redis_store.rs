@@ -288,6 +288,58 @@ impl RedisStore {
         }
     }
 
+    /// Calls `f` with the record id of every entry in a partition stream,
+    /// paging through it (XRANGE): flat memory.
+    pub async fn scan_stream_rids(
+        &self,
+        job: &str,
+        partition: u32,
+        mut f: impl FnMut(String),
+    ) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        let key = keys::stream(job, partition);
+        let mut start = "-".to_owned();
+        loop {
+            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(&key)
+                .arg(&start)
+                .arg("+")
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
+                .await?;
+            let Some(last) = page.ids.last().map(|e| e.id.clone()) else {
+                return Ok(());
+            };
+            for entry in &page.ids {
+                f(entry.get::<String>("rid").unwrap_or_default());
+            }
+            start = format!("({last}");
+        }
+    }
+
+    /// Calls `f` for every member of a sorted set (ZSCAN): flat memory.
+    pub async fn scan_sorted_set(&self, key: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        let mut cursor: u64 = 0;
+        loop {
+            let (next, items): (u64, Vec<String>) = redis::cmd("ZSCAN")
+                .arg(key)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut c)
+                .await?;
+            for member in items.into_iter().step_by(2) {
+                f(member);
+            }
+            if next == 0 {
+                return Ok(());
+            }
+            cursor = next;
+        }
+    }
+
     /// Entries delivered but not yet acknowledged, per the consumer group.
     pub async fn pending_count(&self, job: &str, partition: u32) -> Result<u64, StoreError> {
         let reply: redis::Value = redis::cmd("XPENDING")
