@@ -90,6 +90,11 @@ pub fn review(job: &str, partition: u32) -> String {
     format!("bf:{}:review", partition_tag(job, partition))
 }
 
+/// Hash record_id -> review entry after a person acted on it (with its actions).
+pub fn reviewed(job: &str, partition: u32) -> String {
+    format!("bf:{}:reviewed", partition_tag(job, partition))
+}
+
 /// Sorted set of tasks waiting to retry, scored by due time (Unix ms).
 pub fn delayed(job: &str, partition: u32) -> String {
     format!("bf:{}:delayed", partition_tag(job, partition))

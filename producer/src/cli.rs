@@ -85,12 +85,66 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Drain the review queue: list, show, accept, requeue, reject.
+    Review(ReviewArgs),
     /// Print a job's dropped lines (JSONL: line, id, reason, detail).
     Dropped {
         #[arg(long)]
         job: String,
         #[command(flatten)]
         redis: RedisArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct ReviewArgs {
+    #[arg(long)]
+    pub job: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Who acts (recorded with every action).
+    #[arg(long, env = "USER", default_value = "unknown")]
+    pub reviewer: String,
+    #[command(subcommand)]
+    pub action: ReviewCmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReviewCmd {
+    /// List entries (record id, key, reason, attempts, error codes).
+    List {
+        /// Only entries whose reason starts with this (attempts_exhausted, refused, poison...).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only entries with this validation error code (E_ENUM...).
+        #[arg(long)]
+        code: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one entry: input, rendered prompt, last raw output, errors, attempts, history.
+    Show { id: String },
+    /// Accept a corrected output (validated like a model output) as the record's result.
+    Accept {
+        id: String,
+        /// A file with the output JSON object.
+        #[arg(long, conflicts_with = "edit")]
+        output: Option<PathBuf>,
+        /// Edit the last output in $EDITOR.
+        #[arg(long)]
+        edit: bool,
+    },
+    /// Put the record back for a fresh round of attempts.
+    Requeue {
+        id: String,
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Reject the record: terminal, kept for the record.
+    Reject {
+        id: String,
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -233,6 +287,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             eprintln!("exported {n} results of job {job} to {}", out.display());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Review(args) => run_review(args).await,
         Command::Enqueue(cmd) => run_enqueue(cmd, cancel).await,
     }
 }
@@ -273,6 +328,96 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Exit code when another reviewer acted on the entry first.
+pub const EXIT_LOST_RACE: u8 = 5;
+
+async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
+    use crate::review::{self, ReviewError};
+    let store = RedisStore::connect(&args.redis.url).await?;
+    let job = args.job.as_str();
+    let who = args.reviewer.as_str();
+    let done = match args.action {
+        ReviewCmd::List { reason, code, json } => review::list(&store, job, reason.as_deref(), code.as_deref())
+            .await
+            .map(|entries| {
+                for e in &entries {
+                    if json {
+                        println!("{e}");
+                    } else {
+                        let codes: Vec<String> = e["errors"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|x| {
+                                format!(
+                                    "{} {}",
+                                    x["code"].as_str().unwrap_or(""),
+                                    x["field"].as_str().unwrap_or("")
+                                )
+                            })
+                            .collect();
+                        println!(
+                            "{}  {:<24} {:<24} attempts {}  {}",
+                            &e["record_id"].as_str().unwrap_or("")
+                                [..16.min(e["record_id"].as_str().unwrap_or("").len())],
+                            e["key"].as_str().unwrap_or(""),
+                            e["reason"].as_str().unwrap_or(""),
+                            e["attempts"],
+                            codes.join(", ")
+                        );
+                    }
+                }
+                if !json {
+                    eprintln!("{} entries in review", entries.len());
+                }
+            }),
+        ReviewCmd::Show { id } => review::find(&store, job, &id).await.map(|(_, _, json)| {
+            let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or(json));
+        }),
+        ReviewCmd::Accept { id, output, edit } => {
+            let text = match (output, edit) {
+                (Some(path), _) => std::fs::read_to_string(&path)
+                    .map_err(|e| ReviewError::Io(format!("cannot read {}: {e}", path.display()))),
+                (None, true) => match review::find(&store, job, &id).await {
+                    Ok((_, _, json)) => {
+                        let entry: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+                        review::edit_in_editor(&review::editable(&entry), &std::env::temp_dir())
+                    }
+                    Err(e) => Err(e),
+                },
+                (None, false) => Err(ReviewError::Io(
+                    "give the corrected output with --output FILE or --edit".into(),
+                )),
+            };
+            match text {
+                Ok(text) => review::accept(&store, job, &id, &text, who)
+                    .await
+                    .map(|rid| println!("accepted {rid}")),
+                Err(e) => Err(e),
+            }
+        }
+        ReviewCmd::Requeue { id, note } => review::requeue(&store, job, &id, note.as_deref(), who)
+            .await
+            .map(|rid| println!("requeued {rid}")),
+        ReviewCmd::Reject { id, reason } => review::reject(&store, job, &id, &reason, who)
+            .await
+            .map(|rid| println!("rejected {rid}")),
+    };
+    Ok(match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e @ (ReviewError::Lost(_) | ReviewError::AlreadyDone(_))) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_LOST_RACE)
+        }
+        Err(ReviewError::Store(e)) => return Err(e.into()),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(EXIT_INPUT)
+        }
+    })
 }
 
 fn print_summary(s: &Summary) {

@@ -6,10 +6,12 @@
 //! - [`progress`]: progress bar or periodic log lines.
 //! - [`status`]: where every record of a job is; results export.
 //! - [`reconcile`]: missing / duplicated / unknown records, from the data.
+//! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 
 pub mod cli;
 pub mod enqueue;
 pub mod progress;
 pub mod reader;
 pub mod reconcile;
+pub mod review;
 pub mod status;

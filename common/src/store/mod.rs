@@ -5,10 +5,12 @@
 
 mod limit_ops;
 mod redis_store;
+mod review_ops;
 mod worker_ops;
 
 pub use limit_ops::{LimitParams, Settlement};
 pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
+pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use worker_ops::{Delivery, Finish, Remaining, RetryTask};
 
 /// A store operation that failed. Messages never contain credentials.

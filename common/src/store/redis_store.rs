@@ -53,6 +53,7 @@ pub(super) struct Scripts {
     pub promote: Script,
     pub limit_acquire: Script,
     pub limit_settle: Script,
+    pub review_action: Script,
 }
 
 /// The URL with any password replaced by `***`, for messages and logs.
@@ -99,6 +100,7 @@ impl RedisStore {
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
+                review_action: Script::new(include_str!("scripts/review_action.lua")),
             },
         })
     }

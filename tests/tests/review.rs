@@ -1,0 +1,212 @@
+//! People draining the review queue: every action, validation on accept, and
+//! two reviewers racing for one entry.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::Duration;
+
+use common::keys;
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, bin, enqueue, example_spec, stderr, stdout, worker_cmd, write_records,
+};
+use redis::Commands;
+use serde_json::Value;
+
+const P: u32 = 4;
+
+fn review(redis: &RedisServer, args: &[&str]) -> std::process::Output {
+    Command::new(bin("producer"))
+        .args(["review", "--job", "rv", "--redis", &redis.url(), "--reviewer", "alice"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn states(redis: &RedisServer) -> HashMap<String, String> {
+    let mut c = redis.conn();
+    (0..P)
+        .flat_map(|p| c.hgetall::<_, HashMap<String, String>>(keys::state("rv", p)).unwrap())
+        .collect()
+}
+
+fn hash_entry(redis: &RedisServer, key: fn(&str, u32) -> String, rid: &str) -> Option<Value> {
+    let mut c = redis.conn();
+    (0..P).find_map(|p| {
+        c.hget::<_, _, Option<String>>(key("rv", p), rid)
+            .unwrap()
+            .map(|s| serde_json::from_str(&s).unwrap())
+    })
+}
+
+const GOOD: &str =
+    r#"{"label": "billing", "reason": "checked by a person", "confidence": 1.0, "task_type": "classify"}"#;
+
+#[test]
+fn review_actions_validate_record_who_and_cannot_both_win() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("review");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 8);
+    enqueue(&redis, &data, "rv", &example_spec());
+    {
+        // Every answer refused: everything lands in review.
+        let sim = LlmSim::start(&["--faults", "content_filter=1.0"]);
+        let (status, err) =
+            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+        assert!(status.success(), "{err}");
+    }
+    let listed = review(&redis, &["list", "--json"]);
+    assert!(listed.status.success(), "{}", stderr(&listed));
+    let entries: Vec<Value> = stdout(&listed)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(entries.len(), 8);
+    assert!(entries.iter().all(|e| e["reason"] == "refused:content_filter"));
+    assert_eq!(
+        stdout(&review(&redis, &["list", "--json", "--reason", "poison"]))
+            .lines()
+            .count(),
+        0
+    );
+
+    // show, by business key: input, prompt, last output, history.
+    let shown = review(&redis, &["show", "msg-3"]);
+    let e: Value = serde_json::from_str(&stdout(&shown)).unwrap();
+    assert_eq!(e["input"]["message_id"], "msg-3");
+    assert!(e["prompt"].as_str().unwrap().contains("message number 3"));
+    assert!(e["last_raw_output"].is_string() && e["history"].as_array().unwrap().len() == 1);
+
+    // accept: an invalid correction is refused and changes nothing.
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, GOOD.replace("billing", "refund")).unwrap();
+    let out = review(&redis, &["accept", "msg-0", "--output", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("E_ENUM label"), "{}", stderr(&out));
+    let rid0 = entries.iter().find(|e| e["key"] == "msg-0").unwrap()["record_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(states(&redis)[&rid0], "review");
+
+    // accept: a valid one becomes the result, marked human, with the reviewer.
+    let good = dir.join("good.json");
+    std::fs::write(&good, GOOD).unwrap();
+    let out = review(&redis, &["accept", "msg-0", "--output", good.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(states(&redis)[&rid0], "done");
+    let result = hash_entry(&redis, keys::results, &rid0).unwrap();
+    assert_eq!(result["human"], true);
+    assert_eq!(result["reviewer"], "alice");
+    assert_eq!(result["output"]["record_id"], rid0.as_str());
+    let archived = hash_entry(&redis, keys::reviewed, &rid0).unwrap();
+    assert_eq!(archived["actions"][0]["action"], "accept");
+    assert_eq!(archived["actions"][0]["by"], "alice");
+
+    // accept --edit: $EDITOR writes the corrected output.
+    let editor = format!("cp {}", good.display());
+    let out = Command::new(bin("producer"))
+        .args([
+            "review",
+            "--job",
+            "rv",
+            "--redis",
+            &redis.url(),
+            "--reviewer",
+            "bob",
+            "accept",
+            "msg-1",
+            "--edit",
+        ])
+        .env("EDITOR", editor)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    // reject: terminal, kept in the archive with the reason.
+    let out = review(&redis, &["reject", "msg-2", "--reason", "spam"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rid2 = entries.iter().find(|e| e["key"] == "msg-2").unwrap()["record_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(states(&redis)[&rid2], "dropped:rejected");
+    assert_eq!(
+        hash_entry(&redis, keys::reviewed, &rid2).unwrap()["actions"][0]["reason"],
+        "spam"
+    );
+
+    // Two reviewers accept the same entry at once: exactly one wins.
+    let racers: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(bin("producer"))
+                .args([
+                    "review",
+                    "--job",
+                    "rv",
+                    "--redis",
+                    &redis.url(),
+                    "accept",
+                    "msg-4",
+                    "--output",
+                ])
+                .arg(&good)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let codes: Vec<Option<i32>> = racers
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap().status.code())
+        .collect();
+    assert_eq!(
+        codes.iter().filter(|c| **c == Some(0)).count(),
+        1,
+        "exactly one reviewer wins: {codes:?}"
+    );
+    assert!(
+        codes.iter().any(|c| matches!(c, Some(5) | Some(2))),
+        "the other is told: {codes:?}"
+    );
+
+    // requeue with a note: back to the stream, then a worker finishes it.
+    let out = review(&redis, &["requeue", "msg-5", "--note", "provider fixed the filter"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rid5 = entries.iter().find(|e| e["key"] == "msg-5").unwrap()["record_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(states(&redis)[&rid5], "queued");
+    {
+        let sim = LlmSim::start(&[]);
+        let (status, err) =
+            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+        assert!(status.success(), "{err}");
+    }
+    assert_eq!(states(&redis)[&rid5], "done");
+    let history = hash_entry(&redis, keys::results, &rid5).unwrap()["history"].clone();
+    assert!(history.to_string().contains("provider fixed the filter"), "{history}");
+
+    // And the job still reconciles: every record in exactly one terminal set.
+    let out = Command::new(bin("producer"))
+        .args([
+            "status",
+            "--job",
+            "rv",
+            "--redis",
+            &redis.url(),
+            "--json",
+            "--require-complete",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stdout(&out));
+    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(
+        (s["done"].as_u64(), s["review"].as_u64(), s["dropped"].as_u64()),
+        (Some(4), Some(3), Some(1)),
+        "{s}"
+    );
+}
