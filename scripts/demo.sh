@@ -55,7 +55,11 @@ echo
 echo "== producer status --job $job --require-complete"
 $bin/producer status --job "$job" --require-complete
 echo
+echo "== producer report --job $job"
+$bin/producer report --job "$job"
+echo
 $bin/producer export --job "$job" --out "$work/results.jsonl"
 echo "results: $work/results.jsonl ($(wc -l <"$work/results.jsonl") records); one of them:"
 head -1 "$work/results.jsonl" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(json.dumps({k: r[k] for k in ("record_id","key","output","attempts")}, indent=2))'
-echo "review queue: Redis hashes bf:{$job:pN}:review; dropped lines: producer dropped --job $job"
+echo "review queue: producer review --job $job list   (then show / accept / requeue / reject)"
+echo "dropped lines: producer dropped --job $job"

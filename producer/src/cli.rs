@@ -75,7 +75,16 @@ pub enum Command {
         #[arg(long)]
         watch: bool,
     },
-    /// Write a job's results as JSONL (one line per record, keyed by record_id).
+    /// Failure distribution (error code x field), retries, attempts, tokens, cost.
+    Report {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a job's records as JSONL (one line per record, keyed by record_id).
     Export {
         #[arg(long)]
         job: String,
@@ -84,6 +93,9 @@ pub enum Command {
         /// Output file (`-` for stdout).
         #[arg(long)]
         out: PathBuf,
+        /// Which set: results (`done`), review entries (`review`) or dropped records.
+        #[arg(long, value_enum, default_value_t = crate::status::ExportSet::Done)]
+        what: crate::status::ExportSet,
     },
     /// Drain the review queue: list, show, accept, requeue, reject.
     Review(ReviewArgs),
@@ -271,20 +283,50 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 }
             }
         }
-        Command::Export { job, redis, out } => {
+        Command::Report { job, redis, json } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let spec = match crate::review::job_spec(&store, &job).await {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(EXIT_INPUT));
+                }
+            };
+            let r = crate::report::report(&store, &job, &spec).await?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                crate::report::print(&r);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Export { job, redis, out, what } => {
             let store = RedisStore::connect(&redis.url).await?;
             let Some(manifest) = store.load_manifest(&job).await? else {
                 eprintln!("error: job `{job}` has no manifest (never enqueued to completion)");
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
             let n = if out.as_os_str() == "-" {
-                crate::status::export(&store, &job, manifest.partitions, &mut std::io::stdout().lock()).await?
+                crate::status::export(&store, &job, manifest.partitions, what, &mut std::io::stdout().lock()).await?
             } else {
                 let file =
                     std::fs::File::create(&out).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
-                crate::status::export(&store, &job, manifest.partitions, &mut std::io::BufWriter::new(file)).await?
+                crate::status::export(
+                    &store,
+                    &job,
+                    manifest.partitions,
+                    what,
+                    &mut std::io::BufWriter::new(file),
+                )
+                .await?
             };
-            eprintln!("exported {n} results of job {job} to {}", out.display());
+            let open = crate::status::status(&store, &job, false).await?;
+            let still_open = open.queued + open.in_flight + open.delayed;
+            eprintln!(
+                "exported {n} {} records of job {job} to {} ({still_open} records were still open)",
+                what.name(),
+                out.display()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Command::Review(args) => run_review(args).await,

@@ -6,6 +6,7 @@
 //! - [`progress`]: progress bar or periodic log lines.
 //! - [`status`]: where every record of a job is; results export.
 //! - [`reconcile`]: missing / duplicated / unknown records, from the data.
+//! - [`report`]: failure distribution, retries, attempts, tokens and cost.
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 
 pub mod cli;
@@ -13,5 +14,6 @@ pub mod enqueue;
 pub mod progress;
 pub mod reader;
 pub mod reconcile;
+pub mod report;
 pub mod review;
 pub mod status;

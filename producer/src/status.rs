@@ -123,21 +123,58 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<Job
     Ok(s)
 }
 
-/// Writes every result of a job as JSONL; returns how many.
-pub async fn export(store: &RedisStore, job: &str, partitions: u32, out: &mut impl Write) -> anyhow::Result<u64> {
+/// Which terminal set `export` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportSet {
+    Done,
+    Review,
+    Dropped,
+}
+
+impl ExportSet {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExportSet::Done => "done",
+            ExportSet::Review => "review",
+            ExportSet::Dropped => "dropped",
+        }
+    }
+}
+
+/// Writes one set of a job as JSONL, streamed page by page; returns how many.
+/// Each line is written whole from one read, so an export taken while workers
+/// run is consistent per record: a record is exported in the set it was in.
+pub async fn export(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    what: ExportSet,
+    out: &mut impl Write,
+) -> anyhow::Result<u64> {
     let mut n = 0u64;
     let mut failed: Option<std::io::Error> = None;
+    let mut write = |line: String| {
+        if failed.is_none() {
+            match writeln!(out, "{line}") {
+                Ok(()) => n += 1,
+                Err(e) => failed = Some(e),
+            }
+        }
+    };
     for p in 0..partitions {
-        store
-            .scan_hash(&keys::results(job, p), |_, json| {
-                if failed.is_none() {
-                    match writeln!(out, "{json}") {
-                        Ok(()) => n += 1,
-                        Err(e) => failed = Some(e),
-                    }
-                }
-            })
-            .await?;
+        match what {
+            ExportSet::Done => store.scan_hash(&keys::results(job, p), |_, json| write(json)).await?,
+            ExportSet::Review => store.scan_hash(&keys::review(job, p), |_, json| write(json)).await?,
+            ExportSet::Dropped => {
+                store
+                    .scan_hash(&keys::state(job, p), |rid, state| {
+                        if let Some(reason) = state.strip_prefix("dropped:") {
+                            write(serde_json::json!({"record_id": rid, "reason": reason}).to_string());
+                        }
+                    })
+                    .await?
+            }
+        }
     }
     if let Some(e) = failed {
         return Err(e.into());

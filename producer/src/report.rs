@@ -1,0 +1,241 @@
+//! `producer report`: what went wrong and what it cost, from the attempt
+//! histories stored with every result and review entry.
+
+use std::collections::BTreeMap;
+
+use common::keys;
+use common::spec::{JobSpec, Prices};
+use common::store::{RedisStore, StoreError};
+use serde::Serialize;
+use serde_json::Value;
+
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Usage {
+    pub calls: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost_usd: f64,
+}
+
+impl Usage {
+    fn add_call(&mut self, usage: &Value, prices: &Prices) {
+        let prompt = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            .min(prompt);
+        let completion = usage["completion_tokens"].as_u64().unwrap_or(0);
+        self.calls += 1;
+        self.prompt_tokens += prompt;
+        self.cached_tokens += cached;
+        self.completion_tokens += completion;
+        self.cost_usd += cost(prompt, cached, completion, prices);
+    }
+
+    fn merge(&mut self, o: &Usage) {
+        self.calls += o.calls;
+        self.prompt_tokens += o.prompt_tokens;
+        self.cached_tokens += o.cached_tokens;
+        self.completion_tokens += o.completion_tokens;
+        self.cost_usd += o.cost_usd;
+    }
+}
+
+/// USD for one call: uncached prompt, cached prompt and completion tokens.
+pub fn cost(prompt: u64, cached: u64, completion: u64, p: &Prices) -> f64 {
+    let cached_price = p.cached_input_per_mtok.unwrap_or(p.input_per_mtok);
+    ((prompt - cached) as f64 * p.input_per_mtok + cached as f64 * cached_price + completion as f64 * p.output_per_mtok)
+        / 1_000_000.0
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Report {
+    pub job: String,
+    pub versions: BTreeMap<String, String>,
+    /// `E_CODE field` -> attempts that failed with it.
+    pub validation_errors: BTreeMap<String, u64>,
+    /// Why attempts were retried: outcome -> count.
+    pub retries_by_cause: BTreeMap<String, u64>,
+    /// Why records ended in review: reason -> count.
+    pub review_by_reason: BTreeMap<String, u64>,
+    /// Attempts a record took (done and review): attempts -> records.
+    pub attempts_histogram: BTreeMap<u64, u64>,
+    /// Usage and cost of records done in one call.
+    pub first_attempt_successes: Usage,
+    /// Usage and cost of records done after more than one call.
+    pub done_after_retries: Usage,
+    /// Usage and cost of records that ended in review.
+    pub ended_in_review: Usage,
+    pub total: Usage,
+    pub done: u64,
+    pub human_accepted: u64,
+    /// From the manifest's creation to the last commit.
+    pub elapsed_secs: Option<f64>,
+    pub records_per_sec: Option<f64>,
+}
+
+/// Builds the report of a job by scanning its results and review entries.
+pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Report, StoreError> {
+    let manifest = store.load_manifest(job).await?;
+    let mut r = Report {
+        job: job.to_owned(),
+        versions: manifest.as_ref().map(|m| m.versions.clone()).unwrap_or_default(),
+        ..Report::default()
+    };
+    let prices = &spec.prices;
+    let mut last_commit = String::new();
+    for p in 0..spec.job.partitions {
+        for (key, in_review) in [(keys::results(job, p), false), (keys::review(job, p), true)] {
+            store
+                .scan_hash(&key, |_, json| {
+                    let Ok(v) = serde_json::from_str::<Value>(&json) else {
+                        return;
+                    };
+                    let mut usage = Usage::default();
+                    let history = v["history"].as_array().cloned().unwrap_or_default();
+                    for h in history.iter().filter(|h| h.get("call").is_some()) {
+                        if h["usage"].is_object() {
+                            usage.add_call(&h["usage"], prices);
+                        } else {
+                            usage.calls += 1;
+                        }
+                        for e in h["errors"].as_array().into_iter().flatten() {
+                            let k = format!(
+                                "{} {}",
+                                e["code"].as_str().unwrap_or("?"),
+                                e["field"].as_str().unwrap_or("")
+                            );
+                            *r.validation_errors.entry(k.trim_end().to_owned()).or_default() += 1;
+                        }
+                        if h["decision"] == "retry" {
+                            let cause = h["outcome"].as_str().unwrap_or("unknown").to_owned();
+                            *r.retries_by_cause.entry(cause).or_default() += 1;
+                        }
+                    }
+                    *r.attempts_histogram
+                        .entry(v["attempts"].as_u64().unwrap_or(0))
+                        .or_default() += 1;
+                    if in_review {
+                        *r.review_by_reason
+                            .entry(v["reason"].as_str().unwrap_or("?").to_owned())
+                            .or_default() += 1;
+                        r.ended_in_review.merge(&usage);
+                    } else {
+                        r.done += 1;
+                        if v["human"] == true {
+                            r.human_accepted += 1;
+                        }
+                        if let Some(at) = v["committed_at"].as_str()
+                            && at > last_commit.as_str()
+                        {
+                            last_commit = at.to_owned();
+                        }
+                        if usage.calls <= 1 {
+                            r.first_attempt_successes.merge(&usage);
+                        } else {
+                            r.done_after_retries.merge(&usage);
+                        }
+                    }
+                })
+                .await?;
+        }
+    }
+    for part in [&r.first_attempt_successes, &r.done_after_retries, &r.ended_in_review] {
+        let part = part.clone();
+        r.total.merge(&part);
+    }
+    if let Some(m) = &manifest
+        && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), parse_rfc3339(&last_commit))
+    {
+        let secs = end.saturating_sub(start).max(1) as f64;
+        r.elapsed_secs = Some(secs);
+        r.records_per_sec = Some(r.done as f64 / secs);
+    }
+    Ok(r)
+}
+
+/// Seconds since the epoch of `YYYY-MM-DDTHH:MM:SSZ` (the format we write).
+fn parse_rfc3339(s: &str) -> Option<u64> {
+    let b = s.as_bytes();
+    if b.len() != 20 || b[4] != b'-' || b[10] != b'T' || b[19] != b'Z' {
+        return None;
+    }
+    let n = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
+    let (y, mo, d, h, mi, se) = (n(0..4)?, n(5..7)?, n(8..10)?, n(11..13)?, n(14..16)?, n(17..19)?);
+    // days-from-civil (proleptic Gregorian), the inverse of manifest::rfc3339.
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (mo + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    u64::try_from(days * 86_400 + h * 3600 + mi * 60 + se).ok()
+}
+
+/// The human view of a report.
+pub fn print(r: &Report) {
+    println!("report of job {}", r.job);
+    let versions: Vec<String> = r.versions.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    println!("  versions     {}", versions.join(" "));
+    println!("  done         {} ({} accepted by people)", r.done, r.human_accepted);
+    if let (Some(secs), Some(rate)) = (r.elapsed_secs, r.records_per_sec) {
+        println!("  elapsed      {secs:.0}s ({rate:.1} records/s)");
+    }
+    let hist: Vec<String> = r.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
+    println!("  attempts     {} (attempts:records)", hist.join(" "));
+    println!("  validation errors (attempts):");
+    for (k, n) in &r.validation_errors {
+        println!("    {k:<32} {n}");
+    }
+    println!("  retries by cause:");
+    for (k, n) in &r.retries_by_cause {
+        println!("    {k:<32} {n}");
+    }
+    println!("  review by reason:");
+    for (k, n) in &r.review_by_reason {
+        println!("    {k:<32} {n}");
+    }
+    println!("  cost (USD)                         calls   prompt   cached  completion        cost");
+    for (name, u) in [
+        ("first-attempt successes", &r.first_attempt_successes),
+        ("done after retries", &r.done_after_retries),
+        ("ended in review", &r.ended_in_review),
+        ("total", &r.total),
+    ] {
+        println!(
+            "    {name:<30} {:>7} {:>8} {:>8} {:>11} {:>11.6}",
+            u.calls, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_prices_cached_tokens_separately() {
+        let p = Prices {
+            input_per_mtok: 1.0,
+            cached_input_per_mtok: Some(0.5),
+            output_per_mtok: 4.0,
+        };
+        let c = cost(1_000_000, 400_000, 250_000, &p);
+        assert!((c - (0.6 + 0.2 + 1.0)).abs() < 1e-9, "{c}");
+        let no_cache_price = Prices {
+            cached_input_per_mtok: None,
+            ..p
+        };
+        assert!((cost(1_000_000, 400_000, 0, &no_cache_price) - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn timestamps_round_trip() {
+        for secs in [0u64, 951_782_400, 1_795_894_621] {
+            assert_eq!(parse_rfc3339(&common::manifest::rfc3339(secs)), Some(secs));
+        }
+        assert_eq!(parse_rfc3339("2026-11-29 19:37:01"), None);
+    }
+}
