@@ -65,6 +65,11 @@ pub fn limit_inflight(limiter: &str) -> String {
     format!("bf:{{rl:{limiter}}}:inflight")
 }
 
+/// Set while the job is cancelled: workers claim nothing for it.
+pub fn cancel(job: &str) -> String {
+    format!("bf:{{{job}}}:cancel")
+}
+
 /// The hash tag shared by all keys of one partition.
 fn partition_tag(job: &str, partition: u32) -> String {
     format!("{{{job}:p{partition}}}")
@@ -93,6 +98,11 @@ pub fn review(job: &str, partition: u32) -> String {
 /// Hash record_id -> review entry after a person acted on it (with its actions).
 pub fn reviewed(job: &str, partition: u32) -> String {
     format!("bf:{}:reviewed", partition_tag(job, partition))
+}
+
+/// Hash record_id -> task JSON of a record cancelled before it ran (for resume).
+pub fn cancelled(job: &str, partition: u32) -> String {
+    format!("bf:{}:cancelled", partition_tag(job, partition))
 }
 
 /// Sorted set of tasks waiting to retry, scored by due time (Unix ms).

@@ -97,6 +97,21 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = crate::status::ExportSet::Done)]
         what: crate::status::ExportSet,
     },
+    /// Cancel a job: no new claims, in-flight work finishes, the rest is marked
+    /// cancelled (kept for reconciliation; `resume` brings it back).
+    Cancel {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
+    /// Resume a cancelled or halted job: cancelled records go back to the streams.
+    Resume {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+    },
     /// Drain the review queue: list, show, accept, requeue, reject.
     Review(ReviewArgs),
     /// Print a job's dropped lines (JSONL: line, id, reason, detail).
@@ -285,12 +300,8 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         }
         Command::Report { job, redis, json } => {
             let store = RedisStore::connect(&redis.url).await?;
-            let spec = match crate::review::job_spec(&store, &job).await {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return Ok(ExitCode::from(EXIT_INPUT));
-                }
+            let Some(spec) = spec_or_report(&store, &job).await else {
+                return Ok(ExitCode::from(EXIT_INPUT));
             };
             let r = crate::report::report(&store, &job, &spec).await?;
             if json {
@@ -327,6 +338,26 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 what.name(),
                 out.display()
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Cancel { job, redis } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let Some(spec) = spec_or_report(&store, &job).await else {
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            let n = store.cancel_job(&job, spec.job.partitions).await?;
+            println!(
+                "job {job} cancelled: {n} records marked cancelled; in-flight work finishes (producer resume --job {job} brings them back)"
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Resume { job, redis } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let Some(spec) = spec_or_report(&store, &job).await else {
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            let n = store.resume_job(&job, spec.job.partitions).await?;
+            println!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
             Ok(ExitCode::SUCCESS)
         }
         Command::Review(args) => run_review(args).await,
@@ -369,6 +400,17 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
             Ok(ExitCode::from(EXIT_INPUT))
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// The job's spec as enqueued; prints why when there is none.
+async fn spec_or_report(store: &RedisStore, job: &str) -> Option<common::spec::JobSpec> {
+    match crate::review::job_spec(store, job).await {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("error: {e}");
+            None
+        }
     }
 }
 

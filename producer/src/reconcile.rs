@@ -2,7 +2,7 @@
 //! every record of a job is in exactly one place, and names the ones that are
 //! not: `missing` (a record whose task, retry, result or review entry is gone),
 //! `duplicates` (a record in two places, or twice in one), `unknown` (a task,
-//! retry, result or review entry for a record the job does not know).
+//! retry, result, review entry or cancelled task for a record the job does not know).
 //!
 //! One partition is held in memory at a time. While workers run, records move
 //! between places; a suspect is only reported if a second pass finds it again.
@@ -42,6 +42,7 @@ struct Seen {
     delayed: u32,
     result: bool,
     review: bool,
+    cancelled: bool,
 }
 
 /// Reconciles every partition; anomalies found twice in a row are reported.
@@ -90,6 +91,11 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
             seen.entry(rid).or_default().review = true
         })
         .await?;
+    store
+        .scan_hash(&keys::cancelled(job, p), |rid, _| {
+            seen.entry(rid).or_default().cancelled = true
+        })
+        .await?;
 
     let mut out = Reconciliation::default();
     for (rid, s) in seen {
@@ -100,7 +106,11 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
                 what: what.to_owned(),
             })
         };
-        let places = u32::from(s.in_stream > 0) + u32::from(s.delayed > 0) + u32::from(s.result) + u32::from(s.review);
+        let places = u32::from(s.in_stream > 0)
+            + u32::from(s.delayed > 0)
+            + u32::from(s.result)
+            + u32::from(s.review)
+            + u32::from(s.cancelled);
         let Some(state) = s.state.as_deref() else {
             report(
                 &mut out.unknown,
@@ -117,7 +127,8 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
             "delayed" => s.delayed == 1,
             "done" => s.result && places == 1,
             "review" => s.review && places == 1,
-            _ if state.starts_with("dropped:") || state == "cancelled" => places == 0,
+            "cancelled" => s.cancelled && places == 1,
+            _ if state.starts_with("dropped:") => places == 0,
             _ => false,
         };
         if ok {
@@ -148,6 +159,9 @@ fn describe(s: &Seen) -> String {
     }
     if s.review {
         parts.push("a review entry".to_owned());
+    }
+    if s.cancelled {
+        parts.push("a cancelled task".to_owned());
     }
     if parts.is_empty() {
         "found nowhere (no task, retry, result or review entry)".to_owned()

@@ -123,3 +123,52 @@ fn a_lost_task_and_a_duplicated_task_are_reported_before_any_worker_runs() {
     assert_eq!(ids(&s, "duplicates"), BTreeSet::from([copied_rid]));
     assert!(ids(&s, "unknown").is_empty());
 }
+
+#[test]
+fn cancel_stops_the_job_keeps_every_record_and_resume_finishes_it() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "200"]);
+    let dir = TempDir::new("cancel");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 300);
+    enqueue(&redis, &data, "cx", &harness::example_spec());
+    let worker = Running::spawn(worker_cmd(&redis, "cx", &sim, &["--drain", "--concurrency", "10"]));
+    harness::wait_for("some results", std::time::Duration::from_secs(30), || {
+        status(&redis, "cx").1["done"].as_u64().unwrap() >= 20
+    });
+    let out = producer(&["cancel", "--job", "cx", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    // The draining worker finishes its in-flight tasks, claims nothing more, exits.
+    let (code, err) = worker.finish(std::time::Duration::from_secs(60));
+    assert!(code.success(), "{err}");
+    let (_, s) = status(&redis, "cx");
+    let (done, cancelled) = (s["done"].as_u64().unwrap(), s["cancelled"].as_u64().unwrap());
+    assert!(cancelled > 0 && done >= 20, "{s}");
+    assert_eq!(done + cancelled, 300, "every record is done or cancelled: {s}");
+    assert_eq!(
+        (s["queued"].as_u64(), s["in_flight"].as_u64(), s["missing"].as_u64()),
+        (Some(0), Some(0), Some(0)),
+        "{}",
+        &s["anomalies"]["missing"][0]
+    );
+    assert_eq!(
+        s["complete"], true,
+        "cancelled is a terminal set, kept for reconciliation"
+    );
+    let requests_at_cancel = sim.stats()["requests"].as_u64().unwrap();
+    assert!(requests_at_cancel < 300, "calls stopped at the cancel");
+
+    let out = producer(&["resume", "--job", "cx", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    assert!(
+        stdout(&out).contains(&format!("{cancelled} cancelled records re-queued")),
+        "{}",
+        stdout(&out)
+    );
+    let (code, err) = Running::spawn(worker_cmd(&redis, "cx", &sim, &["--drain", "--concurrency", "50"]))
+        .finish(std::time::Duration::from_secs(60));
+    assert!(code.success(), "{err}");
+    let (code, s) = status(&redis, "cx");
+    assert_eq!(code, Some(0), "{s}");
+    assert_eq!((s["done"].as_u64(), s["cancelled"].as_u64()), (Some(300), Some(0)));
+}

@@ -44,6 +44,8 @@ pub enum Settled {
     Dropped,
     /// Already in a terminal state (a redelivery, or a late copy): only acked.
     AlreadySettled,
+    /// The job was cancelled before the task ran: kept for resume.
+    Cancelled,
     /// Fleet-level fault: left pending, the job halted.
     Halted(String),
 }
@@ -56,6 +58,7 @@ impl Settled {
             Settled::Reviewed => "review",
             Settled::Dropped => "drop",
             Settled::AlreadySettled => "already_settled",
+            Settled::Cancelled => "cancelled",
             Settled::Halted(_) => "halt",
         }
     }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::keys;
 use common::spec::JobSpec;
-use common::store::{Delivery, RedisStore, StoreError};
+use common::store::{Delivery, Finish, RedisStore, RetryTask, StoreError};
 use common::template::{Template, system_prompt};
 use common::validate::json_schema;
 use serde_json::json;
@@ -83,6 +83,8 @@ struct Worker {
     summary: Mutex<RunSummary>,
     /// Jobs this process saw halted, known before the next Redis check.
     halted_here: std::sync::Mutex<BTreeMap<String, String>>,
+    /// Jobs cancelled by an operator (refreshed with the halt check).
+    cancelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
@@ -141,6 +143,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         visibility,
         summary: Mutex::new(RunSummary::default()),
         halted_here: std::sync::Mutex::new(BTreeMap::new()),
+        cancelled: std::sync::Mutex::new(std::collections::BTreeSet::new()),
         config,
     });
     tracing::info!(consumer = %worker.config.consumer, jobs = worker.jobs.len(), visibility_ms = visibility.as_millis() as u64, "worker started");
@@ -233,6 +236,7 @@ impl Worker {
                 last_halt_check = Instant::now();
                 halted.clear();
                 halted.extend(seen_here);
+                let mut cancelled = std::collections::BTreeSet::new();
                 for job in &self.jobs {
                     match self.store.halted(&job.name).await {
                         Ok(Some(reason)) => {
@@ -241,6 +245,16 @@ impl Worker {
                         Ok(None) => {}
                         Err(e) => self.store_error(&e).await,
                     }
+                    match self.store.cancelled(&job.name).await {
+                        Ok(true) => {
+                            cancelled.insert(job.name.clone());
+                        }
+                        Ok(false) => {}
+                        Err(e) => self.store_error(&e).await,
+                    }
+                }
+                if let Ok(mut c) = self.cancelled.lock() {
+                    *c = cancelled;
                 }
             }
             if last_maintenance.elapsed() >= maintenance_every {
@@ -251,7 +265,7 @@ impl Worker {
             let mut limited: Option<Duration> = None;
             let mut first = Some(first);
             for job in &self.jobs {
-                if halted.contains_key(&job.name) {
+                if halted.contains_key(&job.name) || self.is_cancelled(&job.name) {
                     continue;
                 }
                 let want = permits.available_permits() + usize::from(first.is_some());
@@ -335,6 +349,23 @@ impl Worker {
         }
     }
 
+    fn is_cancelled(&self, job: &str) -> bool {
+        self.cancelled.lock().is_ok_and(|c| c.contains(job))
+    }
+
+    async fn cancel_task(&self, job: &JobCtx, d: &Delivery) -> Result<Settled, StoreError> {
+        let task = RetryTask {
+            rid: d.record_id.clone(),
+            input: d.input.clone(),
+            attempt: d.attempts_before,
+            calls: d.calls_before,
+            feedback: d.feedback.clone(),
+            history: d.history.clone(),
+        };
+        self.store.finish(&job.name, d, &Finish::Cancel { task }).await?;
+        Ok(Settled::Cancelled)
+    }
+
     /// Up to `want` grants of the job's limiter (None: the job has no limits).
     async fn grants(&self, job: &JobCtx, want: usize) -> Option<(Vec<Grant>, Duration)> {
         let limiter = job.limiter.as_ref()?;
@@ -358,9 +389,12 @@ impl Worker {
         let me = self.clone();
         tracker.spawn(async move {
             let mut report = None;
-            // Claimed before a halt was seen: leave it pending, do not call.
             let settled = if me.halted_here.lock().is_ok_and(|h| h.contains_key(&job.name)) {
+                // Claimed before a halt was seen: leave it pending, do not call.
                 None
+            } else if me.is_cancelled(&job.name) {
+                // The job was cancelled before this task ran: keep it for resume.
+                Some(me.cancel_task(&job, &d).await)
             } else {
                 Some(process(&me.store, &job, d, &me.limits, &mut report).await)
             };

@@ -3,6 +3,7 @@
 //! Every key comes from [`crate::keys`]; every multi-key step is a Lua script
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
+mod job_ops;
 mod limit_ops;
 mod redis_store;
 mod review_ops;

@@ -54,6 +54,8 @@ pub(super) struct Scripts {
     pub limit_acquire: Script,
     pub limit_settle: Script,
     pub review_action: Script,
+    pub cancel_page: Script,
+    pub resume_page: Script,
 }
 
 /// The URL with any password replaced by `***`, for messages and logs.
@@ -101,6 +103,8 @@ impl RedisStore {
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
                 review_action: Script::new(include_str!("scripts/review_action.lua")),
+                cancel_page: Script::new(include_str!("scripts/cancel_page.lua")),
+                resume_page: Script::new(include_str!("scripts/resume_page.lua")),
             },
         })
     }

@@ -31,10 +31,23 @@ pub struct Delivery {
 /// What to do with a delivered task; each is one atomic script with the ack.
 #[derive(Debug, Clone)]
 pub enum Finish {
-    Commit { result: String },
-    Retry { due_ms: u64, task: RetryTask },
-    Review { entry: String },
-    Drop { reason: String },
+    Commit {
+        result: String,
+    },
+    Retry {
+        due_ms: u64,
+        task: RetryTask,
+    },
+    Review {
+        entry: String,
+    },
+    Drop {
+        reason: String,
+    },
+    /// The job was cancelled before this task was processed: kept for resume.
+    Cancel {
+        task: RetryTask,
+    },
 }
 
 /// The task put in the delayed set, and back on the stream when due.
@@ -166,6 +179,15 @@ impl RedisStore {
             ),
             Finish::Review { entry } => ("review", keys::review(job, p), entry.clone(), 0),
             Finish::Drop { reason } => ("drop", keys::state(job, p), reason.clone(), 0),
+            Finish::Cancel { task } => (
+                "cancel",
+                keys::cancelled(job, p),
+                serde_json::to_string(task).map_err(|e| StoreError::Corrupt {
+                    key: keys::cancelled(job, p),
+                    reason: e.to_string(),
+                })?,
+                0,
+            ),
         };
         let moved: i64 = self
             .scripts
@@ -234,6 +256,11 @@ impl RedisStore {
             r.delayed += z;
         }
         Ok(r)
+    }
+
+    /// Whether the job is cancelled (workers claim nothing for it).
+    pub async fn cancelled(&self, job: &str) -> Result<bool, StoreError> {
+        Ok(self.conn.clone().exists(keys::cancel(job)).await?)
     }
 
     /// Why the job is halted, if it is.

@@ -11,11 +11,12 @@
 --                                  retry  -> bf:{job:pN}:delayed (sorted set)
 --                                  review -> bf:{job:pN}:review  (hash)
 --                                  drop   -> bf:{job:pN}:state   (same as KEYS[2])
+--                                  cancel -> bf:{job:pN}:cancelled (hash, for resume)
 -- ARGV[1]  consumer group
 -- ARGV[2]  stream entry id
 -- ARGV[3]  record_id
--- ARGV[4]  mode: commit | retry | review | drop
--- ARGV[5]  commit: result JSON; retry: task JSON; review: entry JSON; drop: reason
+-- ARGV[4]  mode: commit | retry | review | drop | cancel
+-- ARGV[5]  commit: result JSON; retry and cancel: task JSON; review: entry JSON; drop: reason
 -- ARGV[6]  retry: due time, Unix ms (unused otherwise)
 -- Returns: 1 when this call moved the record, 0 when it was already settled.
 local stream, states, target = KEYS[1], KEYS[2], KEYS[3]
@@ -41,6 +42,10 @@ elseif state == 'queued' or state == 'delayed' then
     moved = 1
   elseif mode == 'drop' then
     redis.call('HSET', states, rid, 'dropped:' .. value)
+    moved = 1
+  elseif mode == 'cancel' then
+    redis.call('HSET', target, rid, value)
+    redis.call('HSET', states, rid, 'cancelled')
     moved = 1
   else
     return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))

@@ -1,0 +1,65 @@
+//! The store's job-level verbs: cancel and resume.
+
+use redis::AsyncCommands;
+
+use super::{RedisStore, StoreError};
+use crate::keys;
+
+/// Records per script call when cancelling or resuming (bounds each step).
+const PAGE: usize = 500;
+
+impl RedisStore {
+    /// Cancels a job: workers stop claiming it; every task not yet delivered
+    /// and every waiting retry is marked `cancelled` and kept for resume.
+    /// In-flight tasks finish. Returns how many records were cancelled.
+    pub async fn cancel_job(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
+        let _: () = self.conn.clone().set(keys::cancel(job), "cancelled").await?;
+        let mut total = 0;
+        for p in 0..partitions {
+            loop {
+                let n: u64 = self
+                    .scripts
+                    .cancel_page
+                    .key(keys::stream(job, p))
+                    .key(keys::state(job, p))
+                    .key(keys::delayed(job, p))
+                    .key(keys::cancelled(job, p))
+                    .arg(keys::GROUP)
+                    .arg(PAGE)
+                    .invoke_async(&mut self.conn.clone())
+                    .await?;
+                total += n;
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Resumes a job: cancelled records go back on their streams, and the
+    /// cancel and halt flags are lifted. Returns how many records were re-queued.
+    pub async fn resume_job(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
+        let mut total = 0;
+        for p in 0..partitions {
+            loop {
+                let left: u64 = self.conn.clone().hlen(keys::cancelled(job, p)).await?;
+                if left == 0 {
+                    break;
+                }
+                let n: u64 = self
+                    .scripts
+                    .resume_page
+                    .key(keys::stream(job, p))
+                    .key(keys::state(job, p))
+                    .key(keys::cancelled(job, p))
+                    .arg(PAGE)
+                    .invoke_async(&mut self.conn.clone())
+                    .await?;
+                total += n;
+            }
+        }
+        let _: () = self.conn.clone().del(&[keys::cancel(job), keys::halt(job)]).await?;
+        Ok(total)
+    }
+}

@@ -1,0 +1,47 @@
+-- cancel_page.lua: cancel one page of a partition's not-yet-running work.
+--
+-- Tasks never delivered to a worker (after the group's last-delivered id) and
+-- tasks waiting to retry are moved to the cancelled hash (kept for resume) and
+-- their records marked `cancelled`. Delivered tasks are left to their worker:
+-- in-flight work finishes. Called repeatedly until it returns 0.
+--
+-- KEYS[1]  partition stream          bf:{job:pN}:tasks
+-- KEYS[2]  partition state hash      bf:{job:pN}:state
+-- KEYS[3]  partition delayed set     bf:{job:pN}:delayed
+-- KEYS[4]  partition cancelled hash  bf:{job:pN}:cancelled
+-- ARGV[1]  consumer group
+-- ARGV[2]  at most this many tasks per call
+-- Returns: the number of records cancelled by this call.
+local stream, states, delayed, cancelled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local limit = tonumber(ARGV[2])
+local n = 0
+local function cancel(rid, task)
+  if redis.call('HGET', states, rid) == 'queued' or redis.call('HGET', states, rid) == 'delayed' then
+    redis.call('HSET', cancelled, rid, task)
+    redis.call('HSET', states, rid, 'cancelled')
+    n = n + 1
+  end
+end
+-- Waiting retries.
+for _, member in ipairs(redis.call('ZRANGE', delayed, 0, limit - 1)) do
+  local t = cjson.decode(member)
+  cancel(t.rid, member)
+  redis.call('ZREM', delayed, member)
+end
+-- Undelivered tasks: after the group's last-delivered id.
+local last = '0-0'
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+end
+local entries = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', limit)
+for _, e in ipairs(entries) do
+  local f = {}
+  for i = 1, #e[2], 2 do f[e[2][i]] = e[2][i + 1] end
+  local task = cjson.encode({rid = f['rid'], input = f['input'], attempt = tonumber(f['attempt'] or '0'),
+    calls = tonumber(f['calls'] or '0'), feedback = f['feedback'] or '[]', history = f['history'] or '[]'})
+  cancel(f['rid'], task)
+  redis.call('XDEL', stream, e[1])
+end
+return n
