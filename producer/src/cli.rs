@@ -112,6 +112,23 @@ pub enum Command {
         #[command(flatten)]
         redis: RedisArgs,
     },
+    /// A new round of attempts for a set of records (ids kept, attempts count on).
+    Retry {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// review: every record in review; dropped: records rejected by a
+        /// reviewer; missing: records reconciliation finds missing (input read
+        /// back from their dataset line).
+        #[arg(long, value_enum)]
+        from: crate::retry::From,
+        /// Recorded in each record's history.
+        #[arg(long, env = "USER", default_value = "unknown")]
+        reviewer: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Drain the review queue: list, show, accept, requeue, reject.
     Review(ReviewArgs),
     /// Print a job's dropped lines (JSONL: line, id, reason, detail).
@@ -358,6 +375,30 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             };
             let n = store.resume_job(&job, spec.job.partitions).await?;
             println!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Retry {
+            job,
+            redis,
+            from,
+            reviewer,
+            json,
+        } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            match crate::retry::retry(&store, &job, from, &reviewer).await {
+                Ok(s) if json => println!("{}", serde_json::to_string(&s)?),
+                Ok(s) => {
+                    println!("job {job}: {} records re-queued for a new round", s.requeued);
+                    for (why, n) in &s.skipped {
+                        println!("  not retried: {n} ({why})");
+                    }
+                }
+                Err(crate::review::ReviewError::Store(e)) => return Err(e.into()),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(EXIT_INPUT));
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Review(args) => run_review(args).await,

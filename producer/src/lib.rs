@@ -7,6 +7,7 @@
 //! - [`status`]: where every record of a job is; results export.
 //! - [`reconcile`]: missing / duplicated / unknown records, from the data.
 //! - [`report`]: failure distribution, retries, attempts, tokens and cost.
+//! - [`retry`]: a new round from the review, rejected or missing records.
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 
 pub mod cli;
@@ -15,5 +16,6 @@ pub mod progress;
 pub mod reader;
 pub mod reconcile;
 pub mod report;
+pub mod retry;
 pub mod review;
 pub mod status;

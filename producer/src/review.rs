@@ -147,8 +147,8 @@ pub async fn accept(
     Ok(rid)
 }
 
-/// Puts a record back on the stream for a fresh round of attempts; the note
-/// and the earlier attempts stay in its history.
+/// Puts a record back on the stream for a fresh round of attempts (the
+/// attempt count goes on); the note and the earlier attempts stay in its history.
 pub async fn requeue(
     store: &RedisStore,
     job: &str,
@@ -164,7 +164,7 @@ pub async fn requeue(
     history.push(act.clone());
     let action = ReviewAction::Requeue {
         input: entry["input"].to_string(),
-        attempts: 0,
+        attempts: entry["attempts"].as_u64().unwrap_or(0) as u32,
         calls: entry["history"].as_array().map_or(0, |h| h.len() as u32),
         history: Value::Array(history).to_string(),
     };

@@ -210,3 +210,108 @@ fn review_actions_validate_record_who_and_cannot_both_win() {
         "{s}"
     );
 }
+
+#[test]
+fn retry_builds_a_new_round_from_review_rejected_and_missing_records() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("retry");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    // One record whose template field is empty: an input error, never retried.
+    let mut text = std::fs::read_to_string(&data).unwrap();
+    text.push_str(
+        "{\"message_id\": \"no-text\", \"channel\": \"chat\", \"task_type\": \"classify\", \"text\": \"\"}\n",
+    );
+    std::fs::write(&data, text).unwrap();
+    enqueue(&redis, &data, "rv", &example_spec());
+    let drain = |faults: &str| {
+        let sim = LlmSim::start(&["--faults", faults]);
+        let (status, err) =
+            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+        assert!(status.success(), "{err}");
+    };
+    let retry = |from: &str| -> Value {
+        let out = Command::new(bin("producer"))
+            .args([
+                "retry",
+                "--job",
+                "rv",
+                "--redis",
+                &redis.url(),
+                "--from",
+                from,
+                "--json",
+                "--reviewer",
+                "ops",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    drain("content_filter=1.0");
+    assert!(
+        review(&redis, &["reject", "msg-0", "--reason", "looks wrong"])
+            .status
+            .success()
+    );
+
+    // From review: 19 records, attempts count on (the refusal was attempt 1).
+    let r = retry("review");
+    assert_eq!(r["requeued"], 19, "{r}");
+    drain("");
+    let s = states(&redis);
+    assert_eq!(s.values().filter(|v| *v == "done").count(), 19);
+    let result = hash_entry(&redis, keys::results, s.iter().find(|(_, v)| *v == "done").unwrap().0).unwrap();
+    assert_eq!(result["attempts"], 2, "attempts count on across rounds: {result}");
+    assert!(result["history"].to_string().contains("\"by\":\"ops\""));
+
+    // From dropped: the rejected record comes back; the input error does not.
+    let r = retry("dropped");
+    assert_eq!(r["requeued"], 1, "{r}");
+    assert_eq!(
+        r["skipped"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum::<u64>(),
+        1,
+        "{r}"
+    );
+    drain("");
+    assert_eq!(states(&redis).values().filter(|v| *v == "done").count(), 20);
+
+    // From missing: results lost from Redis are rebuilt from the dataset lines.
+    let mut c = redis.conn();
+    let mut lost = Vec::new();
+    for p in 0..P {
+        let ids: Vec<String> = c.hkeys(keys::results("rv", p)).unwrap();
+        if let Some(id) = ids.first() {
+            let _: () = c.hdel(keys::results("rv", p), id).unwrap();
+            lost.push(id.clone());
+        }
+    }
+    let r = retry("missing");
+    assert_eq!(r["requeued"].as_u64().unwrap(), lost.len() as u64, "{r}");
+    drain("");
+    for id in &lost {
+        assert!(
+            hash_entry(&redis, keys::results, id).is_some(),
+            "result rebuilt for {id}"
+        );
+    }
+    let out = Command::new(bin("producer"))
+        .args([
+            "status",
+            "--job",
+            "rv",
+            "--redis",
+            &redis.url(),
+            "--json",
+            "--require-complete",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stdout(&out));
+}

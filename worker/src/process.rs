@@ -206,7 +206,7 @@ pub async fn process(
         _ => vec![],
     };
     let decision = decide(
-        attempt.max(1),
+        attempt.saturating_sub(d.round_base).max(1),
         calls,
         &outcome,
         &job.spec.retry,
@@ -279,6 +279,7 @@ pub async fn process(
                 input: d.input.clone(),
                 attempt,
                 calls,
+                base: d.round_base,
                 feedback: serde_json::to_string(&feedback.unwrap_or_default()).unwrap_or_else(|_| "[]".into()),
                 history: history_json,
             };

@@ -359,6 +359,7 @@ impl Worker {
             input: d.input.clone(),
             attempt: d.attempts_before,
             calls: d.calls_before,
+            base: d.round_base,
             feedback: d.feedback.clone(),
             history: d.history.clone(),
         };

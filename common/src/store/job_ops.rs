@@ -62,4 +62,44 @@ impl RedisStore {
         let _: () = self.conn.clone().del(&[keys::cancel(job), keys::halt(job)]).await?;
         Ok(total)
     }
+
+    /// Re-queues one record for a new round if its state is still `expected`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn retry_record(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+        expected: &str,
+        input: &str,
+        attempts: u32,
+        calls: u32,
+        history: &str,
+    ) -> Result<bool, StoreError> {
+        let n: i64 = self
+            .scripts
+            .retry_record
+            .key(keys::stream(job, partition))
+            .key(keys::state(job, partition))
+            .arg(record_id)
+            .arg(expected)
+            .arg(input)
+            .arg(attempts)
+            .arg(calls)
+            .arg(history)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// The origin (`<dataset sha12>:<line>`) an enqueue stored for a record,
+    /// while its idempotency key lives.
+    pub async fn record_origin(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().get(keys::idem(job, partition, record_id)).await?)
+    }
 }

@@ -56,6 +56,7 @@ pub(super) struct Scripts {
     pub review_action: Script,
     pub cancel_page: Script,
     pub resume_page: Script,
+    pub retry_record: Script,
 }
 
 /// The URL with any password replaced by `***`, for messages and logs.
@@ -105,6 +106,7 @@ impl RedisStore {
                 review_action: Script::new(include_str!("scripts/review_action.lua")),
                 cancel_page: Script::new(include_str!("scripts/cancel_page.lua")),
                 resume_page: Script::new(include_str!("scripts/resume_page.lua")),
+                retry_record: Script::new(include_str!("scripts/retry_record.lua")),
             },
         })
     }

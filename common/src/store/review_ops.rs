@@ -37,6 +37,20 @@ impl RedisStore {
         Ok(self.conn.clone().hget(keys::review(job, partition), record_id).await?)
     }
 
+    /// The archived review entry of a record a person acted on.
+    pub async fn archived_review(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+    ) -> Result<Option<String>, StoreError> {
+        Ok(self
+            .conn
+            .clone()
+            .hget(keys::reviewed(job, partition), record_id)
+            .await?)
+    }
+
     /// Applies a decision if the entry is still exactly `seen`.
     pub async fn review_act(
         &self,

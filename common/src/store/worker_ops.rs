@@ -20,6 +20,9 @@ pub struct Delivery {
     pub attempts_before: u32,
     /// Calls made before this delivery (rate-limited ones included).
     pub calls_before: u32,
+    /// Attempts made before the current round began (`retry --from` and
+    /// requeue start a new round; attempts count on across rounds).
+    pub round_base: u32,
     /// Validation errors of the previous attempt, as JSON (`[]` when none).
     pub feedback: String,
     /// The record's attempt log so far, as a JSON array.
@@ -57,6 +60,9 @@ pub struct RetryTask {
     pub input: String,
     pub attempt: u32,
     pub calls: u32,
+    /// Attempts made before this round began.
+    #[serde(default)]
+    pub base: u32,
     pub feedback: String,
     pub history: String,
 }
@@ -340,6 +346,7 @@ fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Deliver
         input: String::new(),
         attempts_before: 0,
         calls_before: 0,
+        round_base: 0,
         feedback: "[]".into(),
         history: "[]".into(),
         deliveries,
@@ -353,6 +360,7 @@ fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Deliver
             "input" => d.input = v,
             "attempt" => d.attempts_before = v.parse().unwrap_or(0),
             "calls" => d.calls_before = v.parse().unwrap_or(0),
+            "base" => d.round_base = v.parse().unwrap_or(0),
             "feedback" => d.feedback = v,
             "history" => d.history = v,
             _ => {}

@@ -16,6 +16,7 @@
 -- ARGV[4]  action: accept | requeue | reject
 -- ARGV[5]  accept: the result JSON; requeue: the task input JSON; reject: the reason
 -- ARGV[6]  requeue: attempts so far; ARGV[7]: calls so far; ARGV[8]: history JSON
+--          (the new round starts at the attempts so far: they count on)
 -- Returns: 1 when applied; 0 when the entry was gone or changed (another
 --          reviewer acted first); -1 when the record already has a result.
 local states, review, archive, results, stream = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -30,7 +31,7 @@ if action == 'accept' then
   redis.call('HSET', states, rid, 'done')
 elseif action == 'requeue' then
   redis.call('XADD', stream, '*', 'rid', rid, 'input', value, 'attempt', ARGV[6], 'calls', ARGV[7],
-    'feedback', '[]', 'history', ARGV[8])
+    'base', ARGV[6], 'feedback', '[]', 'history', ARGV[8])
   redis.call('HSET', states, rid, 'queued')
 elseif action == 'reject' then
   redis.call('HSET', states, rid, 'dropped:rejected')
