@@ -124,6 +124,9 @@ fn calls_of(history: &Value) -> u32 {
         .map_or(0, |h| h.iter().filter(|x| x.get("call").is_some()).count() as u32)
 }
 
+/// A missing record to rebuild: record id, partition, the state it was seen in.
+type Wanted = (String, u32, String);
+
 /// Missing records: their task is gone, so their input is read back from the
 /// dataset line their idempotency key points at (`<sha12>:<line>`), after
 /// checking the file still has the sha256 the manifest recorded.
@@ -149,8 +152,7 @@ async fn retry_missing(
                 .collect()
         })
         .unwrap_or_default();
-    // dataset -> line -> (record id, partition, state it was seen in)
-    let mut wanted: HashMap<String, BTreeMap<u64, Vec<(String, u32, String)>>> = HashMap::new();
+    let mut wanted: HashMap<String, BTreeMap<u64, Vec<Wanted>>> = HashMap::new();
     for a in &r.missing {
         let state = a.what.split('`').nth(1).unwrap_or("").to_owned();
         match store.record_origin(job, a.partition, &a.record_id).await? {
