@@ -190,6 +190,16 @@ pub enum ReviewCmd {
         #[arg(long)]
         reason: String,
     },
+    /// One entry at a time at a terminal: accept / edit / requeue / reject / skip / quit, one key each.
+    Next,
+    /// Write the queue as JSONL with empty decision / output / note columns.
+    Export {
+        /// Output file (`-` for stdout).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Apply decisions from a JSONL file (each line checked; bad lines change nothing).
+    Import { file: PathBuf },
 }
 
 #[derive(Debug, Subcommand)]
@@ -530,6 +540,50 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
         ReviewCmd::Reject { id, reason } => review::reject(&store, job, &id, &reason, who)
             .await
             .map(|rid| println!("rejected {rid}")),
+        ReviewCmd::Next => review::next_loop(&store, job, who).await.map(|_| ()),
+        ReviewCmd::Export { out } => {
+            let written = if out.as_os_str() == "-" {
+                review::export_queue(&store, job, &mut std::io::stdout().lock()).await
+            } else {
+                match std::fs::File::create(&out) {
+                    Ok(f) => {
+                        let mut w = std::io::BufWriter::new(f);
+                        let n = review::export_queue(&store, job, &mut w).await;
+                        std::io::Write::flush(&mut w)
+                            .map_err(|e| ReviewError::Io(e.to_string()))
+                            .and(n)
+                    }
+                    Err(e) => Err(ReviewError::Io(format!("cannot create {}: {e}", out.display()))),
+                }
+            };
+            written.map(|n| eprintln!("exported {n} review entries of job {job}"))
+        }
+        ReviewCmd::Import { file } => match std::fs::read_to_string(&file) {
+            Err(e) => Err(ReviewError::Io(format!("cannot read {}: {e}", file.display()))),
+            Ok(text) => match review::import(&store, job, &text, who).await {
+                Ok(s) => {
+                    println!(
+                        "{} applied, {} skipped, {} lines rejected",
+                        s.applied,
+                        s.skipped,
+                        s.rejected_lines.len()
+                    );
+                    for l in &s.rejected_lines {
+                        eprintln!("{l}");
+                    }
+                    if s.rejected_lines.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(ReviewError::Io(format!(
+                            "{} lines of {} changed nothing",
+                            s.rejected_lines.len(),
+                            file.display()
+                        )))
+                    }
+                }
+                Err(e) => Err(e),
+            },
+        },
     };
     Ok(match done {
         Ok(()) => ExitCode::SUCCESS,

@@ -247,3 +247,277 @@ pub fn edit_in_editor(text: &str, dir: &Path) -> Result<String, ReviewError> {
     }
     edited
 }
+
+/// One decision of an import file.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ImportLine {
+    record_id: String,
+    /// accept | requeue | reject | skip (or empty: nothing to do)
+    #[serde(default)]
+    decision: Option<String>,
+    /// For accept: the corrected output (an object, or its JSON text).
+    #[serde(default)]
+    output: Option<Value>,
+    /// For requeue: a note; for reject: the reason.
+    #[serde(default)]
+    note: Option<String>,
+    // Columns the export writes for people to read; accepted and ignored on
+    // import (any other unknown column is an error: a typo must not pass).
+    #[serde(default)]
+    #[allow(dead_code)]
+    key: Value,
+    #[serde(default)]
+    #[allow(dead_code)]
+    reason: Value,
+    #[serde(default)]
+    #[allow(dead_code)]
+    errors: Value,
+    #[serde(default)]
+    #[allow(dead_code)]
+    last_raw_output: Value,
+    #[serde(default)]
+    #[allow(dead_code)]
+    input: Value,
+}
+
+/// What an import did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ImportSummary {
+    pub applied: u64,
+    pub skipped: u64,
+    /// `line N: why` for every line that changed nothing.
+    pub rejected_lines: Vec<String>,
+}
+
+/// The review queue as JSONL for people who review in a spreadsheet: one line
+/// per entry with empty `decision`, `output` and `note` columns to fill in.
+pub async fn export_queue(store: &RedisStore, job: &str, out: &mut impl std::io::Write) -> Result<u64, ReviewError> {
+    let entries = list(store, job, None, None).await?;
+    for e in &entries {
+        let line = json!({
+            "record_id": e["record_id"],
+            "key": e["key"],
+            "reason": e["reason"],
+            "errors": e["errors"],
+            "last_raw_output": e["last_raw_output"],
+            "input": e["input"],
+            "decision": null,
+            "output": null,
+            "note": null,
+        });
+        writeln!(out, "{line}").map_err(|e| ReviewError::Io(e.to_string()))?;
+    }
+    Ok(entries.len() as u64)
+}
+
+/// Applies the decisions of an import file. Every line is checked first
+/// (JSON, decision, output validated against the spec); a bad line is
+/// reported with its number and changes nothing, the good ones are applied.
+pub async fn import(store: &RedisStore, job: &str, text: &str, who: &str) -> Result<ImportSummary, ReviewError> {
+    let spec = job_spec(store, job).await?;
+    let mut out = ImportSummary::default();
+    let mut good: Vec<(usize, ImportLine, Option<String>)> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let n = i + 1;
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let line: ImportLine = match serde_json::from_str(raw) {
+            Ok(l) => l,
+            Err(e) => {
+                out.rejected_lines
+                    .push(format!("line {n}: not a valid import line: {e}"));
+                continue;
+            }
+        };
+        let decision = line.decision.clone().unwrap_or_default();
+        let output = match decision.as_str() {
+            "" | "skip" => {
+                out.skipped += 1;
+                continue;
+            }
+            "accept" => {
+                let text = match &line.output {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v @ Value::Object(_)) => v.to_string(),
+                    _ => {
+                        out.rejected_lines
+                            .push(format!("line {n}: accept needs an `output` object"));
+                        continue;
+                    }
+                };
+                if let Validation::Invalid { errors, .. } = validate(&spec, &text) {
+                    let errs: Vec<String> = errors.iter().map(ToString::to_string).collect();
+                    out.rejected_lines
+                        .push(format!("line {n}: output is invalid: {}", errs.join("; ")));
+                    continue;
+                }
+                Some(text)
+            }
+            "requeue" => None,
+            "reject" if line.note.as_deref().is_some_and(|r| !r.trim().is_empty()) => None,
+            "reject" => {
+                out.rejected_lines
+                    .push(format!("line {n}: reject needs a reason in `note`"));
+                continue;
+            }
+            other => {
+                out.rejected_lines.push(format!(
+                    "line {n}: unknown decision `{other}` (accept, requeue, reject, skip)"
+                ));
+                continue;
+            }
+        };
+        good.push((n, line, output));
+    }
+    for (n, line, output) in good {
+        let id = line.record_id.as_str();
+        let done = match (line.decision.as_deref(), output) {
+            (Some("accept"), Some(text)) => accept(store, job, id, &text, who).await,
+            (Some("requeue"), _) => requeue(store, job, id, line.note.as_deref(), who).await,
+            _ => reject(store, job, id, line.note.as_deref().unwrap_or(""), who).await,
+        };
+        match done {
+            Ok(_) => out.applied += 1,
+            Err(ReviewError::Store(e)) => return Err(ReviewError::Store(e)),
+            Err(e) => out.rejected_lines.push(format!("line {n}: {e}")),
+        }
+    }
+    Ok(out)
+}
+
+/// `review next`: one entry at a time for a person at a terminal; one key
+/// per action. Returns how many entries were acted on.
+pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, ReviewError> {
+    use std::io::Write;
+    let mut acted = 0;
+    let mut skipped: std::collections::HashSet<String> = Default::default();
+    let _raw = RawMode::enter();
+    loop {
+        let entries = list(store, job, None, None).await?;
+        let Some(e) = entries
+            .into_iter()
+            .find(|e| !skipped.contains(e["record_id"].as_str().unwrap_or("")))
+        else {
+            println!("\r\nreview queue of {job} is empty (or every entry was skipped): {acted} acted on\r");
+            return Ok(acted);
+        };
+        let rid = e["record_id"].as_str().unwrap_or("").to_owned();
+        let mut screen = String::new();
+        screen.push_str(&format!(
+            "\r\n=== {} ({})\r\n",
+            e["key"].as_str().unwrap_or(""),
+            &rid[..16.min(rid.len())]
+        ));
+        screen.push_str(&format!("reason: {}   attempts: {}\r\n", e["reason"], e["attempts"]));
+        for err in e["errors"].as_array().into_iter().flatten() {
+            screen.push_str(&format!(
+                "error: {} {} {}\r\n",
+                err["code"], err["field"], err["message"]
+            ));
+        }
+        screen.push_str(&format!("input: {}\r\n", e["input"]));
+        screen.push_str(&format!("last output: {}\r\n", e["last_raw_output"]));
+        screen.push_str("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ");
+        print!("{screen}");
+        let _ = std::io::stdout().flush();
+        let key = read_key().map_err(|e| ReviewError::Io(e.to_string()))?;
+        println!("{key}\r");
+        let result = match key {
+            'a' => accept(store, job, &rid, e["last_raw_output"].as_str().unwrap_or(""), who)
+                .await
+                .map(|_| "accepted"),
+            'e' => {
+                let edited = {
+                    let _cooked = RawMode::leave();
+                    edit_in_editor(&editable(&e), &std::env::temp_dir())
+                };
+                match edited {
+                    Ok(text) => accept(store, job, &rid, &text, who).await.map(|_| "accepted"),
+                    Err(err) => Err(err),
+                }
+            }
+            'r' => requeue(store, job, &rid, Some("requeued from review next"), who)
+                .await
+                .map(|_| "requeued"),
+            'j' => reject(store, job, &rid, "rejected from review next", who)
+                .await
+                .map(|_| "rejected"),
+            's' => {
+                skipped.insert(rid.clone());
+                Ok("skipped")
+            }
+            'q' => {
+                println!("{acted} acted on\r");
+                return Ok(acted);
+            }
+            _ => Ok("unknown key: nothing done"),
+        };
+        match result {
+            Ok(what) => {
+                if matches!(what, "accepted" | "requeued" | "rejected") {
+                    acted += 1;
+                }
+                println!("{what}\r");
+            }
+            Err(ReviewError::Store(e)) => return Err(ReviewError::Store(e)),
+            // An invalid accept or a lost race: say so, stay on the queue.
+            Err(err) => println!("{}\r", err.to_string().replace('\n', "\r\n")),
+        }
+    }
+}
+
+/// Reads one key from standard input.
+fn read_key() -> std::io::Result<char> {
+    use std::io::Read;
+    let mut b = [0u8; 1];
+    loop {
+        if std::io::stdin().read(&mut b)? == 0 {
+            return Ok('q');
+        }
+        if !b[0].is_ascii_whitespace() {
+            return Ok(b[0] as char);
+        }
+    }
+}
+
+/// Single-key input on a terminal (`stty -icanon -echo`), restored on drop.
+struct RawMode(bool);
+
+impl RawMode {
+    fn enter() -> RawMode {
+        RawMode(stty(&["-icanon", "-echo", "min", "1"]))
+    }
+    fn leave() -> RawModeRestore {
+        stty(&["icanon", "echo"]);
+        RawModeRestore
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if self.0 {
+            stty(&["icanon", "echo"]);
+        }
+    }
+}
+
+/// Back to raw mode after an editor ran.
+struct RawModeRestore;
+
+impl Drop for RawModeRestore {
+    fn drop(&mut self) {
+        stty(&["-icanon", "-echo", "min", "1"]);
+    }
+}
+
+fn stty(args: &[&str]) -> bool {
+    use std::io::IsTerminal;
+    std::io::stdin().is_terminal()
+        && std::process::Command::new("stty")
+            .args(args)
+            .stdin(std::process::Stdio::inherit())
+            .status()
+            .is_ok_and(|s| s.success())
+}

@@ -315,3 +315,97 @@ fn retry_builds_a_new_round_from_review_rejected_and_missing_records() {
         .unwrap();
     assert!(out.status.success(), "{}", stdout(&out));
 }
+
+#[test]
+fn the_queue_round_trips_through_a_spreadsheet_and_a_terminal() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("review-io");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 6);
+    enqueue(&redis, &data, "rv", &example_spec());
+    {
+        let sim = LlmSim::start(&["--faults", "content_filter=1.0"]);
+        let (status, err) =
+            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+        assert!(status.success(), "{err}");
+    }
+    let exported = dir.join("queue.jsonl");
+    let out = review(&redis, &["export", "--out", exported.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut lines: Vec<Value> = std::fs::read_to_string(&exported)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6);
+    lines.sort_by_key(|l| l["key"].as_str().unwrap().to_owned());
+    let rid = |i: usize| lines[i]["record_id"].as_str().unwrap().to_owned();
+    // People fill in decisions; lines 3, 4 and 5 are wrong and must change nothing.
+    let good: Value = serde_json::from_str(GOOD).unwrap();
+    let mut bad_output = good.clone();
+    bad_output["confidence"] = Value::Bool(true);
+    let mut filled = vec![
+        serde_json::json!({"record_id": rid(0), "decision": "accept", "output": good}),
+        serde_json::json!({"record_id": rid(1), "decision": "reject", "note": "duplicate ticket"}),
+        serde_json::json!({"record_id": rid(2), "decision": "accept", "output": bad_output}),
+        serde_json::json!({"record_id": rid(3), "decision": "approve"}),
+        serde_json::json!({"record_id": rid(4), "decison": "requeue"}),
+    ]
+    .into_iter()
+    .map(|v| v.to_string())
+    .collect::<Vec<_>>();
+    filled.push(lines[5].to_string()); // untouched row: skipped
+    let import = dir.join("decisions.jsonl");
+    std::fs::write(&import, filled.join("\n")).unwrap();
+    let out = review(&redis, &["import", import.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2), "bad lines make the import fail loudly");
+    assert!(
+        stdout(&out).contains("2 applied, 1 skipped, 3 lines rejected"),
+        "{}",
+        stdout(&out)
+    );
+    let err = stderr(&out);
+    assert!(err.contains("line 3: output is invalid: E_TYPE confidence"), "{err}");
+    assert!(err.contains("line 4: unknown decision `approve`"), "{err}");
+    assert!(err.contains("line 5: not a valid import line"), "{err}");
+    let s = states(&redis);
+    assert_eq!(s[&rid(0)], "done");
+    assert_eq!(s[&rid(1)], "dropped:rejected");
+    for i in 2..6 {
+        assert_eq!(s[&rid(i)], "review", "line {} changed nothing", i + 1);
+    }
+
+    // review next, driven through a pseudo-terminal: requeue, skip, reject, quit.
+    let drive = harness::workspace().join("tests/pty/drive.py");
+    let out = Command::new("python3")
+        .arg(&drive)
+        .arg("rsjq")
+        .arg("--")
+        .arg(bin("producer"))
+        .args([
+            "review",
+            "--job",
+            "rv",
+            "--redis",
+            &redis.url(),
+            "--reviewer",
+            "carol",
+            "next",
+        ])
+        .output()
+        .unwrap();
+    let screen = stdout(&out);
+    assert!(out.status.success(), "{screen}\n{}", stderr(&out));
+    assert!(
+        screen.contains("requeued") && screen.contains("skipped") && screen.contains("rejected"),
+        "{screen}"
+    );
+    assert!(screen.contains("2 acted on"), "{screen}");
+    let s = states(&redis);
+    let counts = |state: &str| s.values().filter(|v| *v == state).count();
+    assert_eq!(
+        (counts("queued"), counts("dropped:rejected"), counts("review")),
+        (1, 2, 2),
+        "{s:?}"
+    );
+}
