@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test build bench bench-enqueue bench-worker bench-ratelimit deps lint clean
+.PHONY: demo test build bench bench-enqueue bench-worker bench-ratelimit bench-status deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -20,7 +20,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit
+bench: bench-enqueue bench-worker bench-ratelimit bench-status
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -43,3 +43,8 @@ bench-worker: deps
 bench-ratelimit: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-ratelimit.py
+
+## bench-status: producer status (full reconciliation) on 1,000,000 records vs their enqueue in the same run
+bench-status: deps
+	$(CARGO) build --release --workspace --bins
+	scripts/bench-status.sh

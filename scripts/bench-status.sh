@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `make bench-status`: `producer status` (with its full reconciliation) on a
+# job of N records (default 1,000,000), against the enqueue of the same
+# records measured in the same run on the same server.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+N=${N:-1000000}
+work=.bench/enqueue
+mkdir -p "$work"
+data="$work/records-$N.jsonl"; proto="$work/baseline-$N.resp"
+if [ ! -f "$data" ] || [ ! -f "$proto" ]; then
+  echo "generating $N records..."
+  python3 scripts/gen_bench_data.py "$N" "$data" "$proto"
+fi
+start_redis "$work/redis-status"
+trap stop_redis EXIT
+url="redis://127.0.0.1:$REDIS_PORT"
+now() { date +%s.%N; }
+t0=$(now)
+target/release/producer enqueue "$data" --job status-bench --spec examples/job.toml --redis "$url" --no-progress >/dev/null
+t1=$(now)
+/usr/bin/time -f '%M' -o "$work/status-rss.txt" target/release/producer status --job status-bench --redis "$url" --json >"$work/status.json"
+t2=$(now)
+python3 - "$work/status.json" "$N" "$t0" "$t1" "$t2" "$(cat "$work/status-rss.txt")" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+n = int(sys.argv[2]); t0, t1, t2 = map(float, sys.argv[3:6]); rss = int(sys.argv[6])
+assert s["queued"] == n and s["missing"] == 0 and s["duplicates"] == 0 and s["unknown"] == 0, s
+enq, st = t1 - t0, t2 - t1
+print(f"| records | enqueue (baseline) | status with reconciliation | ratio | status peak RSS |")
+print(f"|---|---|---|---|---|")
+print(f"| {n:,} | {n/enq:,.0f} rec/s | {n/st:,.0f} rec/s | {st/enq:.2f} of the enqueue time | {rss/1024:.1f} MiB |")
+PY
