@@ -40,23 +40,25 @@ fn hash_entry(redis: &RedisServer, key: fn(&str, u32) -> String, rid: &str) -> O
     })
 }
 
+/// A job "rv" of `n` records, every one in review (every answer refused).
+fn all_in_review(n: u64) -> (RedisServer, TempDir) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("review");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    enqueue(&redis, &data, "rv", &example_spec());
+    let sim = LlmSim::start(&["--faults", "content_filter=1.0"]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    (redis, dir)
+}
+
 const GOOD: &str =
     r#"{"label": "billing", "reason": "checked by a person", "confidence": 1.0, "task_type": "classify"}"#;
 
 #[test]
 fn review_actions_validate_record_who_and_cannot_both_win() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("review");
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, 8);
-    enqueue(&redis, &data, "rv", &example_spec());
-    {
-        // Every answer refused: everything lands in review.
-        let sim = LlmSim::start(&["--faults", "content_filter=1.0"]);
-        let (status, err) =
-            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
-        assert!(status.success(), "{err}");
-    }
+    let (redis, dir) = all_in_review(8);
     let listed = review(&redis, &["list", "--json"]);
     assert!(listed.status.success(), "{}", stderr(&listed));
     let entries: Vec<Value> = stdout(&listed)
@@ -318,17 +320,7 @@ fn retry_builds_a_new_round_from_review_rejected_and_missing_records() {
 
 #[test]
 fn the_queue_round_trips_through_a_spreadsheet_and_a_terminal() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("review-io");
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, 6);
-    enqueue(&redis, &data, "rv", &example_spec());
-    {
-        let sim = LlmSim::start(&["--faults", "content_filter=1.0"]);
-        let (status, err) =
-            Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
-        assert!(status.success(), "{err}");
-    }
+    let (redis, dir) = all_in_review(6);
     let exported = dir.join("queue.jsonl");
     let out = review(&redis, &["export", "--out", exported.to_str().unwrap()]);
     assert!(out.status.success(), "{}", stderr(&out));

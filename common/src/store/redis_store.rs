@@ -274,11 +274,21 @@ impl RedisStore {
 
     /// Calls `f` for every field and value of a hash, scanning in pages
     /// (HSCAN): memory stays flat however large the hash is.
-    pub async fn scan_hash(&self, key: &str, mut f: impl FnMut(String, String)) -> Result<(), StoreError> {
+    pub async fn scan_hash(&self, key: &str, f: impl FnMut(String, String)) -> Result<(), StoreError> {
+        self.scan_pairs("HSCAN", key, f).await
+    }
+
+    /// Calls `f` for every member of a sorted set (ZSCAN): flat memory.
+    pub async fn scan_sorted_set(&self, key: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
+        self.scan_pairs("ZSCAN", key, |member, _score| f(member)).await
+    }
+
+    /// HSCAN / ZSCAN in pages of 1,000: both reply with flat pairs.
+    async fn scan_pairs(&self, command: &str, key: &str, mut f: impl FnMut(String, String)) -> Result<(), StoreError> {
         let mut c = self.conn.clone();
         let mut cursor: u64 = 0;
         loop {
-            let (next, items): (u64, Vec<String>) = redis::cmd("HSCAN")
+            let (next, items): (u64, Vec<String>) = redis::cmd(command)
                 .arg(key)
                 .arg(cursor)
                 .arg("COUNT")
@@ -286,8 +296,8 @@ impl RedisStore {
                 .query_async(&mut c)
                 .await?;
             let mut it = items.into_iter();
-            while let (Some(field), Some(value)) = (it.next(), it.next()) {
-                f(field, value);
+            while let (Some(first), Some(second)) = (it.next(), it.next()) {
+                f(first, second);
             }
             if next == 0 {
                 return Ok(());
@@ -323,28 +333,6 @@ impl RedisStore {
                 f(entry.get::<String>("rid").unwrap_or_default());
             }
             start = format!("({last}");
-        }
-    }
-
-    /// Calls `f` for every member of a sorted set (ZSCAN): flat memory.
-    pub async fn scan_sorted_set(&self, key: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
-        let mut c = self.conn.clone();
-        let mut cursor: u64 = 0;
-        loop {
-            let (next, items): (u64, Vec<String>) = redis::cmd("ZSCAN")
-                .arg(key)
-                .arg(cursor)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut c)
-                .await?;
-            for member in items.into_iter().step_by(2) {
-                f(member);
-            }
-            if next == 0 {
-                return Ok(());
-            }
-            cursor = next;
         }
     }
 
