@@ -28,7 +28,7 @@ bench-enqueue: deps
 	scripts/bench-enqueue.sh
 
 deps:
-	@scripts/ensure-redis.sh
+	@scripts/ensure-deps.sh
 
 clean:
 	$(CARGO) clean

@@ -68,7 +68,8 @@ def run(tmp, workers, tpm):
         env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
         for _ in range(workers):
             procs.append(subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", "rl",
-                                           "--base-url", addr + "/v1", "--concurrency", "64"],
+                                           "--base-url", addr + "/v1", "--concurrency", "64",
+                                           "--metrics-addr", "127.0.0.1:0"],
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(SECONDS)
         b, t1 = stats(addr), time.time()

@@ -73,7 +73,8 @@ def enqueue(redis_url, path, job):
 def worker(redis_url, job, base_url, concurrency, log):
     env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
     return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", redis_url, "--job", job, "--drain",
-                             "--concurrency", str(concurrency), "--base-url", base_url, "--idle-poll-ms", "20"],
+                             "--concurrency", str(concurrency), "--base-url", base_url, "--idle-poll-ms", "20",
+                             "--metrics-addr", "127.0.0.1:0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 

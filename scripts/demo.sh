@@ -45,7 +45,7 @@ $bin/producer enqueue examples/dataset.jsonl --job "$job" --spec examples/job.to
 echo
 echo "== two workers, until the job is drained (logs in $work/worker-*.log)"
 for i in 1 2; do
-  $bin/worker --job "$job" --drain --concurrency 32 --log-format json 2>"$work/worker-$i.log" &
+  $bin/worker --job "$job" --drain --concurrency 32 --log-format json --metrics-addr 127.0.0.1:0 2>"$work/worker-$i.log" &
   pids+=($!)
 done
 worker_pids=("${pids[@]: -2}")

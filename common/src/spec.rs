@@ -229,6 +229,18 @@ pub struct Prices {
     pub output_per_mtok: f64,
 }
 
+impl Prices {
+    /// USD for one call: uncached prompt, cached prompt and completion tokens.
+    pub fn cost(&self, prompt: u64, cached: u64, completion: u64) -> f64 {
+        let cached = cached.min(prompt);
+        let cached_price = self.cached_input_per_mtok.unwrap_or(self.input_per_mtok);
+        ((prompt - cached) as f64 * self.input_per_mtok
+            + cached as f64 * cached_price
+            + completion as f64 * self.output_per_mtok)
+            / 1_000_000.0
+    }
+}
+
 fn default_partitions() -> u32 {
     4
 }

@@ -30,7 +30,7 @@ impl Usage {
         self.prompt_tokens += prompt;
         self.cached_tokens += cached;
         self.completion_tokens += completion;
-        self.cost_usd += cost(prompt, cached, completion, prices);
+        self.cost_usd += prices.cost(prompt, cached, completion);
     }
 
     fn merge(&mut self, o: &Usage) {
@@ -40,13 +40,6 @@ impl Usage {
         self.completion_tokens += o.completion_tokens;
         self.cost_usd += o.cost_usd;
     }
-}
-
-/// USD for one call: uncached prompt, cached prompt and completion tokens.
-pub fn cost(prompt: u64, cached: u64, completion: u64, p: &Prices) -> f64 {
-    let cached_price = p.cached_input_per_mtok.unwrap_or(p.input_per_mtok);
-    ((prompt - cached) as f64 * p.input_per_mtok + cached as f64 * cached_price + completion as f64 * p.output_per_mtok)
-        / 1_000_000.0
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -222,13 +215,13 @@ mod tests {
             cached_input_per_mtok: Some(0.5),
             output_per_mtok: 4.0,
         };
-        let c = cost(1_000_000, 400_000, 250_000, &p);
+        let c = p.cost(1_000_000, 400_000, 250_000);
         assert!((c - (0.6 + 0.2 + 1.0)).abs() < 1e-9, "{c}");
         let no_cache_price = Prices {
             cached_input_per_mtok: None,
             ..p
         };
-        assert!((cost(1_000_000, 400_000, 0, &no_cache_price) - 1.0).abs() < 1e-9);
+        assert!((no_cache_price.cost(1_000_000, 400_000, 0) - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -274,8 +274,28 @@ impl Drop for LlmSim {
     }
 }
 
-/// A minimal HTTP/1.0 client for the simulator's own endpoints (no extra crates).
+/// `GET` on a local HTTP server: (status code, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let raw = http_raw(addr, "GET", path, None);
+    let status = raw.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (
+        status,
+        raw.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    )
+}
+
+/// A minimal HTTP/1.0 client for the simulator's own endpoints: the body.
 fn http_request(addr: &str, method: &str, path: &str, body: Option<&str>) -> String {
+    let out = http_raw(addr, method, path, body);
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default()
+}
+
+/// The whole HTTP/1.0 response, headers included (no extra crates).
+fn http_raw(addr: &str, method: &str, path: &str, body: Option<&str>) -> String {
     use std::io::{Read, Write};
     let host = addr.trim_start_matches("http://");
     let mut s = std::net::TcpStream::connect(host).expect("connect llm-sim");
@@ -288,9 +308,7 @@ fn http_request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Str
     .expect("write request");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("read response");
-    out.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default()
+    out
 }
 
 fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
@@ -324,6 +342,12 @@ pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) 
         "json",
     ])
     .args(["--idle-poll-ms", "20"])
+    // Each worker on its own free port, unless the test picks one.
+    .args(if extra.contains(&"--metrics-addr") {
+        &[][..]
+    } else {
+        &["--metrics-addr", "127.0.0.1:0"][..]
+    })
     .args(extra)
     .env("OPENAI_API_KEY", "sk-test-key")
     .env_remove("REDIS_URL")

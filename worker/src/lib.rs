@@ -4,8 +4,11 @@
 //! - [`process`]: one task from delivery to its single atomic outcome.
 //! - [`provider`]: the OpenAI-compatible client and failure classification.
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
+//! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod http;
 pub mod limiter;
 pub mod process;
 pub mod provider;
 pub mod run;
+pub mod telemetry;

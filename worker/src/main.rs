@@ -54,6 +54,9 @@ struct Args {
     /// Start even when Redis may evict keys (tests only).
     #[arg(long)]
     allow_evicting_redis: bool,
+    /// Address of /metrics, /healthz and /readyz (`off` disables; port 0 picks one).
+    #[arg(long, env = "BATCHFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
+    metrics_addr: String,
     /// Log format: json (default when not a terminal) or text.
     #[arg(long, env = "BATCHFLEET_LOG_FORMAT")]
     log_format: Option<String>,
@@ -88,7 +91,18 @@ async fn main() -> ExitCode {
             .with_writer(std::io::stderr)
             .init();
     }
+    let metrics_addr = match args.metrics_addr.as_str() {
+        "off" | "" => None,
+        a => match a.parse() {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                eprintln!("error: --metrics-addr `{a}` is not an address like 0.0.0.0:9464 (or `off`)");
+                return ExitCode::from(2);
+            }
+        },
+    };
     let config = Config {
+        metrics_addr,
         redis_url: args.redis_url,
         jobs: args.jobs,
         concurrency: args.concurrency,

@@ -14,6 +14,7 @@ use serde_json::{Map, Value, json};
 
 use crate::limiter::{Limiter, RateHeaders, Used};
 use crate::provider::{CallResult, ErrorKind, Provider, Request};
+use crate::telemetry::{Metrics, status_class};
 
 /// Everything a worker needs to process one job's tasks.
 pub struct JobCtx {
@@ -69,6 +70,7 @@ pub struct Limits {
     /// A task delivered more often than this goes to review as poison.
     pub max_deliveries: u32,
     pub worker: String,
+    pub metrics: std::sync::Arc<Metrics>,
 }
 
 const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
@@ -125,7 +127,9 @@ pub async fn process(
         user: &user,
         response_format: job.response_format.as_ref(),
     };
+    limits.metrics.in_flight.inc();
     let (result, headers, elapsed) = job.provider.call(&request).await;
+    limits.metrics.in_flight.dec();
     let elapsed_ms = elapsed.as_millis() as u64;
     *report = Some(CallReport {
         used: used_of(&result),
@@ -227,18 +231,19 @@ pub async fn process(
         "decision": decision_label(&decision),
     }));
     let history_json = Value::Array(history.clone()).to_string();
-    let codes: Vec<String> = errors
-        .iter()
-        .map(|e| format!("{} {}", e.code.as_str(), e.field))
-        .collect();
-    log_event(
+    attempt_event(
         job,
         &d,
-        attempt,
-        decision_label(&decision),
-        outcome_label(&outcome),
-        elapsed_ms,
-        &codes,
+        limits,
+        AttemptFacts {
+            attempt,
+            decision: decision_label(&decision),
+            outcome: outcome_label(&outcome),
+            elapsed,
+            status,
+            usage: &usage,
+            errors: &errors,
+        },
     );
 
     match decision {
@@ -393,6 +398,62 @@ fn decision_label(d: &Decision) -> &'static str {
         Decision::Drop { .. } => "drop",
         Decision::Halt { .. } => "halt",
     }
+}
+
+/// What one attempt came to, for its log line and its metrics.
+struct AttemptFacts<'a> {
+    attempt: u32,
+    decision: &'a str,
+    outcome: &'a str,
+    elapsed: std::time::Duration,
+    status: Option<u16>,
+    usage: &'a Value,
+    errors: &'a [FieldError],
+}
+
+/// Logs an attempt and counts it: one place for both.
+fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_>) {
+    let m = &limits.metrics;
+    let name = job.name.as_str();
+    let class = status_class(f.status);
+    m.provider_requests.with_label_values(&[name, class]).inc();
+    m.model_latency
+        .with_label_values(&[name, class])
+        .observe(f.elapsed.as_secs_f64());
+    m.attempts.with_label_values(&[name, f.outcome]).inc();
+    if f.status == Some(429) && f.outcome == "rate_limited" {
+        m.rate_limited.with_label_values(&[name]).inc();
+    }
+    for e in f.errors {
+        m.validation_errors
+            .with_label_values(&[name, e.code.as_str(), e.field.as_str()])
+            .inc();
+    }
+    let prompt = f.usage["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = f.usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    let completion = f.usage["completion_tokens"].as_u64().unwrap_or(0);
+    for (kind, n) in [("prompt", prompt), ("cached", cached), ("completion", completion)] {
+        if n > 0 {
+            m.tokens.with_label_values(&[name, kind]).inc_by(n);
+        }
+    }
+    m.cost
+        .with_label_values(&[name])
+        .inc_by(job.spec.prices.cost(prompt, cached, completion));
+    let codes: Vec<String> = f
+        .errors
+        .iter()
+        .map(|e| format!("{} {}", e.code.as_str(), e.field))
+        .collect();
+    log_event(
+        job,
+        d,
+        f.attempt,
+        f.decision,
+        f.outcome,
+        f.elapsed.as_millis() as u64,
+        &codes,
+    );
 }
 
 fn log_event(

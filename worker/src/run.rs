@@ -20,9 +20,11 @@ use tokio::sync::{Mutex, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::http::{Health, serve};
 use crate::limiter::{Grant, Limiter};
 use crate::process::{JobCtx, Limits, Settled, now_ms, process};
 use crate::provider::Provider;
+use crate::telemetry::Metrics;
 
 /// The worker's configuration; `main` builds it from flags and env.
 #[derive(Debug, Clone)]
@@ -48,6 +50,8 @@ pub struct Config {
     pub base_url: Option<String>,
     /// Start even when Redis may evict keys (never in production).
     pub allow_evicting_redis: bool,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served (None: not at all).
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// What a run did.
@@ -81,6 +85,8 @@ struct Worker {
     config: Config,
     visibility: Duration,
     summary: Mutex<RunSummary>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
     /// Jobs this process saw halted, known before the next Redis check.
     halted_here: std::sync::Mutex<BTreeMap<String, String>>,
     /// Jobs cancelled by an operator (refreshed with the halt check).
@@ -133,11 +139,23 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         job.limiter = Limiter::for_job(&store, &job.spec, url, &config.consumer, visibility);
     }
     let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    if let Some(addr) = config.metrics_addr {
+        let jobs_info: Vec<(String, u32)> = jobs.iter().map(|j| (j.name.clone(), j.spec.job.partitions)).collect();
+        let bound = serve(addr, metrics.clone(), store.clone(), jobs_info, health.clone())
+            .await
+            .map_err(|e| RunError::Refused(format!("cannot serve metrics on {addr}: {e}")))?;
+        tracing::info!(addr = %bound, "metrics, healthz and readyz listening");
+    }
     let worker = Arc::new(Worker {
         limits: Limits {
             max_deliveries: config.max_deliveries,
             worker: config.consumer.clone(),
+            metrics: metrics.clone(),
         },
+        metrics,
+        health,
         store,
         jobs,
         visibility,
@@ -150,6 +168,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     let tracker = TaskTracker::new();
     let permits = Arc::new(Semaphore::new(worker.config.concurrency.max(1)));
     worker.main_loop(&tracker, &permits, &cancel).await;
+    worker.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
 
     // Shutdown: claiming has stopped; give in-flight work its deadline.
     tracker.close();
@@ -323,6 +342,10 @@ impl Worker {
             }
             own_pending = false;
             drop(first);
+            self.health.loop_ok();
+            self.health
+                .halted
+                .store(!halted.is_empty(), std::sync::atomic::Ordering::Relaxed);
             if claimed > 0 {
                 continue;
             }
@@ -338,6 +361,7 @@ impl Worker {
                     let mut s = self.summary.lock().await;
                     s.rate_limit_waits += 1;
                     s.rate_limit_wait_ms += wait.as_millis() as u64;
+                    self.metrics.rate_limit_wait.observe(wait.as_secs_f64());
                     wait
                 }
                 None => self.config.idle_poll,
@@ -414,6 +438,10 @@ impl Worker {
             match settled {
                 Ok(settled) => {
                     *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
+                    me.metrics
+                        .records
+                        .with_label_values(&[job.name.as_str(), settled.label()])
+                        .inc();
                     if let Settled::Halted(reason) = settled {
                         if let Ok(mut h) = me.halted_here.lock() {
                             h.insert(job.name.clone(), reason.clone());
@@ -511,6 +539,7 @@ impl Worker {
 
     async fn store_error(&self, e: &StoreError) {
         self.summary.lock().await.store_errors += 1;
+        self.metrics.store_errors.inc();
         tracing::warn!(error = %e, "Redis call failed; retrying");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

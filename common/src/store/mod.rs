@@ -12,7 +12,7 @@ mod worker_ops;
 pub use limit_ops::{LimitParams, Settlement};
 pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
-pub use worker_ops::{Delivery, Finish, Remaining, RetryTask};
+pub use worker_ops::{Delivery, Finish, QueueStats, Remaining, RetryTask};
 
 /// A store operation that failed. Messages never contain credentials.
 #[derive(Debug, thiserror::Error)]

@@ -111,6 +111,14 @@ impl RedisStore {
         })
     }
 
+    /// Whether the server answers a PING now.
+    pub async fn ping(&self) -> bool {
+        redis::cmd("PING")
+            .query_async::<String>(&mut self.conn.clone())
+            .await
+            .is_ok()
+    }
+
     /// A connection for callers that need raw commands (tests, status).
     pub fn connection(&self) -> ConnectionManager {
         self.conn.clone()

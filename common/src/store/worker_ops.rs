@@ -76,6 +76,19 @@ pub struct Remaining {
     pub delayed: u64,
 }
 
+/// One partition's queue, for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    /// In the stream, not yet delivered.
+    pub lag: u64,
+    /// Delivered, not yet acknowledged.
+    pub pending: u64,
+    /// Idle time of the oldest pending entry.
+    pub oldest_pending_ms: u64,
+    pub delayed: u64,
+    pub review: u64,
+}
+
 impl Remaining {
     pub fn is_empty(&self) -> bool {
         self.in_streams == 0 && self.delayed == 0
@@ -267,6 +280,35 @@ impl RedisStore {
     /// Whether the job is cancelled (workers claim nothing for it).
     pub async fn cancelled(&self, job: &str) -> Result<bool, StoreError> {
         Ok(self.conn.clone().exists(keys::cancel(job)).await?)
+    }
+
+    /// Lag, pending, oldest pending age, delayed and review depth of a partition.
+    /// Acknowledged entries are deleted, so the stream holds exactly the
+    /// undelivered and the pending ones: lag = length - pending.
+    pub async fn queue_stats(&self, job: &str, partition: u32) -> Result<QueueStats, StoreError> {
+        let mut c = self.conn.clone();
+        let stream = keys::stream(job, partition);
+        let len: u64 = c.xlen(&stream).await?;
+        let pending = self.pending_count(job, partition).await?;
+        let oldest: Value = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(keys::GROUP)
+            .arg("-")
+            .arg("+")
+            .arg(1)
+            .query_async(&mut c)
+            .await?;
+        let oldest_pending_ms = as_array(&oldest)
+            .first()
+            .and_then(|row| as_array(row).get(2).and_then(as_u64))
+            .unwrap_or(0);
+        Ok(QueueStats {
+            lag: len.saturating_sub(pending),
+            pending,
+            oldest_pending_ms,
+            delayed: c.zcard(keys::delayed(job, partition)).await?,
+            review: c.hlen(keys::review(job, partition)).await?,
+        })
     }
 
     /// Why the job is halted, if it is.

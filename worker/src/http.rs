@@ -1,0 +1,98 @@
+//! The worker's HTTP endpoints: `/metrics` (Prometheus text format),
+//! `/healthz` (the process is alive), `/readyz` (Redis reachable, not
+//! draining, a successful claim loop recently, no open circuit breaker).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use common::store::RedisStore;
+
+use crate::process::now_ms;
+use crate::telemetry::Metrics;
+
+/// A claim loop that has not completed a round for this long is not ready.
+const READY_WITHIN_MS: u64 = 30_000;
+
+/// What readiness is judged on; the run loop keeps it current.
+#[derive(Default)]
+pub struct Health {
+    pub draining: AtomicBool,
+    pub halted: AtomicBool,
+    /// When the claim loop last completed a round against Redis (Unix ms).
+    pub last_ok_ms: AtomicU64,
+}
+
+impl Health {
+    pub fn loop_ok(&self) {
+        self.last_ok_ms.store(now_ms(), Ordering::Relaxed);
+    }
+}
+
+struct Http {
+    metrics: Arc<Metrics>,
+    store: RedisStore,
+    jobs: Vec<(String, u32)>,
+    health: Arc<Health>,
+}
+
+/// Binds `addr` (port 0 picks a free one) and serves in the background.
+/// Returns the bound address.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    store: RedisStore,
+    jobs: Vec<(String, u32)>,
+    health: Arc<Health>,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let state = Arc::new(Http {
+        metrics,
+        store,
+        jobs,
+        health,
+    });
+    let app = Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_handler))
+        .with_state(state);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    });
+    Ok(bound)
+}
+
+async fn metrics_handler(State(s): State<Arc<Http>>) -> impl IntoResponse {
+    s.metrics.refresh_queues(&s.store, &s.jobs).await;
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.encode(),
+    )
+}
+
+async fn ready_handler(State(s): State<Arc<Http>>) -> (StatusCode, String) {
+    let not_ready = |why: &str| (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n"));
+    if s.health.draining.load(Ordering::Relaxed) {
+        return not_ready("draining");
+    }
+    if s.health.halted.load(Ordering::Relaxed) {
+        return not_ready("circuit breaker open (a job is halted)");
+    }
+    if !s.store.ping().await {
+        return not_ready("Redis unreachable");
+    }
+    let last = s.health.last_ok_ms.load(Ordering::Relaxed);
+    if now_ms().saturating_sub(last) > READY_WITHIN_MS {
+        return not_ready("no successful claim round recently");
+    }
+    (StatusCode::OK, "ready\n".into())
+}

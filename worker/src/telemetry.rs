@@ -1,0 +1,256 @@
+//! Metrics, declared once, with bounded labels (outcome, error code, field,
+//! job, partition — never record ids). Counters end in `_total`, durations are
+//! `_seconds` histograms with explicit buckets. Queue gauges are read from
+//! Redis at scrape time and cached briefly.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use common::store::RedisStore;
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Model latencies: from fast cached answers to long generations.
+const LATENCY_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
+/// Waits for the fleet's rate-limit budget.
+const WAIT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// How long queue gauges read from Redis are reused.
+const QUEUE_CACHE: Duration = Duration::from_secs(2);
+
+pub struct Metrics {
+    registry: Registry,
+    pub records: IntCounterVec,
+    pub attempts: IntCounterVec,
+    pub validation_errors: IntCounterVec,
+    pub provider_requests: IntCounterVec,
+    pub model_latency: HistogramVec,
+    pub rate_limit_wait: Histogram,
+    pub rate_limited: IntCounterVec,
+    pub tokens: IntCounterVec,
+    pub cost: prometheus::CounterVec,
+    pub in_flight: IntGauge,
+    pub halted: IntGaugeVec,
+    pub store_errors: prometheus::IntCounter,
+    queue_lag: IntGaugeVec,
+    queue_pending: IntGaugeVec,
+    queue_oldest_pending: GaugeVec,
+    queue_delayed: IntGaugeVec,
+    queue_review: IntGaugeVec,
+    last_queue_read: Mutex<Option<Instant>>,
+    pub up: Gauge,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(c.clone())).expect("metric registered once");
+    c
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(g.clone())).expect("metric registered once");
+    g
+}
+
+impl Metrics {
+    #[allow(clippy::expect_used)] // static metric definitions: a failure is a programming error
+    pub fn new() -> Metrics {
+        let r = Registry::new();
+        let p = "batchfleet_";
+        let model_latency = HistogramVec::new(
+            HistogramOpts::new(
+                format!("{p}model_latency_seconds"),
+                "Time of one model call, by outcome class.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["job", "result"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(model_latency.clone()))
+            .expect("metric registered once");
+        let rate_limit_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                format!("{p}rate_limit_wait_seconds"),
+                "Time the claim loop waited for the fleet's rate-limit budget.",
+            )
+            .buckets(WAIT_BUCKETS.to_vec()),
+        )
+        .expect("valid metric");
+        r.register(Box::new(rate_limit_wait.clone()))
+            .expect("metric registered once");
+        let cost = prometheus::CounterVec::new(
+            Opts::new(
+                format!("{p}cost_usd_total"),
+                "Cost of model calls in USD, from the spec's prices.",
+            ),
+            &["job"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(cost.clone())).expect("metric registered once");
+        let in_flight = IntGauge::new(
+            format!("{p}in_flight_requests"),
+            "Model calls in flight in this worker.",
+        )
+        .expect("valid metric");
+        r.register(Box::new(in_flight.clone())).expect("metric registered once");
+        let store_errors = prometheus::IntCounter::new(
+            format!("{p}store_errors_total"),
+            "Redis calls that failed (then retried).",
+        )
+        .expect("valid metric");
+        r.register(Box::new(store_errors.clone()))
+            .expect("metric registered once");
+        let queue_oldest_pending = GaugeVec::new(
+            Opts::new(
+                format!("{p}queue_oldest_pending_age_seconds"),
+                "Idle time of the oldest delivered, unacknowledged task.",
+            ),
+            &["job", "partition"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(queue_oldest_pending.clone()))
+            .expect("metric registered once");
+        let up = Gauge::new(format!("{p}worker_up"), "1 while this worker runs.").expect("valid metric");
+        r.register(Box::new(up.clone())).expect("metric registered once");
+        up.set(1.0);
+        Metrics {
+            records: counter(
+                &r,
+                &format!("{p}records_total"),
+                "Records settled by this worker, by outcome.",
+                &["job", "outcome"],
+            ),
+            attempts: counter(
+                &r,
+                &format!("{p}attempts_total"),
+                "Model attempts, by outcome.",
+                &["job", "outcome"],
+            ),
+            validation_errors: counter(
+                &r,
+                &format!("{p}validation_errors_total"),
+                "Validation errors of model outputs, by error code and field.",
+                &["job", "code", "field"],
+            ),
+            provider_requests: counter(
+                &r,
+                &format!("{p}provider_requests_total"),
+                "Requests to the model provider, by HTTP status class (2xx, 4xx, 429, 5xx, none).",
+                &["job", "status_class"],
+            ),
+            rate_limited: counter(
+                &r,
+                &format!("{p}rate_limited_total"),
+                "429 rate_limit_exceeded answers from the provider.",
+                &["job"],
+            ),
+            tokens: counter(
+                &r,
+                &format!("{p}tokens_total"),
+                "Tokens reported by the provider, by kind.",
+                &["job", "kind"],
+            ),
+            halted: gauge(
+                &r,
+                &format!("{p}halted"),
+                "1 while the job's fleet is halted (circuit breaker open).",
+                &["job"],
+            ),
+            queue_lag: gauge(
+                &r,
+                &format!("{p}queue_lag"),
+                "Tasks in the stream not yet delivered to a worker.",
+                &["job", "partition"],
+            ),
+            queue_pending: gauge(
+                &r,
+                &format!("{p}queue_pending"),
+                "Tasks delivered and not yet acknowledged.",
+                &["job", "partition"],
+            ),
+            queue_delayed: gauge(
+                &r,
+                &format!("{p}queue_delayed"),
+                "Tasks waiting to retry.",
+                &["job", "partition"],
+            ),
+            queue_review: gauge(
+                &r,
+                &format!("{p}review_depth"),
+                "Entries in the review queue.",
+                &["job", "partition"],
+            ),
+            queue_oldest_pending,
+            model_latency,
+            rate_limit_wait,
+            cost,
+            in_flight,
+            store_errors,
+            last_queue_read: Mutex::new(None),
+            up,
+            registry: r,
+        }
+    }
+
+    /// Reads the queue gauges from Redis unless they are fresh enough.
+    pub async fn refresh_queues(&self, store: &RedisStore, jobs: &[(String, u32)]) {
+        let stale = self
+            .last_queue_read
+            .lock()
+            .map(|t| t.is_none_or(|t| t.elapsed() >= QUEUE_CACHE))
+            .unwrap_or(true);
+        if !stale {
+            return;
+        }
+        for (job, partitions) in jobs {
+            for p in 0..*partitions {
+                let Ok(q) = store.queue_stats(job, p).await else {
+                    self.store_errors.inc();
+                    continue;
+                };
+                let part = p.to_string();
+                let labels = [job.as_str(), part.as_str()];
+                self.queue_lag.with_label_values(&labels).set(q.lag as i64);
+                self.queue_pending.with_label_values(&labels).set(q.pending as i64);
+                self.queue_oldest_pending
+                    .with_label_values(&labels)
+                    .set(q.oldest_pending_ms as f64 / 1000.0);
+                self.queue_delayed.with_label_values(&labels).set(q.delayed as i64);
+                self.queue_review.with_label_values(&labels).set(q.review as i64);
+            }
+            let halted = store.halted(job).await.ok().flatten().is_some();
+            self.halted.with_label_values(&[job.as_str()]).set(i64::from(halted));
+        }
+        if let Ok(mut t) = self.last_queue_read.lock() {
+            *t = Some(Instant::now());
+        }
+    }
+
+    /// The exposition in Prometheus text format.
+    pub fn encode(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// The status class label of a provider answer.
+pub fn status_class(status: Option<u16>) -> &'static str {
+    match status {
+        None => "none",
+        Some(429) => "429",
+        Some(s) if s < 300 => "2xx",
+        Some(s) if s < 500 => "4xx",
+        Some(_) => "5xx",
+    }
+}
