@@ -113,3 +113,112 @@ fn metrics_scraped_mid_job_pass_promtool_and_readiness_follows_the_breaker() {
     });
     drop(worker);
 }
+
+/// Percent-encodes a query parameter.
+fn encode(q: &str) -> String {
+    q.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn every_dashboard_query_parses_and_returns_data_from_a_real_prometheus() {
+    // The dashboard's queries, with Grafana's variables substituted.
+    let dashboard: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(harness::workspace().join("deploy/grafana/batchfleet.json")).unwrap(),
+    )
+    .unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| {
+            p["targets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["expr"].as_str().unwrap().to_owned())
+        })
+        .map(|e| e.replace("$__rate_interval", "1m").replace("$job", ".*"))
+        .collect();
+    assert!(exprs.len() >= 12, "{exprs:?}");
+    let dir = TempDir::new("dashboard");
+    let rules: String = exprs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            format!(
+                "      - record: dashboard:q{i}\n        expr: '{}'\n",
+                e.replace('\'', "''")
+            )
+        })
+        .collect();
+    std::fs::write(
+        dir.join("rules.yml"),
+        format!("groups:\n  - name: dashboard\n    rules:\n{rules}"),
+    )
+    .unwrap();
+    let out = Command::new("promtool")
+        .args(["check", "rules"])
+        .arg(dir.join("rules.yml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // A running job with every kind of event, scraped by a real Prometheus.
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[
+        "--latency-ms",
+        "100",
+        "--faults",
+        "rate_limit=0.05,bad_enum=0.2,server_error=0.05",
+    ]);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 3000);
+    enqueue(&redis, &data, "dash", &example_spec());
+    let addr = format!("127.0.0.1:{}", free_port());
+    let _worker = Running::spawn(worker_cmd(
+        &redis,
+        "dash",
+        &sim,
+        &["--concurrency", "8", "--metrics-addr", &addr],
+    ));
+    let prom_port = free_port();
+    std::fs::write(
+        dir.join("prometheus.yml"),
+        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: worker\n    static_configs:\n      - targets: ['{addr}']\n"),
+    )
+    .unwrap();
+    let mut prom = Command::new("prometheus");
+    prom.arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"));
+    let _prom = Running::spawn(prom);
+    let prom_url = format!("http://127.0.0.1:{prom_port}");
+    wait_for("prometheus scraping the worker", Duration::from_secs(60), || {
+        std::net::TcpStream::connect(("127.0.0.1", prom_port)).is_ok()
+            && http_get(&prom_url, "/api/v1/targets").1.contains("\"health\":\"up\"")
+    });
+    let mut empty: Vec<String> = exprs.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !empty.is_empty() && std::time::Instant::now() < deadline {
+        empty.retain(|e| {
+            let (_, body) = http_get(&prom_url, &format!("/api/v1/query?query={}", encode(e)));
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            assert_ne!(v["status"], "error", "query failed: {e}: {body}");
+            v["data"]["result"].as_array().is_none_or(|r| r.is_empty())
+        });
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    assert!(empty.is_empty(), "dashboard queries returning no data: {empty:#?}");
+}

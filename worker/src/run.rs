@@ -140,6 +140,9 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     }
     let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
     let metrics = Arc::new(Metrics::new());
+    for job in &jobs {
+        metrics.set_limits(&job.name, &job.spec.limits);
+    }
     let health = Arc::new(Health::default());
     if let Some(addr) = config.metrics_addr {
         let jobs_info: Vec<(String, u32)> = jobs.iter().map(|j| (j.name.clone(), j.spec.job.partitions)).collect();

@@ -42,6 +42,8 @@ pub struct Metrics {
     queue_review: IntGaugeVec,
     last_queue_read: Mutex<Option<Instant>>,
     pub up: Gauge,
+    /// The spec's limits per job, so dashboards can draw usage against them.
+    pub limit_per_minute: IntGaugeVec,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -191,8 +193,28 @@ impl Metrics {
             in_flight,
             store_errors,
             last_queue_read: Mutex::new(None),
+            limit_per_minute: gauge(
+                &r,
+                &format!("{p}limit_per_minute"),
+                "The job spec's fleet-wide limit per minute, by kind (requests, tokens, input_tokens, output_tokens).",
+                &["job", "kind"],
+            ),
             up,
             registry: r,
+        }
+    }
+
+    /// Publishes a job's configured limits.
+    pub fn set_limits(&self, job: &str, limits: &common::spec::Limits) {
+        for (kind, v) in [
+            ("requests", limits.requests_per_minute),
+            ("tokens", limits.tokens_per_minute),
+            ("input_tokens", limits.input_tokens_per_minute),
+            ("output_tokens", limits.output_tokens_per_minute),
+        ] {
+            if let Some(v) = v {
+                self.limit_per_minute.with_label_values(&[job, kind]).set(v as i64);
+            }
         }
     }
 
