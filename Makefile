@@ -29,6 +29,7 @@ bench-enqueue: deps
 
 deps:
 	@scripts/ensure-deps.sh
+	@scripts/ensure-chart-tools.sh
 
 clean:
 	$(CARGO) clean

@@ -27,3 +27,107 @@ fn alert_rules_are_valid_and_their_unit_tests_pass() {
     let (ok, text) = promtool(&["test", "rules", "alerts_test.yml"]);
     assert!(ok, "{text}");
 }
+
+/// helm from the project's `.tools/bin` (make installs it there) or PATH.
+fn helm(args: &[&str]) -> (bool, String) {
+    let local = harness::workspace().join(".tools/bin/helm");
+    let bin = if local.exists() { local } else { "helm".into() };
+    let home = harness::TempDir::new("helm-home");
+    let out = Command::new(&bin)
+        .args(args)
+        .current_dir(harness::workspace())
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .output()
+        .expect("helm must be installed (make test installs it into .tools/bin)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+const CHART: &str = "helm/batchfleet";
+const PROD: &[&str] = &[
+    "-f",
+    "helm/batchfleet/values-production.yaml",
+    "--set-file",
+    "spec=examples/job.toml",
+];
+
+#[test]
+fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
+    let (ok, text) = helm(&["lint", "--strict", CHART]);
+    assert!(ok, "{text}");
+    let (ok, text) = helm(&[&["lint", "--strict", CHART][..], PROD].concat());
+    assert!(ok, "{text}");
+    for (name, extra) in [("default", &[][..]), ("production", PROD)] {
+        let (ok, rendered) = helm(&[&["template", "bf", CHART][..], extra].concat());
+        assert!(ok, "{name}: {rendered}");
+        let dir = harness::TempDir::new("chart");
+        let file = dir.join("rendered.yaml");
+        std::fs::write(&file, &rendered).unwrap();
+        let out = Command::new("kubernetes-validate")
+            .args(["--strict", "-k", "1.30.0"])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate must be installed (make test installs it)");
+        let report = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{name}: {report}");
+        assert!(!report.contains("ERROR"), "{name}: {report}");
+        // Unique consumer names from the pod name; probes on both endpoints;
+        // non-root, read-only root filesystem; secrets only by reference.
+        for must in [
+            "fieldPath: metadata.name",
+            "path: /healthz",
+            "path: /readyz",
+            "runAsNonRoot: true",
+            "readOnlyRootFilesystem: true",
+            "secretKeyRef:",
+            "kind: PodDisruptionBudget",
+            "kind: ServiceMonitor",
+        ] {
+            assert!(rendered.contains(must), "{name}: rendered chart lacks {must}");
+        }
+    }
+    let (_, default) = helm(&["template", "bf", CHART]);
+    assert!(default.contains("kind: ScaledObject") && default.contains("type: redis-streams"));
+    assert_eq!(
+        default.matches("type: redis-streams").count(),
+        4,
+        "one trigger per partition"
+    );
+    assert!(default.contains("lagCount: \"100\"") && default.contains("minReplicaCount: 0"));
+    let (_, prod) = helm(&[&["template", "bf", CHART][..], PROD].concat());
+    assert!(prod.contains("kind: HorizontalPodAutoscaler") && !prod.contains("kind: ScaledObject"));
+    assert!(prod.contains("kind: Job") && prod.contains("kind: ConfigMap"));
+    assert!(
+        prod.contains("rediss://:$(REDIS_PASSWORD)@"),
+        "the password comes from the Secret at run time"
+    );
+}
+
+#[test]
+fn the_chart_refuses_a_grace_period_shorter_than_the_drain_and_secrets_in_values() {
+    let (ok, text) = helm(&[
+        "template",
+        "bf",
+        CHART,
+        "--set",
+        "worker.terminationGracePeriodSeconds=20",
+    ]);
+    assert!(
+        !ok && text.contains("must be larger than worker.drainTimeoutSeconds"),
+        "{text}"
+    );
+    let (ok, text) = helm(&["template", "bf", CHART, "--set", "redis.password=hunter2"]);
+    assert!(!ok && text.contains("password"), "{text}");
+    let (ok, text) = helm(&["template", "bf", CHART, "--set", "autoscaling.hpa.enabled=true"]);
+    assert!(!ok && text.contains("exclusive"), "{text}");
+}
