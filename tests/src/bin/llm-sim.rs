@@ -8,7 +8,7 @@
 //! from a distribution, and injects a seeded mix of every fault a real
 //! provider shows. `GET /stats` tells what it really served.
 //!
-//! Binds 127.0.0.1 only; prints `llm-sim listening on http://ADDR` first.
+//! Binds 127.0.0.1 unless `--bind` says otherwise; prints `llm-sim listening on http://ADDR` first.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -28,9 +28,12 @@ use sha2::{Digest, Sha256};
 #[derive(Debug, Clone, Parser)]
 #[command(name = "llm-sim", about = "OpenAI-compatible model simulator for tests and demos")]
 struct Args {
-    /// Port on 127.0.0.1 (0 picks a free one).
+    /// Port (0 picks a free one).
     #[arg(long, default_value_t = 0)]
     port: u16,
+    /// Address to bind: loopback unless told otherwise (a container needs 0.0.0.0).
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::IpAddr,
     /// Mean latency in ms (exponential distribution around it, plus 20% floor).
     #[arg(long, default_value_t = 0)]
     latency_ms: u64,
@@ -114,7 +117,7 @@ const LOG_CAP: usize = 20_000;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let faults = parse_faults(&args.faults)?;
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port)).await?;
+    let listener = tokio::net::TcpListener::bind((args.bind, args.port)).await?;
     let addr = listener.local_addr()?;
     let sim = Arc::new(Sim {
         rng: Mutex::new(StdRng::seed_from_u64(args.seed)),
