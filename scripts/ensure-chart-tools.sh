@@ -15,9 +15,9 @@ if [ ! -x "$tools/bin/helm" ] && ! command -v helm >/dev/null 2>&1; then
   fi
   rm -rf "$tools/npm"
 fi
-if ! command -v kubernetes-validate >/dev/null 2>&1; then
+if ! python3 -c "import kubernetes_validate" >/dev/null 2>&1; then
   echo "kubernetes-validate is missing: installing it (pip install kubernetes-validate==1.37.0)" >&2
-  pip install -q kubernetes-validate==1.37.0 >/dev/null 2>&1 || python3 -m pip install -q kubernetes-validate==1.37.0 >/dev/null || {
+  python3 -m pip install -q kubernetes-validate==1.37.0 >/dev/null 2>&1 || {
     echo "error: could not install kubernetes-validate: pip install kubernetes-validate==1.37.0" >&2
     exit 1
   }

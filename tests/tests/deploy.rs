@@ -69,8 +69,8 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
         let dir = harness::TempDir::new("chart");
         let file = dir.join("rendered.yaml");
         std::fs::write(&file, &rendered).unwrap();
-        let out = Command::new("kubernetes-validate")
-            .args(["--strict", "-k", "1.30.0"])
+        let out = Command::new("python3")
+            .args(["-m", "kubernetes_validate", "--strict", "-k", "1.30.0"])
             .arg(&file)
             .output()
             .expect("kubernetes-validate must be installed (make test installs it)");
