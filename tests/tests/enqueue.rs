@@ -396,17 +396,11 @@ fn unusable_inputs_fail_with_clear_messages() {
     write_records(&path, 0, 10);
     let spec = example_spec();
     let url = redis.url();
+    let run = |dataset: &str, job: &str, spec: &str, url: &str| {
+        producer(&["enqueue", dataset, "--job", job, "--spec", spec, "--redis", url])
+    };
 
-    let missing = producer(&[
-        "enqueue",
-        "/nonexistent/x.jsonl",
-        "--job",
-        "e",
-        "--spec",
-        spec.to_str().unwrap(),
-        "--redis",
-        &url,
-    ]);
+    let missing = run("/nonexistent/x.jsonl", "e", spec.to_str().unwrap(), &url);
     assert_eq!(missing.status.code(), Some(2));
     assert!(
         stderr(&missing).contains("cannot read dataset /nonexistent/x.jsonl"),
@@ -422,43 +416,16 @@ fn unusable_inputs_fail_with_clear_messages() {
             .replace("partitions = 4", "partitions = 0"),
     )
     .unwrap();
-    let out = producer(&[
-        "enqueue",
-        path.to_str().unwrap(),
-        "--job",
-        "e",
-        "--spec",
-        bad_spec.to_str().unwrap(),
-        "--redis",
-        &url,
-    ]);
+    let out = run(path.to_str().unwrap(), "e", bad_spec.to_str().unwrap(), &url);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("job.partitions"), "{}", stderr(&out));
 
-    let out = producer(&[
-        "enqueue",
-        path.to_str().unwrap(),
-        "--job",
-        "bad name",
-        "--spec",
-        spec.to_str().unwrap(),
-        "--redis",
-        &url,
-    ]);
+    let out = run(path.to_str().unwrap(), "bad name", spec.to_str().unwrap(), &url);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("job name `bad name` is invalid"));
 
     let dead = format!("redis://:hunter2secret@127.0.0.1:{}", harness::free_port());
-    let out = producer(&[
-        "enqueue",
-        path.to_str().unwrap(),
-        "--job",
-        "e",
-        "--spec",
-        spec.to_str().unwrap(),
-        "--redis",
-        &dead,
-    ]);
+    let out = run(path.to_str().unwrap(), "e", spec.to_str().unwrap(), &dead);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("cannot reach Redis"), "{}", stderr(&out));
     assert!(
