@@ -156,10 +156,20 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
             ))
         })
         .collect();
+    let mut grants = 0;
     for w in workers {
         let (status, err) = output(w);
         assert!(status.success(), "worker failed: {err}");
+        let summary: Value =
+            serde_json::from_str(err.lines().find_map(|l| l.strip_prefix("worker summary: ")).unwrap()).unwrap();
+        grants += summary["limiters"]["e2e"]["grants"].as_u64().unwrap();
     }
+    // Rate-limit grants follow the work: no block taken and given back on every idle poll.
+    let requests = sim.stats()["requests"].as_u64().unwrap();
+    assert!(
+        grants >= requests && grants <= requests * 3 / 2 + 100,
+        "{grants} grants for {requests} requests"
+    );
     let view = JobView::read(&redis, "e2e");
     view.assert_complete(1201);
     let counts = view.count();

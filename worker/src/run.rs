@@ -240,6 +240,10 @@ impl Worker {
         // waits until after it, or the entries it takes over would be read
         // again as "own pending" and processed twice.
         let mut own_pending = true;
+        // Grants asked for per round follow what the last round could claim,
+        // so an idle or nearly drained job does not take and give back a full
+        // block of grants on every poll.
+        let mut last_claimed = usize::MAX;
         let mut last_maintenance = Instant::now();
         let maintenance_every = (self.visibility / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
         let mut last_halt_check = Instant::now() - Duration::from_secs(3600);
@@ -290,7 +294,8 @@ impl Worker {
                 if halted.contains_key(&job.name) || self.is_cancelled(&job.name) {
                     continue;
                 }
-                let want = permits.available_permits() + usize::from(first.is_some());
+                let free = permits.available_permits() + usize::from(first.is_some());
+                let want = free.min(last_claimed.saturating_mul(2).max(1));
                 // Budget before claim: a throttled fleet leaves tasks in the stream.
                 let mut grants = match self.grants(job, want).await {
                     Some((g, wait)) => {
@@ -344,6 +349,7 @@ impl Worker {
                 }
             }
             own_pending = false;
+            last_claimed = claimed;
             drop(first);
             self.health.loop_ok();
             self.health
@@ -480,6 +486,22 @@ impl Worker {
                 if free == 0 {
                     continue;
                 }
+                // Take budget only for tasks that are really there to take over.
+                let idle = match self
+                    .store
+                    .idle_pending(&job.name, p, self.visibility.as_millis() as u64, free)
+                    .await
+                {
+                    Ok(n) => n,
+                    Err(e) => {
+                        self.store_error(&e).await;
+                        continue;
+                    }
+                };
+                if idle == 0 {
+                    continue;
+                }
+                let free = free.min(idle);
                 let mut grants = match self.grants(job, free).await {
                     Some((g, _)) if g.is_empty() => continue,
                     Some((g, _)) => Some(g),

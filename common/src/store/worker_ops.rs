@@ -166,6 +166,27 @@ impl RedisStore {
         Ok(out)
     }
 
+    /// How many pending entries (up to `limit`) have been idle at least `min_idle_ms`.
+    pub async fn idle_pending(
+        &self,
+        job: &str,
+        partition: u32,
+        min_idle_ms: u64,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        let reply: Value = redis::cmd("XPENDING")
+            .arg(keys::stream(job, partition))
+            .arg(keys::GROUP)
+            .arg("IDLE")
+            .arg(min_idle_ms)
+            .arg("-")
+            .arg("+")
+            .arg(limit.max(1))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(as_array(&reply).len())
+    }
+
     async fn delivery_count(&self, stream: &str, entry_id: &str) -> Result<Option<u32>, StoreError> {
         let reply: Value = redis::cmd("XPENDING")
             .arg(stream)
