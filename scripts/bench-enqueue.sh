@@ -7,17 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 N=${N:-1000000}
-if [ ! -x /usr/bin/time ]; then
-  echo "installing GNU time (apt-get install -y time) to measure peak RSS" >&2
-  apt-get install -y -qq time >/dev/null || { echo "error: /usr/bin/time missing: sudo apt-get install -y time" >&2; exit 1; }
-fi
+need_gnu_time
 work=.bench/enqueue
-mkdir -p "$work"
-data="$work/records-$N.jsonl"; proto="$work/baseline-$N.resp"
-if [ ! -f "$data" ] || [ ! -f "$proto" ]; then
-  echo "generating $N records..."
-  python3 scripts/gen_bench_data.py "$N" "$data" "$proto"
-fi
+bench_records "$N"
+data=$BENCH_DATA; proto=$BENCH_PROTO
 start_redis "$work/redis"
 trap stop_redis EXIT
 now() { date +%s.%N; }

@@ -10,46 +10,21 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release")
+from benchlib import BIN, ROOT, sim_stats, start_redis, start_sim
+
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 RPM = 3000
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def stats(addr):
-    with urllib.request.urlopen(addr + "/stats") as r:
-        return json.load(r)["stats"]
-
-
 def run(tmp, workers, tpm):
-    port = free_port()
-    rdir = tempfile.mkdtemp(dir=tmp)
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", rdir], stdout=subprocess.DEVNULL)
-    sim_args = ["--latency-ms", "50", "--rpm", str(RPM)] + (["--tpm", str(tpm)] if tpm else [])
-    sim = subprocess.Popen([os.path.join(BIN, "llm-sim"), "--port", "0", *sim_args], stdout=subprocess.PIPE, text=True)
-    addr = sim.stdout.readline().strip().removeprefix("llm-sim listening on ")
+    redis, url = start_redis(tmp)
+    sim, addr = start_sim("--latency-ms", "50", "--rpm", str(RPM), *(["--tpm", str(tpm)] if tpm else []))
     procs = []
     try:
-        url = f"redis://127.0.0.1:{port}"
-        for _ in range(100):
-            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.05)
         spec = open(os.path.join(ROOT, "examples", "job.toml")).read()
         spec = spec.replace("requests_per_minute = 10000", f"requests_per_minute = {RPM}")
         spec = spec.replace("input_tokens_per_minute = 2000000", f"tokens_per_minute = {tpm}" if tpm else "")
@@ -64,7 +39,7 @@ def run(tmp, workers, tpm):
                                         "text": f"message number {i}: where is my order?"}) + "\n")
         subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "rl", "--spec", spec_path,
                         "--redis", url, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-        a, t0 = stats(addr), time.time()
+        a, t0 = sim_stats(addr), time.time()
         env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
         for _ in range(workers):
             procs.append(subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", "rl",
@@ -72,7 +47,7 @@ def run(tmp, workers, tpm):
                                            "--metrics-addr", "127.0.0.1:0"],
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(SECONDS)
-        b, t1 = stats(addr), time.time()
+        b, t1 = sim_stats(addr), time.time()
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

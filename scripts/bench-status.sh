@@ -6,13 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 N=${N:-1000000}
+need_gnu_time
 work=.bench/enqueue
-mkdir -p "$work"
-data="$work/records-$N.jsonl"; proto="$work/baseline-$N.resp"
-if [ ! -f "$data" ] || [ ! -f "$proto" ]; then
-  echo "generating $N records..."
-  python3 scripts/gen_bench_data.py "$N" "$data" "$proto"
-fi
+bench_records "$N"
+data=$BENCH_DATA; proto=$BENCH_PROTO
 start_redis "$work/redis-status"
 trap stop_redis EXIT
 url="redis://127.0.0.1:$REDIS_PORT"

@@ -13,37 +13,16 @@ Everything binds to 127.0.0.1 and is stopped at the end. Release build.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release")
+from benchlib import BIN, ROOT, sim_stats, start_redis, start_sim
+
 N = int(os.environ.get("N", "100000"))
 CONC = int(os.environ.get("CONCURRENCY", "64"))
 N_SLOW = int(os.environ.get("N_SLOW", "6000"))
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def start_sim(*args):
-    p = subprocess.Popen([os.path.join(BIN, "llm-sim"), "--port", "0", *args], stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline().strip()
-    return p, line.removeprefix("llm-sim listening on ")
-
-
-def sim_stats(addr):
-    with urllib.request.urlopen(addr + "/stats") as r:
-        return json.load(r)["stats"]
 
 
 def rss_kb(pid):
@@ -64,10 +43,20 @@ def write_dataset(path, n, prefix):
                                 "text": f"message {i}: my order A{i:06d} has not arrived"}) + "\n")
 
 
-def enqueue(redis_url, path, job):
-    subprocess.run([os.path.join(BIN, "producer"), "enqueue", path, "--job", job, "--spec",
-                    os.path.join(ROOT, "examples", "job.toml"), "--redis", redis_url, "--no-progress"],
-                   check=True, stdout=subprocess.DEVNULL)
+def unlimited_spec(tmp):
+    """The example spec without its [limits] section: this benchmark measures
+    the worker, not the fleet's rate limits (bench-ratelimit does)."""
+    spec = open(os.path.join(ROOT, "examples", "job.toml")).read()
+    start = spec.index("[limits]")
+    end = spec.index("[retry]")
+    path = os.path.join(tmp, "job-unlimited.toml")
+    open(path, "w").write(spec[:start] + spec[end:])
+    return path
+
+
+def enqueue(redis_url, path, job, spec):
+    subprocess.run([os.path.join(BIN, "producer"), "enqueue", path, "--job", job, "--spec", spec,
+                    "--redis", redis_url, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
 
 
 def worker(redis_url, job, base_url, concurrency, log):
@@ -80,16 +69,9 @@ def worker(redis_url, job, base_url, concurrency, log):
 
 def main():
     tmp = tempfile.mkdtemp(prefix="bf-bench-worker-")
-    port = free_port()
-    redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    redis, url = start_redis(tmp)
     procs = [redis]
     try:
-        url = f"redis://127.0.0.1:{port}"
-        for _ in range(100):
-            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.05)
         # 1a. Baseline: raw requests against a zero-latency simulator.
         sim, addr = start_sim("--seed", "3")
         procs.append(sim)
@@ -102,7 +84,7 @@ def main():
         procs.append(sim)
         data = os.path.join(tmp, "fast.jsonl")
         write_dataset(data, N, "fast")
-        enqueue(url, data, "bench-fast")
+        enqueue(url, data, "bench-fast", unlimited_spec(tmp))
         log = open(os.path.join(tmp, "worker-fast.log"), "w")
         t0 = time.time()
         w = worker(url, "bench-fast", addr + "/v1", CONC, log)
@@ -120,7 +102,7 @@ def main():
         procs.append(sim)
         data = os.path.join(tmp, "slow.jsonl")
         write_dataset(data, N_SLOW, "slow")
-        enqueue(url, data, "bench-slow")
+        enqueue(url, data, "bench-slow", unlimited_spec(tmp))
         log2 = open(os.path.join(tmp, "worker-slow.log"), "w")
         w = worker(url, "bench-slow", addr + "/v1", 1000, log2)
         max_in_flight, rss_at_max, peak_slow = 0, 0, 0

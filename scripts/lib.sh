@@ -29,3 +29,22 @@ stop_redis() {
     REDIS_PID=
   fi
 }
+
+# need_gnu_time: /usr/bin/time measures peak RSS; install it when missing.
+need_gnu_time() {
+  [ -x /usr/bin/time ] && return 0
+  echo "installing GNU time (apt-get install -y time) to measure peak RSS" >&2
+  apt-get install -y -qq time >/dev/null || { echo "error: /usr/bin/time missing: sudo apt-get install -y time" >&2; return 1; }
+}
+
+# bench_records N: the benchmark dataset of N records and its raw-baseline
+# protocol file under .bench/enqueue (made once); sets BENCH_DATA and BENCH_PROTO.
+bench_records() {
+  local n=$1 dir=.bench/enqueue
+  mkdir -p "$dir"
+  BENCH_DATA="$dir/records-$n.jsonl"; BENCH_PROTO="$dir/baseline-$n.resp"
+  if [ ! -f "$BENCH_DATA" ] || [ ! -f "$BENCH_PROTO" ]; then
+    echo "generating $n records..."
+    python3 scripts/gen_bench_data.py "$n" "$BENCH_DATA" "$BENCH_PROTO"
+  fi
+}

@@ -371,26 +371,8 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Cancel { job, redis } => {
-            let store = RedisStore::connect(&redis.url).await?;
-            let Some(spec) = spec_or_report(&store, &job).await else {
-                return Ok(ExitCode::from(EXIT_INPUT));
-            };
-            let n = store.cancel_job(&job, spec.job.partitions).await?;
-            println!(
-                "job {job} cancelled: {n} records marked cancelled; in-flight work finishes (producer resume --job {job} brings them back)"
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Resume { job, redis } => {
-            let store = RedisStore::connect(&redis.url).await?;
-            let Some(spec) = spec_or_report(&store, &job).await else {
-                return Ok(ExitCode::from(EXIT_INPUT));
-            };
-            let n = store.resume_job(&job, spec.job.partitions).await?;
-            println!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Cancel { job, redis } => cancel_or_resume(&job, &redis, true).await,
+        Command::Resume { job, redis } => cancel_or_resume(&job, &redis, false).await,
         Command::Retry {
             job,
             redis,
@@ -456,6 +438,25 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// `producer cancel` (`cancel = true`) or `producer resume`.
+async fn cancel_or_resume(job: &str, redis: &RedisArgs, cancel: bool) -> anyhow::Result<ExitCode> {
+    let store = RedisStore::connect(&redis.url).await?;
+    let Some(spec) = spec_or_report(&store, job).await else {
+        return Ok(ExitCode::from(EXIT_INPUT));
+    };
+    if cancel {
+        let n = store.cancel_job(job, spec.job.partitions).await?;
+        println!(
+            "job {job} cancelled: {n} records marked cancelled; in-flight work finishes \
+             (producer resume --job {job} brings them back)"
+        );
+    } else {
+        let n = store.resume_job(job, spec.job.partitions).await?;
+        println!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The job's spec as enqueued; prints why when there is none.

@@ -451,3 +451,20 @@ pub fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
         .expect("run producer");
     assert!(out.status.success(), "enqueue failed: {}", stderr(&out));
 }
+
+/// `producer status --json --ids --require-complete` of a job: (exit code, status).
+pub fn status_json(redis: &RedisServer, job: &str) -> (Option<i32>, serde_json::Value) {
+    let out = producer(&[
+        "status",
+        "--job",
+        job,
+        "--redis",
+        &redis.url(),
+        "--json",
+        "--ids",
+        "--require-complete",
+    ]);
+    let status =
+        serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stdout(&out)));
+    (out.status.code(), status)
+}

@@ -6,23 +6,11 @@
 use std::collections::{BTreeSet, HashMap};
 
 use common::keys;
-use harness::{LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, stdout, worker_cmd, write_records};
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, status_json, stdout, worker_cmd, write_records,
+};
 use redis::Commands;
 use serde_json::Value;
-
-fn status(redis: &RedisServer, job: &str) -> (Option<i32>, Value) {
-    let out = producer(&[
-        "status",
-        "--job",
-        job,
-        "--redis",
-        &redis.url(),
-        "--json",
-        "--ids",
-        "--require-complete",
-    ]);
-    (out.status.code(), serde_json::from_str(&stdout(&out)).unwrap())
-}
 
 fn ids(v: &Value, kind: &str) -> BTreeSet<String> {
     v["anomalies"][kind]
@@ -56,7 +44,7 @@ fn a_job_with_every_outcome_reconciles_and_corruption_is_named() {
         Running::spawn(worker_cmd(&redis, "rc", &sim, &["--drain"])).finish(std::time::Duration::from_secs(120));
     assert!(code.success(), "{err}");
 
-    let (code, s) = status(&redis, "rc");
+    let (code, s) = status_json(&redis, "rc");
     assert_eq!(code, Some(0), "{s}");
     assert_eq!(s["complete"], true);
     assert!(
@@ -80,7 +68,7 @@ fn a_job_with_every_outcome_reconciles_and_corruption_is_named() {
     let _: () = c.hset(keys::review("rc", 0), &twice, "{}").unwrap();
     let _: () = c.hdel(keys::results("rc", 0), &lost).unwrap();
 
-    let (code, s) = status(&redis, "rc");
+    let (code, s) = status_json(&redis, "rc");
     assert_eq!(code, Some(4), "a corrupted job is not complete");
     assert_eq!(s["complete"], false);
     assert_eq!(ids(&s, "unknown"), BTreeSet::from([stray]));
@@ -99,7 +87,7 @@ fn a_lost_task_and_a_duplicated_task_are_reported_before_any_worker_runs() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 50);
     enqueue(&redis, &data, "q", &harness::example_spec());
-    let (code, s) = status(&redis, "q");
+    let (code, s) = status_json(&redis, "q");
     assert_eq!(code, Some(4), "queued work is not complete");
     assert_eq!(
         (s["missing"].as_u64(), s["duplicates"].as_u64(), s["unknown"].as_u64()),
@@ -118,7 +106,7 @@ fn a_lost_task_and_a_duplicated_task_are_reported_before_any_worker_runs() {
         .xadd(&stream, "*", &[("rid", copied_rid.as_str()), ("input", "{}")])
         .unwrap();
 
-    let (_, s) = status(&redis, "q");
+    let (_, s) = status_json(&redis, "q");
     assert_eq!(ids(&s, "missing"), BTreeSet::from([lost.get::<String>("rid").unwrap()]));
     assert_eq!(ids(&s, "duplicates"), BTreeSet::from([copied_rid]));
     assert!(ids(&s, "unknown").is_empty());
@@ -134,14 +122,14 @@ fn cancel_stops_the_job_keeps_every_record_and_resume_finishes_it() {
     enqueue(&redis, &data, "cx", &harness::example_spec());
     let worker = Running::spawn(worker_cmd(&redis, "cx", &sim, &["--drain", "--concurrency", "10"]));
     harness::wait_for("some results", std::time::Duration::from_secs(30), || {
-        status(&redis, "cx").1["done"].as_u64().unwrap() >= 20
+        status_json(&redis, "cx").1["done"].as_u64().unwrap() >= 20
     });
     let out = producer(&["cancel", "--job", "cx", "--redis", &redis.url()]);
     assert!(out.status.success(), "{}", harness::stderr(&out));
     // The draining worker finishes its in-flight tasks, claims nothing more, exits.
     let (code, err) = worker.finish(std::time::Duration::from_secs(60));
     assert!(code.success(), "{err}");
-    let (_, s) = status(&redis, "cx");
+    let (_, s) = status_json(&redis, "cx");
     let (done, cancelled) = (s["done"].as_u64().unwrap(), s["cancelled"].as_u64().unwrap());
     assert!(cancelled > 0 && done >= 20, "{s}");
     assert_eq!(done + cancelled, 300, "every record is done or cancelled: {s}");
@@ -168,7 +156,7 @@ fn cancel_stops_the_job_keeps_every_record_and_resume_finishes_it() {
     let (code, err) = Running::spawn(worker_cmd(&redis, "cx", &sim, &["--drain", "--concurrency", "50"]))
         .finish(std::time::Duration::from_secs(60));
     assert!(code.success(), "{err}");
-    let (code, s) = status(&redis, "cx");
+    let (code, s) = status_json(&redis, "cx");
     assert_eq!(code, Some(0), "{s}");
     assert_eq!((s["done"].as_u64(), s["cancelled"].as_u64()), (Some(300), Some(0)));
 }

@@ -192,20 +192,8 @@ fn review_actions_validate_record_who_and_cannot_both_win() {
     assert!(history.to_string().contains("provider fixed the filter"), "{history}");
 
     // And the job still reconciles: every record in exactly one terminal set.
-    let out = Command::new(bin("producer"))
-        .args([
-            "status",
-            "--job",
-            "rv",
-            "--redis",
-            &redis.url(),
-            "--json",
-            "--require-complete",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stdout(&out));
-    let s: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let (code, s) = harness::status_json(&redis, "rv");
+    assert_eq!(code, Some(0), "{s}");
     assert_eq!(
         (s["done"].as_u64(), s["review"].as_u64(), s["dropped"].as_u64()),
         (Some(4), Some(3), Some(1)),
@@ -303,19 +291,8 @@ fn retry_builds_a_new_round_from_review_rejected_and_missing_records() {
             "result rebuilt for {id}"
         );
     }
-    let out = Command::new(bin("producer"))
-        .args([
-            "status",
-            "--job",
-            "rv",
-            "--redis",
-            &redis.url(),
-            "--json",
-            "--require-complete",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", stdout(&out));
+    let (code, s) = harness::status_json(&redis, "rv");
+    assert_eq!(code, Some(0), "{s}");
 }
 
 #[test]
