@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Makes sure the tools the tests and the demo run are installed: redis-server
 # and redis-cli (real Redis for every test), promtool (checks the metrics
-# exposition). Installs them with apt-get when this machine allows it, else
-# says exactly what to run.
+# exposition), rotel (the OTLP receiver the trace test exports to). Installs
+# them with apt-get / pip when this machine allows it, else says exactly what
+# to run.
 set -euo pipefail
+if ! python3 -c "import rotel" >/dev/null 2>&1; then
+  echo "rotel is missing: installing it (pip install rotel==0.0.1a15)" >&2
+  python3 -m pip install -q rotel==0.0.1a15 >/dev/null 2>&1 || {
+    echo "error: could not install rotel: pip install rotel==0.0.1a15" >&2
+    exit 1
+  }
+fi
 missing=()
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)

@@ -13,6 +13,7 @@
 pub mod decision;
 pub mod keys;
 pub mod manifest;
+pub mod otel;
 pub mod record;
 pub mod spec;
 pub mod store;

@@ -8,10 +8,11 @@
 use std::collections::{BTreeMap, BinaryHeap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::keys;
 use common::manifest::{Counts, Cursor, Dataset, DatasetPass, DroppedLine, Identity, Manifest, Sample, now_rfc3339};
+use common::otel::{Span, SpanKind, Traces};
 use common::record::{DropReason, IdContext, Line, parse_line, partition_of};
 use common::spec::{JobSpec, SpecError, versions_map};
 use common::store::{EnqueueOutcome, RedisStore, StoreError, TaskEntry};
@@ -82,7 +83,20 @@ pub enum EnqueueError {
 }
 
 /// Enqueues a dataset; stops cleanly (cursor saved) when `cancel` fires.
+/// With tracing on (`OTEL_EXPORTER_OTLP_ENDPOINT`), each record added gets an
+/// `enqueue` span whose context travels in its task.
 pub async fn enqueue(args: &EnqueueArgs, cancel: CancellationToken) -> Result<Summary, EnqueueError> {
+    let traces = Traces::from_env("batchfleet-producer").map_err(EnqueueError::Refused)?;
+    let summary = enqueue_traced(args, cancel, &traces).await;
+    traces.shutdown(Duration::from_secs(5));
+    summary
+}
+
+async fn enqueue_traced(
+    args: &EnqueueArgs,
+    cancel: CancellationToken,
+    traces: &Traces,
+) -> Result<Summary, EnqueueError> {
     let started = Instant::now();
     keys::valid_job_name(&args.job)?;
     let spec = JobSpec::load(&args.spec_path)?;
@@ -135,6 +149,7 @@ pub async fn enqueue(args: &EnqueueArgs, cancel: CancellationToken) -> Result<Su
             complete: false,
         },
         idem_ttl_secs: args.idem_ttl_secs,
+        traces,
     };
     let progress = Progress::new(args.progress, bytes, start.offset);
     let interrupted = pass
@@ -255,6 +270,7 @@ struct Pass<'a> {
     origin_prefix: String,
     cursor: Cursor,
     idem_ttl_secs: u64,
+    traces: &'a Traces,
 }
 
 /// Batches sent before the oldest must be confirmed.
@@ -269,6 +285,8 @@ struct Batch {
     tasks: Arc<Vec<TaskEntry>>,
     /// Line number of each task, for duplicate reports.
     task_lines: Vec<u64>,
+    /// The enqueue span of each task (none when tracing is off), ended on confirmation.
+    spans: Vec<Span>,
     dropped: Vec<DroppedLine>,
     counts: Counts,
     /// Offset and line number after the batch's last line (0 when nothing was read).
@@ -372,6 +390,16 @@ impl Pass<'_> {
                         Ok(_) => "queued".to_owned(),
                         Err(missing) => format!("dropped:{missing}"),
                     };
+                    let mut traceparent = String::new();
+                    if self.traces.enabled() && r.rendered.is_ok() {
+                        let span = self.traces.start("enqueue", SpanKind::Producer, None);
+                        span.set("batchfleet.job", self.job.to_owned());
+                        span.set("batchfleet.record_id", r.id.clone());
+                        span.set("batchfleet.partition", i64::from(partition));
+                        span.set("batchfleet.line", pos.number as i64);
+                        traceparent = span.traceparent().unwrap_or_default();
+                        batch.spans.push(span);
+                    }
                     batch.task_lines.push(pos.number);
                     tasks.push(TaskEntry {
                         partition,
@@ -380,6 +408,7 @@ impl Pass<'_> {
                         state,
                         key: r.key,
                         input: r.input,
+                        traceparent,
                     });
                 }
             }
@@ -393,13 +422,21 @@ impl Pass<'_> {
         let Batch {
             tasks,
             task_lines,
+            spans,
             mut dropped,
             mut counts,
             end_offset,
             end_line,
         } = batch;
         let this_dataset = format!("{}:", self.origin_prefix);
+        let mut spans = spans.into_iter();
         for ((task, &line), outcome) in tasks.iter().zip(&task_lines).zip(outcomes) {
+            if !task.traceparent.is_empty()
+                && let Some(span) = spans.next()
+            {
+                let added = outcome == EnqueueOutcome::Added;
+                span.set("batchfleet.enqueue.outcome", if added { "added" } else { "present" });
+            }
             // Present with another line of this same dataset as its origin: a duplicate id.
             let duplicate_of = match &outcome {
                 EnqueueOutcome::Present { origin: Some(o) } if *o != task.origin => {

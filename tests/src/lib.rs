@@ -5,6 +5,8 @@
 //! (a child process, killed by pid when dropped), and keeps nothing on disk
 //! outside its temporary folder.
 
+pub mod otlp;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -351,8 +353,31 @@ pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) 
     .args(extra)
     .env("OPENAI_API_KEY", "sk-test-key")
     .env_remove("REDIS_URL")
-    .env_remove("BATCHFLEET_BASE_URL");
+    .env_remove("BATCHFLEET_BASE_URL")
+    .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+    .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
     c
+}
+
+/// Sends a signal (`KILL`, `TERM`, `STOP`, `CONT`) to one process the test started, by pid.
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -{sig} {pid} failed");
+}
+
+/// Names of a running process's threads (from /proc).
+pub fn thread_names(pid: u32) -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return vec![];
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_owned())
+        .collect()
 }
 
 /// Waits for a condition, panicking with `what` after `within`.
@@ -439,7 +464,9 @@ pub fn enqueue_cmd(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) 
         .args(["--job", job, "--spec"])
         .arg(spec)
         .args(["--redis", &redis.url()])
-        .env_remove("REDIS_URL");
+        .env_remove("REDIS_URL")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
     c
 }
 

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use common::otel::Traces;
 use tokio_util::sync::CancellationToken;
 use worker::run::{Config, RunError, run};
 
@@ -101,7 +102,15 @@ async fn main() -> ExitCode {
             }
         },
     };
+    let traces = match Traces::from_env("batchfleet-worker") {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let config = Config {
+        traces: traces.clone(),
         metrics_addr,
         redis_url: args.redis_url,
         jobs: args.jobs,
@@ -122,7 +131,9 @@ async fn main() -> ExitCode {
         tracing::info!("shutdown signal: no new claims; draining in-flight work");
         on_signal.cancel();
     });
-    match run(config, cancel).await {
+    let outcome = run(config, cancel).await;
+    traces.shutdown(Duration::from_secs(5));
+    match outcome {
         Ok(summary) => {
             eprintln!(
                 "worker summary: {}",

@@ -5,6 +5,7 @@
 
 use common::decision::{Decision, Outcome, decide};
 use common::manifest::now_rfc3339;
+use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
 use common::store::{Delivery, Finish, RedisStore, RetryTask, StoreError};
 use common::template::{Template, lookup};
@@ -71,6 +72,7 @@ pub struct Limits {
     pub max_deliveries: u32,
     pub worker: String,
     pub metrics: std::sync::Arc<Metrics>,
+    pub traces: Traces,
 }
 
 const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
@@ -78,12 +80,39 @@ const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
 /// Processes one delivery. Store errors are returned (the task then stays
 /// pending and is reclaimed); everything else ends in a [`Settled`]. `report`
 /// receives what the model call used (it stays None when no call was made).
+///
+/// With tracing on, the attempt is a span (child of the record's enqueue
+/// span) holding `model_call`, `validate` and `commit` spans.
 pub async fn process(
     store: &RedisStore,
     job: &JobCtx,
     d: Delivery,
     limits: &Limits,
     report: &mut Option<CallReport>,
+) -> Result<Settled, StoreError> {
+    let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.traceparent));
+    if limits.traces.enabled() {
+        span.set("batchfleet.job", job.name.clone());
+        span.set("batchfleet.record_id", d.record_id.clone());
+        span.set("batchfleet.partition", i64::from(d.partition));
+        span.set("batchfleet.delivery", i64::from(d.deliveries));
+        span.set("batchfleet.worker", limits.worker.clone());
+    }
+    let settled = run_attempt(store, job, d, limits, report, &span).await;
+    match &settled {
+        Ok(s) => span.set("batchfleet.settled", s.label()),
+        Err(e) => span.fail(format!("store error: {e}")),
+    }
+    settled
+}
+
+async fn run_attempt(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: Delivery,
+    limits: &Limits,
+    report: &mut Option<CallReport>,
+    span: &Span,
 ) -> Result<Settled, StoreError> {
     let state = store.record_state(&job.name, d.partition, &d.record_id).await?;
     if state
@@ -105,7 +134,7 @@ pub async fn process(
 
     if d.deliveries > limits.max_deliveries {
         let entry = review_entry(job, &d, &key, "", "", &[], attempts_before, "poison", &history, limits);
-        return settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed).await;
+        return settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed, span).await;
     }
 
     let rendered = match job.user.render(&input) {
@@ -113,7 +142,7 @@ pub async fn process(
         Err(missing) => {
             let reason = missing.to_string();
             log_event(job, &d, attempts_before, "drop", &reason, 0, &[]);
-            return settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped).await;
+            return settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped, span).await;
         }
     };
     let previous_errors: Vec<FieldError> = serde_json::from_str(&d.feedback).unwrap_or_default();
@@ -127,10 +156,13 @@ pub async fn process(
         user: &user,
         response_format: job.response_format.as_ref(),
     };
+    let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
     let (result, headers, elapsed) = job.provider.call(&request).await;
     limits.metrics.in_flight.dec();
     let elapsed_ms = elapsed.as_millis() as u64;
+    trace_call(&call_span, job, &result);
+    call_span.end();
     *report = Some(CallReport {
         used: used_of(&result),
         headers,
@@ -187,13 +219,21 @@ pub async fn process(
             } else if finish_reason == "length" {
                 Outcome::Truncated
             } else {
-                match validate(&job.spec, &raw) {
+                let check = span.child("validate", SpanKind::Internal);
+                let verdict = validate(&job.spec, &raw);
+                match verdict {
                     Validation::Valid { output, repairs } => {
+                        check.set("batchfleet.valid", true);
+                        check.set("batchfleet.repairs", repairs.len() as i64);
                         repairs_done = repairs;
                         valid_output = Some(output);
                         Outcome::Valid
                     }
                     Validation::Invalid { errors, repairs } => {
+                        if limits.traces.enabled() {
+                            check.set("batchfleet.valid", false);
+                            check.set("batchfleet.errors", error_codes(&errors).join(", "));
+                        }
                         repairs_done = repairs;
                         Outcome::Invalid(errors)
                     }
@@ -231,6 +271,9 @@ pub async fn process(
         "decision": decision_label(&decision),
     }));
     let history_json = Value::Array(history.clone()).to_string();
+    span.set("batchfleet.attempt", i64::from(attempt));
+    span.set("batchfleet.outcome", outcome_label(&outcome).to_owned());
+    span.set("batchfleet.decision", decision_label(&decision));
     attempt_event(
         job,
         &d,
@@ -275,6 +318,7 @@ pub async fn process(
                     result: result.to_string(),
                 },
                 Settled::Committed,
+                span,
             )
             .await
         }
@@ -287,17 +331,18 @@ pub async fn process(
                 base: d.round_base,
                 feedback: serde_json::to_string(&feedback.unwrap_or_default()).unwrap_or_else(|_| "[]".into()),
                 history: history_json,
+                tp: d.traceparent.clone(),
             };
             let due_ms = now_ms() + delay_ms;
-            settle(store, job, &d, Finish::Retry { due_ms, task }, Settled::Retried).await
+            settle(store, job, &d, Finish::Retry { due_ms, task }, Settled::Retried, span).await
         }
         Decision::Review { reason } => {
             let entry = review_entry(
                 job, &d, &key, &rendered, &raw, &errors, attempt, &reason, &history, limits,
             );
-            settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed).await
+            settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed, span).await
         }
-        Decision::Drop { reason } => settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped).await,
+        Decision::Drop { reason } => settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped, span).await,
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
@@ -325,15 +370,62 @@ fn used_of(result: &CallResult) -> Used {
     }
 }
 
+/// Applies the outcome with one atomic store call (the `commit` span).
 async fn settle(
     store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     how: Finish,
     then: Settled,
+    span: &Span,
 ) -> Result<Settled, StoreError> {
-    let moved = store.finish(&job.name, d, &how).await?;
-    Ok(if moved { then } else { Settled::AlreadySettled })
+    let commit = span.child("commit", SpanKind::Internal);
+    commit.set("batchfleet.finish", then.label());
+    let moved = store.finish(&job.name, d, &how).await;
+    match &moved {
+        Ok(moved) => commit.set("batchfleet.moved", *moved),
+        Err(e) => commit.fail(format!("store error: {e}")),
+    }
+    Ok(if moved? { then } else { Settled::AlreadySettled })
+}
+
+/// What the model call did, on its span: status, model, tokens, latency.
+fn trace_call(span: &Span, job: &JobCtx, result: &CallResult) {
+    if !span.is_on() {
+        return;
+    }
+    span.set("gen_ai.request.model", job.spec.provider.model.clone());
+    match result {
+        CallResult::Message {
+            finish_reason, usage, ..
+        } => {
+            span.set("http.response.status_code", 200_i64);
+            span.set("gen_ai.response.finish_reasons", finish_reason.clone());
+            if let Some(u) = usage {
+                for (attr, field) in [
+                    ("gen_ai.usage.input_tokens", "prompt_tokens"),
+                    ("gen_ai.usage.output_tokens", "completion_tokens"),
+                ] {
+                    if let Some(n) = u[field].as_i64() {
+                        span.set(attr, n);
+                    }
+                }
+            }
+        }
+        CallResult::Failed(e) => {
+            if let Some(s) = e.status {
+                span.set("http.response.status_code", i64::from(s));
+            }
+            span.fail(e.cause.clone());
+        }
+    }
+}
+
+fn error_codes(errors: &[FieldError]) -> Vec<String> {
+    errors
+        .iter()
+        .map(|e| format!("{} {}", e.code.as_str(), e.field))
+        .collect()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -440,11 +532,7 @@ fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_
     m.cost
         .with_label_values(&[name])
         .inc_by(job.spec.prices.cost(prompt, cached, completion));
-    let codes: Vec<String> = f
-        .errors
-        .iter()
-        .map(|e| format!("{} {}", e.code.as_str(), e.field))
-        .collect();
+    let codes = error_codes(f.errors);
     log_event(
         job,
         d,

@@ -52,6 +52,8 @@ pub struct Config {
     pub allow_evicting_redis: bool,
     /// Where `/metrics`, `/healthz` and `/readyz` are served (None: not at all).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Where attempt spans go (nowhere unless an OTLP endpoint is configured).
+    pub traces: common::otel::Traces,
 }
 
 /// What a run did.
@@ -156,6 +158,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             max_deliveries: config.max_deliveries,
             worker: config.consumer.clone(),
             metrics: metrics.clone(),
+            traces: config.traces.clone(),
         },
         metrics,
         health,
@@ -395,6 +398,7 @@ impl Worker {
             base: d.round_base,
             feedback: d.feedback.clone(),
             history: d.history.clone(),
+            tp: d.traceparent.clone(),
         };
         self.store.finish(&job.name, d, &Finish::Cancel { task }).await?;
         Ok(Settled::Cancelled)

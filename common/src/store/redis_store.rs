@@ -27,6 +27,8 @@ pub struct TaskEntry {
     /// Business key, for the producer's reports (the task carries it inside `input`).
     pub key: String,
     pub input: String,
+    /// W3C traceparent of the record's enqueue span; empty when tracing is off.
+    pub traceparent: String,
 }
 
 /// What happened to one [`TaskEntry`].
@@ -174,7 +176,11 @@ impl RedisStore {
             for &i in &idx {
                 let e = &entries[i];
                 inv.key(keys::idem(job, partition, &e.record_id));
-                inv.arg(&e.record_id).arg(&e.origin).arg(&e.state).arg(&e.input);
+                inv.arg(&e.record_id)
+                    .arg(&e.origin)
+                    .arg(&e.state)
+                    .arg(&e.input)
+                    .arg(&e.traceparent);
             }
             let mut conn = self.conn.clone();
             let call = async move {

@@ -29,6 +29,8 @@ pub struct Delivery {
     pub history: String,
     /// Times this entry was delivered (1 for a first delivery).
     pub deliveries: u32,
+    /// W3C traceparent of the record's enqueue span (empty when not traced).
+    pub traceparent: String,
 }
 
 /// What to do with a delivered task; each is one atomic script with the ack.
@@ -65,6 +67,9 @@ pub struct RetryTask {
     pub base: u32,
     pub feedback: String,
     pub history: String,
+    /// The record's traceparent, carried across retries (empty when not traced).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tp: String,
 }
 
 /// Where the work of a job stands, from Redis.
@@ -413,6 +418,7 @@ fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Deliver
         feedback: "[]".into(),
         history: "[]".into(),
         deliveries,
+        traceparent: String::new(),
     };
     for pair in fields.chunks(2) {
         let (Some(k), Some(v)) = (pair.first().and_then(as_string), pair.get(1).and_then(as_string)) else {
@@ -426,6 +432,7 @@ fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Deliver
             "base" => d.round_base = v.parse().unwrap_or(0),
             "feedback" => d.feedback = v,
             "history" => d.history = v,
+            "tp" => d.traceparent = v,
             _ => {}
         }
     }

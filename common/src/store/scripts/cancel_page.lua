@@ -40,7 +40,8 @@ for _, e in ipairs(entries) do
   local f = {}
   for i = 1, #e[2], 2 do f[e[2][i]] = e[2][i + 1] end
   local task = cjson.encode({rid = f['rid'], input = f['input'], attempt = tonumber(f['attempt'] or '0'),
-    calls = tonumber(f['calls'] or '0'), base = tonumber(f['base'] or '0'), feedback = f['feedback'] or '[]', history = f['history'] or '[]'})
+    calls = tonumber(f['calls'] or '0'), base = tonumber(f['base'] or '0'), feedback = f['feedback'] or '[]', history = f['history'] or '[]',
+    tp = f['tp']})
   cancel(f['rid'], task)
   redis.call('XDEL', stream, e[1])
 end

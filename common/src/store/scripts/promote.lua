@@ -8,7 +8,7 @@
 -- KEYS[3]  partition delayed set   bf:{job:pN}:delayed
 -- ARGV[1]  now, Unix ms
 -- ARGV[2]  at most this many members
--- Members are task JSON objects: {"rid", "input", "attempt", "calls", "base", "feedback", "history"}.
+-- Members are task JSON objects: {"rid", "input", "attempt", "calls", "base", "feedback", "history", "tp"?}.
 -- Returns: the number of tasks put back on the stream.
 local stream, states, delayed = KEYS[1], KEYS[2], KEYS[3]
 local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
@@ -18,7 +18,7 @@ for _, member in ipairs(due) do
   if redis.call('HGET', states, task.rid) == 'delayed' then
     redis.call('XADD', stream, '*', 'rid', task.rid, 'input', task.input,
       'attempt', tostring(task.attempt), 'calls', tostring(task.calls), 'base', tostring(task.base or 0),
-      'feedback', task.feedback, 'history', task.history)
+      'feedback', task.feedback, 'history', task.history, 'tp', task.tp or '')
     redis.call('HSET', states, task.rid, 'queued')
     moved = moved + 1
   end

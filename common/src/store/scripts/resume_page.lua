@@ -14,7 +14,8 @@ for i = 1, #items, 2 do
   local rid, t = items[i], cjson.decode(items[i + 1])
   if redis.call('HGET', states, rid) == 'cancelled' then
     redis.call('XADD', stream, '*', 'rid', rid, 'input', t.input, 'attempt', tostring(t.attempt),
-      'calls', tostring(t.calls), 'base', tostring(t.base or 0), 'feedback', t.feedback, 'history', t.history)
+      'calls', tostring(t.calls), 'base', tostring(t.base or 0), 'feedback', t.feedback, 'history', t.history,
+      'tp', t.tp or '')
     redis.call('HSET', states, rid, 'queued')
     n = n + 1
   end
