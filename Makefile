@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test build bench bench-enqueue bench-worker bench-ratelimit bench-status deps lint clean
+.PHONY: demo test chaos build bench bench-enqueue bench-worker bench-ratelimit bench-status deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -13,6 +13,14 @@ demo: deps
 test: deps
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
+
+## chaos: the chaos run at full size (20,000 records; `make test` runs 2,000); summary in .bench/chaos-summary.json
+chaos: deps
+	$(CARGO) build --workspace --bins
+	mkdir -p .bench
+	CHAOS_RECORDS=$${CHAOS_RECORDS:-20000} CHAOS_CONCURRENCY=$${CHAOS_CONCURRENCY:-24} \
+	CHAOS_SUMMARY=$(CURDIR)/.bench/chaos-summary.json \
+	$(CARGO) test -p batchfleet-tests --test chaos -- --nocapture
 
 ## lint: formatting and clippy, warnings are errors
 lint:

@@ -56,7 +56,8 @@ pub fn free_port() -> u16 {
 pub struct RedisServer {
     child: Child,
     pub port: u16,
-    _dir: TempDir,
+    args: Vec<String>,
+    dir: TempDir,
 }
 
 impl RedisServer {
@@ -70,15 +71,9 @@ impl RedisServer {
         for _ in 0..5 {
             let dir = TempDir::new("redis");
             let port = free_port();
-            let child = Command::new(redis_server_binary())
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"])
-                .arg(dir.path())
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed (the Makefile installs it)");
-            let mut server = RedisServer { child, port, _dir: dir };
+            let args: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+            let child = spawn_redis(port, &dir, &args);
+            let mut server = RedisServer { child, port, args, dir };
             if server.wait_ready(Duration::from_secs(10)) {
                 return server;
             }
@@ -86,6 +81,26 @@ impl RedisServer {
             drop(server);
         }
         panic!("redis-server did not start");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// kill -9, then a new server on the same port, folder and configuration
+    /// (with `appendonly yes` it replays its AOF). Returns when it answers.
+    pub fn kill9_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for _ in 0..50 {
+            self.child = spawn_redis(self.port, &self.dir, &self.args);
+            if self.wait_ready(Duration::from_secs(30)) {
+                return;
+            }
+            // The port may still be held for a moment: try again.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not come back on port {}", self.port);
     }
 
     fn wait_ready(&mut self, within: Duration) -> bool {
@@ -121,6 +136,17 @@ impl Drop for RedisServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn spawn_redis(port: u16, dir: &TempDir, extra: &[String]) -> Child {
+    Command::new(redis_server_binary())
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"])
+        .arg(dir.path())
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (the Makefile installs it)")
 }
 
 fn redis_server_binary() -> String {
@@ -313,7 +339,7 @@ fn http_raw(addr: &str, method: &str, path: &str, body: Option<&str>) -> String 
     out
 }
 
-fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
+pub fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
     let body = http_request(addr, "GET", path, None);
     serde_json::from_str(&body).unwrap_or_else(|e| panic!("bad JSON from llm-sim {path}: {e}: {body}"))
 }

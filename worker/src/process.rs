@@ -172,6 +172,7 @@ async fn run_attempt(
     let status: Option<u16>;
     let mut usage = Value::Null;
     let mut finish_reason = String::new();
+    let mut response_id = None;
     let mut repairs_done = Vec::new();
     let mut valid_output = None;
     let outcome = match result {
@@ -195,12 +196,14 @@ async fn run_attempt(
             }
         }
         CallResult::Message {
+            response_id: id,
             content,
             finish_reason: fr,
             refusal,
             usage: u,
         } => {
             status = Some(200);
+            response_id = id;
             usage = u.unwrap_or(Value::Null);
             finish_reason = fr;
             let refused = refusal.is_some();
@@ -263,6 +266,7 @@ async fn run_attempt(
         "worker": limits.worker,
         "elapsed_ms": elapsed_ms,
         "status": status,
+        "response_id": response_id,
         "finish_reason": finish_reason,
         "outcome": outcome_label(&outcome),
         "errors": errors,
@@ -301,6 +305,7 @@ async fn run_attempt(
                 "output": output,
                 "attempts": attempt,
                 "calls": calls,
+                "response_id": response_id,
                 "repairs": repairs_done,
                 "usage": usage,
                 "history": history,

@@ -15,6 +15,8 @@ use crate::limiter::{RateHeaders, rate_headers};
 pub enum CallResult {
     /// A 200 with a message.
     Message {
+        /// The provider's id of this completion (`id`), for the audit trail.
+        response_id: Option<String>,
         content: String,
         finish_reason: String,
         refusal: Option<String>,
@@ -160,6 +162,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
             return fail(ErrorKind::Transient, "no_choices".into());
         }
         return CallResult::Message {
+            response_id: v["id"].as_str().map(str::to_owned),
             content: message["content"].as_str().unwrap_or("").to_owned(),
             finish_reason: choice["finish_reason"].as_str().unwrap_or("").to_owned(),
             refusal: message["refusal"].as_str().filter(|r| !r.is_empty()).map(str::to_owned),

@@ -51,6 +51,11 @@ struct Args {
     /// Seed of the fault draws and of generated answers.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Keep every answer served (id -> content) for `GET /served`: lets a test
+    /// prove each committed result came from a real answer. Memory grows with
+    /// the answers: not for benchmarks.
+    #[arg(long)]
+    record_served: bool,
     /// How long a `hang` fault holds the request.
     #[arg(long, default_value_t = 3600)]
     hang_secs: u64,
@@ -84,6 +89,9 @@ struct Sim {
     limits: Mutex<Limits>,
     stats: Mutex<Stats>,
     log: Mutex<VecDeque<Value>>,
+    /// Answers numbered in order, so every completion id is unique.
+    answers: std::sync::atomic::AtomicU64,
+    served: Mutex<BTreeMap<String, String>>,
 }
 
 /// Token buckets of one minute's budget, refilled continuously.
@@ -130,6 +138,8 @@ async fn main() -> anyhow::Result<()> {
         }),
         stats: Mutex::new(Stats::default()),
         log: Mutex::new(VecDeque::new()),
+        answers: Default::default(),
+        served: Default::default(),
         faults,
         args,
     });
@@ -137,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/v1/chat/completions", post(chat))
         .route("/stats", get(stats))
         .route("/log", get(log))
+        .route("/served", get(served))
         .route("/admin/limits", post(set_limits))
         .with_state(sim);
     println!("llm-sim listening on http://{addr}");
@@ -457,8 +468,18 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         s.completion_tokens += completion_tokens;
     }
     let cached = if prompt_tokens > 64 { prompt_tokens / 2 } else { 0 };
+    let n = sim.answers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let id = format!(
+        "chatcmpl-{n:08}-{}",
+        &hex::encode(Sha256::digest(seed_text.as_bytes()))[..16]
+    );
+    if sim.args.record_served
+        && let Ok(mut m) = sim.served.lock()
+    {
+        m.insert(id.clone(), content.clone());
+    }
     let body = json!({
-        "id": format!("chatcmpl-{}", &hex::encode(Sha256::digest(seed_text.as_bytes()))[..24]),
+        "id": id,
         "object": "chat.completion",
         "created": 1_796_000_000u64,
         "model": req["model"],
@@ -661,6 +682,12 @@ async fn log(State(sim): State<Arc<Sim>>, Query(q): Query<LogQuery>) -> Json<Val
         None => log,
     };
     Json(Value::Array(filtered))
+}
+
+/// Every answer served, `{id: content}` (empty unless `--record-served`).
+async fn served(State(sim): State<Arc<Sim>>) -> Json<Value> {
+    let m = sim.served.lock().map(|m| m.clone()).unwrap_or_default();
+    Json(json!(m))
 }
 
 /// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.

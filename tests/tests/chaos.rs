@@ -1,0 +1,296 @@
+//! The chaos run: a job under the simulator's full fault mix while the test
+//! kills workers (kill -9, SIGTERM, SIGSTOP past the visibility timeout),
+//! kill -9s Redis (AOF, `appendfsync always`) and re-runs the producer; at
+//! the end every record is in exactly one terminal set and every result is an
+//! answer the simulator really served.
+//!
+//! `make test` runs 2,000 records; `make chaos` runs 20,000
+//! (`CHAOS_RECORDS`, `CHAOS_CONCURRENCY`; `CHAOS_SUMMARY=path` writes the
+//! summary as JSON).
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::keys;
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue_cmd, signal, spec_with, status_json, stderr, stdout, wait_for,
+    worker_cmd, write_records,
+};
+use rand::{RngExt, SeedableRng};
+use redis::Commands;
+use serde_json::{Value, json};
+
+/// Provider timeout of the job (seconds) and the workers' visibility timeout.
+const PROVIDER_TIMEOUT_SECS: u64 = 3;
+const VISIBILITY: Duration = Duration::from_millis(4000);
+const WORKERS: usize = 4;
+const PARTITIONS: u32 = 4;
+/// Every fault a provider shows, except those that halt the whole fleet (401,
+/// insufficient_quota: they stop the job by design, tested on their own).
+const FAULTS: &str = "rate_limit=0.02,server_error=0.03,unavailable=0.02,hang=0.003,empty=0.02,broken_json=0.03,\
+fence=0.03,prose=0.03,missing_field=0.03,bad_enum=0.05,bool_number=0.03,content_filter=0.01,length=0.02";
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// The fleet: workers by consumer name.
+struct Fleet<'a> {
+    sim: &'a LlmSim,
+    concurrency: String,
+    workers: Vec<(String, Running)>,
+    started: usize,
+    /// Summaries printed by workers that exited (SIGTERM).
+    summaries: Vec<Value>,
+}
+
+impl Fleet<'_> {
+    fn spawn(&mut self, redis: &RedisServer) {
+        self.started += 1;
+        let name = format!("chaos-w{}", self.started);
+        let vis = VISIBILITY.as_millis().to_string();
+        let cmd = worker_cmd(
+            redis,
+            "chaos",
+            self.sim,
+            &[
+                "--consumer",
+                &name,
+                "--concurrency",
+                &self.concurrency,
+                "--visibility-timeout-ms",
+                &vis,
+                "--drain-timeout-secs",
+                "10",
+            ],
+        );
+        self.workers.push((name, Running::spawn(cmd)));
+    }
+
+    fn take(&mut self, i: usize) -> (String, Running) {
+        self.workers.remove(i)
+    }
+
+    /// SIGTERM, wait for the drain, keep the summary.
+    fn stop(&mut self, name: String, w: Running) {
+        signal(w.pid(), "TERM");
+        let (exit, log) = w.finish(Duration::from_secs(60));
+        assert!(exit.success(), "{name} did not drain cleanly ({exit}):\n{log}");
+        let summary = log
+            .lines()
+            .find_map(|l| l.strip_prefix("worker summary: "))
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+            .unwrap_or_else(|| panic!("{name} printed no summary:\n{log}"));
+        self.summaries.push(json!({"worker": name, "summary": summary}));
+    }
+}
+
+/// Tasks a consumer still holds, over every partition (None while Redis is away).
+fn pending_of(redis: &RedisServer, consumer: &str) -> Option<u64> {
+    let mut conn = redis::Client::open(redis.url()).ok()?.get_connection().ok()?;
+    let mut total = 0;
+    for p in 0..PARTITIONS {
+        let reply: redis::streams::StreamPendingReply = conn.xpending(keys::stream("chaos", p), keys::GROUP).ok()?;
+        if let redis::streams::StreamPendingReply::Data(d) = reply {
+            total += d
+                .consumers
+                .iter()
+                .filter(|c| c.name == consumer)
+                .map(|c| c.pending as u64)
+                .sum::<u64>();
+        }
+    }
+    Some(total)
+}
+
+#[test]
+fn nothing_lost_nothing_twice_whatever_dies() {
+    let records = env_or("CHAOS_RECORDS", 2000);
+    let concurrency = env_or("CHAOS_CONCURRENCY", 8);
+    let started = Instant::now();
+    let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"]);
+    let sim = LlmSim::start(&[
+        "--latency-ms",
+        "300",
+        "--faults",
+        FAULTS,
+        "--seed",
+        "11",
+        "--hang-secs",
+        "30",
+        "--record-served",
+    ]);
+    let dir = TempDir::new("chaos");
+    let spec = spec_with(
+        &dir,
+        &[("timeout_secs = 30", &format!("timeout_secs = {PROVIDER_TIMEOUT_SECS}"))],
+    );
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, records);
+    let enqueue = |redis: &RedisServer| -> Value {
+        let out = enqueue_cmd(redis, &data, "chaos", &spec)
+            .args(["--no-progress", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "enqueue: {}", stderr(&out));
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    assert_eq!(enqueue(&redis)["enqueued"], records);
+
+    let mut fleet = Fleet {
+        sim: &sim,
+        concurrency: concurrency.to_string(),
+        workers: vec![],
+        started: 0,
+        summaries: vec![],
+    };
+    for _ in 0..WORKERS {
+        fleet.spawn(&redis);
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut injected: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut recoveries: Vec<Duration> = vec![];
+    let mut redis_restarts: Vec<Duration> = vec![];
+    let mut late_workers: Vec<String> = vec![];
+    let deadline = Instant::now() + Duration::from_secs(60 + records / 10);
+    let complete = |redis: &RedisServer| status_json(redis, "chaos").0 == Some(0);
+    // Let the fleet get going, then break something every round until done.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut round = 0;
+    while !complete(&redis) || injected.len() < 5 {
+        assert!(Instant::now() < deadline, "the job did not complete: {injected:?}");
+        match round % 5 {
+            0 => {
+                // kill -9 a random worker, start another; time how long until its tasks run again.
+                let i = rng.random_range(0..fleet.workers.len());
+                let (name, mut w) = fleet.take(i);
+                let held = pending_of(&redis, &name).unwrap_or(0);
+                let _ = w.child.kill();
+                let killed_at = Instant::now();
+                let _ = w.child.wait();
+                fleet.spawn(&redis);
+                *injected.entry("worker kill -9").or_default() += 1;
+                if held > 0 {
+                    wait_for("the dead worker's tasks reclaimed", VISIBILITY * 5, || {
+                        pending_of(&redis, &name) == Some(0)
+                    });
+                    recoveries.push(killed_at.elapsed());
+                }
+            }
+            1 => {
+                // SIGTERM: the worker drains and exits 0; a new one takes its place.
+                let i = rng.random_range(0..fleet.workers.len());
+                let (name, w) = fleet.take(i);
+                fleet.spawn(&redis);
+                fleet.stop(name, w);
+                *injected.entry("worker SIGTERM").or_default() += 1;
+            }
+            2 => {
+                // SIGSTOP past the visibility timeout: others reclaim its tasks;
+                // when it wakes, its late commits must lose.
+                let i = rng.random_range(0..fleet.workers.len());
+                let pid = fleet.workers[i].1.pid();
+                late_workers.push(fleet.workers[i].0.clone());
+                signal(pid, "STOP");
+                std::thread::sleep(VISIBILITY + Duration::from_millis(2500));
+                signal(pid, "CONT");
+                *injected.entry("worker SIGSTOP").or_default() += 1;
+            }
+            3 => {
+                // kill -9 Redis mid-run; it comes back from its AOF on the same port.
+                let t = Instant::now();
+                redis.kill9_and_restart();
+                redis_restarts.push(t.elapsed());
+                *injected.entry("redis kill -9").or_default() += 1;
+            }
+            _ => {
+                // The producer again, mid-run: it must add nothing.
+                let summary = enqueue(&redis);
+                assert_eq!(summary["enqueued"], 0, "a re-run added records: {summary}");
+                *injected.entry("producer re-run").or_default() += 1;
+            }
+        }
+        round += 1;
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    let drained_at = started.elapsed();
+
+    // Stop the fleet (every worker drains and exits 0), then judge.
+    while let Some((name, w)) = fleet.workers.pop() {
+        fleet.stop(name, w);
+    }
+    let (code, status) = status_json(&redis, "chaos");
+    assert_eq!(code, Some(0), "status --require-complete: {status}");
+    let counts = |k: &str| status[k].as_u64().unwrap();
+    assert_eq!(
+        (counts("missing"), counts("duplicates"), counts("unknown")),
+        (0, 0, 0),
+        "{status}"
+    );
+    let terminal = counts("done") + counts("review") + counts("dropped");
+    assert_eq!(terminal, records, "{status}");
+
+    // Every result is an answer the simulator served, and says what it said.
+    let served: BTreeMap<String, String> =
+        serde_json::from_value(harness::http_get_json(&sim.addr, "/served")).unwrap();
+    let mut conn = redis.conn();
+    let mut results = 0;
+    for p in 0..PARTITIONS {
+        let hash: BTreeMap<String, String> = conn.hgetall(keys::results("chaos", p)).unwrap();
+        for (rid, text) in hash {
+            let r: Value = serde_json::from_str(&text).unwrap();
+            if r["human"] == true {
+                continue;
+            }
+            let id = r["response_id"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{rid}: no response id"));
+            let content = served
+                .get(id)
+                .unwrap_or_else(|| panic!("{rid}: response {id} was never served"));
+            let (start, end) = (content.find('{').unwrap(), content.rfind('}').unwrap());
+            let answer: Value = serde_json::from_str(&content[start..=end]).unwrap();
+            assert_eq!(answer["label"], r["output"]["label"], "{rid}: result differs from {id}");
+            results += 1;
+        }
+    }
+    assert_eq!(results, counts("done"));
+
+    let already_settled: u64 = fleet
+        .summaries
+        .iter()
+        .map(|s| s["summary"]["outcomes"]["already_settled"].as_u64().unwrap_or(0))
+        .sum();
+    let max_recovery = recoveries.iter().max().copied().unwrap_or_default();
+    let summary = json!({
+        "records": records,
+        "workers": WORKERS,
+        "concurrency_per_worker": concurrency,
+        "faults": FAULTS,
+        "visibility_timeout_ms": VISIBILITY.as_millis() as u64,
+        "injected": injected,
+        "workers_started": fleet.started,
+        "recovery_ms": recoveries.iter().map(|d| d.as_millis() as u64).collect::<Vec<_>>(),
+        "max_recovery_ms": max_recovery.as_millis() as u64,
+        "redis_restart_ms": redis_restarts.iter().map(|d| d.as_millis() as u64).collect::<Vec<_>>(),
+        "paused_workers": late_workers,
+        "deliveries_found_already_settled": already_settled,
+        "sim": sim.stats(),
+        "status": {
+            "done": counts("done"), "review": counts("review"), "dropped": counts("dropped"),
+            "missing": 0, "duplicates": 0, "unknown": 0,
+        },
+        "results_checked_against_served_answers": results,
+        "job_drained_after_s": drained_at.as_secs_f64(),
+    });
+    eprintln!("chaos summary: {}", serde_json::to_string_pretty(&summary).unwrap());
+    if let Ok(path) = std::env::var("CHAOS_SUMMARY") {
+        std::fs::write(path, serde_json::to_string_pretty(&summary).unwrap()).unwrap();
+    }
+    assert!(
+        max_recovery < VISIBILITY + Duration::from_secs(2),
+        "a dead worker's tasks took {max_recovery:?} to run again (target: visibility + 2 s)"
+    );
+}
