@@ -52,7 +52,15 @@ pub fn free_port() -> u16 {
         .expect("no free port")
 }
 
+/// The password of the `batchfleet` ACL user every test server has.
+pub const TEST_REDIS_PASSWORD: &str = "bf-test-SECRET-redis-pw";
+
 /// A `redis-server` child process on 127.0.0.1 and a free port.
+///
+/// The server has the ACL user `batchfleet` of `deploy/redis/users.acl` (the
+/// line the README documents), and [`RedisServer::url`] logs in as that user:
+/// every test runs the producer and the workers with exactly those permissions.
+/// Test assertions use the unrestricted default user ([`RedisServer::conn`]).
 pub struct RedisServer {
     child: Child,
     pub port: u16,
@@ -71,7 +79,12 @@ impl RedisServer {
         for _ in 0..5 {
             let dir = TempDir::new("redis");
             let port = free_port();
-            let args: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+            let acl = std::fs::read_to_string(workspace().join("deploy/redis/users.acl"))
+                .expect("read deploy/redis/users.acl")
+                .replace(">CHANGE-ME", &format!(">{TEST_REDIS_PASSWORD}"));
+            std::fs::write(dir.join("users.acl"), acl).expect("write users.acl");
+            let mut args: Vec<String> = vec!["--aclfile".into(), dir.join("users.acl").display().to_string()];
+            args.extend(extra.iter().map(|a| (*a).to_owned()));
             let child = spawn_redis(port, &dir, &args);
             let mut server = RedisServer { child, port, args, dir };
             if server.wait_ready(Duration::from_secs(10)) {
@@ -109,7 +122,7 @@ impl RedisServer {
             if let Ok(Some(_)) = self.child.try_wait() {
                 return false;
             }
-            if let Ok(mut c) = redis::Client::open(self.url()).and_then(|c| c.get_connection())
+            if let Ok(mut c) = redis::Client::open(self.admin_url()).and_then(|c| c.get_connection())
                 && redis::cmd("PING").query::<String>(&mut c).is_ok()
             {
                 return true;
@@ -119,13 +132,19 @@ impl RedisServer {
         false
     }
 
+    /// The URL batchfleet's processes get: the `batchfleet` ACL user.
     pub fn url(&self) -> String {
+        format!("redis://batchfleet:{TEST_REDIS_PASSWORD}@127.0.0.1:{}", self.port)
+    }
+
+    /// The unrestricted default user, for set-up and assertions.
+    pub fn admin_url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
-    /// A synchronous connection for assertions.
+    /// A synchronous connection (default user) for assertions.
     pub fn conn(&self) -> redis::Connection {
-        redis::Client::open(self.url())
+        redis::Client::open(self.admin_url())
             .and_then(|c| c.get_connection())
             .expect("connect to test redis")
     }
@@ -135,6 +154,95 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A local Redis Cluster of three masters (no replicas), each a
+/// [`RedisServer`] with `cluster-enabled yes`, AOF on, and the same ACL user.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                ])
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli must be installed (the Makefile installs it)");
+        assert!(out.status.success(), "cluster create: {}{}", stdout(&out), stderr(&out));
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Waits until every node says `cluster_state:ok`.
+    pub fn wait_ok(&self) {
+        wait_for("cluster_state:ok on every node", Duration::from_secs(60), || {
+            self.nodes.iter().all(|n| {
+                redis::Client::open(n.admin_url())
+                    .and_then(|c| c.get_connection())
+                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            })
+        });
+    }
+
+    /// The seed list batchfleet is given: every node, as the ACL user.
+    pub fn url(&self) -> String {
+        self.nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// The node that holds `key` (by asking each whether the key's slot is its own).
+    pub fn node_of(&self, key: &str) -> usize {
+        let mut c = self.nodes[0].conn();
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut c)
+            .expect("keyslot");
+        let shards: Vec<(u16, u16, Vec<redis::Value>)> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query::<Vec<redis::Value>>(&mut c)
+            .expect("cluster slots")
+            .into_iter()
+            .map(|v| {
+                redis::from_redis_value::<(u16, u16, Vec<redis::Value>)>(v.clone()).unwrap_or_else(|_| {
+                    let parts: Vec<redis::Value> = redis::from_redis_value(v).expect("slot range");
+                    let start = redis::from_redis_value(parts[0].clone()).expect("start");
+                    let end = redis::from_redis_value(parts[1].clone()).expect("end");
+                    let node = redis::from_redis_value(parts[2].clone()).expect("node");
+                    (start, end, node)
+                })
+            })
+            .collect();
+        let (_, _, node) = shards
+            .into_iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .expect("a node for the slot");
+        let port: u16 = redis::from_redis_value(node[1].clone()).expect("node port");
+        self.nodes.iter().position(|n| n.port == port).expect("a known node")
     }
 }
 
@@ -358,10 +466,15 @@ pub fn spec_with(dir: &TempDir, replacements: &[(&str, &str)]) -> PathBuf {
 
 /// A `worker` command for one job against a test Redis and simulator.
 pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
+    worker_cmd_url(&redis.url(), job, sim, extra)
+}
+
+/// [`worker_cmd`] for any Redis URL (a TLS server, a cluster's seed list).
+pub fn worker_cmd_url(redis_url: &str, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("worker"));
     c.args([
         "--redis",
-        &redis.url(),
+        redis_url,
         "--job",
         job,
         "--base-url",
@@ -484,12 +597,17 @@ impl Drop for Running {
 /// `producer enqueue DATASET --job JOB --spec SPEC --redis URL` as a command,
 /// for tests that watch or kill it.
 pub fn enqueue_cmd(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) -> Command {
+    enqueue_cmd_url(&redis.url(), dataset, job, spec)
+}
+
+/// [`enqueue_cmd`] for any Redis URL.
+pub fn enqueue_cmd_url(redis_url: &str, dataset: &Path, job: &str, spec: &Path) -> Command {
     let mut c = Command::new(bin("producer"));
     c.arg("enqueue")
         .arg(dataset)
         .args(["--job", job, "--spec"])
         .arg(spec)
-        .args(["--redis", &redis.url()])
+        .args(["--redis", redis_url])
         .env_remove("REDIS_URL")
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
@@ -507,12 +625,17 @@ pub fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
 
 /// `producer status --json --ids --require-complete` of a job: (exit code, status).
 pub fn status_json(redis: &RedisServer, job: &str) -> (Option<i32>, serde_json::Value) {
+    status_json_url(&redis.url(), job)
+}
+
+/// [`status_json`] for any Redis URL.
+pub fn status_json_url(redis_url: &str, job: &str) -> (Option<i32>, serde_json::Value) {
     let out = producer(&[
         "status",
         "--job",
         job,
         "--redis",
-        &redis.url(),
+        redis_url,
         "--json",
         "--ids",
         "--require-complete",

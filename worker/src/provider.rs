@@ -69,6 +69,9 @@ impl Provider {
             .timeout(Duration::from_secs(spec.provider.timeout_secs))
             .connect_timeout(Duration::from_secs(10))
             .pool_max_idle_per_host(1024)
+            // The key goes to the configured base URL and nowhere else: a
+            // redirect is an answer (it halts the fleet), never followed.
+            .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let base = base_url.unwrap_or(&spec.provider.base_url).trim_end_matches('/');
         Ok(Provider {
@@ -177,7 +180,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
     let should_retry = headers.get("x-should-retry").and_then(|v| v.to_str().ok());
     let s = status.as_u16();
     let mut kind = match s {
-        401 | 403 => ErrorKind::FleetHalt,
+        401 | 403 | 300..=399 => ErrorKind::FleetHalt,
         429 if code == "insufficient_quota" || body["error"]["type"] == "insufficient_quota" => ErrorKind::FleetHalt,
         429 => ErrorKind::RateLimited,
         408 | 409 | 500..=599 => ErrorKind::Transient,
@@ -192,6 +195,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
     }
     let cause = match (kind, code) {
         (ErrorKind::FleetHalt, "insufficient_quota") => "insufficient_quota".to_owned(),
+        (ErrorKind::FleetHalt, _) if status.is_redirection() => format!("redirect_{s}_refused"),
         (ErrorKind::RateLimited, _) => "rate_limited".to_owned(),
         _ => format!("http_{s}"),
     };
@@ -275,6 +279,18 @@ mod tests {
         assert_eq!(
             kind_of(200, &HeaderMap::new(), "{not json"),
             (ErrorKind::Transient, "bad_body".into())
+        );
+    }
+
+    #[test]
+    fn a_redirect_halts_instead_of_being_followed() {
+        let e = match classify(StatusCode::TEMPORARY_REDIRECT, &HeaderMap::new(), "") {
+            CallResult::Failed(e) => e,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            (e.kind, e.cause.as_str()),
+            (ErrorKind::FleetHalt, "redirect_307_refused")
         );
     }
 

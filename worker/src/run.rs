@@ -93,6 +93,10 @@ struct Worker {
     halted_here: std::sync::Mutex<BTreeMap<String, String>>,
     /// Jobs cancelled by an operator (refreshed with the halt check).
     cancelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Tasks of dead or stuck workers waiting to be taken over, that the last
+    /// maintenance found no free slot for: new claims leave that many slots
+    /// free, so a busy fleet still takes them over first.
+    reclaim_backlog: std::sync::atomic::AtomicUsize,
 }
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
@@ -168,6 +172,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         summary: Mutex::new(RunSummary::default()),
         halted_here: std::sync::Mutex::new(BTreeMap::new()),
         cancelled: std::sync::Mutex::new(std::collections::BTreeSet::new()),
+        reclaim_backlog: Default::default(),
         config,
     });
     tracing::info!(consumer = %worker.config.consumer, jobs = worker.jobs.len(), visibility_ms = visibility.as_millis() as u64, "worker started");
@@ -247,6 +252,7 @@ impl Worker {
         // so an idle or nearly drained job does not take and give back a full
         // block of grants on every poll.
         let mut last_claimed = usize::MAX;
+        let mut rounds: u32 = 0;
         let mut last_maintenance = Instant::now();
         let maintenance_every = (self.visibility / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
         let mut last_halt_check = Instant::now() - Duration::from_secs(3600);
@@ -286,18 +292,24 @@ impl Worker {
                     *c = cancelled;
                 }
             }
-            if last_maintenance.elapsed() >= maintenance_every {
+            let backlog = self.reclaim_backlog.load(std::sync::atomic::Ordering::Relaxed) > 0;
+            if last_maintenance.elapsed() >= maintenance_every
+                || (backlog && last_maintenance.elapsed() >= Duration::from_millis(100))
+            {
                 last_maintenance = Instant::now();
                 self.maintain(&halted, tracker, permits).await;
             }
             let mut claimed = 0usize;
             let mut limited: Option<Duration> = None;
             let mut first = Some(first);
+            // Each round starts at the next partition: the first one read gets
+            // most of the free slots, and no partition may wait for the others to drain.
+            rounds = rounds.wrapping_add(1);
             for job in &self.jobs {
                 if halted.contains_key(&job.name) || self.is_cancelled(&job.name) {
                     continue;
                 }
-                let free = permits.available_permits() + usize::from(first.is_some());
+                let free = self.claimable(permits, first.is_some());
                 let want = free.min(last_claimed.saturating_mul(2).max(1));
                 // Budget before claim: a throttled fleet leaves tasks in the stream.
                 let mut grants = match self.grants(job, want).await {
@@ -310,10 +322,11 @@ impl Worker {
                     }
                     None => None,
                 };
-                for p in 0..job.spec.job.partitions {
+                let n = job.spec.job.partitions;
+                for p in (0..n).map(|i| (i + rounds) % n) {
                     let want = match &grants {
                         Some(g) => g.len(),
-                        None => permits.available_permits() + usize::from(first.is_some()),
+                        None => self.claimable(permits, first.is_some()),
                     };
                     if want == 0 {
                         break;
@@ -478,6 +491,7 @@ impl Worker {
         permits: &Arc<Semaphore>,
     ) {
         let now = now_ms();
+        let mut backlog = 0;
         for job in &self.jobs {
             for p in 0..job.spec.job.partitions {
                 if let Err(e) = self.store.promote_due(&job.name, p, now, 500).await {
@@ -486,14 +500,15 @@ impl Worker {
                 if halted.contains_key(&job.name) {
                     continue;
                 }
-                let free = permits.available_permits();
-                if free == 0 {
-                    continue;
-                }
                 // Take budget only for tasks that are really there to take over.
                 let idle = match self
                     .store
-                    .idle_pending(&job.name, p, self.visibility.as_millis() as u64, free)
+                    .idle_pending(
+                        &job.name,
+                        p,
+                        self.visibility.as_millis() as u64,
+                        self.config.concurrency,
+                    )
                     .await
                 {
                     Ok(n) => n,
@@ -502,10 +517,11 @@ impl Worker {
                         continue;
                     }
                 };
-                if idle == 0 {
+                let free = permits.available_permits().min(idle);
+                backlog += idle - free;
+                if free == 0 {
                     continue;
                 }
-                let free = free.min(idle);
                 let mut grants = match self.grants(job, free).await {
                     Some((g, _)) if g.is_empty() => continue,
                     Some((g, _)) => Some(g),
@@ -546,6 +562,15 @@ impl Worker {
                 }
             }
         }
+        self.reclaim_backlog
+            .store(backlog, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Slots for new claims: the free ones, less those held back for tasks
+    /// waiting to be taken over (they go first).
+    fn claimable(&self, permits: &Semaphore, first: bool) -> usize {
+        (permits.available_permits() + usize::from(first))
+            .saturating_sub(self.reclaim_backlog.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Every job is complete, or halted (nothing more this worker can do).

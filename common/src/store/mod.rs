@@ -5,12 +5,13 @@
 
 mod job_ops;
 mod limit_ops;
+mod permissions;
 mod redis_store;
 mod review_ops;
 mod worker_ops;
 
 pub use limit_ops::{LimitParams, Settlement};
-pub use redis_store::{EnqueueOutcome, RedisStore, TaskEntry, redact_url};
+pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry, cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use worker_ops::{Delivery, Finish, QueueStats, Remaining, RetryTask};
 
@@ -23,4 +24,9 @@ pub enum StoreError {
     Redis(#[from] redis::RedisError),
     #[error("corrupt value at {key}: {reason}")]
     Corrupt { key: String, reason: String },
+    #[error(
+        "the Redis user lacks permissions batchfleet needs: {}; grant them (deploy/redis/users.acl holds the full ACL line)",
+        missing.join(" ")
+    )]
+    Permissions { missing: Vec<String> },
 }

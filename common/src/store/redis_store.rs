@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
 use redis::{AsyncCommands, Script};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -40,10 +41,47 @@ pub enum EnqueueOutcome {
     Present { origin: Option<String> },
 }
 
-/// Job state in one Redis server (or behind one proxy).
+/// A connection to one Redis server (reconnecting), or to a Redis Cluster
+/// (routing each command and script by its keys' slot).
+#[derive(Clone)]
+pub enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Job state in one Redis server, or in a Redis Cluster: every multi-key
+/// step touches keys of one hash tag, so of one slot.
 #[derive(Clone)]
 pub struct RedisStore {
-    pub(super) conn: ConnectionManager,
+    pub(super) conn: Conn,
     pub(super) scripts: Scripts,
 }
 
@@ -61,8 +99,13 @@ pub(super) struct Scripts {
     pub retry_record: Script,
 }
 
-/// The URL with any password replaced by `***`, for messages and logs.
+/// The URL (or comma-separated seed URLs) with any password replaced by
+/// `***`, for messages and logs.
 pub fn redact_url(url: &str) -> String {
+    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
+}
+
+fn redact_one(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
@@ -79,25 +122,87 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// The PEM file of the CA that signed the Redis server's certificate, for
+/// `rediss://` URLs (the system's roots when unset).
+pub const CA_CERT_ENV: &str = "BATCHFLEET_REDIS_CA_CERT";
+
+/// The CA of [`CA_CERT_ENV`] for a `rediss://` URL (None: the system's roots).
+fn tls_certificates(url: &str) -> Result<Option<redis::TlsCertificates>, StoreError> {
+    let Some(path) = std::env::var_os(CA_CERT_ENV).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    if !url.starts_with("rediss://") {
+        return Ok(None);
+    }
+    let pem = std::fs::read(&path).map_err(|e| StoreError::Unreachable {
+        url: redact_url(url),
+        reason: format!("cannot read {CA_CERT_ENV}={}: {e}", path.to_string_lossy()),
+    })?;
+    Ok(Some(redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    }))
+}
+
+/// The seed nodes of a cluster: `--redis` holds several URLs separated by commas.
+pub fn cluster_seeds(url: &str) -> Option<Vec<&str>> {
+    let seeds: Vec<&str> = url.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    (seeds.len() > 1).then_some(seeds)
+}
+
+/// Says what a failed TLS handshake means, in words an operator can act on.
+fn explain(url: &str, e: &redis::RedisError) -> String {
+    let text = e.to_string();
+    if url.starts_with("rediss://") && (text.contains("certificate") || text.contains("Certificate")) {
+        let ca = std::env::var(CA_CERT_ENV).unwrap_or_else(|_| "the system's roots".into());
+        format!("TLS: the server's certificate is not trusted ({text}); checked against {ca} (set {CA_CERT_ENV})")
+    } else {
+        text
+    }
+}
+
 impl RedisStore {
-    /// Connects and checks the server answers.
+    /// Connects, checks the server answers and that the user holds every
+    /// permission batchfleet needs.
     pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
         let unreachable = |e: redis::RedisError| StoreError::Unreachable {
             url: redact_url(url),
-            reason: e.to_string(),
+            reason: explain(url, &e),
         };
-        let client = redis::Client::open(url).map_err(unreachable)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(5)))
-            .set_response_timeout(Some(Duration::from_secs(30)))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(2));
-        let mut conn = client
-            .get_connection_manager_with_config(config)
-            .await
-            .map_err(unreachable)?;
+        let certs = tls_certificates(url)?;
+        let mut conn = match cluster_seeds(url) {
+            Some(seeds) => {
+                let mut builder = redis::cluster::ClusterClientBuilder::new(seeds.clone())
+                    .connection_timeout(Duration::from_secs(5))
+                    .response_timeout(Duration::from_secs(30))
+                    .retries(8);
+                if let Some(c) = certs {
+                    builder = builder.certs(c);
+                }
+                let client = builder.build().map_err(unreachable)?;
+                Conn::Cluster(client.get_async_connection().await.map_err(unreachable)?)
+            }
+            None => {
+                let client = match certs {
+                    Some(c) => redis::Client::build_with_tls(url, c),
+                    None => redis::Client::open(url),
+                }
+                .map_err(unreachable)?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(Duration::from_secs(5)))
+                    .set_response_timeout(Some(Duration::from_secs(30)))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(2));
+                Conn::Single(
+                    client
+                        .get_connection_manager_with_config(config)
+                        .await
+                        .map_err(unreachable)?,
+                )
+            }
+        };
         let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(unreachable)?;
-        Ok(RedisStore {
+        let store = RedisStore {
             conn,
             scripts: Scripts {
                 enqueue: Script::new(ENQUEUE_LUA),
@@ -110,7 +215,9 @@ impl RedisStore {
                 resume_page: Script::new(include_str!("scripts/resume_page.lua")),
                 retry_record: Script::new(include_str!("scripts/retry_record.lua")),
             },
-        })
+        };
+        store.check_permissions().await?;
+        Ok(store)
     }
 
     /// Whether the server answers a PING now.
@@ -122,7 +229,7 @@ impl RedisStore {
     }
 
     /// A connection for callers that need raw commands (tests, status).
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> Conn {
         self.conn.clone()
     }
 

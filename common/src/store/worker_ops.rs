@@ -353,23 +353,26 @@ impl RedisStore {
         Ok(())
     }
 
-    /// The server's `maxmemory-policy`, or None when CONFIG is not allowed.
+    /// The server's `maxmemory-policy` (from `INFO memory`: CONFIG is not in
+    /// batchfleet's ACL, it can read secrets), or None when the server hides it.
+    /// On a cluster every master answers: the first policy that is not
+    /// `noeviction` wins, so one evicting node is enough to refuse.
     pub async fn eviction_policy(&self) -> Result<Option<String>, StoreError> {
-        let reply: Result<Vec<String>, redis::RedisError> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
+        let reply: Value = redis::cmd("INFO")
+            .arg("memory")
             .query_async(&mut self.conn.clone())
-            .await;
-        match reply {
-            Ok(v) => Ok(v.get(1).cloned()),
-            Err(e)
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
-                    || e.code() == Some("NOPERM") =>
-            {
-                Ok(None)
-            }
-            Err(e) => Err(e.into()),
-        }
+            .await?;
+        let texts: Vec<String> = match &reply {
+            Value::Map(nodes) => nodes.iter().filter_map(|(_, v)| as_string(v)).collect(),
+            other => as_string(other).into_iter().collect(),
+        };
+        let mut policies = texts.iter().filter_map(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("maxmemory_policy:"))
+                .map(|v| v.trim().to_owned())
+        });
+        let first = policies.next();
+        Ok(policies.find(|p| p != "noeviction").or(first))
     }
 
     /// All job names ever enqueued.

@@ -56,6 +56,10 @@ struct Args {
     /// the answers: not for benchmarks.
     #[arg(long)]
     record_served: bool,
+    /// Answer every chat request with `307 Temporary Redirect` to this URL
+    /// (a misconfigured or hostile endpoint sending the key elsewhere).
+    #[arg(long)]
+    redirect_to: Option<String>,
     /// How long a `hang` fault holds the request.
     #[arg(long, default_value_t = 3600)]
     hang_secs: u64,
@@ -229,6 +233,9 @@ impl Drop for InFlight<'_> {
 }
 
 async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
+    if let Some(to) = &sim.args.redirect_to {
+        return (StatusCode::TEMPORARY_REDIRECT, [("location", to.clone())], "").into_response();
+    }
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -239,9 +246,10 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         None => !token.is_empty(),
     };
     if !authorized {
+        // Like a provider that quotes the key back: a client must not log bodies.
         return error_body(
             StatusCode::UNAUTHORIZED,
-            "Incorrect API key provided.",
+            &format!("Incorrect API key provided: {token}."),
             "invalid_request_error",
             "invalid_api_key",
         );

@@ -1,0 +1,410 @@
+//! Redis security and secrets: TLS with a CA the test makes, the ACL user's
+//! permissions checked at start, recognisable secrets searched for in
+//! everything batchfleet produces, and a provider that tries to send the key
+//! elsewhere.
+//!
+//! Every other test already runs as the restricted `batchfleet` ACL user of
+//! `deploy/redis/users.acl` (the harness gives its URL to every process).
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::keys;
+use harness::otlp::OtlpReceiver;
+use harness::{
+    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, bin, enqueue, example_spec, free_port, http_get,
+    stderr, stdout, wait_for, worker_cmd, write_records,
+};
+use redis::Commands;
+
+/// Makes a CA and, when `server` is given, a certificate for 127.0.0.1 signed by it.
+fn make_ca(dir: &Path, name: &str) -> PathBuf {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
+    };
+    let (key, pem) = (format!("{name}.key"), format!("{name}.pem"));
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        &key,
+        "-out",
+        &pem,
+        "-days",
+        "2",
+        "-subj",
+        &format!("/CN={name}"),
+    ]);
+    dir.join(pem)
+}
+
+fn sign_server_cert(dir: &Path, ca: &str) -> (PathBuf, PathBuf) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
+    };
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        &format!("{ca}.pem"),
+        "-CAkey",
+        &format!("{ca}.key"),
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (dir.join("server.pem"), dir.join("server.key"))
+}
+
+#[test]
+fn tls_with_the_right_ca_runs_a_job_and_a_wrong_ca_fails_clearly() {
+    let certs = TempDir::new("tls-certs");
+    let ca = make_ca(certs.path(), "test-ca");
+    let other_ca = make_ca(certs.path(), "other-ca");
+    let (cert, key) = sign_server_cert(certs.path(), "test-ca");
+    let tls_port = free_port();
+    let _redis = RedisServer::start_with(&[
+        "--save",
+        "",
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        cert.to_str().unwrap(),
+        "--tls-key-file",
+        key.to_str().unwrap(),
+        "--tls-ca-cert-file",
+        ca.to_str().unwrap(),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let url = format!("rediss://batchfleet:{TEST_REDIS_PASSWORD}@127.0.0.1:{tls_port}");
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("tls");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    let producer = |ca: Option<&Path>, args: &[&str]| {
+        let mut c = Command::new(bin("producer"));
+        c.args(args).args(["--redis", &url]).env_remove("REDIS_URL");
+        match ca {
+            Some(p) => c.env("BATCHFLEET_REDIS_CA_CERT", p),
+            None => c.env_remove("BATCHFLEET_REDIS_CA_CERT"),
+        };
+        c.output().unwrap()
+    };
+    let spec = example_spec();
+    let enqueue_args = [
+        "enqueue",
+        data.to_str().unwrap(),
+        "--job",
+        "tls",
+        "--spec",
+        spec.to_str().unwrap(),
+    ];
+    let out = producer(Some(&ca), &[&enqueue_args[..], &["--no-progress"]].concat());
+    assert!(out.status.success(), "enqueue over TLS: {}", stderr(&out));
+
+    let mut worker = harness::worker_cmd_url(&url, "tls", &sim, &["--drain"]);
+    worker.env("BATCHFLEET_REDIS_CA_CERT", &ca);
+    let (exit, log) = Running::spawn(worker).finish(Duration::from_secs(60));
+    assert!(exit.success(), "worker over TLS: {log}");
+    let out = producer(Some(&ca), &["status", "--job", "tls", "--json", "--require-complete"]);
+    assert!(
+        out.status.success(),
+        "status over TLS: {}{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    let status: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(status["done"], 30);
+
+    // A CA that did not sign the server's certificate, or none (system roots): refused, and said so.
+    for ca in [Some(other_ca.as_path()), None] {
+        let out = producer(ca, &["status", "--job", "tls"]);
+        assert!(!out.status.success());
+        let err = stderr(&out);
+        assert!(
+            err.contains("TLS: the server's certificate is not trusted") && err.contains("BATCHFLEET_REDIS_CA_CERT"),
+            "unclear TLS error: {err}"
+        );
+        assert!(!err.contains(TEST_REDIS_PASSWORD), "the password leaked: {err}");
+    }
+    // A CA file that is not there names the variable and the path.
+    let out = producer(Some(Path::new("/nonexistent/ca.pem")), &["status", "--job", "tls"]);
+    assert!(
+        stderr(&out).contains("BATCHFLEET_REDIS_CA_CERT=/nonexistent/ca.pem"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn a_user_without_the_permissions_fails_at_start_naming_them() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("acl");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "acl", &example_spec());
+    let line = std::fs::read_to_string(harness::workspace().join("deploy/redis/users.acl")).unwrap();
+    let rules: Vec<&str> = line
+        .split_whitespace()
+        .skip(2) // "user batchfleet"
+        .filter(|r| !r.starts_with('>') && !matches!(*r, "+xautoclaim" | "+evalsha" | "+eval" | "+script|load"))
+        .collect();
+    let mut admin = redis.conn();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("weak").arg(">weak-SECRET-pw").arg(&rules);
+    let _: () = setuser.query(&mut admin).unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("elsewhere")
+        .arg(">weak-SECRET-pw")
+        .arg(
+            line.split_whitespace()
+                .skip(2)
+                .filter(|r| !r.starts_with('>') && !r.starts_with('~'))
+                .collect::<Vec<_>>(),
+        )
+        .arg("~other:*")
+        .query(&mut admin)
+        .unwrap();
+    let weak = format!("redis://weak:weak-SECRET-pw@127.0.0.1:{}", redis.port);
+    let elsewhere = format!("redis://elsewhere:weak-SECRET-pw@127.0.0.1:{}", redis.port);
+
+    let cmd = harness::worker_cmd_url(&weak, "acl", &sim, &["--drain"]);
+    let (exit, log) = Running::spawn(cmd).finish(Duration::from_secs(30));
+    assert!(!exit.success(), "a worker started without the permissions it needs");
+    for missing in [
+        "+xautoclaim",
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "deploy/redis/users.acl",
+    ] {
+        assert!(log.contains(missing), "the error does not name {missing}: {log}");
+    }
+    assert!(!log.contains("+hset"), "named a permission the user has: {log}");
+    assert!(!log.contains("weak-SECRET-pw"), "the password leaked: {log}");
+
+    let out = Command::new(bin("producer"))
+        .args(["status", "--job", "acl", "--redis", &elsewhere])
+        .env_remove("REDIS_URL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("keys ~bf:*"), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("weak-SECRET-pw"));
+
+    // Nothing was consumed by the refused worker.
+    let pending: usize = (0..4)
+        .map(|p| {
+            let r: redis::streams::StreamPendingReply = admin.xpending(keys::stream("acl", p), keys::GROUP).unwrap();
+            r.count()
+        })
+        .sum();
+    assert_eq!(pending, 0);
+}
+
+#[test]
+fn secrets_never_appear_in_logs_metrics_traces_reviews_exports_or_errors() {
+    const API_KEY: &str = "sk-SECRET-api-key-4b1d";
+    const WRONG_KEY: &str = "sk-SECRET-wrong-key-9d2e";
+    let secrets = [API_KEY, WRONG_KEY, TEST_REDIS_PASSWORD];
+    let otlp = OtlpReceiver::start();
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[
+        "--api-key",
+        API_KEY,
+        "--latency-ms",
+        "20",
+        "--faults",
+        "content_filter=0.2,bad_enum=0.2,server_error=0.1",
+        "--seed",
+        "9",
+    ]);
+    let dir = TempDir::new("secrets");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    // Short timeouts: the halted worker's tasks are taken over soon after.
+    let spec = harness::spec_with(&dir, &[("timeout_secs = 30", "timeout_secs = 2")]);
+    let vis = ["--visibility-timeout-ms", "3000"];
+    let mut produced: Vec<(String, String)> = vec![];
+    let out = harness::enqueue_cmd(&redis, &data, "sec", &spec)
+        .args(["--no-progress"])
+        .env("RUST_LOG", "trace")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp.http_endpoint)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    produced.push(("enqueue output".into(), stdout(&out) + &stderr(&out)));
+
+    // A wrong key first: the provider quotes it back in its 401; the fleet halts.
+    let mut wrong = worker_cmd(&redis, "sec", &sim, &[&["--drain"][..], &vis].concat());
+    wrong.env("OPENAI_API_KEY", WRONG_KEY).env("RUST_LOG", "trace");
+    let (exit, log) = Running::spawn(wrong).finish(Duration::from_secs(30));
+    assert_eq!(exit.code(), Some(3), "a refused key halts: {log}");
+    produced.push(("worker log (wrong key, trace level)".into(), log));
+    let _: () = redis.conn().del(keys::halt("sec")).unwrap();
+
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut right = worker_cmd(&redis, "sec", &sim, &[&["--metrics-addr", &addr][..], &vis].concat());
+    right
+        .env("OPENAI_API_KEY", API_KEY)
+        .env("RUST_LOG", "trace")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &otlp.http_endpoint);
+    let worker = Running::spawn(right);
+    let url = format!("http://{addr}");
+    wait_for("the job settled", Duration::from_secs(60), || {
+        harness::status_json(&redis, "sec").0 == Some(0)
+    });
+    produced.push(("/metrics".into(), http_get(&url, "/metrics").1));
+    produced.push(("/readyz".into(), http_get(&url, "/readyz").1));
+    harness::signal(worker.pid(), "TERM");
+    let (exit, log) = worker.finish(Duration::from_secs(30));
+    assert!(exit.success(), "{log}");
+    produced.push(("worker log (trace level)".into(), log));
+
+    let run = |args: &[&str]| {
+        let out = harness::producer(&[args, &["--redis", &redis.url()]].concat());
+        (format!("producer {}", args.join(" ")), stdout(&out) + &stderr(&out))
+    };
+    produced.push(run(&["status", "--job", "sec", "--json", "--ids"]));
+    produced.push(run(&["report", "--job", "sec"]));
+    produced.push(run(&["review", "--job", "sec", "list"]));
+    for what in ["done", "review", "dropped"] {
+        let file = dir.join(&format!("{what}.jsonl"));
+        let (name, text) = run(&[
+            "export",
+            "--job",
+            "sec",
+            "--what",
+            what,
+            "--out",
+            file.to_str().unwrap(),
+        ]);
+        produced.push((name, text + &std::fs::read_to_string(&file).unwrap_or_default()));
+    }
+    let review: Vec<String> = (0..4)
+        .flat_map(|p| redis.conn().hvals::<_, Vec<String>>(keys::review("sec", p)).unwrap())
+        .collect();
+    assert!(!review.is_empty(), "the fault mix sent nothing to review");
+    let first = serde_json::from_str::<serde_json::Value>(&review[0]).unwrap()["record_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    produced.push(run(&["review", "--job", "sec", "show", &first]));
+    produced.push(("review entries".into(), review.join("\n")));
+    // Error messages that quote the URL: a server that is not there, a wrong password.
+    let dead = format!("redis://batchfleet:{TEST_REDIS_PASSWORD}@127.0.0.1:{}", free_port());
+    let out = harness::producer(&["status", "--job", "sec", "--redis", &dead]);
+    assert!(!out.status.success());
+    produced.push(("unreachable Redis error".into(), stderr(&out)));
+    let wrong_pw = format!("redis://batchfleet:{WRONG_KEY}@127.0.0.1:{}", redis.port);
+    let out = harness::producer(&["status", "--job", "sec", "--redis", &wrong_pw]);
+    assert!(!out.status.success());
+    produced.push(("wrong Redis password error".into(), stderr(&out)));
+    // Traces, and everything stored in Redis.
+    wait_for("spans exported", Duration::from_secs(20), || !otlp.spans().is_empty());
+    produced.push(("traces".into(), format!("{:?}", otlp.spans())));
+    produced.push(("redis contents".into(), dump_redis(&redis)));
+
+    for (what, text) in &produced {
+        assert!(!text.is_empty() || what == "/readyz", "{what}: nothing captured");
+        for s in secrets {
+            assert!(!text.contains(s), "{what} contains the secret {s}:\n{text}");
+        }
+    }
+    // The 401 really quoted the key back (else the wrong-key part proves nothing).
+    assert!(sim.stats()["by_status"]["401"].as_u64().unwrap_or(0) > 0);
+}
+
+/// Every key and value in the server, as text.
+fn dump_redis(redis: &RedisServer) -> String {
+    let mut c = redis.conn();
+    let keys: Vec<String> = c.keys("*").unwrap();
+    let mut out = String::new();
+    for k in keys {
+        let t: String = redis::cmd("TYPE").arg(&k).query(&mut c).unwrap();
+        let v = match t.as_str() {
+            "string" => c.get::<_, String>(&k).unwrap_or_default(),
+            "hash" => format!("{:?}", c.hgetall::<_, Vec<(String, String)>>(&k).unwrap()),
+            "set" => format!("{:?}", c.smembers::<_, Vec<String>>(&k).unwrap()),
+            "zset" => format!("{:?}", c.zrange::<_, Vec<String>>(&k, 0, -1).unwrap()),
+            "stream" => format!(
+                "{:?}",
+                c.xrange_all::<_, redis::streams::StreamRangeReply>(&k).unwrap().ids
+            ),
+            _ => String::new(),
+        };
+        out.push_str(&format!("{k} {v}\n"));
+    }
+    out
+}
+
+#[test]
+fn a_provider_redirect_is_never_followed_with_the_key() {
+    let redis = RedisServer::start();
+    // The host the redirect points at: it must never see a request.
+    let elsewhere = LlmSim::start(&[]);
+    let target = format!("{}/v1/chat/completions", elsewhere.addr);
+    let sim = LlmSim::start(&["--redirect-to", &target]);
+    let dir = TempDir::new("redirect");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "rd", &example_spec());
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "rd", &sim, &["--drain"])).finish(Duration::from_secs(30));
+    assert_eq!(exit.code(), Some(3), "a redirect halts the fleet: {log}");
+    assert!(log.contains("redirect_307_refused"), "{log}");
+    assert!(sim.stats()["requests"].as_u64().unwrap() >= 1);
+    assert_eq!(elsewhere.stats()["requests"], 0, "the worker followed the redirect");
+}
+
+#[test]
+fn a_spec_cannot_point_the_worker_at_files() {
+    let dir = TempDir::new("spec-file");
+    let spec = harness::spec_with(
+        &dir,
+        &[(
+            "base_url = \"http://127.0.0.1:8089/v1\"",
+            "base_url = \"file:///etc/passwd\"",
+        )],
+    );
+    let out = harness::producer(&["spec", "check", spec.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("provider.base_url"), "{}", stderr(&out));
+}
