@@ -108,9 +108,32 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
     assert!(prod.contains("kind: HorizontalPodAutoscaler") && !prod.contains("kind: ScaledObject"));
     assert!(prod.contains("kind: Job") && prod.contains("kind: ConfigMap"));
     assert!(
-        prod.contains("rediss://:$(REDIS_PASSWORD)@"),
-        "the password comes from the Secret at run time"
+        prod.contains("rediss://$(REDIS_USERNAME):$(REDIS_PASSWORD)@"),
+        "the ACL user and its password come from the Secret at run time"
     );
+    assert!(prod.contains("BATCHFLEET_REDIS_CA_CERT") && prod.contains("secretName: redis-ca"));
+
+    // A cluster: every seed in the URL, KEDA's cluster scaler on the same nodes.
+    let (ok, cluster) = helm(&[
+        "template",
+        "bf",
+        CHART,
+        "--set",
+        "redis.clusterNodes={r0:6379,r1:6379,r2:6379}",
+        "--set",
+        "redis.passwordSecret.name=redis-auth",
+    ]);
+    assert!(ok, "{cluster}");
+    assert!(
+        cluster.contains(
+            "redis://:$(REDIS_PASSWORD)@r0:6379,redis://:$(REDIS_PASSWORD)@r1:6379,redis://:$(REDIS_PASSWORD)@r2:6379"
+        ),
+        "{cluster}"
+    );
+    assert_eq!(cluster.matches("type: redis-cluster-streams").count(), 4);
+    assert!(cluster.contains("addresses: \"r0:6379,r1:6379,r2:6379\""));
+    let (ok, text) = helm(&["template", "bf", CHART, "--set", "redis.clusterNodes={redis://r0:6379}"]);
+    assert!(!ok, "a seed must be host:port: {text}");
 }
 
 #[test]

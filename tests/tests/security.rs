@@ -408,3 +408,14 @@ fn a_spec_cannot_point_the_worker_at_files() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("provider.base_url"), "{}", stderr(&out));
 }
+
+#[test]
+fn the_readme_documents_the_exact_acl_line_the_tests_run_with() {
+    let line = std::fs::read_to_string(harness::workspace().join("deploy/redis/users.acl")).unwrap();
+    let readme = std::fs::read_to_string(harness::workspace().join("README.md")).unwrap();
+    assert_eq!(line.lines().count(), 1, "users.acl is one ACL line");
+    assert!(
+        readme.contains(line.trim()),
+        "README's ACL line differs from deploy/redis/users.acl"
+    );
+}

@@ -13,19 +13,64 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: worker
 {{- end -}}
 
-{{/* Redis environment: the password comes from a Secret, never from values. */}}
+{{/* Redis environment: user name and password come from a Secret, never
+from values. The URL lists every seed node of a cluster, comma-separated. */}}
 {{- define "batchfleet.redisEnv" -}}
-{{- if .Values.redis.passwordSecret.name }}
+{{- $r := .Values.redis -}}
+{{- $scheme := ternary "rediss" "redis" (default false $r.tls) -}}
+{{- $auth := "" -}}
+{{- if $r.passwordSecret.name }}
+{{- if $r.passwordSecret.usernameKey }}
+- name: REDIS_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ $r.passwordSecret.name }}
+      key: {{ $r.passwordSecret.usernameKey }}
+{{- $auth = "$(REDIS_USERNAME):$(REDIS_PASSWORD)@" }}
+{{- else }}
+{{- $auth = ":$(REDIS_PASSWORD)@" }}
+{{- end }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.passwordSecret.name }}
-      key: {{ .Values.redis.passwordSecret.key }}
+      name: {{ $r.passwordSecret.name }}
+      key: {{ $r.passwordSecret.key }}
+{{- end }}
+{{- $urls := list }}
+{{- range (include "batchfleet.redisNodes" . | splitList ",") }}
+{{- $urls = append $urls (printf "%s://%s%s" $scheme $auth .) }}
+{{- end }}
 - name: REDIS_URL
-  value: "{{ if .Values.redis.tls }}rediss{{ else }}redis{{ end }}://:$(REDIS_PASSWORD)@{{ .Values.redis.host }}:{{ .Values.redis.port }}"
-{{- else }}
-- name: REDIS_URL
-  value: "{{ if .Values.redis.tls }}rediss{{ else }}redis{{ end }}://{{ .Values.redis.host }}:{{ .Values.redis.port }}"
+  value: {{ join "," $urls | quote }}
+{{- if and $r.caCertSecret $r.caCertSecret.name }}
+- name: BATCHFLEET_REDIS_CA_CERT
+  value: /etc/batchfleet/redis-ca/{{ $r.caCertSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* host:port of every Redis node batchfleet is given (one unless a cluster). */}}
+{{- define "batchfleet.redisNodes" -}}
+{{- if .Values.redis.clusterNodes -}}
+{{- join "," .Values.redis.clusterNodes -}}
+{{- else -}}
+{{- printf "%s:%v" .Values.redis.host .Values.redis.port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The CA volume mount and volume, when the server's CA comes from a Secret. */}}
+{{- define "batchfleet.redisCaMount" -}}
+{{- if and .Values.redis.caCertSecret .Values.redis.caCertSecret.name }}
+- name: redis-ca
+  mountPath: /etc/batchfleet/redis-ca
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "batchfleet.redisCaVolume" -}}
+{{- if and .Values.redis.caCertSecret .Values.redis.caCertSecret.name }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.caCertSecret.name }}
 {{- end }}
 {{- end -}}
 
