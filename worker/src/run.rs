@@ -511,14 +511,14 @@ impl Worker {
                     )
                     .await
                 {
-                    Ok(n) => n,
+                    Ok(entries) => entries,
                     Err(e) => {
                         self.store_error(&e).await;
                         continue;
                     }
                 };
-                let free = permits.available_permits().min(idle);
-                backlog += idle - free;
+                let free = permits.available_permits().min(idle.len());
+                backlog += idle.len() - free;
                 if free == 0 {
                     continue;
                 }
@@ -535,7 +535,7 @@ impl Worker {
                         p,
                         &self.config.consumer,
                         self.visibility.as_millis() as u64,
-                        free,
+                        &idle[..free],
                     )
                     .await
                 {

@@ -13,7 +13,7 @@ mod worker_ops;
 pub use limit_ops::{LimitParams, Settlement};
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry, cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
-pub use worker_ops::{Delivery, Finish, QueueStats, Remaining, RetryTask};
+pub use worker_ops::{Delivery, Finish, IdleEntry, QueueStats, Remaining, RetryTask};
 
 /// A store operation that failed. Messages never contain credentials.
 #[derive(Debug, thiserror::Error)]

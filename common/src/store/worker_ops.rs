@@ -33,6 +33,14 @@ pub struct Delivery {
     pub traceparent: String,
 }
 
+/// A pending entry idle past the visibility timeout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdleEntry {
+    pub entry_id: String,
+    /// Times it was delivered so far.
+    pub deliveries: u32,
+}
+
 /// What to do with a delivered task; each is one atomic script with the ack.
 #[derive(Debug, Clone)]
 pub enum Finish {
@@ -137,48 +145,54 @@ impl RedisStore {
         Ok(out)
     }
 
-    /// Takes over entries idle longer than `min_idle_ms` (their worker died or
-    /// hung). Returns them with their delivery counts.
+    /// Takes over the given entries if they are still idle at least
+    /// `min_idle_ms` (their worker died or hung; XCLAIM re-checks atomically,
+    /// so two workers never both take one). `idle` comes from
+    /// [`RedisStore::idle_pending`]; entries deleted meanwhile are dropped.
     pub async fn reclaim(
         &self,
         job: &str,
         partition: u32,
         consumer: &str,
         min_idle_ms: u64,
-        count: usize,
+        idle: &[IdleEntry],
     ) -> Result<Vec<Delivery>, StoreError> {
-        let stream = keys::stream(job, partition);
-        let reply: Value = redis::cmd("XAUTOCLAIM")
-            .arg(&stream)
+        if idle.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(keys::stream(job, partition))
             .arg(keys::GROUP)
             .arg(consumer)
-            .arg(min_idle_ms)
-            .arg("0-0")
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut self.conn.clone())
-            .await?;
-        let parts = as_array(&reply);
+            .arg(min_idle_ms);
+        for e in idle {
+            cmd.arg(&e.entry_id);
+        }
+        let reply: Value = cmd.query_async(&mut self.conn.clone()).await?;
         let mut out = Vec::new();
-        if let Some(entries) = parts.get(1) {
-            for entry in as_array(entries) {
-                if let Some(mut d) = parse_entry(partition, entry, 1) {
-                    d.deliveries = self.delivery_count(&stream, &d.entry_id).await?.unwrap_or(1);
-                    out.push(d);
-                }
+        for entry in as_array(&reply) {
+            if let Some(mut d) = parse_entry(partition, entry, 1) {
+                // XCLAIM counted this delivery.
+                d.deliveries = idle
+                    .iter()
+                    .find(|e| e.entry_id == d.entry_id)
+                    .map_or(1, |e| e.deliveries + 1);
+                out.push(d);
             }
         }
         Ok(out)
     }
 
-    /// How many pending entries (up to `limit`) have been idle at least `min_idle_ms`.
+    /// Pending entries (up to `limit`, oldest first) idle at least
+    /// `min_idle_ms`, over the whole pending list (XPENDING IDLE skips the
+    /// busy ones, where XAUTOCLAIM would scan only COUNT x 10 entries).
     pub async fn idle_pending(
         &self,
         job: &str,
         partition: u32,
         min_idle_ms: u64,
         limit: usize,
-    ) -> Result<usize, StoreError> {
+    ) -> Result<Vec<IdleEntry>, StoreError> {
         let reply: Value = redis::cmd("XPENDING")
             .arg(keys::stream(job, partition))
             .arg(keys::GROUP)
@@ -189,22 +203,17 @@ impl RedisStore {
             .arg(limit.max(1))
             .query_async(&mut self.conn.clone())
             .await?;
-        Ok(as_array(&reply).len())
-    }
-
-    async fn delivery_count(&self, stream: &str, entry_id: &str) -> Result<Option<u32>, StoreError> {
-        let reply: Value = redis::cmd("XPENDING")
-            .arg(stream)
-            .arg(keys::GROUP)
-            .arg(entry_id)
-            .arg(entry_id)
-            .arg(1)
-            .query_async(&mut self.conn.clone())
-            .await?;
+        // [[id, consumer, idle ms, deliveries], ...]
         Ok(as_array(&reply)
-            .first()
-            .and_then(|row| as_array(row).get(3).and_then(as_u64))
-            .map(|n| n as u32))
+            .iter()
+            .filter_map(|e| {
+                let f = as_array(e);
+                Some(IdleEntry {
+                    entry_id: as_string(f.first()?)?,
+                    deliveries: f.get(3).and_then(as_u64).unwrap_or(1) as u32,
+                })
+            })
+            .collect())
     }
 
     /// Settles a delivered task and acknowledges it, atomically. Returns false
