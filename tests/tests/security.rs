@@ -184,7 +184,7 @@ fn a_user_without_the_permissions_fails_at_start_naming_them() {
     let rules: Vec<&str> = line
         .split_whitespace()
         .skip(2) // "user batchfleet"
-        .filter(|r| !r.starts_with('>') && !matches!(*r, "+xautoclaim" | "+evalsha" | "+eval" | "+script|load"))
+        .filter(|r| !r.starts_with('>') && !matches!(*r, "+xclaim" | "+evalsha" | "+eval" | "+script|load"))
         .collect();
     let mut admin = redis.conn();
     let mut setuser = redis::cmd("ACL");
@@ -209,13 +209,7 @@ fn a_user_without_the_permissions_fails_at_start_naming_them() {
     let cmd = harness::worker_cmd_url(&weak, "acl", &sim, &["--drain"]);
     let (exit, log) = Running::spawn(cmd).finish(Duration::from_secs(30));
     assert!(!exit.success(), "a worker started without the permissions it needs");
-    for missing in [
-        "+xautoclaim",
-        "+evalsha",
-        "+eval",
-        "+script|load",
-        "deploy/redis/users.acl",
-    ] {
+    for missing in ["+xclaim", "+evalsha", "+eval", "+script|load", "deploy/redis/users.acl"] {
         assert!(log.contains(missing), "the error does not name {missing}: {log}");
     }
     assert!(!log.contains("+hset"), "named a permission the user has: {log}");

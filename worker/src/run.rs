@@ -16,7 +16,7 @@ use common::store::{Delivery, Finish, RedisStore, RetryTask, StoreError};
 use common::template::{Template, system_prompt};
 use common::validate::json_schema;
 use serde_json::json;
-use tokio::sync::{Mutex, Semaphore};
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -293,15 +293,17 @@ impl Worker {
                 }
             }
             let backlog = self.reclaim_backlog.load(std::sync::atomic::Ordering::Relaxed) > 0;
+            let mut first = Some(first);
             if last_maintenance.elapsed() >= maintenance_every
                 || (backlog && last_maintenance.elapsed() >= Duration::from_millis(100))
             {
                 last_maintenance = Instant::now();
-                self.maintain(&halted, tracker, permits).await;
+                // The permit this round holds counts: a saturated worker frees
+                // one slot at a time, and a dead worker's task must get it.
+                self.maintain(&halted, tracker, permits, &mut first).await;
             }
             let mut claimed = 0usize;
             let mut limited: Option<Duration> = None;
-            let mut first = Some(first);
             // Each round starts at the next partition: the first one read gets
             // most of the free slots, and no partition may wait for the others to drain.
             rounds = rounds.wrapping_add(1);
@@ -434,7 +436,7 @@ impl Worker {
         tracker: &TaskTracker,
         job: Arc<JobCtx>,
         d: Delivery,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: OwnedSemaphorePermit,
         grant: Option<Grant>,
     ) {
         let me = self.clone();
@@ -489,6 +491,7 @@ impl Worker {
         halted: &BTreeMap<String, String>,
         tracker: &TaskTracker,
         permits: &Arc<Semaphore>,
+        first: &mut Option<OwnedSemaphorePermit>,
     ) {
         let now = now_ms();
         let mut backlog = 0;
@@ -517,7 +520,7 @@ impl Worker {
                         continue;
                     }
                 };
-                let free = permits.available_permits().min(idle.len());
+                let free = (permits.available_permits() + usize::from(first.is_some())).min(idle.len());
                 backlog += idle.len() - free;
                 if free == 0 {
                     continue;
@@ -542,7 +545,11 @@ impl Worker {
                     Ok(batch) => {
                         for d in batch {
                             tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
-                            match permits.clone().try_acquire_owned() {
+                            let permit = match first.take() {
+                                Some(p) => Ok(p),
+                                None => permits.clone().try_acquire_owned(),
+                            };
+                            match permit {
                                 Ok(permit) => {
                                     let grant = grants.as_mut().and_then(Vec::pop);
                                     self.spawn(tracker, job.clone(), d, permit, grant);

@@ -62,7 +62,6 @@ fn probes() -> Vec<(&'static str, Cmd)> {
         ("xinfo|stream", c("XINFO", &["STREAM", k])),
         ("xpending", c("XPENDING", &[k, "g"])),
         ("xclaim", c("XCLAIM", &[k, "g", "c", "0", "0-1"])),
-        ("xautoclaim", c("XAUTOCLAIM", &[k, "g", "c", "0", "0-0"])),
         (
             "xreadgroup",
             c("XREADGROUP", &["GROUP", "g", "c", "COUNT", "1", "STREAMS", k, ">"]),

@@ -185,7 +185,7 @@ impl RedisStore {
 
     /// Pending entries (up to `limit`, oldest first) idle at least
     /// `min_idle_ms`, over the whole pending list (XPENDING IDLE skips the
-    /// busy ones, where XAUTOCLAIM would scan only COUNT x 10 entries).
+    /// busy ones, where XAUTOCLAIM would scan only COUNT x 10 entries of it).
     pub async fn idle_pending(
         &self,
         job: &str,
