@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure the tools the tests and the demo run are installed: redis-server
 # and redis-cli (real Redis for every test), promtool (checks the metrics
-# exposition), rotel (the OTLP receiver the trace test exports to). Installs
+# exposition), openssl (makes the TLS test's CA), rotel (the OTLP receiver
+# the trace test exports to). Installs
 # them with apt-get / pip when this machine allows it, else says exactly what
 # to run.
 set -euo pipefail
@@ -15,6 +16,7 @@ fi
 missing=()
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 [ ${#missing[@]} -eq 0 ] && exit 0
 install="apt-get install -y --no-install-recommends ${missing[*]}"
 if command -v apt-get >/dev/null 2>&1; then

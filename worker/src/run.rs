@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::keys;
 use common::spec::JobSpec;
-use common::store::{Delivery, Finish, RedisStore, RetryTask, StoreError};
+use common::store::{Delivery, Finish, IdleEntry, RedisStore, RetryTask, StoreError};
 use common::template::{Template, system_prompt};
 use common::validate::json_schema;
 use serde_json::json;
@@ -520,64 +520,81 @@ impl Worker {
                         continue;
                     }
                 };
-                let free = (permits.available_permits() + usize::from(first.is_some())).min(idle.len());
-                backlog += idle.len() - free;
-                if free == 0 {
-                    continue;
-                }
-                let mut grants = match self.grants(job, free).await {
-                    Some((g, _)) if g.is_empty() => continue,
-                    Some((g, _)) => Some(g),
-                    None => None,
-                };
-                let free = grants.as_ref().map_or(free, Vec::len);
-                match self
-                    .store
-                    .reclaim(
-                        &job.name,
-                        p,
-                        &self.config.consumer,
-                        self.visibility.as_millis() as u64,
-                        &idle[..free],
-                    )
-                    .await
-                {
-                    Ok(batch) => {
-                        for d in batch {
-                            tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
-                            let permit = match first.take() {
-                                Some(p) => Ok(p),
-                                None => permits.clone().try_acquire_owned(),
-                            };
-                            match permit {
-                                Ok(permit) => {
-                                    let grant = grants.as_mut().and_then(Vec::pop);
-                                    self.spawn(tracker, job.clone(), d, permit, grant);
-                                }
-                                Err(_) => break, // stays pending, owned by us; reclaimed again later
-                            }
-                        }
-                    }
-                    Err(e) => self.store_error(&e).await,
-                }
-                if let (Some(limiter), Some(unused)) = (&job.limiter, grants) {
-                    for g in unused {
-                        if let Err(e) = limiter.release(g).await {
-                            self.store_error(&e).await;
-                        }
-                    }
-                }
+                let taken = self.take_over(job, p, &idle, tracker, permits, first).await;
+                // What could not be taken now (no slot, no budget, another worker
+                // was faster) holds new claims back until the next look.
+                backlog += idle.len().saturating_sub(taken);
             }
         }
         self.reclaim_backlog
             .store(backlog, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Slots for new claims: the free ones, less those held back for tasks
-    /// waiting to be taken over (they go first).
+    /// Takes over as many of `idle` as free slots and the fleet budget allow,
+    /// and starts them. Returns how many were started.
+    async fn take_over(
+        self: &Arc<Self>,
+        job: &Arc<JobCtx>,
+        p: u32,
+        idle: &[IdleEntry],
+        tracker: &TaskTracker,
+        permits: &Arc<Semaphore>,
+        first: &mut Option<OwnedSemaphorePermit>,
+    ) -> usize {
+        let free = (permits.available_permits() + usize::from(first.is_some())).min(idle.len());
+        if free == 0 {
+            return 0;
+        }
+        let mut grants = match self.grants(job, free).await {
+            Some((g, _)) if g.is_empty() => return 0,
+            Some((g, _)) => Some(g),
+            None => None,
+        };
+        let free = grants.as_ref().map_or(free, Vec::len);
+        let mut started = 0;
+        let visibility = self.visibility.as_millis() as u64;
+        match self
+            .store
+            .reclaim(&job.name, p, &self.config.consumer, visibility, &idle[..free])
+            .await
+        {
+            Ok(batch) => {
+                for d in batch {
+                    tracing::info!(job = %job.name, record_id = %d.record_id, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
+                    let permit = match first.take() {
+                        Some(p) => Ok(p),
+                        None => permits.clone().try_acquire_owned(),
+                    };
+                    match permit {
+                        Ok(permit) => {
+                            let grant = grants.as_mut().and_then(Vec::pop);
+                            self.spawn(tracker, job.clone(), d, permit, grant);
+                            started += 1;
+                        }
+                        Err(_) => break, // stays pending, owned by us; reclaimed again later
+                    }
+                }
+            }
+            Err(e) => self.store_error(&e).await,
+        }
+        if let (Some(limiter), Some(unused)) = (&job.limiter, grants) {
+            for g in unused {
+                if let Err(e) = limiter.release(g).await {
+                    self.store_error(&e).await;
+                }
+            }
+        }
+        started
+    }
+
+    /// Slots for new claims: none while tasks of a dead or stuck worker wait
+    /// to be taken over (they are the oldest work; they go first, on slots
+    /// and on the fleet's budget alike).
     fn claimable(&self, permits: &Semaphore, first: bool) -> usize {
-        (permits.available_permits() + usize::from(first))
-            .saturating_sub(self.reclaim_backlog.load(std::sync::atomic::Ordering::Relaxed))
+        if self.reclaim_backlog.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+            return 0;
+        }
+        permits.available_permits() + usize::from(first)
     }
 
     /// Every job is complete, or halted (nothing more this worker can do).
