@@ -93,9 +93,9 @@ struct Worker {
     halted_here: std::sync::Mutex<BTreeMap<String, String>>,
     /// Jobs cancelled by an operator (refreshed with the halt check).
     cancelled: std::sync::Mutex<std::collections::BTreeSet<String>>,
-    /// Tasks of dead or stuck workers waiting to be taken over, that the last
-    /// maintenance found no free slot for: new claims leave that many slots
-    /// free, so a busy fleet still takes them over first.
+    /// Tasks of dead or stuck workers the last maintenance saw waiting to be
+    /// taken over and could not take: while any wait, no new claims, so a busy
+    /// fleet still runs them first (maintenance then looks every 100 ms).
     reclaim_backlog: std::sync::atomic::AtomicUsize,
 }
 
@@ -254,7 +254,8 @@ impl Worker {
         let mut last_claimed = usize::MAX;
         let mut rounds: u32 = 0;
         let mut last_maintenance = Instant::now();
-        let maintenance_every = (self.visibility / 4).clamp(Duration::from_millis(200), Duration::from_secs(5));
+        // Often enough that a dead worker's task waits little past the visibility timeout.
+        let maintenance_every = (self.visibility / 10).clamp(Duration::from_millis(100), Duration::from_secs(2));
         let mut last_halt_check = Instant::now() - Duration::from_secs(3600);
         let mut halted: BTreeMap<String, String> = BTreeMap::new();
         loop {
