@@ -29,7 +29,9 @@ const WORKERS: usize = 4;
 const PARTITIONS: u32 = 4;
 /// Every fault a provider shows, except those that halt the whole fleet (401,
 /// insufficient_quota: they stop the job by design, tested on their own).
-const FAULTS: &str = "rate_limit=0.02,server_error=0.03,unavailable=0.02,hang=0.003,empty=0.02,broken_json=0.03,\
+/// 429s are rarer than the rest: each pauses the whole fleet for its
+/// Retry-After (1 s), and at 2 % the fleet spent a third of the run paused.
+const FAULTS: &str = "rate_limit=0.005,server_error=0.03,unavailable=0.02,hang=0.003,empty=0.02,broken_json=0.03,\
 fence=0.03,prose=0.03,missing_field=0.03,bad_enum=0.05,bool_number=0.03,content_filter=0.01,length=0.02";
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -108,6 +110,7 @@ fn pending_of(redis: &RedisServer, consumer: &str) -> Option<u64> {
 #[test]
 fn nothing_lost_nothing_twice_whatever_dies() {
     let records = env_or("CHAOS_RECORDS", 2000);
+    let faults = std::env::var("CHAOS_FAULTS").unwrap_or_else(|_| FAULTS.to_owned());
     let concurrency = env_or("CHAOS_CONCURRENCY", 8);
     let started = Instant::now();
     let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"]);
@@ -115,7 +118,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         "--latency-ms",
         "300",
         "--faults",
-        FAULTS,
+        &faults,
         "--seed",
         "11",
         "--hang-secs",
@@ -279,13 +282,16 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let target = VISIBILITY + Duration::from_secs(2);
     let mut sorted = recoveries.clone();
     sorted.sort();
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or_default();
+    let median = sorted
+        .get(sorted.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or_default();
     let within_target = recoveries.iter().filter(|d| **d < target).count();
     let summary = json!({
         "records": records,
         "workers": WORKERS,
         "concurrency_per_worker": concurrency,
-        "faults": FAULTS,
+        "faults": faults,
         "visibility_timeout_ms": VISIBILITY.as_millis() as u64,
         "injected": injected,
         "workers_started": fleet.started,
