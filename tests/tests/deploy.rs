@@ -112,6 +112,10 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
         "the ACL user and its password come from the Secret at run time"
     );
     assert!(prod.contains("BATCHFLEET_REDIS_CA_CERT") && prod.contains("secretName: redis-ca"));
+    assert!(
+        prod.contains("name: BATCHFLEET_BASE_URL") && prod.contains("value: \"https://api.openai.com/v1\""),
+        "production pins the provider endpoint"
+    );
 
     // A cluster: every seed in the URL, KEDA's cluster scaler on the same nodes.
     let (ok, cluster) = helm(&[
