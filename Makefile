@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos build bench bench-enqueue bench-worker bench-ratelimit bench-status deps lint clean
+.PHONY: demo test chaos build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -28,7 +28,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-status
+bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -42,6 +42,11 @@ deps:
 clean:
 	$(CARGO) clean
 	rm -rf .demo .bench
+
+## bench-tracing: producer enqueue with tracing off vs on (OTLP receiver on 127.0.0.1), same run
+bench-tracing: deps
+	$(CARGO) build --release --workspace --bins
+	scripts/bench-tracing.sh
 
 ## bench-worker: records/s per worker vs raw HTTP at zero latency; in-flight and RSS at 1 s latency
 bench-worker: deps
