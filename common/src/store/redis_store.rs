@@ -503,3 +503,29 @@ impl RedisStore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted_in_every_seed() {
+        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact_url("redis://:pw@h:1"), "redis://:***@h:1");
+        assert_eq!(redact_url("rediss://bf:p@w@h:1"), "rediss://bf:***@h:1");
+        assert_eq!(
+            redact_url("redis://bf:s1@a:1,redis://bf:s2@b:2"),
+            "redis://bf:***@a:1,redis://bf:***@b:2"
+        );
+    }
+
+    #[test]
+    fn several_urls_make_a_cluster_seed_list() {
+        assert_eq!(cluster_seeds("redis://a:1"), None);
+        assert_eq!(cluster_seeds("redis://a:1,"), None);
+        assert_eq!(
+            cluster_seeds("redis://a:1, redis://b:2"),
+            Some(vec!["redis://a:1", "redis://b:2"])
+        );
+    }
+}
