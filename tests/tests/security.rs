@@ -20,74 +20,78 @@ use harness::{
 };
 use redis::Commands;
 
-/// Makes a CA and, when `server` is given, a certificate for 127.0.0.1 signed by it.
+/// Runs openssl in `dir`, failing the test with its output when it fails.
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
+}
+
+/// Makes a self-signed CA `<name>.pem` / `<name>.key` in `dir`.
 fn make_ca(dir: &Path, name: &str) -> PathBuf {
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl");
-        assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
-    };
     let (key, pem) = (format!("{name}.key"), format!("{name}.pem"));
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        &key,
-        "-out",
-        &pem,
-        "-days",
-        "2",
-        "-subj",
-        &format!("/CN={name}"),
-    ]);
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN={name}"),
+        ],
+    );
     dir.join(pem)
 }
 
+/// A server certificate for 127.0.0.1 signed by the CA `ca`: (cert, key).
 fn sign_server_cert(dir: &Path, ca: &str) -> (PathBuf, PathBuf) {
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl");
-        assert!(out.status.success(), "openssl {args:?}: {}", stderr(&out));
-    };
     std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=127.0.0.1",
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        &format!("{ca}.pem"),
-        "-CAkey",
-        &format!("{ca}.key"),
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-    ]);
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            &format!("{ca}.pem"),
+            "-CAkey",
+            &format!("{ca}.key"),
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ],
+    );
     (dir.join("server.pem"), dir.join("server.key"))
 }
 
