@@ -16,10 +16,18 @@ use serde_json::Value;
 
 const P: u32 = 4;
 
+/// `review --job rv --redis URL --reviewer WHO ARGS...` as producer arguments.
+fn review_args(redis: &RedisServer, who: &str, args: &[&str]) -> Vec<String> {
+    ["review", "--job", "rv", "--redis", &redis.url(), "--reviewer", who]
+        .iter()
+        .chain(args)
+        .map(|a| (*a).to_owned())
+        .collect()
+}
+
 fn review(redis: &RedisServer, args: &[&str]) -> std::process::Output {
     Command::new(bin("producer"))
-        .args(["review", "--job", "rv", "--redis", &redis.url(), "--reviewer", "alice"])
-        .args(args)
+        .args(review_args(redis, "alice", args))
         .output()
         .unwrap()
 }
@@ -110,18 +118,7 @@ fn review_actions_validate_record_who_and_cannot_both_win() {
     // accept --edit: $EDITOR writes the corrected output.
     let editor = format!("cp {}", good.display());
     let out = Command::new(bin("producer"))
-        .args([
-            "review",
-            "--job",
-            "rv",
-            "--redis",
-            &redis.url(),
-            "--reviewer",
-            "bob",
-            "accept",
-            "msg-1",
-            "--edit",
-        ])
+        .args(review_args(&redis, "bob", &["accept", "msg-1", "--edit"]))
         .env("EDITOR", editor)
         .output()
         .unwrap();
@@ -144,16 +141,7 @@ fn review_actions_validate_record_who_and_cannot_both_win() {
     let racers: Vec<_> = (0..2)
         .map(|_| {
             Command::new(bin("producer"))
-                .args([
-                    "review",
-                    "--job",
-                    "rv",
-                    "--redis",
-                    &redis.url(),
-                    "accept",
-                    "msg-4",
-                    "--output",
-                ])
+                .args(review_args(&redis, "racer", &["accept", "msg-4", "--output"]))
                 .arg(&good)
                 .spawn()
                 .unwrap()
@@ -351,16 +339,7 @@ fn the_queue_round_trips_through_a_spreadsheet_and_a_terminal() {
         .arg("rsjq")
         .arg("--")
         .arg(bin("producer"))
-        .args([
-            "review",
-            "--job",
-            "rv",
-            "--redis",
-            &redis.url(),
-            "--reviewer",
-            "carol",
-            "next",
-        ])
+        .args(review_args(&redis, "carol", &["next"]))
         .output()
         .unwrap();
     let screen = stdout(&out);

@@ -91,7 +91,7 @@ pub async fn process(
     report: &mut Option<CallReport>,
 ) -> Result<Settled, StoreError> {
     let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.traceparent));
-    if limits.traces.enabled() {
+    if span.is_on() {
         span.set("batchfleet.job", job.name.clone());
         span.set("batchfleet.record_id", d.record_id.clone());
         span.set("batchfleet.partition", i64::from(d.partition));
@@ -233,7 +233,7 @@ async fn run_attempt(
                         Outcome::Valid
                     }
                     Validation::Invalid { errors, repairs } => {
-                        if limits.traces.enabled() {
+                        if check.is_on() {
                             check.set("batchfleet.valid", false);
                             check.set("batchfleet.errors", error_codes(&errors).join(", "));
                         }
@@ -275,9 +275,11 @@ async fn run_attempt(
         "decision": decision_label(&decision),
     }));
     let history_json = Value::Array(history.clone()).to_string();
-    span.set("batchfleet.attempt", i64::from(attempt));
-    span.set("batchfleet.outcome", outcome_label(&outcome).to_owned());
-    span.set("batchfleet.decision", decision_label(&decision));
+    if span.is_on() {
+        span.set("batchfleet.attempt", i64::from(attempt));
+        span.set("batchfleet.outcome", outcome_label(&outcome).to_owned());
+        span.set("batchfleet.decision", decision_label(&decision));
+    }
     attempt_event(
         job,
         &d,

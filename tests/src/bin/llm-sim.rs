@@ -544,31 +544,37 @@ fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
             h.insert(k, v);
         }
     };
-    if l.rpm > 0 {
-        put(&mut h, "x-ratelimit-limit-requests", l.rpm.to_string());
-        put(
-            &mut h,
-            "x-ratelimit-remaining-requests",
-            (l.requests.max(0.0) as u64).to_string(),
-        );
-        put(
-            &mut h,
-            "x-ratelimit-reset-requests",
-            go_duration((l.rpm as f64 - l.requests) * 60.0 / l.rpm as f64),
-        );
-    }
-    if l.tpm > 0 {
-        put(&mut h, "x-ratelimit-limit-tokens", l.tpm.to_string());
-        put(
-            &mut h,
-            "x-ratelimit-remaining-tokens",
-            (l.tokens.max(0.0) as u64).to_string(),
-        );
-        put(
-            &mut h,
-            "x-ratelimit-reset-tokens",
-            go_duration((l.tpm as f64 - l.tokens) * 60.0 / l.tpm as f64),
-        );
+    // Per budget: its limit, what is left, and when it is full again.
+    let budgets = [
+        (
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+            ],
+            l.rpm,
+            l.requests,
+        ),
+        (
+            [
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+            ],
+            l.tpm,
+            l.tokens,
+        ),
+    ];
+    for ([limit, remaining, reset], per_minute, left) in budgets {
+        if per_minute > 0 {
+            put(&mut h, limit, per_minute.to_string());
+            put(&mut h, remaining, (left.max(0.0) as u64).to_string());
+            put(
+                &mut h,
+                reset,
+                go_duration((per_minute as f64 - left) * 60.0 / per_minute as f64),
+            );
+        }
     }
     (h, wait)
 }
