@@ -27,6 +27,9 @@ pub enum Outcome {
     FleetHalt { cause: String },
     /// The record cannot be sent (template field missing, too large).
     InputError { reason: String },
+    /// The task was delivered more often than allowed: every worker that
+    /// took it died or hung on it, so no worker takes it again.
+    Poison { deliveries: u32 },
 }
 
 /// The decision, applied by one atomic script each.
@@ -96,6 +99,9 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         },
         Outcome::FleetHalt { cause } => Decision::Halt { reason: cause.clone() },
         Outcome::InputError { reason } => Decision::Drop { reason: reason.clone() },
+        Outcome::Poison { .. } => Decision::Review {
+            reason: "poison".into(),
+        },
     }
 }
 
@@ -220,6 +226,18 @@ mod tests {
                 reason: "refused:content_filter".into()
             }
         );
+    }
+
+    #[test]
+    fn a_poison_task_goes_to_review_whatever_its_attempts() {
+        for attempt in [1, 3, 9] {
+            assert_eq!(
+                decide(attempt, 1, &Outcome::Poison { deliveries: 6 }, &policy(), 0.5),
+                Decision::Review {
+                    reason: "poison".into()
+                }
+            );
+        }
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! - [`spec`]: the job spec (TOML): serde types, defaults, `validate()`.
 //! - [`template`]: strict `{{field}}` rendering; the system prompt's field list.
 //! - [`record`]: a dataset line as a typed record; `record_id`; partitioning.
+//! - [`task`]: a record's lifecycle as types (task, state, attempt, usage,
+//!   result, review entry), each with one encoding.
 //! - [`keys`]: every Redis key, stream, group and consumer name.
 //! - [`manifest`]: the job manifest and the producer's resume cursor.
 //! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
@@ -17,5 +19,6 @@ pub mod otel;
 pub mod record;
 pub mod spec;
 pub mod store;
+pub mod task;
 pub mod template;
 pub mod validate;

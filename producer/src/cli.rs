@@ -484,27 +484,19 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             .map(|entries| {
                 for e in &entries {
                     if json {
-                        println!("{e}");
+                        println!("{}", e.encode());
                     } else {
-                        let codes: Vec<String> = e["errors"]
-                            .as_array()
-                            .into_iter()
-                            .flatten()
-                            .map(|x| {
-                                format!(
-                                    "{} {}",
-                                    x["code"].as_str().unwrap_or(""),
-                                    x["field"].as_str().unwrap_or("")
-                                )
-                            })
+                        let codes: Vec<String> = e
+                            .errors
+                            .iter()
+                            .map(|x| format!("{} {}", x.code.as_str(), x.field))
                             .collect();
                         println!(
                             "{}  {:<24} {:<24} attempts {}  {}",
-                            &e["record_id"].as_str().unwrap_or("")
-                                [..16.min(e["record_id"].as_str().unwrap_or("").len())],
-                            e["key"].as_str().unwrap_or(""),
-                            e["reason"].as_str().unwrap_or(""),
-                            e["attempts"],
+                            &e.record_id[..16.min(e.record_id.len())],
+                            e.key,
+                            e.reason,
+                            e.attempts,
                             codes.join(", ")
                         );
                     }
@@ -513,19 +505,16 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
                     eprintln!("{} entries in review", entries.len());
                 }
             }),
-        ReviewCmd::Show { id } => review::find(&store, job, &id).await.map(|(_, _, json)| {
-            let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or(json));
+        ReviewCmd::Show { id } => review::find(&store, job, &id).await.map(|(entry, _)| {
+            let v: serde_json::Value = serde_json::from_str(&entry.seen).unwrap_or_default();
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or(entry.seen));
         }),
         ReviewCmd::Accept { id, output, edit } => {
             let text = match (output, edit) {
                 (Some(path), _) => std::fs::read_to_string(&path)
                     .map_err(|e| ReviewError::Io(format!("cannot read {}: {e}", path.display()))),
                 (None, true) => match review::find(&store, job, &id).await {
-                    Ok((_, _, json)) => {
-                        let entry: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
-                        review::edit_in_editor(&review::editable(&entry), &std::env::temp_dir())
-                    }
+                    Ok((entry, _)) => review::edit_in_editor(&review::editable(&entry), &std::env::temp_dir()),
                     Err(e) => Err(e),
                 },
                 (None, false) => Err(ReviewError::Io(

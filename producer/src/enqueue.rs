@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::keys;
 use common::manifest::{Counts, Cursor, Dataset, DatasetPass, DroppedLine, Identity, Manifest, Sample, now_rfc3339};
 use common::otel::{Span, SpanKind, Traces};
 use common::record::{DropReason, IdContext, Line, parse_line, partition_of};
 use common::spec::{JobSpec, SpecError, versions_map};
-use common::store::{EnqueueOutcome, RedisStore, StoreError, TaskEntry};
+use common::store::{BadJobName, EnqueueOutcome, RedisStore, StoreError, TaskEntry, valid_job_name};
+use common::task::Task;
 use common::template::Template;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -73,7 +73,7 @@ pub enum EnqueueError {
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error(transparent)]
-    JobName(#[from] keys::BadJobName),
+    JobName(#[from] BadJobName),
     #[error("cannot read dataset {path}: {source}")]
     Dataset { path: String, source: std::io::Error },
     #[error(transparent)]
@@ -98,7 +98,7 @@ async fn enqueue_traced(
     traces: &Traces,
 ) -> Result<Summary, EnqueueError> {
     let started = Instant::now();
-    keys::valid_job_name(&args.job)?;
+    valid_job_name(&args.job)?;
     let spec = JobSpec::load(&args.spec_path)?;
     let spec_text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
         path: args.spec_path.clone(),
@@ -386,10 +386,6 @@ impl Pass<'_> {
                 }
                 Line::Record(r) => {
                     let partition = partition_of(&r.id, self.spec.job.partitions);
-                    let state = match &r.rendered {
-                        Ok(_) => "queued".to_owned(),
-                        Err(missing) => format!("dropped:{missing}"),
-                    };
                     let mut traceparent = String::new();
                     if self.traces.enabled() && r.rendered.is_ok() {
                         let span = self.traces.start("enqueue", SpanKind::Producer, None);
@@ -401,14 +397,16 @@ impl Pass<'_> {
                         batch.spans.push(span);
                     }
                     batch.task_lines.push(pos.number);
+                    let task = match &r.rendered {
+                        Ok(_) => Task::new(&r.id, &r.input, &traceparent).map_err(|e| e.to_string()),
+                        Err(missing) => Err(missing.to_string()),
+                    };
                     tasks.push(TaskEntry {
                         partition,
                         record_id: r.id,
                         origin,
-                        state,
                         key: r.key,
-                        input: r.input,
-                        traceparent,
+                        task,
                     });
                 }
             }
@@ -431,7 +429,7 @@ impl Pass<'_> {
         let this_dataset = format!("{}:", self.origin_prefix);
         let mut spans = spans.into_iter();
         for ((task, &line), outcome) in tasks.iter().zip(&task_lines).zip(outcomes) {
-            if !task.traceparent.is_empty()
+            if task.task.as_ref().is_ok_and(|t| !t.tp.is_empty())
                 && let Some(span) = spans.next()
             {
                 let added = outcome == EnqueueOutcome::Added;
@@ -444,7 +442,12 @@ impl Pass<'_> {
                 }
                 _ => None,
             };
-            let reason = match (duplicate_of, task.state.strip_prefix("dropped:template_missing:")) {
+            let template_missing = task
+                .task
+                .as_ref()
+                .err()
+                .and_then(|r| r.strip_prefix("template_missing:"));
+            let reason = match (duplicate_of, template_missing) {
                 (Some(first_line), _) => Some(DropReason::DuplicateId { first_line }),
                 (None, Some(field)) => Some(DropReason::TemplateMissing(field.to_owned())),
                 (None, None) => None,

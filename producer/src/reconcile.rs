@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 
-use common::keys;
-use common::store::{RedisStore, StoreError};
+use common::store::{RecordSet, RedisStore, StoreError};
+use common::task::RecordState;
 use serde::Serialize;
 
 /// One anomaly: which record, in which partition, and what is wrong.
@@ -19,6 +19,9 @@ pub struct Anomaly {
     pub record_id: String,
     pub partition: u32,
     pub what: String,
+    /// The record's state when it was found (None: not known to the job).
+    #[serde(skip)]
+    pub state: Option<RecordState>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -37,7 +40,8 @@ impl Reconciliation {
 /// Where one record was found, within one partition.
 #[derive(Default)]
 struct Seen {
-    state: Option<String>,
+    /// None: not in the job's records; Some(None): a state value no version writes.
+    state: Option<Option<RecordState>>,
     in_stream: u32,
     delayed: u32,
     result: bool,
@@ -65,45 +69,41 @@ pub async fn reconcile(store: &RedisStore, job: &str, partitions: u32) -> Result
 async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Reconciliation, StoreError> {
     let mut seen: HashMap<String, Seen> = HashMap::new();
     store
-        .scan_hash(&keys::state(job, p), |rid, state| {
-            seen.entry(rid).or_default().state = Some(state)
-        })
+        .record_states(job, p, |rid, state| seen.entry(rid).or_default().state = Some(state))
         .await?;
     store
         .scan_stream_rids(job, p, |rid| seen.entry(rid).or_default().in_stream += 1)
         .await?;
     store
-        .scan_sorted_set(&keys::delayed(job, p), |member| {
-            let rid = serde_json::from_str::<serde_json::Value>(&member)
-                .ok()
-                .and_then(|v| v["rid"].as_str().map(str::to_owned))
-                .unwrap_or(member);
-            seen.entry(rid).or_default().delayed += 1;
+        .record_ids(job, p, RecordSet::Delayed, |rid| {
+            seen.entry(rid).or_default().delayed += 1
         })
         .await?;
     store
-        .scan_hash(&keys::results(job, p), |rid, _| {
+        .record_ids(job, p, RecordSet::Results, |rid| {
             seen.entry(rid).or_default().result = true
         })
         .await?;
     store
-        .scan_hash(&keys::review(job, p), |rid, _| {
+        .record_ids(job, p, RecordSet::Review, |rid| {
             seen.entry(rid).or_default().review = true
         })
         .await?;
     store
-        .scan_hash(&keys::cancelled(job, p), |rid, _| {
+        .record_ids(job, p, RecordSet::Cancelled, |rid| {
             seen.entry(rid).or_default().cancelled = true
         })
         .await?;
 
     let mut out = Reconciliation::default();
     for (rid, s) in seen {
+        let known = s.state.clone().flatten();
         let report = |list: &mut Vec<Anomaly>, what: &str| {
             list.push(Anomaly {
                 record_id: rid.clone(),
                 partition: p,
                 what: what.to_owned(),
+                state: known.clone(),
             })
         };
         let places = u32::from(s.in_stream > 0)
@@ -111,7 +111,7 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
             + u32::from(s.result)
             + u32::from(s.review)
             + u32::from(s.cancelled);
-        let Some(state) = s.state.as_deref() else {
+        let Some(state) = s.state.clone() else {
             report(
                 &mut out.unknown,
                 "not in the job's records, but has a task, retry, result or review entry",
@@ -122,15 +122,16 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
             report(&mut out.duplicates, &describe(&s));
             continue;
         }
-        let ok = match state {
-            "queued" => s.in_stream == 1,
-            "delayed" => s.delayed == 1,
-            "done" => s.result && places == 1,
-            "review" => s.review && places == 1,
-            "cancelled" => s.cancelled && places == 1,
-            _ if state.starts_with("dropped:") => places == 0,
-            _ => false,
+        let ok = match &state {
+            Some(RecordState::Queued) => s.in_stream == 1,
+            Some(RecordState::Delayed) => s.delayed == 1,
+            Some(RecordState::Done) => s.result && places == 1,
+            Some(RecordState::Review) => s.review && places == 1,
+            Some(RecordState::Cancelled) => s.cancelled && places == 1,
+            Some(RecordState::Dropped(_)) => places == 0,
+            None => false,
         };
+        let state = state.map_or_else(|| "?".to_owned(), |st| st.encode().into_owned());
         if ok {
             continue;
         }

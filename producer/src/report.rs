@@ -3,11 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use common::keys;
 use common::spec::{JobSpec, Prices};
 use common::store::{RedisStore, StoreError};
+use common::task::{self, HistoryItem};
 use serde::Serialize;
-use serde_json::Value;
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct Usage {
@@ -19,18 +18,23 @@ pub struct Usage {
 }
 
 impl Usage {
-    fn add_call(&mut self, usage: &Value, prices: &Prices) {
-        let prompt = usage["prompt_tokens"].as_u64().unwrap_or(0);
-        let cached = usage["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap_or(0)
-            .min(prompt);
-        let completion = usage["completion_tokens"].as_u64().unwrap_or(0);
+    fn add_call(&mut self, usage: Option<&task::Usage>, prices: &Prices) {
         self.calls += 1;
-        self.prompt_tokens += prompt;
-        self.cached_tokens += cached;
-        self.completion_tokens += completion;
-        self.cost_usd += prices.cost(prompt, cached, completion);
+        if let Some(u) = usage {
+            self.prompt_tokens += u.prompt;
+            self.cached_tokens += u.cached;
+            self.completion_tokens += u.completion;
+            self.cost_usd += u.cost(prices);
+        }
+    }
+
+    /// The calls of a record's history.
+    fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
+        let mut u = Usage::default();
+        for a in history.iter().filter_map(HistoryItem::as_attempt) {
+            u.add_call(a.usage.as_ref(), prices);
+        }
+        u
     }
 
     fn merge(&mut self, o: &Usage) {
@@ -79,60 +83,33 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
     let prices = &spec.prices;
     let mut last_commit = String::new();
     for p in 0..spec.job.partitions {
-        for (key, in_review) in [(keys::results(job, p), false), (keys::review(job, p), true)] {
-            store
-                .scan_hash(&key, |_, json| {
-                    let Ok(v) = serde_json::from_str::<Value>(&json) else {
-                        return;
-                    };
-                    let mut usage = Usage::default();
-                    let history = v["history"].as_array().cloned().unwrap_or_default();
-                    for h in history.iter().filter(|h| h.get("call").is_some()) {
-                        if h["usage"].is_object() {
-                            usage.add_call(&h["usage"], prices);
-                        } else {
-                            usage.calls += 1;
-                        }
-                        for e in h["errors"].as_array().into_iter().flatten() {
-                            let k = format!(
-                                "{} {}",
-                                e["code"].as_str().unwrap_or("?"),
-                                e["field"].as_str().unwrap_or("")
-                            );
-                            *r.validation_errors.entry(k.trim_end().to_owned()).or_default() += 1;
-                        }
-                        if h["decision"] == "retry" {
-                            let cause = h["outcome"].as_str().unwrap_or("unknown").to_owned();
-                            *r.retries_by_cause.entry(cause).or_default() += 1;
-                        }
-                    }
-                    *r.attempts_histogram
-                        .entry(v["attempts"].as_u64().unwrap_or(0))
-                        .or_default() += 1;
-                    if in_review {
-                        *r.review_by_reason
-                            .entry(v["reason"].as_str().unwrap_or("?").to_owned())
-                            .or_default() += 1;
-                        r.ended_in_review.merge(&usage);
-                    } else {
-                        r.done += 1;
-                        if v["human"] == true {
-                            r.human_accepted += 1;
-                        }
-                        if let Some(at) = v["committed_at"].as_str()
-                            && at > last_commit.as_str()
-                        {
-                            last_commit = at.to_owned();
-                        }
-                        if usage.calls <= 1 {
-                            r.first_attempt_successes.merge(&usage);
-                        } else {
-                            r.done_after_retries.merge(&usage);
-                        }
-                    }
-                })
-                .await?;
-        }
+        store
+            .results(job, p, |res| {
+                r.count_history(&res.history);
+                *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
+                let usage = Usage::of_history(&res.history, prices);
+                r.done += 1;
+                if res.human {
+                    r.human_accepted += 1;
+                }
+                if res.committed_at > last_commit {
+                    last_commit = res.committed_at.clone();
+                }
+                if usage.calls <= 1 {
+                    r.first_attempt_successes.merge(&usage);
+                } else {
+                    r.done_after_retries.merge(&usage);
+                }
+            })
+            .await?;
+        store
+            .review_entries(job, p, |e| {
+                r.count_history(&e.history);
+                *r.attempts_histogram.entry(u64::from(e.attempts)).or_default() += 1;
+                *r.review_by_reason.entry(e.reason.clone()).or_default() += 1;
+                r.ended_in_review.merge(&Usage::of_history(&e.history, prices));
+            })
+            .await?;
     }
     for part in [&r.first_attempt_successes, &r.done_after_retries, &r.ended_in_review] {
         let part = part.clone();
@@ -146,6 +123,21 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
         r.records_per_sec = Some(r.done as f64 / secs);
     }
     Ok(r)
+}
+
+impl Report {
+    /// Validation errors and retry causes of a record's calls.
+    fn count_history(&mut self, history: &[HistoryItem]) {
+        for a in history.iter().filter_map(HistoryItem::as_attempt) {
+            for e in &a.errors {
+                let k = format!("{} {}", e.code.as_str(), e.field);
+                *self.validation_errors.entry(k.trim_end().to_owned()).or_default() += 1;
+            }
+            if a.decision == "retry" {
+                *self.retries_by_cause.entry(a.outcome.clone()).or_default() += 1;
+            }
+        }
+    }
 }
 
 /// Seconds since the epoch of `YYYY-MM-DDTHH:MM:SSZ` (the format we write).

@@ -4,10 +4,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use common::keys;
 use common::store::{RedisStore, ReviewAction, ReviewOutcome};
+use common::task::{Action, RecordState, Task};
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::reader::{LineReader, file_sha256};
 use crate::reconcile::reconcile;
@@ -41,28 +41,17 @@ impl RetrySummary {
 pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Result<RetrySummary, ReviewError> {
     let spec = job_spec(store, job).await?;
     let mut out = RetrySummary::default();
-    let mark = json!({"action": "retry", "by": who, "at": common::manifest::now_rfc3339()});
+    let mark = Action::new("retry", who);
     match from {
         From::Review => {
             for p in 0..spec.job.partitions {
                 let mut entries = Vec::new();
-                store
-                    .scan_hash(&keys::review(job, p), |rid, json| entries.push((rid, json)))
-                    .await?;
-                for (rid, seen) in entries {
-                    let entry: Value = serde_json::from_str(&seen).unwrap_or(Value::Null);
-                    let mut history = entry["history"].as_array().cloned().unwrap_or_default();
-                    history.push(mark.clone());
-                    let mut archived = entry.clone();
-                    archived["actions"] = json!([mark.clone()]);
-                    let action = ReviewAction::Requeue {
-                        input: entry["input"].to_string(),
-                        attempts: entry["attempts"].as_u64().unwrap_or(0) as u32,
-                        calls: calls_of(&entry["history"]),
-                        history: Value::Array(history).to_string(),
-                    };
+                store.review_entries(job, p, |e| entries.push(e)).await?;
+                for entry in entries {
+                    let task = entry.requeue(&mark);
+                    let archived = entry.archived(mark.clone());
                     match store
-                        .review_act(job, p, &rid, &seen, &archived.to_string(), &action)
+                        .review_act(job, p, &entry, &archived, &ReviewAction::Requeue(task))
                         .await?
                     {
                         ReviewOutcome::Applied => out.requeued += 1,
@@ -75,37 +64,23 @@ pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Resu
             for p in 0..spec.job.partitions {
                 let mut dropped = Vec::new();
                 store
-                    .scan_hash(&keys::state(job, p), |rid, state| {
-                        if let Some(reason) = state.strip_prefix("dropped:") {
-                            dropped.push((rid, reason.to_owned()));
+                    .record_states(job, p, |rid, state| {
+                        if let Some(RecordState::Dropped(reason)) = state {
+                            dropped.push((rid, reason));
                         }
                     })
                     .await?;
                 for (rid, reason) in dropped {
-                    if reason != "rejected" {
+                    if reason != RecordState::REJECTED {
                         out.skip(&format!("{reason} (an input error: fix the data and enqueue again)"));
                         continue;
                     }
-                    let archived = store.archived_review(job, p, &rid).await?;
-                    let Some(entry) = archived.and_then(|a| serde_json::from_str::<Value>(&a).ok()) else {
+                    let Some(entry) = store.archived_review(job, p, &rid).await.ok().flatten() else {
                         out.skip("rejected, but its review entry is gone");
                         continue;
                     };
-                    let mut history = entry["history"].as_array().cloned().unwrap_or_default();
-                    history.push(mark.clone());
-                    let requeued = store
-                        .retry_record(
-                            job,
-                            p,
-                            &rid,
-                            "dropped:rejected",
-                            &entry["input"].to_string(),
-                            entry["attempts"].as_u64().unwrap_or(0) as u32,
-                            calls_of(&entry["history"]),
-                            &Value::Array(history).to_string(),
-                        )
-                        .await?;
-                    if requeued {
+                    let expected = RecordState::Dropped(RecordState::REJECTED.into());
+                    if store.retry_record(job, p, &expected, &entry.requeue(&mark)).await? {
                         out.requeued += 1;
                     } else {
                         out.skip("changed meanwhile");
@@ -118,14 +93,8 @@ pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Resu
     Ok(out)
 }
 
-fn calls_of(history: &Value) -> u32 {
-    history
-        .as_array()
-        .map_or(0, |h| h.iter().filter(|x| x.get("call").is_some()).count() as u32)
-}
-
 /// A missing record to rebuild: record id, partition, the state it was seen in.
-type Wanted = (String, u32, String);
+type Wanted = (String, u32, RecordState);
 
 /// Missing records: their task is gone, so their input is read back from the
 /// dataset line their idempotency key points at (`<sha12>:<line>`), after
@@ -134,7 +103,7 @@ async fn retry_missing(
     store: &RedisStore,
     job: &str,
     partitions: u32,
-    mark: &Value,
+    mark: &Action,
     out: &mut RetrySummary,
 ) -> Result<(), ReviewError> {
     let r = reconcile(store, job, partitions).await?;
@@ -154,7 +123,10 @@ async fn retry_missing(
         .unwrap_or_default();
     let mut wanted: HashMap<String, BTreeMap<u64, Vec<Wanted>>> = HashMap::new();
     for a in &r.missing {
-        let state = a.what.split('`').nth(1).unwrap_or("").to_owned();
+        let Some(state) = a.state.clone() else {
+            out.skip("its state is unreadable");
+            continue;
+        };
         match store.record_origin(job, a.partition, &a.record_id).await? {
             Some(origin) => {
                 let Some((short, line)) = origin.split_once(':') else {
@@ -204,11 +176,12 @@ async fn retry_missing(
                 continue;
             };
             for (rid, p, state) in records {
-                let history = json!([mark]).to_string();
-                if store
-                    .retry_record(job, *p, rid, state, &input.to_string(), 0, 0, &history)
-                    .await?
-                {
+                let Ok(mut task) = Task::new(rid, &input.to_string(), "") else {
+                    out.skip("its dataset line no longer parses");
+                    continue;
+                };
+                task.history.push(common::task::HistoryItem::Action(mark.clone()));
+                if store.retry_record(job, *p, state, &task).await? {
                     out.requeued += 1;
                 } else {
                     out.skip("changed meanwhile");

@@ -4,12 +4,11 @@
 
 use std::path::Path;
 
-use common::keys;
-use common::manifest::now_rfc3339;
 use common::spec::JobSpec;
 use common::store::{RedisStore, ReviewAction, ReviewOutcome};
+use common::task::{Action, ResultRecord, ReviewEntry, Stamp};
 use common::validate::{Validation, validate};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// Why a review command did not apply.
 #[derive(Debug, thiserror::Error)]
@@ -28,57 +27,50 @@ pub enum ReviewError {
     Io(String),
 }
 
-/// A job's spec as enqueued, and its partition count.
+/// A job's spec as enqueued.
 pub async fn job_spec(store: &RedisStore, job: &str) -> Result<JobSpec, ReviewError> {
-    let text = store
-        .load_spec_text(job)
+    store
+        .job_spec(job)
         .await?
-        .ok_or_else(|| ReviewError::NotFound(format!("job `{job}` does not exist")))?;
-    JobSpec::parse(&text, job).map_err(|e| ReviewError::Io(e.to_string()))
+        .ok_or_else(|| ReviewError::NotFound(format!("job `{job}` does not exist")))
 }
 
-/// Every review entry of a job, optionally filtered by reason or error code.
+/// Every review entry of a job, optionally filtered by reason or error code,
+/// in record id order.
 pub async fn list(
     store: &RedisStore,
     job: &str,
     reason: Option<&str>,
     code: Option<&str>,
-) -> Result<Vec<Value>, ReviewError> {
+) -> Result<Vec<ReviewEntry>, ReviewError> {
     let spec = job_spec(store, job).await?;
     let mut out = Vec::new();
     for p in 0..spec.job.partitions {
         store
-            .scan_hash(&keys::review(job, p), |_, json| {
-                let Ok(e) = serde_json::from_str::<Value>(&json) else {
-                    return;
-                };
-                let reason_ok = reason.is_none_or(|r| e["reason"].as_str().is_some_and(|x| x.starts_with(r)));
-                let code_ok = code.is_none_or(|c| {
-                    e["errors"]
-                        .as_array()
-                        .is_some_and(|errs| errs.iter().any(|x| x["code"] == c))
-                });
+            .review_entries(job, p, |e| {
+                let reason_ok = reason.is_none_or(|r| e.reason.starts_with(r));
+                let code_ok = code.is_none_or(|c| e.errors.iter().any(|x| x.code.as_str() == c));
                 if reason_ok && code_ok {
                     out.push(e);
                 }
             })
             .await?;
     }
-    out.sort_by(|a, b| a["record_id"].as_str().cmp(&b["record_id"].as_str()));
+    out.sort_by(|a, b| a.record_id.cmp(&b.record_id));
     Ok(out)
 }
 
 /// Finds an entry by record id, a unique record id prefix, or business key.
-/// Returns (record id, partition, entry JSON text).
-pub async fn find(store: &RedisStore, job: &str, id: &str) -> Result<(String, u32, String), ReviewError> {
+/// Returns the entry and its partition.
+pub async fn find(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntry, u32), ReviewError> {
     let spec = job_spec(store, job).await?;
-    let mut found: Vec<(String, u32, String)> = Vec::new();
+    let mut found: Vec<(ReviewEntry, u32)> = Vec::new();
     for p in 0..spec.job.partitions {
         store
-            .scan_hash(&keys::review(job, p), |rid, json| {
-                let key_matches = serde_json::from_str::<Value>(&json).is_ok_and(|e| e["key"] == id);
-                if rid == id || (id.len() >= 8 && rid.starts_with(id)) || key_matches {
-                    found.push((rid, p, json));
+            .review_entries(job, p, |e| {
+                let rid = &e.record_id;
+                if rid == id || (id.len() >= 8 && rid.starts_with(id)) || e.key == id {
+                    found.push((e, p));
                 }
             })
             .await?;
@@ -104,9 +96,8 @@ pub async fn accept(
     reviewer: &str,
 ) -> Result<String, ReviewError> {
     let spec = job_spec(store, job).await?;
-    let (rid, p, seen) = find(store, job, id).await?;
-    let entry: Value = serde_json::from_str(&seen).unwrap_or(Value::Null);
-    let (mut out, repairs) = match validate(&spec, output) {
+    let (entry, p) = find(store, job, id).await?;
+    let (out, repairs) = match validate(&spec, output) {
         Validation::Valid { output, repairs } => (output, repairs),
         Validation::Invalid { errors, .. } => {
             return Err(ReviewError::Invalid(
@@ -114,37 +105,10 @@ pub async fn accept(
             ));
         }
     };
-    out.insert("record_id".into(), json!(rid));
-    out.insert("_model".into(), json!(spec.provider.model));
-    let now = now_rfc3339();
-    let result = json!({
-        "record_id": rid,
-        "key": entry["key"],
-        "output": out,
-        "attempts": entry["attempts"],
-        "repairs": repairs,
-        "history": entry["history"],
-        "model": spec.provider.model,
-        "versions": common::spec::versions_map(&spec),
-        "human": true,
-        "reviewer": reviewer,
-        "committed_at": now,
-    });
-    let action = ReviewAction::Accept {
-        result: result.to_string(),
-    };
-    apply(
-        store,
-        job,
-        &rid,
-        p,
-        &seen,
-        &entry,
-        json!({"action": "accept", "by": reviewer, "at": now}),
-        &action,
-    )
-    .await?;
-    Ok(rid)
+    let result = ResultRecord::from_review(&entry, out, repairs, &Stamp::now(&spec), reviewer);
+    let act = Action::new("accept", reviewer);
+    apply(store, job, p, &entry, act, &ReviewAction::Accept(Box::new(result))).await?;
+    Ok(entry.record_id)
 }
 
 /// Puts a record back on the stream for a fresh round of attempts (the
@@ -156,20 +120,14 @@ pub async fn requeue(
     note: Option<&str>,
     reviewer: &str,
 ) -> Result<String, ReviewError> {
-    let (rid, p, seen) = find(store, job, id).await?;
-    let entry: Value = serde_json::from_str(&seen).unwrap_or(Value::Null);
-    let now = now_rfc3339();
-    let act = json!({"action": "requeue", "by": reviewer, "at": now, "note": note});
-    let mut history = entry["history"].as_array().cloned().unwrap_or_default();
-    history.push(act.clone());
-    let action = ReviewAction::Requeue {
-        input: entry["input"].to_string(),
-        attempts: entry["attempts"].as_u64().unwrap_or(0) as u32,
-        calls: entry["history"].as_array().map_or(0, |h| h.len() as u32),
-        history: Value::Array(history).to_string(),
+    let (entry, p) = find(store, job, id).await?;
+    let act = Action {
+        note: note.map(str::to_owned),
+        ..Action::new("requeue", reviewer)
     };
-    apply(store, job, &rid, p, &seen, &entry, act, &action).await?;
-    Ok(rid)
+    let task = entry.requeue(&act);
+    apply(store, job, p, &entry, act, &ReviewAction::Requeue(task)).await?;
+    Ok(entry.record_id)
 }
 
 /// Rejects a record: terminal (`dropped:rejected`), kept in the archive.
@@ -180,46 +138,37 @@ pub async fn reject(
     reason: &str,
     reviewer: &str,
 ) -> Result<String, ReviewError> {
-    let (rid, p, seen) = find(store, job, id).await?;
-    let entry: Value = serde_json::from_str(&seen).unwrap_or(Value::Null);
-    let act = json!({"action": "reject", "by": reviewer, "at": now_rfc3339(), "reason": reason});
+    let (entry, p) = find(store, job, id).await?;
+    let act = Action {
+        reason: Some(reason.to_owned()),
+        ..Action::new("reject", reviewer)
+    };
     let action = ReviewAction::Reject {
         reason: reason.to_owned(),
     };
-    apply(store, job, &rid, p, &seen, &entry, act, &action).await?;
-    Ok(rid)
+    apply(store, job, p, &entry, act, &action).await?;
+    Ok(entry.record_id)
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn apply(
     store: &RedisStore,
     job: &str,
-    rid: &str,
     p: u32,
-    seen: &str,
-    entry: &Value,
-    act: Value,
+    entry: &ReviewEntry,
+    act: Action,
     action: &ReviewAction,
 ) -> Result<(), ReviewError> {
-    let mut archived = entry.clone();
-    if let Some(actions) = archived.get_mut("actions").and_then(Value::as_array_mut) {
-        actions.push(act);
-    } else {
-        archived["actions"] = json!([act]);
-    }
-    match store
-        .review_act(job, p, rid, seen, &archived.to_string(), action)
-        .await?
-    {
+    let archived = entry.archived(act);
+    match store.review_act(job, p, entry, &archived, action).await? {
         ReviewOutcome::Applied => Ok(()),
-        ReviewOutcome::Lost => Err(ReviewError::Lost(rid.to_owned())),
-        ReviewOutcome::AlreadyDone => Err(ReviewError::AlreadyDone(rid.to_owned())),
+        ReviewOutcome::Lost => Err(ReviewError::Lost(entry.record_id.clone())),
+        ReviewOutcome::AlreadyDone => Err(ReviewError::AlreadyDone(entry.record_id.clone())),
     }
 }
 
 /// The text a person edits with `--edit`: the last output, pretty when JSON.
-pub fn editable(entry: &Value) -> String {
-    let raw = entry["last_raw_output"].as_str().unwrap_or("");
+pub fn editable(entry: &ReviewEntry) -> String {
+    let raw = entry.last_raw_output.as_str();
     serde_json::from_str::<Value>(raw)
         .ok()
         .and_then(|v| serde_json::to_string_pretty(&v).ok())
@@ -290,22 +239,37 @@ pub struct ImportSummary {
     pub rejected_lines: Vec<String>,
 }
 
+/// A line of `review export`: the entry's facts and the columns to fill in.
+#[derive(serde::Serialize)]
+struct QueueLine<'a> {
+    record_id: &'a str,
+    key: &'a str,
+    reason: &'a str,
+    errors: &'a [common::validate::FieldError],
+    last_raw_output: &'a str,
+    input: &'a common::task::Input,
+    decision: Option<&'a str>,
+    output: Option<&'a Value>,
+    note: Option<&'a str>,
+}
+
 /// The review queue as JSONL for people who review in a spreadsheet: one line
 /// per entry with empty `decision`, `output` and `note` columns to fill in.
 pub async fn export_queue(store: &RedisStore, job: &str, out: &mut impl std::io::Write) -> Result<u64, ReviewError> {
     let entries = list(store, job, None, None).await?;
     for e in &entries {
-        let line = json!({
-            "record_id": e["record_id"],
-            "key": e["key"],
-            "reason": e["reason"],
-            "errors": e["errors"],
-            "last_raw_output": e["last_raw_output"],
-            "input": e["input"],
-            "decision": null,
-            "output": null,
-            "note": null,
-        });
+        let line = QueueLine {
+            record_id: &e.record_id,
+            key: &e.key,
+            reason: &e.reason,
+            errors: &e.errors,
+            last_raw_output: &e.last_raw_output,
+            input: &e.input,
+            decision: None,
+            output: None,
+            note: None,
+        };
+        let line = serde_json::to_string(&line).map_err(|e| ReviewError::Io(e.to_string()))?;
         writeln!(out, "{line}").map_err(|e| ReviewError::Io(e.to_string()))?;
     }
     Ok(entries.len() as u64)
@@ -396,36 +360,32 @@ pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, 
     let _raw = RawMode::enter();
     loop {
         let entries = list(store, job, None, None).await?;
-        let Some(e) = entries
-            .into_iter()
-            .find(|e| !skipped.contains(e["record_id"].as_str().unwrap_or("")))
-        else {
+        let Some(e) = entries.into_iter().find(|e| !skipped.contains(&e.record_id)) else {
             println!("\r\nreview queue of {job} is empty (or every entry was skipped): {acted} acted on\r");
             return Ok(acted);
         };
-        let rid = e["record_id"].as_str().unwrap_or("").to_owned();
+        let rid = e.record_id.clone();
+        let quoted = |s: &str| Value::from(s).to_string();
         let mut screen = String::new();
-        screen.push_str(&format!(
-            "\r\n=== {} ({})\r\n",
-            e["key"].as_str().unwrap_or(""),
-            &rid[..16.min(rid.len())]
-        ));
-        screen.push_str(&format!("reason: {}   attempts: {}\r\n", e["reason"], e["attempts"]));
-        for err in e["errors"].as_array().into_iter().flatten() {
+        screen.push_str(&format!("\r\n=== {} ({})\r\n", e.key, &rid[..16.min(rid.len())]));
+        screen.push_str(&format!("reason: {}   attempts: {}\r\n", quoted(&e.reason), e.attempts));
+        for err in &e.errors {
             screen.push_str(&format!(
                 "error: {} {} {}\r\n",
-                err["code"], err["field"], err["message"]
+                quoted(err.code.as_str()),
+                quoted(&err.field),
+                quoted(&err.message)
             ));
         }
-        screen.push_str(&format!("input: {}\r\n", e["input"]));
-        screen.push_str(&format!("last output: {}\r\n", e["last_raw_output"]));
+        screen.push_str(&format!("input: {}\r\n", e.input.get()));
+        screen.push_str(&format!("last output: {}\r\n", quoted(&e.last_raw_output)));
         screen.push_str("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ");
         print!("{screen}");
         let _ = std::io::stdout().flush();
         let key = read_key().map_err(|e| ReviewError::Io(e.to_string()))?;
         println!("{key}\r");
         let result = match key {
-            'a' => accept(store, job, &rid, e["last_raw_output"].as_str().unwrap_or(""), who)
+            'a' => accept(store, job, &rid, &e.last_raw_output, who)
                 .await
                 .map(|_| "accepted"),
             'e' => {

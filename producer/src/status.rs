@@ -4,10 +4,9 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use common::keys;
 use common::store::{RedisStore, StoreError};
+use common::task::RecordState;
 use serde::Serialize;
-use serde_json::Value;
 
 use crate::reconcile::{Reconciliation, reconcile};
 
@@ -62,9 +61,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<Job
     let manifest = store.load_manifest(job).await?;
     let partitions = match &manifest {
         Some(m) => m.partitions,
-        None => common::spec::JobSpec::parse(&store.load_spec_text(job).await?.unwrap_or_default(), job)
-            .map(|s| s.job.partitions)
-            .unwrap_or(0),
+        None => store.job_spec(job).await.ok().flatten().map_or(0, |s| s.job.partitions),
     };
     let mut s = JobStatus {
         job: job.to_owned(),
@@ -75,37 +72,30 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<Job
     let mut queued_state = 0u64;
     for p in 0..partitions {
         store
-            .scan_hash(&keys::state(job, p), |_, state| {
+            .record_states(job, p, |_, state| {
                 s.known += 1;
-                match state.as_str() {
-                    "queued" => queued_state += 1,
-                    "delayed" => s.delayed += 1,
-                    "done" => s.done += 1,
-                    "review" => s.review += 1,
-                    "cancelled" => s.cancelled += 1,
-                    other => {
-                        if let Some(reason) = other.strip_prefix("dropped:") {
-                            s.dropped += 1;
-                            *s.dropped_by_reason.entry(reason.to_owned()).or_default() += 1;
-                        }
+                match state {
+                    Some(RecordState::Queued) => queued_state += 1,
+                    Some(RecordState::Delayed) => s.delayed += 1,
+                    Some(RecordState::Done) => s.done += 1,
+                    Some(RecordState::Review) => s.review += 1,
+                    Some(RecordState::Cancelled) => s.cancelled += 1,
+                    Some(RecordState::Dropped(reason)) => {
+                        s.dropped += 1;
+                        *s.dropped_by_reason.entry(reason).or_default() += 1;
                     }
+                    None => {}
                 }
             })
             .await?;
         s.in_flight += store.pending_count(job, p).await?;
         store
-            .scan_hash(&keys::results(job, p), |_, json| {
-                let Ok(r) = serde_json::from_str::<Value>(&json) else {
-                    return;
-                };
-                *s.attempts_histogram
-                    .entry(r["attempts"].as_u64().unwrap_or(0))
-                    .or_default() += 1;
-                for h in r["history"].as_array().into_iter().flatten() {
-                    let u = &h["usage"];
-                    s.tokens.prompt += u["prompt_tokens"].as_u64().unwrap_or(0);
-                    s.tokens.completion += u["completion_tokens"].as_u64().unwrap_or(0);
-                    s.tokens.cached += u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+            .results(job, p, |r| {
+                *s.attempts_histogram.entry(u64::from(r.attempts)).or_default() += 1;
+                for u in r.history.iter().filter_map(|h| h.as_attempt()?.usage) {
+                    s.tokens.prompt += u.prompt;
+                    s.tokens.completion += u.completion;
+                    s.tokens.cached += u.cached;
                 }
             })
             .await?;
@@ -163,13 +153,13 @@ pub async fn export(
     };
     for p in 0..partitions {
         match what {
-            ExportSet::Done => store.scan_hash(&keys::results(job, p), |_, json| write(json)).await?,
-            ExportSet::Review => store.scan_hash(&keys::review(job, p), |_, json| write(json)).await?,
+            ExportSet::Done => store.results(job, p, |r| write(r.encode())).await?,
+            ExportSet::Review => store.review_entries(job, p, |e| write(e.encode())).await?,
             ExportSet::Dropped => {
                 store
-                    .scan_hash(&keys::state(job, p), |rid, state| {
-                        if let Some(reason) = state.strip_prefix("dropped:") {
-                            write(serde_json::json!({"record_id": rid, "reason": reason}).to_string());
+                    .record_states(job, p, |rid, state| {
+                        if let Some(RecordState::Dropped(reason)) = state {
+                            write(DroppedRecord { record_id: rid, reason }.encode());
                         }
                     })
                     .await?
@@ -181,6 +171,19 @@ pub async fn export(
     }
     out.flush()?;
     Ok(n)
+}
+
+/// A line of `export --what dropped`.
+#[derive(Serialize)]
+struct DroppedRecord {
+    record_id: String,
+    reason: String,
+}
+
+impl DroppedRecord {
+    fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
 }
 
 /// The human view of a status.

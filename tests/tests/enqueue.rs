@@ -49,7 +49,10 @@ fn tasks(redis: &RedisServer, job: &str) -> Vec<(u32, String, String, String)> {
         let reply: redis::streams::StreamRangeReply = c.xrange_all(keys::stream(job, p)).unwrap();
         for entry in reply.ids {
             let field = |k: &str| -> String { entry.get(k).unwrap_or_default() };
-            let input = field("input");
+            // The entry carries the encoded task; its input is embedded as enqueued.
+            let input = common::task::Task::decode(&field("task"))
+                .map(|t| t.input.get().to_owned())
+                .unwrap_or_default();
             let key = serde_json::from_str::<Value>(&input).unwrap()["message_id"]
                 .as_str()
                 .unwrap_or_default()

@@ -41,14 +41,15 @@ struct Http {
     health: Arc<Health>,
 }
 
-/// Binds `addr` (port 0 picks a free one) and serves in the background.
-/// Returns the bound address.
+/// Binds `addr` (port 0 picks a free one) and serves in the background
+/// until `stop` fires. Returns the bound address.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     store: RedisStore,
     jobs: Vec<(String, u32)>,
     health: Arc<Health>,
+    stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
@@ -64,7 +65,10 @@ pub async fn serve(
         .route("/readyz", get(ready_handler))
         .with_state(state);
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(e) = served {
             tracing::error!(error = %e, "metrics server stopped");
         }
     });

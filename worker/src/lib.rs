@@ -1,14 +1,25 @@
 //! The `worker`: claims tasks, calls the model, validates, decides, commits.
 //!
-//! - [`run`]: the claim / reclaim / promote loop and the shutdown order.
+//! - [`run`]: configuration, start-up checks, the services and the shutdown order.
+//! - [`fleet`]: what the services share (permits, tracker, flags); starting a task.
+//! - [`service`]: a loop as a cancellable service around a `run_once` body.
+//! - [`claim`], [`reclaim`], [`promote`], [`watch`]: the services (claim new
+//!   tasks; take over dead workers' tasks; promote due retries; read halt and
+//!   cancel flags).
 //! - [`process`]: one task from delivery to its single atomic outcome.
-//! - [`provider`]: the OpenAI-compatible client and failure classification.
+//! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod claim;
+pub mod fleet;
 pub mod http;
 pub mod limiter;
 pub mod process;
+pub mod promote;
 pub mod provider;
+pub mod reclaim;
 pub mod run;
+pub mod service;
 pub mod telemetry;
+pub mod watch;

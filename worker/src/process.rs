@@ -4,17 +4,19 @@
 //! its inputs and applies its answer with one atomic store call.
 
 use common::decision::{Decision, Outcome, decide};
-use common::manifest::now_rfc3339;
 use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
-use common::store::{Delivery, Finish, RedisStore, RetryTask, StoreError};
+use common::store::{Finish, RedisStore, StoreError};
+use common::task::{
+    Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
+};
 use common::template::{Template, lookup};
-use common::validate::{FieldError, Validation, feedback, validate};
+use common::validate::{FieldError, feedback};
 use rand::RngExt;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::limiter::{Limiter, RateHeaders, Used};
-use crate::provider::{CallResult, ErrorKind, Provider, Request};
+use crate::provider::{CallResult, ErrorKind, Provider, Reply, Request};
 use crate::telemetry::{Metrics, status_class};
 
 /// Everything a worker needs to process one job's tasks.
@@ -75,8 +77,6 @@ pub struct Limits {
     pub traces: Traces,
 }
 
-const TERMINAL_PREFIXES: &[&str] = &["done", "review", "dropped", "cancelled"];
-
 /// Processes one delivery. Store errors are returned (the task then stays
 /// pending and is reclaimed); everything else ends in a [`Settled`]. `report`
 /// receives what the model call used (it stays None when no call was made).
@@ -90,10 +90,10 @@ pub async fn process(
     limits: &Limits,
     report: &mut Option<CallReport>,
 ) -> Result<Settled, StoreError> {
-    let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.traceparent));
+    let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.task.tp));
     if span.is_on() {
         span.set("batchfleet.job", job.name.clone());
-        span.set("batchfleet.record_id", d.record_id.clone());
+        span.set("batchfleet.record_id", d.task.rid.clone());
         span.set("batchfleet.partition", i64::from(d.partition));
         span.set("batchfleet.delivery", i64::from(d.deliveries));
         span.set("batchfleet.worker", limits.worker.clone());
@@ -106,6 +106,15 @@ pub async fn process(
     settled
 }
 
+/// What a delivery is before any call: attempts so far, its input and key.
+struct Before {
+    /// Attempts made before this delivery; each redelivery beyond the first
+    /// is an attempt whose worker died, and counts.
+    attempts: u32,
+    input: Map<String, Value>,
+    key: String,
+}
+
 async fn run_attempt(
     store: &RedisStore,
     job: &JobCtx,
@@ -114,42 +123,52 @@ async fn run_attempt(
     report: &mut Option<CallReport>,
     span: &Span,
 ) -> Result<Settled, StoreError> {
-    let state = store.record_state(&job.name, d.partition, &d.record_id).await?;
-    if state
-        .as_deref()
-        .is_some_and(|s| TERMINAL_PREFIXES.iter().any(|t| s.starts_with(t)))
-    {
+    let state = store.record_state(&job.name, d.partition, &d.task.rid).await?;
+    if state.as_ref().is_some_and(RecordState::is_terminal) {
         store.ack(&job.name, &d).await?;
         return Ok(Settled::AlreadySettled);
     }
-    let mut history: Vec<Value> = serde_json::from_str(&d.history).unwrap_or_default();
-    // Each redelivery beyond the first is an attempt whose worker died: count it.
-    let lost = d.deliveries.saturating_sub(1);
-    let attempts_before = d.attempts_before + lost;
-    let input: Map<String, Value> = serde_json::from_str::<Value>(&d.input)
-        .ok()
-        .and_then(|v| v.as_object().cloned())
-        .unwrap_or_default();
-    let key = business_key(&input, &job.spec.job.id_field);
-
-    if d.deliveries > limits.max_deliveries {
-        let entry = review_entry(job, &d, &key, "", "", &[], attempts_before, "poison", &history, limits);
-        return settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed, span).await;
-    }
-
-    let rendered = match job.user.render(&input) {
-        Ok(r) => r,
-        Err(missing) => {
-            let reason = missing.to_string();
-            log_event(job, &d, attempts_before, "drop", &reason, 0, &[]);
-            return settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped, span).await;
+    let input = d.task.input_object();
+    let before = Before {
+        attempts: d.task.attempt + d.deliveries.saturating_sub(1),
+        key: business_key(&input, &job.spec.job.id_field),
+        input,
+    };
+    // Poison and input errors are decided before any call.
+    let rendered = match pre_call(job, &d, &before, limits) {
+        Ok(rendered) => rendered,
+        Err(outcome) => {
+            let decision = decide(before.attempts.max(1), d.task.calls, &outcome, &job.spec.retry, 0.0);
+            if let Decision::Drop { reason } = &decision {
+                log_event(job, &d, before.attempts, "drop", reason, 0, &[]);
+            }
+            let facts = Facts {
+                prompt: "",
+                raw: "",
+                errors: &[],
+                attempts: before.attempts,
+            };
+            let stamp = Stamp::now(&job.spec);
+            return apply(
+                store,
+                job,
+                &d,
+                decision,
+                &before,
+                facts,
+                None,
+                d.task.history.clone(),
+                &stamp,
+                limits,
+                span,
+            )
+            .await;
         }
     };
-    let previous_errors: Vec<FieldError> = serde_json::from_str(&d.feedback).unwrap_or_default();
-    let user = if previous_errors.is_empty() {
+    let user = if d.task.feedback.is_empty() {
         rendered.clone()
     } else {
-        format!("{rendered}\n\n{}", feedback(&previous_errors))
+        format!("{rendered}\n\n{}", feedback(&d.task.feedback))
     };
     let request = Request {
         system: &job.system,
@@ -160,124 +179,45 @@ async fn run_attempt(
     limits.metrics.in_flight.inc();
     let (result, headers, elapsed) = job.provider.call(&request).await;
     limits.metrics.in_flight.dec();
-    let elapsed_ms = elapsed.as_millis() as u64;
     trace_call(&call_span, job, &result);
     call_span.end();
     *report = Some(CallReport {
         used: used_of(&result),
         headers,
     });
+    let reply = result.into_reply(&job.spec, span);
 
-    let raw: String;
-    let status: Option<u16>;
-    let mut usage = Value::Null;
-    let mut finish_reason = String::new();
-    let mut response_id = None;
-    let mut repairs_done = Vec::new();
-    let mut valid_output = None;
-    let outcome = match result {
-        CallResult::Failed(e) => {
-            status = e.status;
-            raw = format!(
-                "{} ({})",
-                e.cause,
-                e.status.map_or("no response".into(), |s| format!("HTTP {s}"))
-            );
-            match e.kind {
-                ErrorKind::Transient => Outcome::Transient {
-                    cause: e.cause,
-                    retry_after_ms: e.retry_after_ms,
-                },
-                ErrorKind::RateLimited => Outcome::RateLimited {
-                    retry_after_ms: e.retry_after_ms,
-                },
-                ErrorKind::Permanent => Outcome::Permanent { cause: e.cause },
-                ErrorKind::FleetHalt => Outcome::FleetHalt { cause: e.cause },
-            }
-        }
-        CallResult::Message {
-            response_id: id,
-            content,
-            finish_reason: fr,
-            refusal,
-            usage: u,
-        } => {
-            status = Some(200);
-            response_id = id;
-            usage = u.unwrap_or(Value::Null);
-            finish_reason = fr;
-            let refused = refusal.is_some();
-            raw = match refusal {
-                Some(r) if content.is_empty() => r,
-                _ => content,
-            };
-            if finish_reason == "content_filter" {
-                Outcome::Refused {
-                    cause: "content_filter".into(),
-                }
-            } else if refused {
-                Outcome::Refused {
-                    cause: "refusal".into(),
-                }
-            } else if finish_reason == "length" {
-                Outcome::Truncated
-            } else {
-                let check = span.child("validate", SpanKind::Internal);
-                let verdict = validate(&job.spec, &raw);
-                match verdict {
-                    Validation::Valid { output, repairs } => {
-                        check.set("batchfleet.valid", true);
-                        check.set("batchfleet.repairs", repairs.len() as i64);
-                        repairs_done = repairs;
-                        valid_output = Some(output);
-                        Outcome::Valid
-                    }
-                    Validation::Invalid { errors, repairs } => {
-                        if check.is_on() {
-                            check.set("batchfleet.valid", false);
-                            check.set("batchfleet.errors", error_codes(&errors).join(", "));
-                        }
-                        repairs_done = repairs;
-                        Outcome::Invalid(errors)
-                    }
-                }
-            }
-        }
-    };
     // Rate-limited and halted calls are not attempts: the record was not at fault.
-    let counts_as_attempt = !matches!(outcome, Outcome::RateLimited { .. } | Outcome::FleetHalt { .. });
-    let attempt = attempts_before + u32::from(counts_as_attempt);
-    let calls = d.calls_before + 1;
-    let errors: Vec<FieldError> = match &outcome {
-        Outcome::Invalid(e) => e.clone(),
-        _ => vec![],
-    };
+    let counts_as_attempt = !matches!(reply.outcome, Outcome::RateLimited { .. } | Outcome::FleetHalt { .. });
+    let attempt = before.attempts + u32::from(counts_as_attempt);
+    let calls = d.task.calls + 1;
     let decision = decide(
-        attempt.saturating_sub(d.round_base).max(1),
+        attempt.saturating_sub(d.task.base).max(1),
         calls,
-        &outcome,
+        &reply.outcome,
         &job.spec.retry,
         rand::rng().random_range(0.0..1.0),
     );
-    history.push(json!({
-        "attempt": attempt,
-        "call": calls,
-        "at": now_rfc3339(),
-        "worker": limits.worker,
-        "elapsed_ms": elapsed_ms,
-        "status": status,
-        "response_id": response_id,
-        "finish_reason": finish_reason,
-        "outcome": outcome_label(&outcome),
-        "errors": errors,
-        "repairs": repairs_done,
-        "usage": usage,
-        "decision": decision_label(&decision),
+    let stamp = Stamp::now(&job.spec);
+    let mut history = d.task.history.clone();
+    history.push(HistoryItem::Attempt(Attempt {
+        attempt,
+        call: calls,
+        at: stamp.at.clone(),
+        worker: limits.worker.clone(),
+        elapsed_ms: elapsed.as_millis() as u64,
+        status: reply.status,
+        response_id: reply.response_id.clone(),
+        finish_reason: reply.finish_reason.clone(),
+        outcome: outcome_label(&reply.outcome).to_owned(),
+        errors: reply.errors().to_vec(),
+        repairs: reply.repairs.clone(),
+        usage: reply.usage,
+        decision: decision_label(&decision).to_owned(),
     }));
-    let history_json = Value::Array(history.clone()).to_string();
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));
-        span.set("batchfleet.outcome", outcome_label(&outcome).to_owned());
+        span.set("batchfleet.outcome", outcome_label(&reply.outcome).to_owned());
         span.set("batchfleet.decision", decision_label(&decision));
     }
     attempt_event(
@@ -287,69 +227,115 @@ async fn run_attempt(
         AttemptFacts {
             attempt,
             decision: decision_label(&decision),
-            outcome: outcome_label(&outcome),
+            outcome: outcome_label(&reply.outcome),
             elapsed,
-            status,
-            usage: &usage,
-            errors: &errors,
+            status: reply.status,
+            usage: reply.usage.as_ref(),
+            errors: reply.errors(),
         },
     );
+    let facts = Facts {
+        prompt: &rendered,
+        raw: &reply.raw,
+        errors: reply.errors(),
+        attempts: attempt,
+    };
+    let answer = (calls, &reply);
+    apply(
+        store,
+        job,
+        &d,
+        decision.clone(),
+        &before,
+        facts,
+        Some(answer),
+        history,
+        &stamp,
+        limits,
+        span,
+    )
+    .await
+}
 
+/// Before a call: a task delivered too often is poison, a record whose
+/// template cannot be filled is an input error. Otherwise the rendered user prompt.
+fn pre_call(job: &JobCtx, d: &Delivery, before: &Before, limits: &Limits) -> Result<String, Outcome> {
+    if d.deliveries > limits.max_deliveries {
+        return Err(Outcome::Poison {
+            deliveries: d.deliveries,
+        });
+    }
+    job.user.render(&before.input).map_err(|missing| Outcome::InputError {
+        reason: missing.to_string(),
+    })
+}
+
+/// What a review entry needs from the attempt.
+struct Facts<'a> {
+    prompt: &'a str,
+    raw: &'a str,
+    errors: &'a [FieldError],
+    attempts: u32,
+}
+
+/// Applies a decision with one atomic store call (or, for a halt, stops the
+/// fleet and leaves the task pending). `answer` is the call made, if any:
+/// (calls so far, what it came to).
+#[allow(clippy::too_many_arguments)]
+async fn apply(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    decision: Decision,
+    before: &Before,
+    facts: Facts<'_>,
+    answer: Option<(u32, &Reply)>,
+    history: Vec<HistoryItem>,
+    stamp: &Stamp,
+    limits: &Limits,
+    span: &Span,
+) -> Result<Settled, StoreError> {
     match decision {
         Decision::Commit => {
-            let mut output = valid_output.unwrap_or_default();
-            // System fields come from code, never from the model.
-            output.insert("record_id".into(), json!(d.record_id));
-            output.insert("_model".into(), json!(job.spec.provider.model));
-            let result = json!({
-                "record_id": d.record_id,
-                "key": key,
-                "output": output,
-                "attempts": attempt,
-                "calls": calls,
-                "response_id": response_id,
-                "repairs": repairs_done,
-                "usage": usage,
-                "history": history,
-                "model": job.spec.provider.model,
-                "versions": job.versions,
-                "human": false,
-                "worker": limits.worker,
-                "committed_at": now_rfc3339(),
-            });
-            settle(
-                store,
-                job,
-                &d,
-                Finish::Commit {
-                    result: result.to_string(),
-                },
-                Settled::Committed,
-                span,
-            )
-            .await
+            let Some((calls, reply)) = answer else {
+                return Err(StoreError::Corrupt {
+                    key: d.task.rid.clone(),
+                    reason: "a commit without an answer".into(),
+                });
+            };
+            let valid = Answer {
+                key: before.key.clone(),
+                output: reply.output.clone().unwrap_or_default(),
+                attempts: facts.attempts,
+                calls,
+                response_id: reply.response_id.clone(),
+                repairs: reply.repairs.clone(),
+                usage: reply.usage,
+            };
+            let result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
+            settle(store, job, d, Finish::Commit(result), Settled::Committed, span).await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
-            let task = RetryTask {
-                rid: d.record_id.clone(),
-                input: d.input.clone(),
-                attempt,
-                calls,
-                base: d.round_base,
-                feedback: serde_json::to_string(&feedback.unwrap_or_default()).unwrap_or_else(|_| "[]".into()),
-                history: history_json,
-                tp: d.traceparent.clone(),
-            };
+            let calls = answer.map_or(d.task.calls, |(c, _)| c);
+            let task = d
+                .task
+                .next(facts.attempts, calls, feedback.unwrap_or_default(), history);
             let due_ms = now_ms() + delay_ms;
-            settle(store, job, &d, Finish::Retry { due_ms, task }, Settled::Retried, span).await
+            settle(store, job, d, Finish::Retry { due_ms, task }, Settled::Retried, span).await
         }
         Decision::Review { reason } => {
-            let entry = review_entry(
-                job, &d, &key, &rendered, &raw, &errors, attempt, &reason, &history, limits,
-            );
-            settle(store, job, &d, Finish::Review { entry }, Settled::Reviewed, span).await
+            let review = ReviewFacts {
+                key: &before.key,
+                prompt: facts.prompt,
+                last_raw_output: facts.raw,
+                errors: facts.errors,
+                attempts: facts.attempts,
+                reason: &reason,
+            };
+            let entry = ReviewEntry::new(d, review, history, stamp, &limits.worker);
+            settle(store, job, d, Finish::Review(entry), Settled::Reviewed, span).await
         }
-        Decision::Drop { reason } => settle(store, job, &d, Finish::Drop { reason }, Settled::Dropped, span).await,
+        Decision::Drop { reason } => settle(store, job, d, Finish::Drop { reason }, Settled::Dropped, span).await,
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
@@ -364,8 +350,8 @@ async fn run_attempt(
 fn used_of(result: &CallResult) -> Used {
     match result {
         CallResult::Message { usage: Some(u), .. } => Used {
-            prompt_tokens: u["prompt_tokens"].as_u64(),
-            completion_tokens: u["completion_tokens"].as_u64(),
+            prompt_tokens: Some(u.prompt),
+            completion_tokens: Some(u.completion),
             ..Used::default()
         },
         CallResult::Failed(e) if e.kind == ErrorKind::RateLimited => Used {
@@ -409,14 +395,8 @@ fn trace_call(span: &Span, job: &JobCtx, result: &CallResult) {
             span.set("http.response.status_code", 200_i64);
             span.set("gen_ai.response.finish_reasons", finish_reason.clone());
             if let Some(u) = usage {
-                for (attr, field) in [
-                    ("gen_ai.usage.input_tokens", "prompt_tokens"),
-                    ("gen_ai.usage.output_tokens", "completion_tokens"),
-                ] {
-                    if let Some(n) = u[field].as_i64() {
-                        span.set(attr, n);
-                    }
-                }
+                span.set("gen_ai.usage.input_tokens", u.prompt as i64);
+                span.set("gen_ai.usage.output_tokens", u.completion as i64);
             }
         }
         CallResult::Failed(e) => {
@@ -433,38 +413,6 @@ fn error_codes(errors: &[FieldError]) -> Vec<String> {
         .iter()
         .map(|e| format!("{} {}", e.code.as_str(), e.field))
         .collect()
-}
-
-#[allow(clippy::too_many_arguments)]
-fn review_entry(
-    job: &JobCtx,
-    d: &Delivery,
-    key: &str,
-    prompt: &str,
-    raw: &str,
-    errors: &[FieldError],
-    attempts: u32,
-    reason: &str,
-    history: &[Value],
-    limits: &Limits,
-) -> String {
-    json!({
-        "record_id": d.record_id,
-        "key": key,
-        "input": serde_json::from_str::<Value>(&d.input).unwrap_or(Value::String(d.input.clone())),
-        "prompt": prompt,
-        "last_raw_output": raw,
-        "errors": errors,
-        "attempts": attempts,
-        "deliveries": d.deliveries,
-        "reason": reason,
-        "history": history,
-        "versions": job.versions,
-        "worker": limits.worker,
-        "created_at": now_rfc3339(),
-        "actions": [],
-    })
-    .to_string()
 }
 
 fn business_key(input: &Map<String, Value>, id_field: &str) -> String {
@@ -486,6 +434,7 @@ fn outcome_label(o: &Outcome) -> &str {
         Outcome::Permanent { cause } => cause,
         Outcome::FleetHalt { cause } => cause,
         Outcome::InputError { reason } => reason,
+        Outcome::Poison { .. } => "poison",
     }
 }
 
@@ -506,7 +455,7 @@ struct AttemptFacts<'a> {
     outcome: &'a str,
     elapsed: std::time::Duration,
     status: Option<u16>,
-    usage: &'a Value,
+    usage: Option<&'a Usage>,
     errors: &'a [FieldError],
 }
 
@@ -528,17 +477,13 @@ fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_
             .with_label_values(&[name, e.code.as_str(), e.field.as_str()])
             .inc();
     }
-    let prompt = f.usage["prompt_tokens"].as_u64().unwrap_or(0);
-    let cached = f.usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-    let completion = f.usage["completion_tokens"].as_u64().unwrap_or(0);
-    for (kind, n) in [("prompt", prompt), ("cached", cached), ("completion", completion)] {
+    let u = f.usage.copied().unwrap_or_default();
+    for (kind, n) in [("prompt", u.prompt), ("cached", u.cached), ("completion", u.completion)] {
         if n > 0 {
             m.tokens.with_label_values(&[name, kind]).inc_by(n);
         }
     }
-    m.cost
-        .with_label_values(&[name])
-        .inc_by(job.spec.prices.cost(prompt, cached, completion));
+    m.cost.with_label_values(&[name]).inc_by(u.cost(&job.spec.prices));
     let codes = error_codes(f.errors);
     log_event(
         job,
@@ -562,7 +507,7 @@ fn log_event(
 ) {
     tracing::info!(
         job = %job.name,
-        record_id = %d.record_id,
+        record_id = %d.task.rid,
         attempt,
         outcome,
         decision,

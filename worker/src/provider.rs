@@ -1,12 +1,17 @@
-//! The OpenAI-compatible chat completions client, and the classification of
-//! everything it can get back into an [`Outcome`]-ready [`CallResult`].
+//! The OpenAI-compatible chat completions client, the classification of
+//! everything it can get back into a [`CallResult`], and what that comes to
+//! for the record: a [`Reply`] holding the [`Outcome`] `decide` takes.
 
 use std::time::{Duration, Instant};
 
+use common::decision::Outcome;
+use common::otel::{Span, SpanKind};
 use common::spec::JobSpec;
+use common::task::Usage;
+use common::validate::{FieldError, Repair, Validation, validate};
 use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::limiter::{RateHeaders, rate_headers};
 
@@ -20,7 +25,7 @@ pub enum CallResult {
         content: String,
         finish_reason: String,
         refusal: Option<String>,
-        usage: Option<Value>,
+        usage: Option<Usage>,
     },
     /// Anything else, already classified.
     Failed(CallError),
@@ -140,6 +145,124 @@ fn transport_error(e: &reqwest::Error) -> CallError {
     }
 }
 
+/// What a call came to for the record: the outcome, and the facts its
+/// history keeps.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub outcome: Outcome,
+    /// The model's raw output (or refusal), or a short description of the failure.
+    pub raw: String,
+    pub status: Option<u16>,
+    pub usage: Option<Usage>,
+    pub finish_reason: String,
+    pub response_id: Option<String>,
+    pub repairs: Vec<Repair>,
+    /// The validated output, when the outcome is `Valid`.
+    pub output: Option<Map<String, Value>>,
+}
+
+impl Reply {
+    /// The validation errors of an invalid output (none otherwise).
+    pub fn errors(&self) -> &[FieldError] {
+        match &self.outcome {
+            Outcome::Invalid(e) => e,
+            _ => &[],
+        }
+    }
+}
+
+impl CallResult {
+    /// Maps the answer to an outcome: a failure by its kind; a message by its
+    /// finish reason and refusal, then by validating it against the spec (in
+    /// a `validate` span, child of `span`).
+    pub fn into_reply(self, spec: &JobSpec, span: &Span) -> Reply {
+        match self {
+            CallResult::Failed(e) => Reply {
+                raw: format!(
+                    "{} ({})",
+                    e.cause,
+                    e.status.map_or("no response".into(), |s| format!("HTTP {s}"))
+                ),
+                status: e.status,
+                outcome: match e.kind {
+                    ErrorKind::Transient => Outcome::Transient {
+                        cause: e.cause,
+                        retry_after_ms: e.retry_after_ms,
+                    },
+                    ErrorKind::RateLimited => Outcome::RateLimited {
+                        retry_after_ms: e.retry_after_ms,
+                    },
+                    ErrorKind::Permanent => Outcome::Permanent { cause: e.cause },
+                    ErrorKind::FleetHalt => Outcome::FleetHalt { cause: e.cause },
+                },
+                usage: None,
+                finish_reason: String::new(),
+                response_id: None,
+                repairs: vec![],
+                output: None,
+            },
+            CallResult::Message {
+                response_id,
+                content,
+                finish_reason,
+                refusal,
+                usage,
+            } => {
+                let refused = refusal.is_some();
+                let raw = match refusal {
+                    Some(r) if content.is_empty() => r,
+                    _ => content,
+                };
+                let mut reply = Reply {
+                    outcome: Outcome::Valid,
+                    raw,
+                    status: Some(200),
+                    usage,
+                    finish_reason,
+                    response_id,
+                    repairs: vec![],
+                    output: None,
+                };
+                reply.outcome = if reply.finish_reason == "content_filter" {
+                    Outcome::Refused {
+                        cause: "content_filter".into(),
+                    }
+                } else if refused {
+                    Outcome::Refused {
+                        cause: "refusal".into(),
+                    }
+                } else if reply.finish_reason == "length" {
+                    Outcome::Truncated
+                } else {
+                    let check = span.child("validate", SpanKind::Internal);
+                    match validate(spec, &reply.raw) {
+                        Validation::Valid { output, repairs } => {
+                            check.set("batchfleet.valid", true);
+                            check.set("batchfleet.repairs", repairs.len() as i64);
+                            reply.repairs = repairs;
+                            reply.output = Some(output);
+                            Outcome::Valid
+                        }
+                        Validation::Invalid { errors, repairs } => {
+                            if check.is_on() {
+                                check.set("batchfleet.valid", false);
+                                let codes: Vec<String> = errors
+                                    .iter()
+                                    .map(|e| format!("{} {}", e.code.as_str(), e.field))
+                                    .collect();
+                                check.set("batchfleet.errors", codes.join(", "));
+                            }
+                            reply.repairs = repairs;
+                            Outcome::Invalid(errors)
+                        }
+                    }
+                };
+                reply
+            }
+        }
+    }
+}
+
 /// Classifies a response by status, then by the body's `error.code`/`type`
 /// (two different 429s), with `x-should-retry` overriding.
 pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResult {
@@ -169,7 +292,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
             content: message["content"].as_str().unwrap_or("").to_owned(),
             finish_reason: choice["finish_reason"].as_str().unwrap_or("").to_owned(),
             refusal: message["refusal"].as_str().filter(|r| !r.is_empty()).map(str::to_owned),
-            usage: v.get("usage").cloned(),
+            usage: v.get("usage").and_then(Usage::from_provider),
         };
     }
     let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
@@ -308,7 +431,7 @@ mod tests {
         };
         assert_eq!(finish_reason, "content_filter");
         assert_eq!(refusal.as_deref(), Some("no"));
-        assert_eq!(usage.unwrap()["prompt_tokens"], 3);
+        assert_eq!(usage.unwrap().prompt, 3);
     }
 
     #[test]

@@ -4,6 +4,7 @@ use redis::AsyncCommands;
 
 use super::{RedisStore, StoreError};
 use crate::keys;
+use crate::task::{RecordState, Task};
 
 /// Records per script call when cancelling or resuming (bounds each step).
 const PAGE: usize = 500;
@@ -63,30 +64,22 @@ impl RedisStore {
         Ok(total)
     }
 
-    /// Re-queues one record for a new round if its state is still `expected`.
-    #[allow(clippy::too_many_arguments)]
+    /// Re-queues one record for a new round (`task`) if its state is still `expected`.
     pub async fn retry_record(
         &self,
         job: &str,
         partition: u32,
-        record_id: &str,
-        expected: &str,
-        input: &str,
-        attempts: u32,
-        calls: u32,
-        history: &str,
+        expected: &RecordState,
+        task: &Task,
     ) -> Result<bool, StoreError> {
         let n: i64 = self
             .scripts
             .retry_record
             .key(keys::stream(job, partition))
             .key(keys::state(job, partition))
-            .arg(record_id)
-            .arg(expected)
-            .arg(input)
-            .arg(attempts)
-            .arg(calls)
-            .arg(history)
+            .arg(&task.rid)
+            .arg(expected.encode().as_ref())
+            .arg(task.encode())
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(n == 1)

@@ -6,14 +6,18 @@
 mod job_ops;
 mod limit_ops;
 mod permissions;
+mod read_ops;
 mod redis_store;
 mod review_ops;
 mod worker_ops;
 
 pub use limit_ops::{LimitParams, Settlement};
+pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry, cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
-pub use worker_ops::{Delivery, Finish, IdleEntry, QueueStats, Remaining, RetryTask};
+pub use worker_ops::{Finish, IdleEntry, QueueStats, Remaining};
+
+pub use crate::keys::{BadJobName, valid_job_name};
 
 /// A store operation that failed. Messages never contain credentials.
 #[derive(Debug, thiserror::Error)]

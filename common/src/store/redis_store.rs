@@ -11,25 +11,33 @@ use serde::de::DeserializeOwned;
 use super::StoreError;
 use crate::keys;
 use crate::manifest::{Cursor, DroppedLine, Manifest};
+use crate::task::{RecordState, Task};
 
 const ENQUEUE_LUA: &str = include_str!("scripts/enqueue.lua");
 /// Records per enqueue script call: bounds Lua's `unpack` and each call's latency.
 const MAX_RECORDS_PER_CALL: usize = 1000;
 
-/// One record to enqueue (a task, or a record dropped for an input error).
+/// One record to enqueue: a task, or a record dropped for an input error.
 #[derive(Debug, Clone)]
 pub struct TaskEntry {
     pub partition: u32,
     pub record_id: String,
     /// `<dataset sha12>:<line>`: where the record came from.
     pub origin: String,
-    /// `queued` for a task; `dropped:<reason>` for a record that is not sent.
-    pub state: String,
-    /// Business key, for the producer's reports (the task carries it inside `input`).
+    /// Business key, for the producer's reports (the task carries it inside its input).
     pub key: String,
-    pub input: String,
-    /// W3C traceparent of the record's enqueue span; empty when tracing is off.
-    pub traceparent: String,
+    /// The record's first task; None with the reason when it is not sent
+    /// (it is only recorded, as `dropped:<reason>`).
+    pub task: Result<Task, String>,
+}
+
+impl TaskEntry {
+    fn state(&self) -> RecordState {
+        match &self.task {
+            Ok(_) => RecordState::Queued,
+            Err(reason) => RecordState::Dropped(reason.clone()),
+        }
+    }
 }
 
 /// What happened to one [`TaskEntry`].
@@ -285,9 +293,8 @@ impl RedisStore {
                 inv.key(keys::idem(job, partition, &e.record_id));
                 inv.arg(&e.record_id)
                     .arg(&e.origin)
-                    .arg(&e.state)
-                    .arg(&e.input)
-                    .arg(&e.traceparent);
+                    .arg(e.state().encode().as_ref())
+                    .arg(e.task.as_ref().map(Task::encode).unwrap_or_default());
             }
             let mut conn = self.conn.clone();
             let call = async move {
@@ -395,12 +402,12 @@ impl RedisStore {
 
     /// Calls `f` for every field and value of a hash, scanning in pages
     /// (HSCAN): memory stays flat however large the hash is.
-    pub async fn scan_hash(&self, key: &str, f: impl FnMut(String, String)) -> Result<(), StoreError> {
+    pub(super) async fn scan_hash(&self, key: &str, f: impl FnMut(String, String)) -> Result<(), StoreError> {
         self.scan_pairs("HSCAN", key, f).await
     }
 
     /// Calls `f` for every member of a sorted set (ZSCAN): flat memory.
-    pub async fn scan_sorted_set(&self, key: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
+    pub(super) async fn scan_sorted_set(&self, key: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
         self.scan_pairs("ZSCAN", key, |member, _score| f(member)).await
     }
 

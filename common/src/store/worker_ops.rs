@@ -3,35 +3,10 @@
 
 use redis::AsyncCommands;
 use redis::Value;
-use serde::{Deserialize, Serialize};
 
 use super::{RedisStore, StoreError};
 use crate::keys;
-
-/// A task as delivered to a worker.
-#[derive(Debug, Clone)]
-pub struct Delivery {
-    pub partition: u32,
-    /// The stream entry id (what is acknowledged).
-    pub entry_id: String,
-    pub record_id: String,
-    pub input: String,
-    /// Attempts made before this delivery.
-    pub attempts_before: u32,
-    /// Calls made before this delivery (rate-limited ones included).
-    pub calls_before: u32,
-    /// Attempts made before the current round began (`retry --from` and
-    /// requeue start a new round; attempts count on across rounds).
-    pub round_base: u32,
-    /// Validation errors of the previous attempt, as JSON (`[]` when none).
-    pub feedback: String,
-    /// The record's attempt log so far, as a JSON array.
-    pub history: String,
-    /// Times this entry was delivered (1 for a first delivery).
-    pub deliveries: u32,
-    /// W3C traceparent of the record's enqueue span (empty when not traced).
-    pub traceparent: String,
-}
+use crate::task::{Delivery, RecordState, ResultRecord, ReviewEntry, Task};
 
 /// A pending entry idle past the visibility timeout.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,40 +19,19 @@ pub struct IdleEntry {
 /// What to do with a delivered task; each is one atomic script with the ack.
 #[derive(Debug, Clone)]
 pub enum Finish {
-    Commit {
-        result: String,
-    },
+    Commit(ResultRecord),
+    /// Back to the delayed set, due at `due_ms` (Unix ms).
     Retry {
         due_ms: u64,
-        task: RetryTask,
+        task: Task,
     },
-    Review {
-        entry: String,
-    },
+    Review(ReviewEntry),
+    /// An input error: never retried.
     Drop {
         reason: String,
     },
     /// The job was cancelled before this task was processed: kept for resume.
-    Cancel {
-        task: RetryTask,
-    },
-}
-
-/// The task put in the delayed set, and back on the stream when due.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RetryTask {
-    pub rid: String,
-    pub input: String,
-    pub attempt: u32,
-    pub calls: u32,
-    /// Attempts made before this round began.
-    #[serde(default)]
-    pub base: u32,
-    pub feedback: String,
-    pub history: String,
-    /// The record's traceparent, carried across retries (empty when not traced).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub tp: String,
+    Cancel(Task),
 }
 
 /// Where the work of a job stands, from Redis.
@@ -221,27 +175,11 @@ impl RedisStore {
     pub async fn finish(&self, job: &str, d: &Delivery, how: &Finish) -> Result<bool, StoreError> {
         let p = d.partition;
         let (mode, target, value, due) = match how {
-            Finish::Commit { result } => ("commit", keys::results(job, p), result.clone(), 0),
-            Finish::Retry { due_ms, task } => (
-                "retry",
-                keys::delayed(job, p),
-                serde_json::to_string(task).map_err(|e| StoreError::Corrupt {
-                    key: keys::delayed(job, p),
-                    reason: e.to_string(),
-                })?,
-                *due_ms,
-            ),
-            Finish::Review { entry } => ("review", keys::review(job, p), entry.clone(), 0),
+            Finish::Commit(result) => ("commit", keys::results(job, p), result.encode(), 0),
+            Finish::Retry { due_ms, task } => ("retry", keys::delayed(job, p), task.encode(), *due_ms),
+            Finish::Review(entry) => ("review", keys::review(job, p), entry.encode(), 0),
             Finish::Drop { reason } => ("drop", keys::state(job, p), reason.clone(), 0),
-            Finish::Cancel { task } => (
-                "cancel",
-                keys::cancelled(job, p),
-                serde_json::to_string(task).map_err(|e| StoreError::Corrupt {
-                    key: keys::cancelled(job, p),
-                    reason: e.to_string(),
-                })?,
-                0,
-            ),
+            Finish::Cancel(task) => ("cancel", keys::cancelled(job, p), task.encode(), 0),
         };
         let moved: i64 = self
             .scripts
@@ -251,7 +189,7 @@ impl RedisStore {
             .key(target)
             .arg(keys::GROUP)
             .arg(&d.entry_id)
-            .arg(&d.record_id)
+            .arg(&d.task.rid)
             .arg(mode)
             .arg(value)
             .arg(due)
@@ -294,9 +232,15 @@ impl RedisStore {
         Ok(n)
     }
 
-    /// The record's state (`queued`, `delayed`, `done`, ...), if known.
-    pub async fn record_state(&self, job: &str, partition: u32, record_id: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.conn.clone().hget(keys::state(job, partition), record_id).await?)
+    /// The record's state, if the job knows the record.
+    pub async fn record_state(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+    ) -> Result<Option<RecordState>, StoreError> {
+        let text: Option<String> = self.conn.clone().hget(keys::state(job, partition), record_id).await?;
+        Ok(text.as_deref().and_then(RecordState::decode))
     }
 
     /// Work left in a job: stream entries and delayed retries over all partitions.
@@ -414,39 +358,18 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
-/// `[id, [field, value, ...]]` -> Delivery. A deleted entry (nil fields) is skipped.
+/// `[id, [field, value, ...]]` -> Delivery. A deleted entry (nil fields)
+/// or one that holds no task is skipped.
 fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Delivery> {
     let parts = as_array(entry);
     let entry_id = as_string(parts.first()?)?;
-    let fields = as_array(parts.get(1)?);
-    let mut d = Delivery {
+    let fields: Vec<String> = as_array(parts.get(1)?).iter().filter_map(as_string).collect();
+    let pairs = fields.chunks_exact(2).map(|kv| (kv[0].as_str(), kv[1].as_str()));
+    let task = Task::from_entry_fields(pairs).ok()?;
+    Some(Delivery {
         partition,
         entry_id,
-        record_id: String::new(),
-        input: String::new(),
-        attempts_before: 0,
-        calls_before: 0,
-        round_base: 0,
-        feedback: "[]".into(),
-        history: "[]".into(),
         deliveries,
-        traceparent: String::new(),
-    };
-    for pair in fields.chunks(2) {
-        let (Some(k), Some(v)) = (pair.first().and_then(as_string), pair.get(1).and_then(as_string)) else {
-            continue;
-        };
-        match k.as_str() {
-            "rid" => d.record_id = v,
-            "input" => d.input = v,
-            "attempt" => d.attempts_before = v.parse().unwrap_or(0),
-            "calls" => d.calls_before = v.parse().unwrap_or(0),
-            "base" => d.round_base = v.parse().unwrap_or(0),
-            "feedback" => d.feedback = v,
-            "history" => d.history = v,
-            "tp" => d.traceparent = v,
-            _ => {}
-        }
-    }
-    (!d.record_id.is_empty()).then_some(d)
+        task,
+    })
 }

@@ -11,6 +11,10 @@
 -- KEYS[4]  partition cancelled hash  bf:{job:pN}:cancelled
 -- ARGV[1]  consumer group
 -- ARGV[2]  at most this many tasks per call
+-- Delayed members and stream entries' `task` field are encoded tasks, kept
+-- unread; read: a delayed member's record id (always first: `{"rid":"<id>",...`).
+-- Entries of versions before the one encoding (one field per item) are
+-- encoded here with the same field names.
 -- Returns: the number of records cancelled by this call.
 local stream, states, delayed, cancelled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local limit = tonumber(ARGV[2])
@@ -24,8 +28,8 @@ local function cancel(rid, task)
 end
 -- Waiting retries.
 for _, member in ipairs(redis.call('ZRANGE', delayed, 0, limit - 1)) do
-  local t = cjson.decode(member)
-  cancel(t.rid, member)
+  local rid = string.match(member, '^{"rid":"([^"]*)"')
+  if rid then cancel(rid, member) end
   redis.call('ZREM', delayed, member)
 end
 -- Undelivered tasks: after the group's last-delivered id.
@@ -39,9 +43,12 @@ local entries = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', limit)
 for _, e in ipairs(entries) do
   local f = {}
   for i = 1, #e[2], 2 do f[e[2][i]] = e[2][i + 1] end
-  local task = cjson.encode({rid = f['rid'], input = f['input'], attempt = tonumber(f['attempt'] or '0'),
-    calls = tonumber(f['calls'] or '0'), base = tonumber(f['base'] or '0'), feedback = f['feedback'] or '[]', history = f['history'] or '[]',
-    tp = f['tp']})
+  local task = f['task']
+  if not task then
+    task = cjson.encode({rid = f['rid'], input = f['input'], attempt = tonumber(f['attempt'] or '0'),
+      calls = tonumber(f['calls'] or '0'), base = tonumber(f['base'] or '0'), feedback = f['feedback'] or '[]',
+      history = f['history'] or '[]', tp = f['tp']})
+  end
   cancel(f['rid'], task)
   redis.call('XDEL', stream, e[1])
 end

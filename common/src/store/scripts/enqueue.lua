@@ -11,13 +11,13 @@
 -- KEYS[2]      partition state hash        bf:{job:pN}:state
 -- KEYS[2+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
 -- ARGV[1]      idempotency key TTL, seconds
--- ARGV[1+5(i-1)+1..5] for record i (at most 1000 records a call):
+-- ARGV[1+4(i-1)+1..4] for record i (at most 1000 records a call):
 --              record_id, origin ("<dataset sha12>:<line>"),
 --              state ("queued" for a task, "dropped:<reason>" for an input error),
---              input JSON, W3C traceparent of its enqueue span ("" when tracing is off)
--- A task entry holds `rid`, `input` and, when traced, `tp`; the business key is
--- inside the input, and the origin stays in the idempotency key (small entries
--- enqueue faster).
+--              the encoded task ("" for a dropped record), passed through as it is
+-- A task entry holds `rid` (for scans) and `task` (the encoded task, which this
+-- script never reads); the business key is inside the input, and the origin
+-- stays in the idempotency key (small entries enqueue faster).
 -- Returns: an array with, per record i, integer 1 when it was added, else the
 --          origin stored by the run that added it ("" when its key had expired).
 local call = redis.call
@@ -25,24 +25,19 @@ local stream, states, ttl = KEYS[1], KEYS[2], ARGV[1]
 local n = #KEYS - 2
 local ids = {}
 for i = 1, n do
-  ids[i] = ARGV[(i - 1) * 5 + 2]
+  ids[i] = ARGV[(i - 1) * 4 + 2]
 end
 -- One read for the whole batch: which records the job already holds.
 local known = call('HMGET', states, unpack(ids))
 local out, claimed = {}, {}
 for i = 1, n do
-  local b = (i - 1) * 5
+  local b = (i - 1) * 4
   local idem, origin, state = KEYS[2 + i], ARGV[b + 3], ARGV[b + 4]
   if known[i] then
     out[i] = call('GET', idem) or ''
   elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
     if state == 'queued' then
-      local tp = ARGV[b + 6]
-      if tp == '' then
-        call('XADD', stream, '*', 'rid', ids[i], 'input', ARGV[b + 5])
-      else
-        call('XADD', stream, '*', 'rid', ids[i], 'input', ARGV[b + 5], 'tp', tp)
-      end
+      call('XADD', stream, '*', 'rid', ids[i], 'task', ARGV[b + 5])
     end
     claimed[#claimed + 1] = ids[i]
     claimed[#claimed + 1] = state

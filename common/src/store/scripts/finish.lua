@@ -16,7 +16,8 @@
 -- ARGV[2]  stream entry id
 -- ARGV[3]  record_id
 -- ARGV[4]  mode: commit | retry | review | drop | cancel
--- ARGV[5]  commit: result JSON; retry and cancel: task JSON; review: entry JSON; drop: reason
+-- ARGV[5]  commit: the encoded result; retry and cancel: the encoded task; review:
+--          the encoded entry; drop: the reason (all passed through unread)
 -- ARGV[6]  retry: due time, Unix ms (unused otherwise)
 -- Returns: 1 when this call moved the record, 0 when it was already settled.
 local stream, states, target = KEYS[1], KEYS[2], KEYS[3]

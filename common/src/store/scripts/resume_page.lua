@@ -5,17 +5,16 @@
 -- KEYS[2]  partition state hash      bf:{job:pN}:state
 -- KEYS[3]  partition cancelled hash  bf:{job:pN}:cancelled
 -- ARGV[1]  at most this many records per call
+-- Values of the cancelled hash are encoded tasks, passed through unread.
 -- Returns: the number of records re-queued by this call.
 local stream, states, cancelled = KEYS[1], KEYS[2], KEYS[3]
 local page = redis.call('HSCAN', cancelled, 0, 'COUNT', tonumber(ARGV[1]))
 local n = 0
 local items = page[2]
 for i = 1, #items, 2 do
-  local rid, t = items[i], cjson.decode(items[i + 1])
+  local rid, task = items[i], items[i + 1]
   if redis.call('HGET', states, rid) == 'cancelled' then
-    redis.call('XADD', stream, '*', 'rid', rid, 'input', t.input, 'attempt', tostring(t.attempt),
-      'calls', tostring(t.calls), 'base', tostring(t.base or 0), 'feedback', t.feedback, 'history', t.history,
-      'tp', t.tp or '')
+    redis.call('XADD', stream, '*', 'rid', rid, 'task', task)
     redis.call('HSET', states, rid, 'queued')
     n = n + 1
   end

@@ -5,17 +5,13 @@
 -- KEYS[2]  partition state hash    bf:{job:pN}:state
 -- ARGV[1]  record_id
 -- ARGV[2]  the state it must still be in
--- ARGV[3]  input JSON
--- ARGV[4]  attempts so far (the new round starts there; they count on)
--- ARGV[5]  calls so far
--- ARGV[6]  history JSON
+-- ARGV[3]  the encoded task of the new round (passed through unread)
 -- Returns: 1 when re-queued, 0 when its state had changed.
 local stream, states = KEYS[1], KEYS[2]
 local rid = ARGV[1]
 if redis.call('HGET', states, rid) ~= ARGV[2] then
   return 0
 end
-redis.call('XADD', stream, '*', 'rid', rid, 'input', ARGV[3], 'attempt', ARGV[4], 'calls', ARGV[5],
-  'base', ARGV[4], 'feedback', '[]', 'history', ARGV[6])
+redis.call('XADD', stream, '*', 'rid', rid, 'task', ARGV[3])
 redis.call('HSET', states, rid, 'queued')
 return 1

@@ -14,9 +14,8 @@
 -- ARGV[2]  the entry JSON as the reviewer read it
 -- ARGV[3]  the entry JSON with this action appended (archived)
 -- ARGV[4]  action: accept | requeue | reject
--- ARGV[5]  accept: the result JSON; requeue: the task input JSON; reject: the reason
--- ARGV[6]  requeue: attempts so far; ARGV[7]: calls so far; ARGV[8]: history JSON
---          (the new round starts at the attempts so far: they count on)
+-- ARGV[5]  accept: the encoded result; requeue: the encoded task of the new
+--          round; reject: the reason (all passed through unread)
 -- Returns: 1 when applied; 0 when the entry was gone or changed (another
 --          reviewer acted first); -1 when the record already has a result.
 local states, review, archive, results, stream = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -30,8 +29,7 @@ if action == 'accept' then
   end
   redis.call('HSET', states, rid, 'done')
 elseif action == 'requeue' then
-  redis.call('XADD', stream, '*', 'rid', rid, 'input', value, 'attempt', ARGV[6], 'calls', ARGV[7],
-    'base', ARGV[6], 'feedback', '[]', 'history', ARGV[8])
+  redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
   redis.call('HSET', states, rid, 'queued')
 elseif action == 'reject' then
   redis.call('HSET', states, rid, 'dropped:rejected')

@@ -1,0 +1,150 @@
+//! The store's typed read verbs: a job's spec, its records' states, results,
+//! review entries and the ids each set holds, paged (flat memory however
+//! large the job is). Decoding happens here and nowhere else.
+
+use super::{RedisStore, StoreError};
+use crate::keys;
+use crate::spec::JobSpec;
+use crate::task::{RecordState, ResultRecord, ReviewEntry};
+
+/// A partition's set of records, by what holds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordSet {
+    /// Waiting to retry (the delayed set).
+    Delayed,
+    /// With a result.
+    Results,
+    /// In the review queue.
+    Review,
+    /// Cancelled, kept for resume.
+    Cancelled,
+}
+
+impl RedisStore {
+    /// The spec a job was enqueued with; None when the job does not exist.
+    pub async fn job_spec(&self, job: &str) -> Result<Option<JobSpec>, StoreError> {
+        let Some(text) = self.load_spec_text(job).await? else {
+            return Ok(None);
+        };
+        JobSpec::parse(&text, &format!("spec of job `{job}`"))
+            .map(Some)
+            .map_err(|e| StoreError::Corrupt {
+                key: keys::spec(job),
+                reason: e.to_string(),
+            })
+    }
+
+    /// Calls `f` with every record the partition knows and its state (None
+    /// for a state value no version writes).
+    pub async fn record_states(
+        &self,
+        job: &str,
+        partition: u32,
+        mut f: impl FnMut(String, Option<RecordState>),
+    ) -> Result<(), StoreError> {
+        self.scan_hash(&keys::state(job, partition), |rid, state| {
+            let s = RecordState::decode(&state);
+            f(rid, s)
+        })
+        .await
+    }
+
+    /// Calls `f` with every result of the partition (undecodable ones are skipped).
+    pub async fn results(&self, job: &str, partition: u32, mut f: impl FnMut(ResultRecord)) -> Result<(), StoreError> {
+        self.scan_hash(&keys::results(job, partition), |_, text| {
+            if let Ok(r) = ResultRecord::decode(&text) {
+                f(r)
+            }
+        })
+        .await
+    }
+
+    /// Calls `f` with every review entry of the partition (undecodable ones are skipped).
+    pub async fn review_entries(
+        &self,
+        job: &str,
+        partition: u32,
+        mut f: impl FnMut(ReviewEntry),
+    ) -> Result<(), StoreError> {
+        self.scan_hash(&keys::review(job, partition), |_, text| {
+            if let Ok(e) = ReviewEntry::decode(&text) {
+                f(e)
+            }
+        })
+        .await
+    }
+
+    /// Calls `f` with the record id of every member of one of the partition's sets.
+    pub async fn record_ids(
+        &self,
+        job: &str,
+        partition: u32,
+        set: RecordSet,
+        mut f: impl FnMut(String),
+    ) -> Result<(), StoreError> {
+        match set {
+            RecordSet::Delayed => {
+                self.scan_sorted_set(&keys::delayed(job, partition), |member| {
+                    f(delayed_record_id(&member).unwrap_or(member))
+                })
+                .await
+            }
+            RecordSet::Results => self.scan_hash(&keys::results(job, partition), |rid, _| f(rid)).await,
+            RecordSet::Review => self.scan_hash(&keys::review(job, partition), |rid, _| f(rid)).await,
+            RecordSet::Cancelled => self.scan_hash(&keys::cancelled(job, partition), |rid, _| f(rid)).await,
+        }
+    }
+
+    /// The review entry of a record, if it is in review.
+    pub async fn review_entry(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+    ) -> Result<Option<ReviewEntry>, StoreError> {
+        let text: Option<String> =
+            redis::AsyncCommands::hget(&mut self.conn.clone(), keys::review(job, partition), record_id).await?;
+        decode_entry(text, &keys::review(job, partition))
+    }
+
+    /// The archived review entry of a record a person acted on.
+    pub async fn archived_review(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+    ) -> Result<Option<ReviewEntry>, StoreError> {
+        let text: Option<String> =
+            redis::AsyncCommands::hget(&mut self.conn.clone(), keys::reviewed(job, partition), record_id).await?;
+        decode_entry(text, &keys::reviewed(job, partition))
+    }
+}
+
+fn decode_entry(text: Option<String>, key: &str) -> Result<Option<ReviewEntry>, StoreError> {
+    text.map(|t| {
+        ReviewEntry::decode(&t).map_err(|e| StoreError::Corrupt {
+            key: key.to_owned(),
+            reason: e.to_string(),
+        })
+    })
+    .transpose()
+}
+
+/// A delayed member is an encoded task: its record id comes first.
+fn delayed_record_id(member: &str) -> Option<String> {
+    let rest = member.strip_prefix("{\"rid\":\"")?;
+    rest.split_once('"').map(|(rid, _)| rid.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::Task;
+
+    #[test]
+    fn a_delayed_members_record_id_is_read_from_its_encoding() {
+        let t = Task::new("abc123", "{\"x\":\"\\\"rid\\\"\"}", "").unwrap();
+        assert_eq!(delayed_record_id(&t.encode()).as_deref(), Some("abc123"));
+        assert_eq!(delayed_record_id("not json"), None);
+    }
+}

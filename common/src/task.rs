@@ -1,0 +1,941 @@
+//! A record's lifecycle as types, each with one encoding: the [`Task`] a
+//! worker is given, the [`RecordState`] the job keeps per record, the history
+//! items ([`Attempt`], [`Action`]) with their [`Usage`], the [`ResultRecord`]
+//! and the [`ReviewEntry`].
+//!
+//! Only the store encodes and decodes these in Redis; Lua scripts pass an
+//! encoded task through without knowing its fields (the one exception, the
+//! record id, is always the encoding's first field: see [`Task::encode`]).
+//! System fields (record id, model, versions, worker, times) are stamped by
+//! [`Stamp`], in one place.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::de::{self, Deserializer};
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use crate::spec::{JobSpec, Prices};
+use crate::validate::{FieldError, Repair};
+
+/// Where a record is. Its string form (the value in the partition's state
+/// hash, and what the Lua scripts compare) is [`RecordState::encode`]:
+/// `queued`, `delayed`, `done`, `review`, `cancelled`, `dropped:<reason>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RecordState {
+    /// A task for it is in the stream (waiting, or delivered and in flight).
+    Queued,
+    /// Waiting in the delayed set to be retried.
+    Delayed,
+    /// Has its one result.
+    Done,
+    /// In the review queue.
+    Review,
+    /// Not processed, with the reason (an input error, or `rejected` by a reviewer).
+    Dropped(String),
+    /// Cancelled by an operator; kept for resume.
+    Cancelled,
+}
+
+impl RecordState {
+    /// The reason a reviewer's rejection drops a record with.
+    pub const REJECTED: &'static str = "rejected";
+
+    /// The one string form of a state.
+    pub fn encode(&self) -> Cow<'static, str> {
+        match self {
+            RecordState::Queued => "queued".into(),
+            RecordState::Delayed => "delayed".into(),
+            RecordState::Done => "done".into(),
+            RecordState::Review => "review".into(),
+            RecordState::Cancelled => "cancelled".into(),
+            RecordState::Dropped(reason) => format!("dropped:{reason}").into(),
+        }
+    }
+
+    /// Reads a state hash value; None for a value no version ever wrote.
+    pub fn decode(text: &str) -> Option<RecordState> {
+        Some(match text {
+            "queued" => RecordState::Queued,
+            "delayed" => RecordState::Delayed,
+            "done" => RecordState::Done,
+            "review" => RecordState::Review,
+            "cancelled" => RecordState::Cancelled,
+            other => RecordState::Dropped(other.strip_prefix("dropped:")?.to_owned()),
+        })
+    }
+
+    /// Done, review, dropped or cancelled: no worker may move it any more.
+    pub fn is_terminal(&self) -> bool {
+        !matches!(self, RecordState::Queued | RecordState::Delayed)
+    }
+}
+
+impl fmt::Display for RecordState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.encode())
+    }
+}
+
+/// What one call used, normalised once from the provider's `usage` object:
+/// cached tokens are clamped to the prompt tokens here and nowhere else.
+/// Encoded in the provider's own shape (`prompt_tokens`, `completion_tokens`,
+/// `total_tokens`, `prompt_tokens_details.cached_tokens`,
+/// `completion_tokens_details.reasoning_tokens`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt: u64,
+    pub cached: u64,
+    pub completion: u64,
+    pub reasoning: u64,
+    pub total: u64,
+}
+
+#[derive(Serialize, Deserialize, Default)]
+struct UsageWire {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+    #[serde(default)]
+    total_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    prompt_tokens_details: Option<Details>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    completion_tokens_details: Option<Details>,
+}
+
+#[derive(Serialize, Deserialize, Default)]
+struct Details {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cached_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    reasoning_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// The provider's `usage` object; None when it is absent or not an object.
+    pub fn from_provider(v: &Value) -> Option<Usage> {
+        if !v.is_object() {
+            return None;
+        }
+        serde_json::from_value::<UsageWire>(v.clone()).ok().map(Usage::from)
+    }
+
+    /// USD for this call at `prices`.
+    pub fn cost(&self, prices: &Prices) -> f64 {
+        prices.cost(self.prompt, self.cached, self.completion)
+    }
+}
+
+impl From<UsageWire> for Usage {
+    fn from(w: UsageWire) -> Usage {
+        let prompt = w.prompt_tokens.unwrap_or(0);
+        let completion = w.completion_tokens.unwrap_or(0);
+        Usage {
+            prompt,
+            cached: w
+                .prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .unwrap_or(0)
+                .min(prompt),
+            completion,
+            reasoning: w
+                .completion_tokens_details
+                .and_then(|d| d.reasoning_tokens)
+                .unwrap_or(0),
+            total: w.total_tokens.unwrap_or(prompt + completion),
+        }
+    }
+}
+
+impl Serialize for Usage {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        UsageWire {
+            prompt_tokens: Some(self.prompt),
+            completion_tokens: Some(self.completion),
+            total_tokens: Some(self.total),
+            prompt_tokens_details: (self.cached > 0).then_some(Details {
+                cached_tokens: Some(self.cached),
+                reasoning_tokens: None,
+            }),
+            completion_tokens_details: (self.reasoning > 0).then_some(Details {
+                cached_tokens: None,
+                reasoning_tokens: Some(self.reasoning),
+            }),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for Usage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Usage, D::Error> {
+        UsageWire::deserialize(d).map(Usage::from)
+    }
+}
+
+/// One call to the model for a record, as its history keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Attempt {
+    /// Attempts counted so far, this one included (rate-limited calls are not attempts).
+    pub attempt: u32,
+    /// Calls made for the record so far, this one included.
+    pub call: u32,
+    #[serde(default)]
+    pub at: String,
+    #[serde(default)]
+    pub worker: String,
+    #[serde(default)]
+    pub elapsed_ms: u64,
+    #[serde(default)]
+    pub status: Option<u16>,
+    #[serde(default)]
+    pub response_id: Option<String>,
+    #[serde(default)]
+    pub finish_reason: String,
+    /// What the call came to (`valid`, `invalid_output`, a transport cause...).
+    #[serde(default)]
+    pub outcome: String,
+    #[serde(default)]
+    pub errors: Vec<FieldError>,
+    #[serde(default)]
+    pub repairs: Vec<Repair>,
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// commit | retry | review | drop | halt
+    #[serde(default)]
+    pub decision: String,
+}
+
+/// What a person or an operator did to a record (accept, requeue, reject, retry).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Action {
+    pub action: String,
+    pub by: String,
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Action {
+    /// An action by `by`, now.
+    pub fn new(action: &str, by: &str) -> Action {
+        Action {
+            action: action.to_owned(),
+            by: by.to_owned(),
+            at: crate::manifest::now_rfc3339(),
+            note: None,
+            reason: None,
+        }
+    }
+}
+
+/// One item of a record's history: a call, or an action on it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum HistoryItem {
+    Attempt(Attempt),
+    Action(Action),
+}
+
+impl<'de> Deserialize<'de> for HistoryItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<HistoryItem, D::Error> {
+        let v = Value::deserialize(d)?;
+        if v.get("action").is_some() {
+            serde_json::from_value(v)
+                .map(HistoryItem::Action)
+                .map_err(de::Error::custom)
+        } else {
+            serde_json::from_value(v)
+                .map(HistoryItem::Attempt)
+                .map_err(de::Error::custom)
+        }
+    }
+}
+
+impl HistoryItem {
+    pub fn as_attempt(&self) -> Option<&Attempt> {
+        match self {
+            HistoryItem::Attempt(a) => Some(a),
+            HistoryItem::Action(_) => None,
+        }
+    }
+}
+
+/// Calls a history holds: its attempt items (actions are not calls).
+pub fn calls_in(history: &[HistoryItem]) -> u32 {
+    history.iter().filter(|h| h.as_attempt().is_some()).count() as u32
+}
+
+/// The work a worker is given for one record. Encoded as one JSON object
+/// whose first field is always `rid` (promote reads it there without
+/// decoding); the input is embedded as written.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    pub rid: String,
+    /// The record's input object, exactly as enqueued.
+    pub input: Input,
+    /// Attempts made before this task (deliveries lost to dead workers included).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub attempt: u32,
+    /// Calls made before this task (rate-limited ones included).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub calls: u32,
+    /// Attempts made before the current round began (`retry --from` and a
+    /// requeue start a new round; attempts count on across rounds).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub base: u32,
+    /// Validation errors of the previous attempt, shown to the model next time.
+    #[serde(default, deserialize_with = "list_or_text", skip_serializing_if = "Vec::is_empty")]
+    pub feedback: Vec<FieldError>,
+    /// Every call and action so far.
+    #[serde(default, deserialize_with = "list_or_text", skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<HistoryItem>,
+    /// W3C traceparent of the record's enqueue span (empty when not traced).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tp: String,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A value that is not what its encoding promises.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DecodeError(String);
+
+impl Task {
+    /// A first task for a record: no attempts yet.
+    pub fn new(rid: &str, input: &str, traceparent: &str) -> Result<Task, DecodeError> {
+        Ok(Task {
+            rid: rid.to_owned(),
+            input: Input::parse(input)?,
+            attempt: 0,
+            calls: 0,
+            base: 0,
+            feedback: vec![],
+            history: vec![],
+            tp: traceparent.to_owned(),
+        })
+    }
+
+    /// The one encoding (`{"rid":...` first).
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn decode(text: &str) -> Result<Task, DecodeError> {
+        serde_json::from_str(text).map_err(|e| DecodeError(format!("task: {e}")))
+    }
+
+    /// A stream entry's fields: `task` (the encoding) or, from versions
+    /// before it, one field per item (`rid`, `input`, `attempt`, `calls`,
+    /// `base`, `feedback`, `history`, `tp`).
+    pub fn from_entry_fields<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Task, DecodeError> {
+        let mut legacy = Map::new();
+        let mut rid = None;
+        for (k, v) in fields {
+            match k {
+                "task" => {
+                    let mut t = Task::decode(v)?;
+                    if let Some(r) = rid.take().filter(|r: &String| !r.is_empty()) {
+                        t.rid = r;
+                    }
+                    return Ok(t);
+                }
+                "rid" => {
+                    rid = Some(v.to_owned());
+                    legacy.insert("rid".into(), Value::String(v.to_owned()));
+                }
+                "attempt" | "calls" | "base" => {
+                    legacy.insert(k.into(), Value::from(v.parse::<u32>().unwrap_or(0)));
+                }
+                "input" | "feedback" | "history" | "tp" => {
+                    legacy.insert(k.into(), Value::String(v.to_owned()));
+                }
+                _ => {}
+            }
+        }
+        if legacy.get("rid").is_none_or(|r| r.as_str().is_none_or(str::is_empty)) {
+            return Err(DecodeError("task entry without a record id".into()));
+        }
+        legacy.entry("input").or_insert_with(|| Value::String("{}".into()));
+        serde_json::from_value(Value::Object(legacy)).map_err(|e| DecodeError(format!("task: {e}")))
+    }
+
+    /// The input as an object (empty when it is not one).
+    pub fn input_object(&self) -> Map<String, Value> {
+        self.input.object()
+    }
+
+    /// The next task for the same record: attempts and calls so far, with
+    /// feedback for the model and the history grown by this attempt.
+    pub fn next(&self, attempt: u32, calls: u32, feedback: Vec<FieldError>, history: Vec<HistoryItem>) -> Task {
+        Task {
+            rid: self.rid.clone(),
+            input: self.input.clone(),
+            attempt,
+            calls,
+            base: self.base,
+            feedback,
+            history,
+            tp: self.tp.clone(),
+        }
+    }
+}
+
+/// A record's input object, kept exactly as enqueued (embedded in an
+/// encoding as JSON, not as a string of JSON).
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct Input(Box<RawValue>);
+
+impl Input {
+    /// The JSON text of an input.
+    pub fn parse(text: &str) -> Result<Input, DecodeError> {
+        RawValue::from_string(text.trim().to_owned())
+            .map(Input)
+            .map_err(|e| DecodeError(format!("input: {e}")))
+    }
+
+    /// The JSON text, as enqueued.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// As an object (empty when it is not one).
+    pub fn object(&self) -> Map<String, Value> {
+        serde_json::from_str(self.get()).unwrap_or_default()
+    }
+
+    /// As a JSON value (Null when unreadable).
+    pub fn value(&self) -> Value {
+        serde_json::from_str(self.get()).unwrap_or(Value::Null)
+    }
+}
+
+impl PartialEq for Input {
+    fn eq(&self, other: &Input) -> bool {
+        self.get() == other.get()
+    }
+}
+
+/// Embedded JSON, or (versions before the one encoding) a string holding the JSON text.
+impl<'de> Deserialize<'de> for Input {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Input, D::Error> {
+        let v = Box::<RawValue>::deserialize(d)?;
+        if v.get().starts_with('"') {
+            let text: String = serde_json::from_str(v.get()).map_err(de::Error::custom)?;
+            return Input::parse(&text).map_err(de::Error::custom);
+        }
+        Ok(Input(v))
+    }
+}
+
+/// A list, or (versions before the one encoding) a string holding its JSON.
+fn list_or_text<'de, D: Deserializer<'de>, T: de::DeserializeOwned>(d: D) -> Result<Vec<T>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either<T> {
+        List(Vec<T>),
+        Text(String),
+        Null(()),
+    }
+    match Either::<T>::deserialize(d)? {
+        Either::List(v) => Ok(v),
+        Either::Text(t) if t.trim().is_empty() => Ok(vec![]),
+        Either::Text(t) => serde_json::from_str(&t).map_err(de::Error::custom),
+        Either::Null(()) => Ok(vec![]),
+    }
+}
+
+/// A task as delivered to a worker: the stream entry and how often it was delivered.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub partition: u32,
+    /// The stream entry id (what is acknowledged).
+    pub entry_id: String,
+    /// Times this entry was delivered (1 for a first delivery).
+    pub deliveries: u32,
+    pub task: Task,
+}
+
+/// The system fields of everything written for a record: the model, the
+/// versions, who wrote it and when. Stamped here, never taken from a model.
+#[derive(Debug, Clone)]
+pub struct Stamp {
+    pub model: String,
+    pub versions: BTreeMap<String, String>,
+    pub at: String,
+}
+
+impl Stamp {
+    /// Now, for the job's spec.
+    pub fn now(spec: &JobSpec) -> Stamp {
+        Stamp {
+            model: spec.provider.model.clone(),
+            versions: crate::spec::versions_map(spec)
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect(),
+            at: crate::manifest::now_rfc3339(),
+        }
+    }
+
+    /// The output with its system fields: the record id and the model.
+    fn output(&self, mut output: Map<String, Value>, record_id: &str) -> Map<String, Value> {
+        output.insert("record_id".into(), Value::String(record_id.to_owned()));
+        output.insert("_model".into(), Value::String(self.model.clone()));
+        output
+    }
+}
+
+/// A record's one result: the validated output and how it was made.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultRecord {
+    pub record_id: String,
+    /// The business key (the spec's `id_field`).
+    #[serde(default)]
+    pub key: String,
+    pub output: Map<String, Value>,
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default)]
+    pub calls: u32,
+    #[serde(default)]
+    pub response_id: Option<String>,
+    #[serde(default)]
+    pub repairs: Vec<Repair>,
+    /// What the call that produced the output used (None for a person's output).
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    #[serde(default)]
+    pub history: Vec<HistoryItem>,
+    #[serde(default)]
+    pub model: String,
+    #[serde(default)]
+    pub versions: BTreeMap<String, String>,
+    #[serde(default)]
+    pub human: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reviewer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<String>,
+    #[serde(default)]
+    pub committed_at: String,
+}
+
+/// How a model's valid answer was made, for its result.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub key: String,
+    pub output: Map<String, Value>,
+    pub attempts: u32,
+    pub calls: u32,
+    pub response_id: Option<String>,
+    pub repairs: Vec<Repair>,
+    pub usage: Option<Usage>,
+}
+
+impl ResultRecord {
+    /// A model's valid answer, committed by `worker`.
+    pub fn from_model(task: &Task, answer: Answer, history: Vec<HistoryItem>, stamp: &Stamp, worker: &str) -> Self {
+        ResultRecord {
+            output: stamp.output(answer.output, &task.rid),
+            record_id: task.rid.clone(),
+            key: answer.key,
+            attempts: answer.attempts,
+            calls: answer.calls,
+            response_id: answer.response_id,
+            repairs: answer.repairs,
+            usage: answer.usage,
+            history,
+            model: stamp.model.clone(),
+            versions: stamp.versions.clone(),
+            human: false,
+            reviewer: None,
+            worker: Some(worker.to_owned()),
+            committed_at: stamp.at.clone(),
+        }
+    }
+
+    /// A person's output (already validated) for a record in review.
+    pub fn from_review(
+        entry: &ReviewEntry,
+        output: Map<String, Value>,
+        repairs: Vec<Repair>,
+        stamp: &Stamp,
+        reviewer: &str,
+    ) -> Self {
+        ResultRecord {
+            output: stamp.output(output, &entry.record_id),
+            record_id: entry.record_id.clone(),
+            key: entry.key.clone(),
+            attempts: entry.attempts,
+            calls: calls_in(&entry.history),
+            response_id: None,
+            repairs,
+            usage: None,
+            history: entry.history.clone(),
+            model: stamp.model.clone(),
+            versions: stamp.versions.clone(),
+            human: true,
+            reviewer: Some(reviewer.to_owned()),
+            worker: None,
+            committed_at: stamp.at.clone(),
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn decode(text: &str) -> Result<ResultRecord, DecodeError> {
+        serde_json::from_str(text).map_err(|e| DecodeError(format!("result: {e}")))
+    }
+}
+
+/// A record a person must look at: what went in, what came out, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReviewEntry {
+    pub record_id: String,
+    #[serde(default)]
+    pub key: String,
+    /// The record's input, exactly as enqueued.
+    pub input: Input,
+    /// The rendered user prompt (empty when the record never reached the model).
+    #[serde(default)]
+    pub prompt: String,
+    #[serde(default)]
+    pub last_raw_output: String,
+    #[serde(default)]
+    pub errors: Vec<FieldError>,
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default)]
+    pub deliveries: u32,
+    pub reason: String,
+    #[serde(default)]
+    pub history: Vec<HistoryItem>,
+    #[serde(default)]
+    pub versions: BTreeMap<String, String>,
+    #[serde(default)]
+    pub worker: String,
+    #[serde(default)]
+    pub created_at: String,
+    /// What people did to the entry (once archived).
+    #[serde(default)]
+    pub actions: Vec<Action>,
+    /// The entry's encoding as it was read: an action applies only while the
+    /// stored entry is still exactly this (two reviewers cannot both win).
+    #[serde(skip)]
+    pub seen: String,
+}
+
+/// What a worker knows when it sends a record to review.
+#[derive(Debug, Clone)]
+pub struct ReviewFacts<'a> {
+    pub key: &'a str,
+    pub prompt: &'a str,
+    pub last_raw_output: &'a str,
+    pub errors: &'a [FieldError],
+    pub attempts: u32,
+    pub reason: &'a str,
+}
+
+impl ReviewEntry {
+    /// A new entry for a delivered task.
+    pub fn new(d: &Delivery, facts: ReviewFacts<'_>, history: Vec<HistoryItem>, stamp: &Stamp, worker: &str) -> Self {
+        ReviewEntry {
+            record_id: d.task.rid.clone(),
+            key: facts.key.to_owned(),
+            input: d.task.input.clone(),
+            prompt: facts.prompt.to_owned(),
+            last_raw_output: facts.last_raw_output.to_owned(),
+            errors: facts.errors.to_vec(),
+            attempts: facts.attempts,
+            deliveries: d.deliveries,
+            reason: facts.reason.to_owned(),
+            history,
+            versions: stamp.versions.clone(),
+            worker: worker.to_owned(),
+            created_at: stamp.at.clone(),
+            actions: vec![],
+            seen: String::new(),
+        }
+    }
+
+    /// A task for a fresh round of attempts (they count on from here), with
+    /// `mark` recording who started it.
+    pub fn requeue(&self, mark: &Action) -> Task {
+        let mut history = self.history.clone();
+        history.push(HistoryItem::Action(mark.clone()));
+        Task {
+            rid: self.record_id.clone(),
+            input: self.input.clone(),
+            attempt: self.attempts,
+            calls: calls_in(&self.history),
+            base: self.attempts,
+            feedback: vec![],
+            history,
+            tp: String::new(),
+        }
+    }
+
+    /// The entry as archived, with `act` appended to its actions.
+    pub fn archived(&self, act: Action) -> ReviewEntry {
+        let mut a = self.clone();
+        a.actions.push(act);
+        a.seen = String::new();
+        a
+    }
+
+    /// The input as a JSON value (for display and export).
+    pub fn input_value(&self) -> Value {
+        self.input.value()
+    }
+
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Decodes an entry, remembering the text it was read from.
+    pub fn decode(text: &str) -> Result<ReviewEntry, DecodeError> {
+        let mut e: ReviewEntry = serde_json::from_str(text).map_err(|e| DecodeError(format!("review entry: {e}")))?;
+        e.seen = text.to_owned();
+        Ok(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::validate::ErrorCode;
+
+    fn err() -> FieldError {
+        FieldError {
+            code: ErrorCode::Enum,
+            field: "label".into(),
+            message: "must be one of a, b".into(),
+        }
+    }
+
+    fn attempt(n: u32) -> HistoryItem {
+        HistoryItem::Attempt(Attempt {
+            attempt: n,
+            call: n,
+            at: "2026-01-01T00:00:00Z".into(),
+            worker: "w1".into(),
+            elapsed_ms: 12,
+            status: Some(200),
+            response_id: Some(format!("resp-{n}")),
+            finish_reason: "stop".into(),
+            outcome: "invalid_output".into(),
+            errors: vec![err()],
+            repairs: vec![Repair::CodeFence],
+            usage: Some(Usage {
+                prompt: 10,
+                cached: 4,
+                completion: 5,
+                reasoning: 0,
+                total: 15,
+            }),
+            decision: "retry".into(),
+        })
+    }
+
+    #[test]
+    fn states_have_one_string_form() {
+        let all = [
+            RecordState::Queued,
+            RecordState::Delayed,
+            RecordState::Done,
+            RecordState::Review,
+            RecordState::Cancelled,
+            RecordState::Dropped("template_missing:text".into()),
+            RecordState::Dropped(RecordState::REJECTED.into()),
+        ];
+        for s in all {
+            assert_eq!(RecordState::decode(&s.encode()), Some(s.clone()), "{s}");
+            assert_eq!(
+                s.is_terminal(),
+                !matches!(s, RecordState::Queued | RecordState::Delayed)
+            );
+        }
+        assert_eq!(
+            RecordState::decode("dropped:rejected").unwrap().encode(),
+            "dropped:rejected"
+        );
+        assert_eq!(RecordState::decode("weird"), None);
+    }
+
+    #[test]
+    fn task_round_trips_and_starts_with_its_record_id() {
+        let t = Task {
+            rid: "ab".repeat(32),
+            input: Input::parse(r#"{"id":"m1","n":12345678901234567890123,"x":1.50}"#).unwrap(),
+            attempt: 2,
+            calls: 3,
+            base: 1,
+            feedback: vec![err()],
+            history: vec![attempt(1), HistoryItem::Action(Action::new("requeue", "ana"))],
+            tp: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        };
+        let text = t.encode();
+        assert!(text.starts_with(&format!("{{\"rid\":\"{}\"", t.rid)), "{text}");
+        // The input is embedded as written: big integers and trailing zeros kept.
+        assert!(
+            text.contains(r#""input":{"id":"m1","n":12345678901234567890123,"x":1.50}"#),
+            "{text}"
+        );
+        let back = Task::decode(&text).unwrap();
+        assert_eq!(back.encode(), text);
+        assert_eq!(back.history, t.history);
+        assert_eq!(back.feedback, t.feedback);
+        assert_eq!(back.input_object()["id"], "m1");
+    }
+
+    #[test]
+    fn an_untraced_task_has_no_tp() {
+        let t = Task::new("r1", "{\"a\":1}", "").unwrap();
+        assert!(!t.encode().contains("\"tp\""), "{}", t.encode());
+    }
+
+    #[test]
+    fn tasks_of_earlier_versions_decode() {
+        // The delayed set and the cancelled hash held this JSON, with the
+        // input, feedback and history as JSON text.
+        let old = r#"{"rid":"r1","input":"{\"id\":\"m1\"}","attempt":2,"calls":4,"feedback":"[{\"code\":\"E_ENUM\",\"field\":\"label\",\"message\":\"must be one of a, b\"}]","history":"[{\"attempt\":1,\"call\":1,\"usage\":null},{\"action\":\"retry\",\"by\":\"op\",\"at\":\"t\"}]"}"#;
+        let t = Task::decode(old).unwrap();
+        assert_eq!((t.rid.as_str(), t.attempt, t.calls, t.base), ("r1", 2, 4, 0));
+        assert_eq!(t.input.get(), r#"{"id":"m1"}"#);
+        assert_eq!(t.feedback, vec![err()]);
+        assert_eq!(t.history.len(), 2);
+        assert_eq!(calls_in(&t.history), 1);
+        assert!(t.tp.is_empty());
+
+        // Stream entries held one field per item; a copy injected by hand
+        // may hold only `rid` and `input`.
+        let fields = [
+            ("rid", "r2"),
+            ("input", "{\"id\":\"m2\"}"),
+            ("attempt", "1"),
+            ("calls", "2"),
+            ("base", "1"),
+            ("feedback", "[]"),
+            ("history", "[]"),
+            ("tp", ""),
+        ];
+        let t = Task::from_entry_fields(fields).unwrap();
+        assert_eq!((t.rid.as_str(), t.attempt, t.calls, t.base), ("r2", 1, 2, 1));
+        assert_eq!(t.input.get(), r#"{"id":"m2"}"#);
+        let t = Task::from_entry_fields([("rid", "r3"), ("input", "{}")]).unwrap();
+        assert_eq!((t.attempt, t.calls, t.feedback.len(), t.history.len()), (0, 0, 0, 0));
+        assert!(Task::from_entry_fields([("input", "{}")]).is_err());
+
+        // Today's entries: the encoded task.
+        let enc = Task::new("r4", "{\"k\":[1,2]}", "").unwrap().encode();
+        let t = Task::from_entry_fields([("rid", "r4"), ("task", enc.as_str())]).unwrap();
+        assert_eq!(t.input.get(), "{\"k\":[1,2]}");
+    }
+
+    #[test]
+    fn usage_is_normalised_once() {
+        let u = Usage::from_provider(&serde_json::json!({
+            "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+            "prompt_tokens_details": {"cached_tokens": 50},
+            "completion_tokens_details": {"reasoning_tokens": 2}
+        }))
+        .unwrap();
+        assert_eq!(
+            (u.prompt, u.cached, u.completion, u.reasoning, u.total),
+            (10, 10, 3, 2, 13)
+        );
+        let back: Usage = serde_json::from_str(&serde_json::to_string(&u).unwrap()).unwrap();
+        assert_eq!(back, u);
+        let v = serde_json::to_value(u).unwrap();
+        assert_eq!(v["prompt_tokens"], 10);
+        assert_eq!(v["prompt_tokens_details"]["cached_tokens"], 10);
+        assert_eq!(Usage::from_provider(&Value::Null), None);
+        let bare = Usage::from_provider(&serde_json::json!({"prompt_tokens": 7})).unwrap();
+        assert_eq!((bare.prompt, bare.completion, bare.total), (7, 0, 7));
+    }
+
+    #[test]
+    fn results_and_review_entries_round_trip() {
+        let spec = JobSpec::parse(include_str!("../../examples/job.toml"), "example").unwrap();
+        let stamp = Stamp::now(&spec);
+        let task = Task::new("r1", r#"{"message_id":"m1","text":"hi"}"#, "").unwrap();
+        let d = Delivery {
+            partition: 0,
+            entry_id: "1-0".into(),
+            deliveries: 2,
+            task: task.clone(),
+        };
+        let mut out = Map::new();
+        out.insert("label".into(), Value::from("billing"));
+        out.insert("record_id".into(), Value::from("from the model"));
+        let answer = Answer {
+            key: "m1".into(),
+            output: out.clone(),
+            attempts: 1,
+            calls: 1,
+            response_id: Some("resp-1".into()),
+            repairs: vec![],
+            usage: None,
+        };
+        let r = ResultRecord::from_model(&task, answer, vec![attempt(1)], &stamp, "w1");
+        assert_eq!(r.output["record_id"], "r1", "system fields come from code");
+        assert_eq!(r.output["_model"], Value::from(spec.provider.model.clone()));
+        assert_eq!(ResultRecord::decode(&r.encode()).unwrap(), r);
+
+        let facts = ReviewFacts {
+            key: "m1",
+            prompt: "classify: hi",
+            last_raw_output: "{\"label\":\"nope\"}",
+            errors: &[err()],
+            attempts: 3,
+            reason: "attempts_exhausted",
+        };
+        let e = ReviewEntry::new(&d, facts, vec![attempt(1), attempt(2)], &stamp, "w1");
+        let text = e.encode();
+        let back = ReviewEntry::decode(&text).unwrap();
+        assert_eq!(back.seen, text);
+        assert_eq!(back.encode(), text);
+        assert_eq!(back.input_value()["message_id"], "m1");
+
+        let mark = Action::new("requeue", "ana");
+        let next = back.requeue(&mark);
+        assert_eq!((next.attempt, next.base, next.calls), (3, 3, 2));
+        assert_eq!(next.history.len(), 3);
+        assert_eq!(next.input.get(), task.input.get());
+
+        let human = ResultRecord::from_review(&back, out, vec![], &stamp, "ana");
+        assert!(human.human);
+        assert_eq!(human.reviewer.as_deref(), Some("ana"));
+        assert_eq!((human.attempts, human.calls), (3, 2));
+        assert_eq!(human.output["record_id"], "r1");
+
+        let archived = back.archived(mark);
+        assert_eq!(archived.actions.len(), 1);
+        assert!(archived.seen.is_empty());
+    }
+
+    #[test]
+    fn review_entries_of_earlier_versions_decode() {
+        // Earlier entries held the input as parsed JSON and requeue notes as null.
+        let old = r#"{"record_id":"r1","key":"m1","input":{"message_id":"m1"},"prompt":"p","last_raw_output":"x","errors":[],"attempts":2,"deliveries":1,"reason":"poison","history":[{"action":"requeue","by":"a","at":"t","note":null}],"versions":{"prompt":"1"},"worker":"w","created_at":"t","actions":[]}"#;
+        let e = ReviewEntry::decode(old).unwrap();
+        assert_eq!(e.input.get(), r#"{"message_id":"m1"}"#);
+        assert_eq!(calls_in(&e.history), 0);
+        // Results a person accepted had no calls, usage or worker.
+        let r = ResultRecord::decode(r#"{"record_id":"r1","key":"m1","output":{"a":1},"attempts":2,"repairs":[],"history":[],"model":"m","versions":{},"human":true,"reviewer":"ana","committed_at":"t"}"#).unwrap();
+        assert_eq!((r.calls, r.usage, r.worker), (0, None, None));
+    }
+}

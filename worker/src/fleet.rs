@@ -1,0 +1,235 @@
+//! What a worker's services share: the store, the jobs, the concurrency
+//! permits, the task tracker, the jobs' halt and cancel flags, and the run's
+//! summary. It also starts one delivered task ([`Fleet::spawn`]) and settles
+//! its rate-limit grant when the task ends.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::store::{Finish, RedisStore, StoreError};
+use common::task::Delivery;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::task::TaskTracker;
+
+use crate::http::Health;
+use crate::limiter::Grant;
+use crate::process::{JobCtx, Limits, Settled, process};
+use crate::run::{Config, RunSummary};
+use crate::telemetry::Metrics;
+
+/// The state a worker's services share.
+pub struct Fleet {
+    pub store: RedisStore,
+    pub jobs: Vec<Arc<JobCtx>>,
+    pub limits: Limits,
+    pub config: Config,
+    /// A pending task idle this long is taken over.
+    pub visibility: Duration,
+    pub summary: tokio::sync::Mutex<RunSummary>,
+    pub metrics: Arc<Metrics>,
+    pub health: Arc<Health>,
+    /// Requests in flight in this process: one permit per task.
+    pub permits: Arc<Semaphore>,
+    /// Every started task, for the drain.
+    pub tracker: TaskTracker,
+    flags: Mutex<Flags>,
+    /// Tasks of dead or stuck workers the rescuer saw waiting to be taken
+    /// over and could not take: while any wait, no new claims, so a busy
+    /// fleet runs them first.
+    pub reclaim_backlog: AtomicUsize,
+    /// The claimer has read this consumer's own pending entries; the rescuer
+    /// waits for it, or what it takes over would be read again as "own pending".
+    pub own_pending_read: AtomicBool,
+    /// Failed Redis calls of the services so far: a round that saw one
+    /// waits [`STORE_ERROR_PAUSE`] before the next.
+    store_errors: AtomicU64,
+}
+
+/// Jobs halted (fleet-wide, or seen here first) and cancelled.
+#[derive(Default)]
+struct Flags {
+    /// From Redis, refreshed by the watcher.
+    halted: BTreeMap<String, String>,
+    /// Seen by this process's tasks, known before the next refresh.
+    halted_here: BTreeMap<String, String>,
+    cancelled: BTreeSet<String>,
+}
+
+impl Fleet {
+    pub fn new(
+        store: RedisStore,
+        jobs: Vec<Arc<JobCtx>>,
+        limits: Limits,
+        config: Config,
+        visibility: Duration,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+    ) -> Fleet {
+        Fleet {
+            permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            tracker: TaskTracker::new(),
+            store,
+            jobs,
+            limits,
+            config,
+            visibility,
+            summary: tokio::sync::Mutex::new(RunSummary::default()),
+            metrics,
+            health,
+            flags: Mutex::new(Flags::default()),
+            reclaim_backlog: AtomicUsize::new(0),
+            own_pending_read: AtomicBool::new(false),
+            store_errors: AtomicU64::new(0),
+        }
+    }
+
+    /// Jobs halted now, with the reason (from Redis or seen here).
+    pub fn halted(&self) -> BTreeMap<String, String> {
+        let f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = f.halted.clone();
+        for (k, v) in &f.halted_here {
+            all.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        all
+    }
+
+    pub fn is_halted(&self, job: &str) -> bool {
+        let f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        f.halted.contains_key(job) || f.halted_here.contains_key(job)
+    }
+
+    pub fn is_cancelled(&self, job: &str) -> bool {
+        let f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        f.cancelled.contains(job)
+    }
+
+    /// The watcher's view of Redis: halted and cancelled jobs.
+    pub fn set_flags(&self, halted: BTreeMap<String, String>, cancelled: BTreeSet<String>) {
+        let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        f.halted = halted;
+        f.cancelled = cancelled;
+        self.health
+            .halted
+            .store(!f.halted.is_empty() || !f.halted_here.is_empty(), Ordering::Relaxed);
+    }
+
+    fn halted_here(&self, job: &str, reason: &str) {
+        let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        f.halted_here.insert(job.to_owned(), reason.to_owned());
+        self.health.halted.store(true, Ordering::Relaxed);
+    }
+
+    /// Up to `want` grants of the job's limiter (None: the job has no limits),
+    /// and how long to wait when none was given.
+    pub async fn grants(&self, job: &JobCtx, want: usize) -> Option<(Vec<Grant>, Duration)> {
+        let limiter = job.limiter.as_ref()?;
+        match limiter.try_acquire(want).await {
+            Ok(got) => Some(got),
+            Err(e) => {
+                self.store_error(&e).await;
+                Some((Vec::new(), Duration::from_millis(200)))
+            }
+        }
+    }
+
+    /// Gives back grants a round did not use.
+    pub async fn release(&self, job: &JobCtx, unused: Option<Vec<Grant>>) {
+        if let (Some(limiter), Some(unused)) = (&job.limiter, unused) {
+            for g in unused {
+                if let Err(e) = limiter.release(g).await {
+                    self.store_error(&e).await;
+                }
+            }
+        }
+    }
+
+    /// Starts one delivered task on the tracker; it holds `permit` (and the
+    /// rate-limit `grant`) until it is settled.
+    pub fn spawn(self: &Arc<Self>, job: Arc<JobCtx>, d: Delivery, permit: OwnedSemaphorePermit, grant: Option<Grant>) {
+        let me = self.clone();
+        self.tracker.spawn(async move {
+            let mut report = None;
+            let settled = if me.is_halted(&job.name) {
+                // Claimed before a halt was seen: leave it pending, do not call.
+                None
+            } else if me.is_cancelled(&job.name) {
+                // The job was cancelled before this task ran: keep it for resume.
+                Some(me.cancel_task(&job, &d).await)
+            } else {
+                Some(process(&me.store, &job, d, &me.limits, &mut report).await)
+            };
+            drop(permit);
+            if let (Some(limiter), Some(grant)) = (&job.limiter, grant) {
+                let settled_budget = match &report {
+                    Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
+                    None => limiter.release(grant).await,
+                };
+                if let Err(e) = settled_budget {
+                    tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
+                }
+            }
+            let Some(settled) = settled else { return };
+            let mut s = me.summary.lock().await;
+            match settled {
+                Ok(settled) => {
+                    *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
+                    me.metrics
+                        .records
+                        .with_label_values(&[job.name.as_str(), settled.label()])
+                        .inc();
+                    if let Settled::Halted(reason) = settled {
+                        me.halted_here(&job.name, &reason);
+                        s.halted.insert(job.name.clone(), reason);
+                    }
+                }
+                Err(e) => {
+                    s.store_errors += 1;
+                    tracing::warn!(error = %e, "store error: the task stays pending and will be retried");
+                }
+            }
+        });
+    }
+
+    async fn cancel_task(&self, job: &JobCtx, d: &Delivery) -> Result<Settled, StoreError> {
+        self.store.finish(&job.name, d, &Finish::Cancel(d.task.clone())).await?;
+        Ok(Settled::Cancelled)
+    }
+
+    /// Counts and logs a failed Redis call. The caller's loop waits before
+    /// its next round (the wait is cancellable there).
+    pub async fn store_error(&self, e: &StoreError) {
+        self.store_errors.fetch_add(1, Ordering::Relaxed);
+        self.summary.lock().await.store_errors += 1;
+        self.metrics.store_errors.inc();
+        tracing::warn!(error = %e, "Redis call failed; retrying");
+    }
+
+    /// Failed Redis calls of the services so far (compare before and after a round).
+    pub fn store_errors_seen(&self) -> u64 {
+        self.store_errors.load(Ordering::Relaxed)
+    }
+
+    /// Every job is complete, or halted (nothing more this worker can do).
+    pub async fn jobs_finished(&self) -> bool {
+        let halted = self.halted();
+        for job in &self.jobs {
+            if halted.contains_key(&job.name) {
+                continue;
+            }
+            match self.store.remaining(&job.name, job.spec.job.partitions).await {
+                Ok(r) if r.is_empty() => {}
+                Ok(_) => return false,
+                Err(e) => {
+                    self.store_error(&e).await;
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// After a failed Redis call, a loop waits this long before its next round.
+pub const STORE_ERROR_PAUSE: Duration = Duration::from_millis(200);

@@ -1,0 +1,132 @@
+//! The rescuer: takes over tasks a dead or stuck worker left pending past
+//! the visibility timeout (`XPENDING ... IDLE` over the whole pending list,
+//! then `XCLAIM`, which re-checks the idle time atomically: two workers never
+//! both take one), as far as free permits and the fleet's budget allow.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::store::IdleEntry;
+
+use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::process::JobCtx;
+use crate::service::Service;
+
+pub struct Rescuer {
+    fleet: Arc<Fleet>,
+}
+
+impl Rescuer {
+    pub fn new(fleet: Arc<Fleet>) -> Rescuer {
+        Rescuer { fleet }
+    }
+
+    /// One look over every partition of every job that is not halted.
+    /// Returns how many tasks were taken over and started. What could not be
+    /// taken now (no free slot, no budget, another worker was faster) is left
+    /// in the fleet's reclaim backlog, which holds new claims back.
+    pub async fn rescue_round(&self) -> usize {
+        let f = &self.fleet;
+        if !f.own_pending_read.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let visibility = f.visibility.as_millis() as u64;
+        let mut backlog = 0;
+        let mut started = 0;
+        for job in &f.jobs {
+            if f.is_halted(&job.name) {
+                continue;
+            }
+            for p in 0..job.spec.job.partitions {
+                // Take budget only for tasks that are really there to take over.
+                let idle = match f
+                    .store
+                    .idle_pending(&job.name, p, visibility, f.config.concurrency)
+                    .await
+                {
+                    Ok(entries) => entries,
+                    Err(e) => {
+                        f.store_error(&e).await;
+                        continue;
+                    }
+                };
+                let taken = self.take_over(job, p, &idle).await;
+                started += taken;
+                backlog += idle.len().saturating_sub(taken);
+            }
+        }
+        f.reclaim_backlog.store(backlog, Ordering::Relaxed);
+        started
+    }
+
+    /// Takes over as many of `idle` as free slots and the fleet budget allow,
+    /// and starts them. Returns how many were started.
+    async fn take_over(&self, job: &Arc<JobCtx>, p: u32, idle: &[IdleEntry]) -> usize {
+        let f = &self.fleet;
+        let free = f.permits.available_permits().min(idle.len());
+        if free == 0 {
+            return 0;
+        }
+        let mut grants = match f.grants(job, free).await {
+            Some((g, _)) if g.is_empty() => return 0,
+            Some((g, _)) => Some(g),
+            None => None,
+        };
+        let free = grants.as_ref().map_or(free, Vec::len);
+        let mut started = 0;
+        let visibility = f.visibility.as_millis() as u64;
+        match f
+            .store
+            .reclaim(&job.name, p, &f.config.consumer, visibility, &idle[..free])
+            .await
+        {
+            Ok(batch) => {
+                for d in batch {
+                    tracing::info!(job = %job.name, record_id = %d.task.rid, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
+                    match f.permits.clone().try_acquire_owned() {
+                        Ok(permit) => {
+                            let grant = grants.as_mut().and_then(Vec::pop);
+                            f.spawn(job.clone(), d, permit, grant);
+                            started += 1;
+                        }
+                        Err(_) => break, // stays pending, owned by us; reclaimed again later
+                    }
+                }
+            }
+            Err(e) => f.store_error(&e).await,
+        }
+        f.release(job, grants).await;
+        started
+    }
+
+    /// How often to look: often enough that a dead worker's task waits little
+    /// past the visibility timeout; every 100 ms while some wait for a slot.
+    pub fn period(&self) -> Duration {
+        if self.fleet.reclaim_backlog.load(Ordering::Relaxed) > 0 {
+            Duration::from_millis(100)
+        } else {
+            maintenance_period(self.fleet.visibility)
+        }
+    }
+}
+
+/// The period of the rescuer and the promoter: a tenth of the visibility timeout, 100 ms to 2 s.
+pub fn maintenance_period(visibility: Duration) -> Duration {
+    (visibility / 10).clamp(Duration::from_millis(100), Duration::from_secs(2))
+}
+
+impl Service for Rescuer {
+    fn name(&self) -> &'static str {
+        "reclaim"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        let errors = self.fleet.store_errors_seen();
+        self.rescue_round().await;
+        if self.fleet.store_errors_seen() > errors {
+            return Some(STORE_ERROR_PAUSE.max(self.period()));
+        }
+        Some(self.period())
+    }
+}

@@ -1,0 +1,73 @@
+//! The watcher: reads every job's halt and cancel flags from Redis twice a
+//! second, so the claimer skips halted and cancelled jobs.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::service::Service;
+
+/// How often the flags are read.
+pub const PERIOD: Duration = Duration::from_millis(500);
+
+pub struct Watcher {
+    fleet: Arc<Fleet>,
+}
+
+impl Watcher {
+    pub fn new(fleet: Arc<Fleet>) -> Watcher {
+        Watcher { fleet }
+    }
+
+    /// Reads the flags once. On a Redis error a job keeps the flags it had.
+    pub async fn watch_round(&self) {
+        let f = &self.fleet;
+        let before = f.halted();
+        let mut halted = BTreeMap::new();
+        let mut cancelled = BTreeSet::new();
+        for job in &f.jobs {
+            match f.store.halted(&job.name).await {
+                Ok(Some(reason)) => {
+                    halted.insert(job.name.clone(), reason);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    f.store_error(&e).await;
+                    if let Some(reason) = before.get(&job.name) {
+                        halted.insert(job.name.clone(), reason.clone());
+                    }
+                }
+            }
+            match f.store.cancelled(&job.name).await {
+                Ok(true) => {
+                    cancelled.insert(job.name.clone());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    f.store_error(&e).await;
+                    if f.is_cancelled(&job.name) {
+                        cancelled.insert(job.name.clone());
+                    }
+                }
+            }
+        }
+        f.set_flags(halted, cancelled);
+    }
+}
+
+impl Service for Watcher {
+    fn name(&self) -> &'static str {
+        "watch"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        let errors = self.fleet.store_errors_seen();
+        self.watch_round().await;
+        Some(if self.fleet.store_errors_seen() > errors {
+            PERIOD.max(STORE_ERROR_PAUSE)
+        } else {
+            PERIOD
+        })
+    }
+}
