@@ -5,6 +5,8 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use reqwest::Method;
+
 use crate::client::{http_get_json, http_request};
 use crate::paths::{TempDir, bin, workspace};
 use crate::process::{stderr, stdout, wait_for};
@@ -291,7 +293,7 @@ impl LlmSim {
 
     /// `POST /admin/limits`.
     pub fn set_limits(&self, body: &serde_json::Value) {
-        http_request(&self.addr, "POST", "/admin/limits", Some(&body.to_string()));
+        http_request(&self.addr, Method::POST, "/admin/limits", Some(body.to_string()));
     }
 }
 
