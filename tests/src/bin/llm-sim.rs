@@ -68,27 +68,90 @@ struct Args {
     api_key: Option<String>,
 }
 
-const FAULT_KINDS: &[&str] = &[
-    "rate_limit",
-    "quota",
-    "server_error",
-    "unavailable",
-    "hang",
-    "empty",
-    "broken_json",
-    "fence",
-    "prose",
-    "missing_field",
-    "bad_enum",
-    "bool_number",
-    "content_filter",
-    "length",
-    "unauthorized",
-];
+/// Declares [`Fault`] from one list: variant, `--faults` name, doc.
+macro_rules! faults {
+    ($($(#[doc = $doc:literal])* $variant:ident = $name:literal,)*) => {
+        /// One kind of fault llm-sim injects, as `--faults` names it.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        enum Fault {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl Fault {
+            /// Every kind, in the order `--help` lists them.
+            const ALL: &[Fault] = &[$(Fault::$variant,)*];
+
+            /// The name `--faults` and `GET /stats` use.
+            fn name(self) -> &'static str {
+                match self {
+                    $(Fault::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+faults! {
+    /// 429 `rate_limit_exceeded` (tokens), `retry-after: 1`.
+    RateLimit = "rate_limit",
+    /// 429 `insufficient_quota`.
+    Quota = "quota",
+    /// 500 `server_error`.
+    ServerError = "server_error",
+    /// 503 `overloaded`, `retry-after: 0.2`.
+    Unavailable = "unavailable",
+    /// Holds the request `--hang-secs`, then 504.
+    Hang = "hang",
+    /// 200 with an empty body.
+    Empty = "empty",
+    /// The first half of the JSON object.
+    BrokenJson = "broken_json",
+    /// The object inside a markdown code fence.
+    Fence = "fence",
+    /// The object inside a sentence.
+    Prose = "prose",
+    /// The object without its first field.
+    MissingField = "missing_field",
+    /// An enum field with a value outside the enum.
+    BadEnum = "bad_enum",
+    /// A number field set to `true`.
+    BoolNumber = "bool_number",
+    /// `finish_reason: content_filter`, empty content and a refusal.
+    ContentFilter = "content_filter",
+    /// `finish_reason: length`, the first two thirds of the object.
+    Length = "length",
+    /// 401 `invalid_api_key`.
+    Unauthorized = "unauthorized",
+}
+
+/// A `--faults` kind that is not a [`Fault`].
+#[derive(Debug)]
+struct UnknownFault(String);
+
+impl std::fmt::Display for UnknownFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let known: Vec<&str> = Fault::ALL.iter().map(|k| k.name()).collect();
+        write!(f, "unknown fault `{}` (known: {})", self.0, known.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownFault {}
+
+impl std::str::FromStr for Fault {
+    type Err = UnknownFault;
+
+    fn from_str(s: &str) -> Result<Fault, UnknownFault> {
+        Fault::ALL
+            .iter()
+            .copied()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| UnknownFault(s.to_owned()))
+    }
+}
 
 struct Sim {
     args: Args,
-    faults: Vec<(String, f64)>,
+    faults: Vec<(Fault, f64)>,
     rng: Mutex<StdRng>,
     limits: Mutex<Limits>,
     stats: Mutex<Stats>,
@@ -113,7 +176,7 @@ struct Stats {
     /// 200 answers with a generated object (faulty or not).
     served: u64,
     by_status: BTreeMap<u16, u64>,
-    by_fault: BTreeMap<String, u64>,
+    by_fault: BTreeMap<&'static str, u64>,
     rate_limited: u64,
     prompt_tokens: u64,
     completion_tokens: u64,
@@ -164,22 +227,20 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn parse_faults(spec: &str) -> anyhow::Result<Vec<(String, f64)>> {
+fn parse_faults(spec: &str) -> anyhow::Result<Vec<(Fault, f64)>> {
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (kind, p) = part
             .split_once('=')
             .ok_or_else(|| anyhow::anyhow!("--faults: `{part}` is not kind=probability"))?;
-        if !FAULT_KINDS.contains(&kind) {
-            anyhow::bail!("--faults: unknown fault `{kind}` (known: {})", FAULT_KINDS.join(", "));
-        }
+        let fault: Fault = kind.parse().map_err(|e| anyhow::anyhow!("--faults: {e}"))?;
         let p: f64 = p
             .parse()
             .map_err(|_| anyhow::anyhow!("--faults: `{p}` is not a probability"))?;
         if !(0.0..=1.0).contains(&p) {
             anyhow::bail!("--faults: {kind}={p} is outside 0..1");
         }
-        out.push((kind.to_owned(), p));
+        out.push((fault, p));
     }
     let total: f64 = out.iter().map(|(_, p)| p).sum();
     if total > 1.0 {
@@ -330,7 +391,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         for (kind, p) in &sim.faults {
             acc += p;
             if draw < acc {
-                fault = Some(kind.clone());
+                fault = Some(*kind);
                 break;
             }
         }
@@ -345,16 +406,16 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     };
     // Feedback retries get a clean answer: the model "listened".
     let fault = if with_feedback { None } else { fault };
-    if let Some(f) = &fault
+    if let Some(f) = fault
         && let Ok(mut s) = sim.stats.lock()
     {
-        *s.by_fault.entry(f.clone()).or_default() += 1;
+        *s.by_fault.entry(f.name()).or_default() += 1;
     }
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
-    match fault.as_deref() {
-        Some("rate_limit") => {
+    match fault {
+        Some(Fault::RateLimit) => {
             let mut r = error_body(
                 StatusCode::TOO_MANY_REQUESTS,
                 "Rate limit reached for tokens.",
@@ -364,7 +425,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
             return r;
         }
-        Some("quota") => {
+        Some(Fault::Quota) => {
             return error_body(
                 StatusCode::TOO_MANY_REQUESTS,
                 "You exceeded your current quota, please check your plan and billing details.",
@@ -372,7 +433,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
                 "insufficient_quota",
             );
         }
-        Some("unauthorized") => {
+        Some(Fault::Unauthorized) => {
             return error_body(
                 StatusCode::UNAUTHORIZED,
                 "Incorrect API key provided.",
@@ -380,7 +441,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
                 "invalid_api_key",
             );
         }
-        Some("server_error") => {
+        Some(Fault::ServerError) => {
             return error_body(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "The server had an error.",
@@ -388,7 +449,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
                 "server_error",
             );
         }
-        Some("unavailable") => {
+        Some(Fault::Unavailable) => {
             let mut r = error_body(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "The engine is currently overloaded.",
@@ -398,11 +459,11 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             r.headers_mut().insert("retry-after", HeaderValue::from_static("0.2"));
             return r;
         }
-        Some("hang") => {
+        Some(Fault::Hang) => {
             tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
             return error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout");
         }
-        Some("empty") => return (StatusCode::OK, "").into_response(),
+        Some(Fault::Empty) => return (StatusCode::OK, "").into_response(),
         _ => {}
     }
 
@@ -410,14 +471,16 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     let object = generate(&req["response_format"], user, &seed_text);
     let mut finish_reason = "stop";
     let mut refusal = Value::Null;
-    let content: String = match fault.as_deref() {
-        Some("broken_json") => {
+    let content: String = match fault {
+        Some(Fault::BrokenJson) => {
             let s = object.to_string();
             s[..s.len() / 2].to_owned()
         }
-        Some("fence") => format!("```json\n{object}\n```"),
-        Some("prose") => format!("Here is the classification you asked for: {object} Let me know if you need more."),
-        Some("missing_field") => {
+        Some(Fault::Fence) => format!("```json\n{object}\n```"),
+        Some(Fault::Prose) => {
+            format!("Here is the classification you asked for: {object} Let me know if you need more.")
+        }
+        Some(Fault::MissingField) => {
             let mut o = object.clone();
             if let Some(m) = o.as_object_mut()
                 && let Some(k) = m.keys().next().cloned()
@@ -426,7 +489,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             }
             o.to_string()
         }
-        Some("bad_enum") => {
+        Some(Fault::BadEnum) => {
             let mut o = object.clone();
             if let Some(m) = o.as_object_mut() {
                 for (k, v) in schema_props(&req["response_format"]) {
@@ -438,7 +501,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             }
             o.to_string()
         }
-        Some("bool_number") => {
+        Some(Fault::BoolNumber) => {
             let mut o = object.clone();
             if let Some(m) = o.as_object_mut() {
                 for (k, v) in schema_props(&req["response_format"]) {
@@ -450,18 +513,18 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
             }
             o.to_string()
         }
-        Some("content_filter") => {
+        Some(Fault::ContentFilter) => {
             finish_reason = "content_filter";
             String::new()
         }
-        Some("length") => {
+        Some(Fault::Length) => {
             finish_reason = "length";
             let s = object.to_string();
             s[..s.len() * 2 / 3].to_owned()
         }
         _ => object.to_string(),
     };
-    if fault.as_deref() == Some("content_filter") {
+    if fault == Some(Fault::ContentFilter) {
         refusal = json!("I can't help with that.");
     }
     let completion_tokens = estimate_tokens(&content).min(max_tokens);
@@ -718,4 +781,66 @@ async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Sta
         l.tokens = l.tokens.min(t as f64);
     }
     StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_fault_round_trips_through_its_name() {
+        for &fault in Fault::ALL {
+            assert_eq!(fault.name().parse::<Fault>().ok(), Some(fault), "{fault:?}");
+        }
+        let mut names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Fault::ALL.len(), "two faults share a name");
+    }
+
+    #[test]
+    fn the_help_lists_every_fault() {
+        use clap::CommandFactory;
+        let help = Args::command().render_long_help().to_string();
+        let listed = Fault::ALL.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ");
+        assert!(
+            help.split_whitespace().collect::<Vec<_>>().join(" ").contains(&listed),
+            "--faults help does not list {listed}"
+        );
+    }
+
+    #[test]
+    fn a_fault_mix_parses_in_order() {
+        let mix = parse_faults(" rate_limit=0.1, ,hang=0 ,length=0.25").expect("a valid mix");
+        assert_eq!(
+            mix,
+            vec![(Fault::RateLimit, 0.1), (Fault::Hang, 0.0), (Fault::Length, 0.25)]
+        );
+        assert!(parse_faults("").expect("no faults").is_empty());
+    }
+
+    #[test]
+    fn an_unknown_fault_is_refused_with_the_known_ones() {
+        let err = "nope".parse::<Fault>().expect_err("unknown");
+        assert!(
+            err.to_string()
+                .starts_with("unknown fault `nope` (known: rate_limit, quota,")
+        );
+        let err = parse_faults("fence=0.1,nope=0.1").expect_err("unknown").to_string();
+        assert!(err.starts_with("--faults: unknown fault `nope` (known: rate_limit, quota, server_error,"));
+        assert!(err.ends_with("length, unauthorized)"), "{err}");
+        assert!("Fence".parse::<Fault>().is_err(), "names are case-sensitive");
+    }
+
+    #[test]
+    fn a_probability_out_of_range_or_not_a_number_is_refused() {
+        let err = |spec: &str| parse_faults(spec).expect_err(spec).to_string();
+        assert_eq!(err("fence=1.5"), "--faults: fence=1.5 is outside 0..1");
+        assert_eq!(err("fence=-0.1"), "--faults: fence=-0.1 is outside 0..1");
+        assert_eq!(err("fence=nan"), "--faults: fence=NaN is outside 0..1");
+        assert_eq!(err("fence=lots"), "--faults: `lots` is not a probability");
+        assert_eq!(err("fence"), "--faults: `fence` is not kind=probability");
+        assert_eq!(err("fence=0.6,prose=0.6"), "--faults: probabilities add up to 1.2 > 1");
+        assert!(parse_faults("fence=1").is_ok() && parse_faults("fence=0.5,prose=0.5").is_ok());
+    }
 }
