@@ -293,10 +293,95 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// One chat request, step by step: each step either answers (and ends the
+/// request) or hands on to the next.
 async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     if let Some(to) = &sim.args.redirect_to {
-        return (StatusCode::TEMPORARY_REDIRECT, [("location", to.clone())], "").into_response();
+        return redirect(to);
     }
+    if let Some(refused) = check_auth(sim, headers) {
+        return refused;
+    }
+    let req: Value = match serde_json::from_str(body) {
+        Ok(v) => v,
+        Err(e) => return invalid_json(&e),
+    };
+    let chat = ChatRequest::read(&req);
+    log_request(sim, &chat);
+    let limit_headers = match admit(sim, &chat) {
+        Admission::Admitted(headers) => headers,
+        Admission::RateLimited(refused) => return refused,
+    };
+    let (fault, latency) = draw_fault_and_latency(sim);
+    // Feedback retries get a clean answer: the model "listened".
+    let fault = if chat.with_feedback { None } else { fault };
+    if let Some(f) = fault
+        && let Ok(mut s) = sim.stats.lock()
+    {
+        *s.by_fault.entry(f.name()).or_default() += 1;
+    }
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    if let Some(f) = fault
+        && let Some(failed) = failure(sim, f).await
+    {
+        return failed;
+    }
+    completion(sim, &chat, fault, limit_headers)
+}
+
+/// What the simulator reads from a chat completions request.
+struct ChatRequest<'a> {
+    req: &'a Value,
+    /// Every message's content, one per line: the prompt tokens and the answer's seed.
+    prompt_text: String,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    /// The last user message.
+    user: &'a str,
+    /// A retry carrying the validator's feedback.
+    with_feedback: bool,
+}
+
+impl<'a> ChatRequest<'a> {
+    fn read(req: &'a Value) -> ChatRequest<'a> {
+        let messages: &[Value] = req["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let prompt_text: String = messages
+            .iter()
+            .filter_map(|m| m["content"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let prompt_tokens = estimate_tokens(&prompt_text);
+        let max_tokens = req["max_tokens"]
+            .as_u64()
+            .or(req["max_completion_tokens"].as_u64())
+            .unwrap_or(256);
+        let user = messages
+            .iter()
+            .rev()
+            .find(|m| m["role"] == "user")
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or("");
+        ChatRequest {
+            req,
+            prompt_text,
+            prompt_tokens,
+            max_tokens,
+            user,
+            with_feedback: user.contains("rejected by the validator"),
+        }
+    }
+}
+
+/// `--redirect-to`: every chat request is sent elsewhere.
+fn redirect(to: &str) -> Response {
+    (StatusCode::TEMPORARY_REDIRECT, [("location", to.to_owned())], "").into_response()
+}
+
+/// A 401 unless the request carries the `--api-key` bearer token (any
+/// non-empty one without `--api-key`).
+fn check_auth(sim: &Sim, headers: &HeaderMap) -> Option<Response> {
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -306,227 +391,182 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         Some(k) => token == k,
         None => !token.is_empty(),
     };
-    if !authorized {
-        // Like a provider that quotes the key back: a client must not log bodies.
-        return error_body(
-            StatusCode::UNAUTHORIZED,
-            &format!("Incorrect API key provided: {token}."),
-            "invalid_request_error",
-            "invalid_api_key",
-        );
+    if authorized {
+        return None;
     }
-    let req: Value = match serde_json::from_str(body) {
-        Ok(v) => v,
-        Err(e) => {
-            return error_body(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid JSON body: {e}"),
-                "invalid_request_error",
-                "invalid_json",
-            );
-        }
-    };
-    let messages = req["messages"].as_array().cloned().unwrap_or_default();
-    let prompt_text: String = messages
-        .iter()
-        .filter_map(|m| m["content"].as_str())
-        .collect::<Vec<_>>()
-        .join("\n");
-    let prompt_tokens = estimate_tokens(&prompt_text);
-    let max_tokens = req["max_tokens"]
-        .as_u64()
-        .or(req["max_completion_tokens"].as_u64())
-        .unwrap_or(256);
-    let user = messages
-        .iter()
-        .rev()
-        .find(|m| m["role"] == "user")
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("");
-    let with_feedback = user.contains("rejected by the validator");
+    // Like a provider that quotes the key back: a client must not log bodies.
+    Some(error_body(
+        StatusCode::UNAUTHORIZED,
+        &format!("Incorrect API key provided: {token}."),
+        "invalid_request_error",
+        "invalid_api_key",
+    ))
+}
+
+/// 400 for a body that is not JSON.
+fn invalid_json(e: &serde_json::Error) -> Response {
+    error_body(
+        StatusCode::BAD_REQUEST,
+        &format!("invalid JSON body: {e}"),
+        "invalid_request_error",
+        "invalid_json",
+    )
+}
+
+/// Keeps the user message for `GET /log` (the last [`LOG_CAP`] requests).
+fn log_request(sim: &Sim, chat: &ChatRequest) {
     if let Ok(mut log) = sim.log.lock() {
         if log.len() >= LOG_CAP {
             log.pop_front();
         }
-        log.push_back(json!({"user": user.chars().take(4000).collect::<String>(), "feedback": with_feedback}));
+        log.push_back(
+            json!({"user": chat.user.chars().take(4000).collect::<String>(), "feedback": chat.with_feedback}),
+        );
     }
+}
 
-    // Rate limits: the simulator's own buckets.
-    let (limit_headers, retry_after) = take_budget(sim, prompt_tokens + max_tokens);
+/// What the rate limits make of a request.
+enum Admission {
+    /// Within the budgets: the rate-limit headers of its answer.
+    Admitted(HeaderMap),
+    /// Over a budget: the 429 to answer with.
+    RateLimited(Response),
+}
+
+/// Rate limits, the simulator's own buckets: takes the request's budget.
+fn admit(sim: &Sim, chat: &ChatRequest) -> Admission {
+    let (limit_headers, retry_after) = take_budget(sim, chat.prompt_tokens + chat.max_tokens);
     if let Some(wait) = retry_after {
-        if let Ok(mut s) = sim.stats.lock() {
-            s.rate_limited += 1;
-        }
-        let mut r = error_body(
-            StatusCode::TOO_MANY_REQUESTS,
-            "Rate limit reached for requests. Please try again later.",
-            "requests",
-            "rate_limit_exceeded",
-        );
-        r.headers_mut().extend(limit_headers);
-        r.headers_mut().insert(
-            "retry-after",
-            HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
-        );
-        r.headers_mut().insert(
-            "retry-after-ms",
-            HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
-                .unwrap_or(HeaderValue::from_static("1000")),
-        );
-        return r;
+        return Admission::RateLimited(rate_limited(sim, limit_headers, wait));
     }
     if let Ok(mut s) = sim.stats.lock() {
-        s.prompt_tokens += prompt_tokens;
-        if with_feedback {
+        s.prompt_tokens += chat.prompt_tokens;
+        if chat.with_feedback {
             s.with_feedback += 1;
         }
     }
+    Admission::Admitted(limit_headers)
+}
 
-    // Latency, then the fault draw.
-    let (fault, latency) = {
-        let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
-        let draw: f64 = rng.random_range(0.0..1.0);
-        let mut acc = 0.0;
-        let mut fault = None;
-        for (kind, p) in &sim.faults {
-            acc += p;
-            if draw < acc {
-                fault = Some(*kind);
-                break;
-            }
+/// 429 over the simulator's own limits, saying when to come back.
+fn rate_limited(sim: &Sim, limit_headers: HeaderMap, wait: f64) -> Response {
+    if let Ok(mut s) = sim.stats.lock() {
+        s.rate_limited += 1;
+    }
+    let mut r = error_body(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Rate limit reached for requests. Please try again later.",
+        "requests",
+        "rate_limit_exceeded",
+    );
+    r.headers_mut().extend(limit_headers);
+    r.headers_mut().insert(
+        "retry-after",
+        HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
+    );
+    r.headers_mut().insert(
+        "retry-after-ms",
+        HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
+            .unwrap_or(HeaderValue::from_static("1000")),
+    );
+    r
+}
+
+/// The seeded draws of one admitted request, in this order: its fault (by
+/// the `--faults` probabilities), then its latency.
+fn draw_fault_and_latency(sim: &Sim) -> (Option<Fault>, Duration) {
+    let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
+    let draw: f64 = rng.random_range(0.0..1.0);
+    let mut acc = 0.0;
+    let mut fault = None;
+    for (kind, p) in &sim.faults {
+        acc += p;
+        if draw < acc {
+            fault = Some(*kind);
+            break;
         }
-        let mean = sim.args.latency_ms as f64;
-        let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        let latency = if mean > 0.0 {
-            mean * 0.2 + (-u.ln()) * mean * 0.8
-        } else {
-            0.0
-        };
-        (fault, Duration::from_micros((latency * 1000.0) as u64))
+    }
+    let mean = sim.args.latency_ms as f64;
+    let u: f64 = rng.random_range(f64::EPSILON..1.0);
+    let latency = if mean > 0.0 {
+        mean * 0.2 + (-u.ln()) * mean * 0.8
+    } else {
+        0.0
     };
-    // Feedback retries get a clean answer: the model "listened".
-    let fault = if with_feedback { None } else { fault };
-    if let Some(f) = fault
-        && let Ok(mut s) = sim.stats.lock()
-    {
-        *s.by_fault.entry(f.name()).or_default() += 1;
-    }
-    if !latency.is_zero() {
-        tokio::time::sleep(latency).await;
-    }
+    (fault, Duration::from_micros((latency * 1000.0) as u64))
+}
+
+/// The answer of a fault that takes the place of a completion, if `fault` is one.
+async fn failure(sim: &Sim, fault: Fault) -> Option<Response> {
     match fault {
-        Some(Fault::RateLimit) => {
-            let mut r = error_body(
-                StatusCode::TOO_MANY_REQUESTS,
-                "Rate limit reached for tokens.",
-                "tokens",
-                "rate_limit_exceeded",
-            );
-            r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
-            return r;
-        }
-        Some(Fault::Quota) => {
-            return error_body(
-                StatusCode::TOO_MANY_REQUESTS,
-                "You exceeded your current quota, please check your plan and billing details.",
-                "insufficient_quota",
-                "insufficient_quota",
-            );
-        }
-        Some(Fault::Unauthorized) => {
-            return error_body(
-                StatusCode::UNAUTHORIZED,
-                "Incorrect API key provided.",
-                "invalid_request_error",
-                "invalid_api_key",
-            );
-        }
-        Some(Fault::ServerError) => {
-            return error_body(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "The server had an error.",
-                "server_error",
-                "server_error",
-            );
-        }
-        Some(Fault::Unavailable) => {
-            let mut r = error_body(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "The engine is currently overloaded.",
-                "server_error",
-                "overloaded",
-            );
-            r.headers_mut().insert("retry-after", HeaderValue::from_static("0.2"));
-            return r;
-        }
-        Some(Fault::Hang) => {
-            tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
-            return error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout");
-        }
-        Some(Fault::Empty) => return (StatusCode::OK, "").into_response(),
-        _ => {}
+        Fault::Hang => Some(hang(sim).await),
+        Fault::Empty => Some((StatusCode::OK, "").into_response()),
+        _ => provider_error(fault),
     }
+}
 
-    let seed_text = format!("{}|{}", sim.args.seed, prompt_text);
-    let object = generate(&req["response_format"], user, &seed_text);
-    let mut finish_reason = "stop";
-    let mut refusal = Value::Null;
-    let content: String = match fault {
-        Some(Fault::BrokenJson) => {
-            let s = object.to_string();
-            s[..s.len() / 2].to_owned()
-        }
-        Some(Fault::Fence) => format!("```json\n{object}\n```"),
-        Some(Fault::Prose) => {
-            format!("Here is the classification you asked for: {object} Let me know if you need more.")
-        }
-        Some(Fault::MissingField) => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut()
-                && let Some(k) = m.keys().next().cloned()
-            {
-                m.remove(&k);
-            }
-            o.to_string()
-        }
-        Some(Fault::BadEnum) => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut() {
-                for (k, v) in schema_props(&req["response_format"]) {
-                    if v.get("enum").is_some() {
-                        m.insert(k, json!("definitely_not_allowed"));
-                        break;
-                    }
-                }
-            }
-            o.to_string()
-        }
-        Some(Fault::BoolNumber) => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut() {
-                for (k, v) in schema_props(&req["response_format"]) {
-                    if type_names(&v).iter().any(|t| t == "number" || t == "integer") {
-                        m.insert(k, json!(true));
-                        break;
-                    }
-                }
-            }
-            o.to_string()
-        }
-        Some(Fault::ContentFilter) => {
-            finish_reason = "content_filter";
-            String::new()
-        }
-        Some(Fault::Length) => {
-            finish_reason = "length";
-            let s = object.to_string();
-            s[..s.len() * 2 / 3].to_owned()
-        }
-        _ => object.to_string(),
+/// A provider's error answer: status, OpenAI error body, and `retry-after`
+/// where a provider sends one.
+fn provider_error(fault: Fault) -> Option<Response> {
+    let (status, message, kind, code, retry_after) = match fault {
+        Fault::RateLimit => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "Rate limit reached for tokens.",
+            "tokens",
+            "rate_limit_exceeded",
+            Some("1"),
+        ),
+        Fault::Quota => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "You exceeded your current quota, please check your plan and billing details.",
+            "insufficient_quota",
+            "insufficient_quota",
+            None,
+        ),
+        Fault::Unauthorized => (
+            StatusCode::UNAUTHORIZED,
+            "Incorrect API key provided.",
+            "invalid_request_error",
+            "invalid_api_key",
+            None,
+        ),
+        Fault::ServerError => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "The server had an error.",
+            "server_error",
+            "server_error",
+            None,
+        ),
+        Fault::Unavailable => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The engine is currently overloaded.",
+            "server_error",
+            "overloaded",
+            Some("0.2"),
+        ),
+        _ => return None,
     };
-    if fault == Some(Fault::ContentFilter) {
-        refusal = json!("I can't help with that.");
+    let mut r = error_body(status, message, kind, code);
+    if let Some(after) = retry_after {
+        r.headers_mut().insert("retry-after", HeaderValue::from_static(after));
     }
+    Some(r)
+}
+
+/// Holds the request `--hang-secs` (a client should give up first), then 504.
+async fn hang(sim: &Sim) -> Response {
+    tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
+    error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout")
+}
+
+/// A 200 completion: the generated object (as a content fault shapes it),
+/// a real `usage`, and the tokens reserved at admission but not used given back.
+fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers: HeaderMap) -> Response {
+    let response_format = &chat.req["response_format"];
+    let seed_text = format!("{}|{}", sim.args.seed, chat.prompt_text);
+    let object = generate(response_format, chat.user, &seed_text);
+    let (content, finish_reason, refusal) = message(fault, object, response_format);
+    let (prompt_tokens, max_tokens) = (chat.prompt_tokens, chat.max_tokens);
     let completion_tokens = estimate_tokens(&content).min(max_tokens);
     // Like OpenAI: max_tokens was reserved at admission; what was not used comes back.
     if let Ok(mut l) = sim.limits.lock()
@@ -553,7 +593,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         "id": id,
         "object": "chat.completion",
         "created": 1_796_000_000u64,
-        "model": req["model"],
+        "model": chat.req["model"],
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": content, "refusal": refusal},
@@ -570,6 +610,64 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     let mut r = (StatusCode::OK, Json(body)).into_response();
     r.headers_mut().extend(limit_headers);
     r
+}
+
+/// The assistant message of a completion: (content, finish_reason, refusal).
+fn message(fault: Option<Fault>, object: Value, response_format: &Value) -> (String, &'static str, Value) {
+    match fault {
+        Some(Fault::ContentFilter) => (String::new(), "content_filter", json!("I can't help with that.")),
+        Some(Fault::Length) => {
+            let s = object.to_string();
+            (s[..s.len() * 2 / 3].to_owned(), "length", Value::Null)
+        }
+        Some(f) => (malformed(f, object, response_format), "stop", Value::Null),
+        None => (object.to_string(), "stop", Value::Null),
+    }
+}
+
+/// The object as a model that misses the format writes it: cut short,
+/// fenced, in prose, or with a field missing or of the wrong kind. Any other
+/// fault: the object as is.
+fn malformed(fault: Fault, mut object: Value, response_format: &Value) -> String {
+    match fault {
+        Fault::BrokenJson => {
+            let s = object.to_string();
+            s[..s.len() / 2].to_owned()
+        }
+        Fault::Fence => format!("```json\n{object}\n```"),
+        Fault::Prose => format!("Here is the classification you asked for: {object} Let me know if you need more."),
+        Fault::MissingField => {
+            if let Some(m) = object.as_object_mut()
+                && let Some(k) = m.keys().next().cloned()
+            {
+                m.remove(&k);
+            }
+            object.to_string()
+        }
+        Fault::BadEnum => {
+            if let Some(m) = object.as_object_mut() {
+                for (k, v) in schema_props(response_format) {
+                    if v.get("enum").is_some() {
+                        m.insert(k, json!("definitely_not_allowed"));
+                        break;
+                    }
+                }
+            }
+            object.to_string()
+        }
+        Fault::BoolNumber => {
+            if let Some(m) = object.as_object_mut() {
+                for (k, v) in schema_props(response_format) {
+                    if type_names(&v).iter().any(|t| t == "number" || t == "integer") {
+                        m.insert(k, json!(true));
+                        break;
+                    }
+                }
+            }
+            object.to_string()
+        }
+        _ => object.to_string(),
+    }
 }
 
 /// Takes one request and `tokens` from the buckets. Returns the rate-limit
