@@ -70,3 +70,91 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// A one-shot HTTP server: answers one connection with `response` and
+    /// returns the request it read. It then stops listening, so a client that
+    /// came back (a followed redirect) would fail to connect.
+    fn answer_once(response: &'static str) -> (String, std::thread::JoinHandle<String>) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("local addr").to_string();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().expect("accept");
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = stream.read(&mut buf).expect("read request");
+                request.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&request).into_owned();
+                if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                    let length = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(str::to_owned)
+                        })
+                        .map_or(0, |v| v.trim().parse::<usize>().expect("content-length"));
+                    if body.len() >= length {
+                        break;
+                    }
+                }
+                assert!(n > 0, "request cut short: {text}");
+            }
+            stream.write_all(response.as_bytes()).expect("write response");
+            String::from_utf8_lossy(&request).into_owned()
+        });
+        (addr, server)
+    }
+
+    #[test]
+    fn a_get_returns_the_status_and_the_body() {
+        let (addr, server) = answer_once("HTTP/1.1 503 Service Unavailable\r\ncontent-length: 5\r\n\r\nhalt!");
+        assert_eq!(
+            http_get(&format!("http://{addr}"), "/readyz?x=%20"),
+            (503, "halt!".to_owned())
+        );
+        let request = server.join().expect("server");
+        assert!(request.starts_with("GET /readyz?x=%20 HTTP/1.1\r\n"), "{request}");
+    }
+
+    #[test]
+    fn a_redirect_is_returned_not_followed() {
+        let (addr, server) =
+            answer_once("HTTP/1.1 307 Temporary Redirect\r\nlocation: /elsewhere\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(http_get(&addr, "/v1"), (307, String::new()));
+        server.join().expect("server");
+    }
+
+    #[test]
+    fn a_post_sends_its_json_body() {
+        let (addr, server) = answer_once("HTTP/1.1 204 No Content\r\n\r\n");
+        let body = serde_json::json!({"rpm": 1200}).to_string();
+        assert_eq!(
+            http_request(&addr, Method::POST, "/admin/limits", Some(body)),
+            (204, String::new())
+        );
+        let request = server.join().expect("server").to_ascii_lowercase();
+        assert!(request.starts_with("post /admin/limits http/1.1\r\n"), "{request}");
+        assert!(request.contains("\r\ncontent-type: application/json\r\n"), "{request}");
+        assert!(request.ends_with("\r\n\r\n{\"rpm\":1200}"), "{request}");
+    }
+
+    #[test]
+    fn a_request_works_from_inside_an_async_runtime() {
+        let (addr, server) = answer_once("HTTP/1.1 200 OK\r\ncontent-length: 11\r\n\r\n{\"ok\":true}");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let got = runtime.block_on(async { http_get_json(&addr, "/stats") });
+        assert_eq!(got, serde_json::json!({"ok": true}));
+        server.join().expect("server");
+    }
+}
