@@ -68,27 +68,90 @@ struct Args {
     api_key: Option<String>,
 }
 
-const FAULT_KINDS: &[&str] = &[
-    "rate_limit",
-    "quota",
-    "server_error",
-    "unavailable",
-    "hang",
-    "empty",
-    "broken_json",
-    "fence",
-    "prose",
-    "missing_field",
-    "bad_enum",
-    "bool_number",
-    "content_filter",
-    "length",
-    "unauthorized",
-];
+/// Declares [`Fault`] from one list: variant, `--faults` name, doc.
+macro_rules! faults {
+    ($($(#[doc = $doc:literal])* $variant:ident = $name:literal,)*) => {
+        /// One kind of fault llm-sim injects, as `--faults` names it.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        enum Fault {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl Fault {
+            /// Every kind, in the order `--help` lists them.
+            const ALL: &[Fault] = &[$(Fault::$variant,)*];
+
+            /// The name `--faults` and `GET /stats` use.
+            fn name(self) -> &'static str {
+                match self {
+                    $(Fault::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+faults! {
+    /// 429 `rate_limit_exceeded` (tokens), `retry-after: 1`.
+    RateLimit = "rate_limit",
+    /// 429 `insufficient_quota`.
+    Quota = "quota",
+    /// 500 `server_error`.
+    ServerError = "server_error",
+    /// 503 `overloaded`, `retry-after: 0.2`.
+    Unavailable = "unavailable",
+    /// Holds the request `--hang-secs`, then 504.
+    Hang = "hang",
+    /// 200 with an empty body.
+    Empty = "empty",
+    /// The first half of the JSON object.
+    BrokenJson = "broken_json",
+    /// The object inside a markdown code fence.
+    Fence = "fence",
+    /// The object inside a sentence.
+    Prose = "prose",
+    /// The object without its first field.
+    MissingField = "missing_field",
+    /// An enum field with a value outside the enum.
+    BadEnum = "bad_enum",
+    /// A number field set to `true`.
+    BoolNumber = "bool_number",
+    /// `finish_reason: content_filter`, empty content and a refusal.
+    ContentFilter = "content_filter",
+    /// `finish_reason: length`, the first two thirds of the object.
+    Length = "length",
+    /// 401 `invalid_api_key`.
+    Unauthorized = "unauthorized",
+}
+
+/// A `--faults` kind that is not a [`Fault`].
+#[derive(Debug)]
+struct UnknownFault(String);
+
+impl std::fmt::Display for UnknownFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let known: Vec<&str> = Fault::ALL.iter().map(|k| k.name()).collect();
+        write!(f, "unknown fault `{}` (known: {})", self.0, known.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownFault {}
+
+impl std::str::FromStr for Fault {
+    type Err = UnknownFault;
+
+    fn from_str(s: &str) -> Result<Fault, UnknownFault> {
+        Fault::ALL
+            .iter()
+            .copied()
+            .find(|f| f.name() == s)
+            .ok_or_else(|| UnknownFault(s.to_owned()))
+    }
+}
 
 struct Sim {
     args: Args,
-    faults: Vec<(String, f64)>,
+    faults: Vec<(Fault, f64)>,
     rng: Mutex<StdRng>,
     limits: Mutex<Limits>,
     stats: Mutex<Stats>,
@@ -113,7 +176,7 @@ struct Stats {
     /// 200 answers with a generated object (faulty or not).
     served: u64,
     by_status: BTreeMap<u16, u64>,
-    by_fault: BTreeMap<String, u64>,
+    by_fault: BTreeMap<&'static str, u64>,
     rate_limited: u64,
     prompt_tokens: u64,
     completion_tokens: u64,
@@ -164,22 +227,20 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn parse_faults(spec: &str) -> anyhow::Result<Vec<(String, f64)>> {
+fn parse_faults(spec: &str) -> anyhow::Result<Vec<(Fault, f64)>> {
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         let (kind, p) = part
             .split_once('=')
             .ok_or_else(|| anyhow::anyhow!("--faults: `{part}` is not kind=probability"))?;
-        if !FAULT_KINDS.contains(&kind) {
-            anyhow::bail!("--faults: unknown fault `{kind}` (known: {})", FAULT_KINDS.join(", "));
-        }
+        let fault: Fault = kind.parse().map_err(|e| anyhow::anyhow!("--faults: {e}"))?;
         let p: f64 = p
             .parse()
             .map_err(|_| anyhow::anyhow!("--faults: `{p}` is not a probability"))?;
         if !(0.0..=1.0).contains(&p) {
             anyhow::bail!("--faults: {kind}={p} is outside 0..1");
         }
-        out.push((kind.to_owned(), p));
+        out.push((fault, p));
     }
     let total: f64 = out.iter().map(|(_, p)| p).sum();
     if total > 1.0 {
@@ -232,10 +293,95 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// One chat request, step by step: each step either answers (and ends the
+/// request) or hands on to the next.
 async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     if let Some(to) = &sim.args.redirect_to {
-        return (StatusCode::TEMPORARY_REDIRECT, [("location", to.clone())], "").into_response();
+        return redirect(to);
     }
+    if let Some(refused) = check_auth(sim, headers) {
+        return refused;
+    }
+    let req: Value = match serde_json::from_str(body) {
+        Ok(v) => v,
+        Err(e) => return invalid_json(&e),
+    };
+    let chat = ChatRequest::read(&req);
+    log_request(sim, &chat);
+    let limit_headers = match admit(sim, &chat) {
+        Admission::Admitted(headers) => headers,
+        Admission::RateLimited(refused) => return refused,
+    };
+    let (fault, latency) = draw_fault_and_latency(sim);
+    // Feedback retries get a clean answer: the model "listened".
+    let fault = if chat.with_feedback { None } else { fault };
+    if let Some(f) = fault
+        && let Ok(mut s) = sim.stats.lock()
+    {
+        *s.by_fault.entry(f.name()).or_default() += 1;
+    }
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    if let Some(f) = fault
+        && let Some(failed) = failure(sim, f).await
+    {
+        return failed;
+    }
+    completion(sim, &chat, fault, limit_headers)
+}
+
+/// What the simulator reads from a chat completions request.
+struct ChatRequest<'a> {
+    req: &'a Value,
+    /// Every message's content, one per line: the prompt tokens and the answer's seed.
+    prompt_text: String,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    /// The last user message.
+    user: &'a str,
+    /// A retry carrying the validator's feedback.
+    with_feedback: bool,
+}
+
+impl<'a> ChatRequest<'a> {
+    fn read(req: &'a Value) -> ChatRequest<'a> {
+        let messages: &[Value] = req["messages"].as_array().map(Vec::as_slice).unwrap_or_default();
+        let prompt_text: String = messages
+            .iter()
+            .filter_map(|m| m["content"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let prompt_tokens = estimate_tokens(&prompt_text);
+        let max_tokens = req["max_tokens"]
+            .as_u64()
+            .or(req["max_completion_tokens"].as_u64())
+            .unwrap_or(256);
+        let user = messages
+            .iter()
+            .rev()
+            .find(|m| m["role"] == "user")
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or("");
+        ChatRequest {
+            req,
+            prompt_text,
+            prompt_tokens,
+            max_tokens,
+            user,
+            with_feedback: user.contains("rejected by the validator"),
+        }
+    }
+}
+
+/// `--redirect-to`: every chat request is sent elsewhere.
+fn redirect(to: &str) -> Response {
+    (StatusCode::TEMPORARY_REDIRECT, [("location", to.to_owned())], "").into_response()
+}
+
+/// A 401 unless the request carries the `--api-key` bearer token (any
+/// non-empty one without `--api-key`).
+fn check_auth(sim: &Sim, headers: &HeaderMap) -> Option<Response> {
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -245,225 +391,182 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         Some(k) => token == k,
         None => !token.is_empty(),
     };
-    if !authorized {
-        // Like a provider that quotes the key back: a client must not log bodies.
-        return error_body(
-            StatusCode::UNAUTHORIZED,
-            &format!("Incorrect API key provided: {token}."),
-            "invalid_request_error",
-            "invalid_api_key",
-        );
+    if authorized {
+        return None;
     }
-    let req: Value = match serde_json::from_str(body) {
-        Ok(v) => v,
-        Err(e) => {
-            return error_body(
-                StatusCode::BAD_REQUEST,
-                &format!("invalid JSON body: {e}"),
-                "invalid_request_error",
-                "invalid_json",
-            );
-        }
-    };
-    let messages = req["messages"].as_array().cloned().unwrap_or_default();
-    let prompt_text: String = messages
-        .iter()
-        .filter_map(|m| m["content"].as_str())
-        .collect::<Vec<_>>()
-        .join("\n");
-    let prompt_tokens = estimate_tokens(&prompt_text);
-    let max_tokens = req["max_tokens"]
-        .as_u64()
-        .or(req["max_completion_tokens"].as_u64())
-        .unwrap_or(256);
-    let user = messages
-        .iter()
-        .rev()
-        .find(|m| m["role"] == "user")
-        .and_then(|m| m["content"].as_str())
-        .unwrap_or("");
-    let with_feedback = user.contains("rejected by the validator");
+    // Like a provider that quotes the key back: a client must not log bodies.
+    Some(error_body(
+        StatusCode::UNAUTHORIZED,
+        &format!("Incorrect API key provided: {token}."),
+        "invalid_request_error",
+        "invalid_api_key",
+    ))
+}
+
+/// 400 for a body that is not JSON.
+fn invalid_json(e: &serde_json::Error) -> Response {
+    error_body(
+        StatusCode::BAD_REQUEST,
+        &format!("invalid JSON body: {e}"),
+        "invalid_request_error",
+        "invalid_json",
+    )
+}
+
+/// Keeps the user message for `GET /log` (the last [`LOG_CAP`] requests).
+fn log_request(sim: &Sim, chat: &ChatRequest) {
     if let Ok(mut log) = sim.log.lock() {
         if log.len() >= LOG_CAP {
             log.pop_front();
         }
-        log.push_back(json!({"user": user.chars().take(4000).collect::<String>(), "feedback": with_feedback}));
+        log.push_back(
+            json!({"user": chat.user.chars().take(4000).collect::<String>(), "feedback": chat.with_feedback}),
+        );
     }
+}
 
-    // Rate limits: the simulator's own buckets.
-    let (limit_headers, retry_after) = take_budget(sim, prompt_tokens + max_tokens);
+/// What the rate limits make of a request.
+enum Admission {
+    /// Within the budgets: the rate-limit headers of its answer.
+    Admitted(HeaderMap),
+    /// Over a budget: the 429 to answer with.
+    RateLimited(Response),
+}
+
+/// Rate limits, the simulator's own buckets: takes the request's budget.
+fn admit(sim: &Sim, chat: &ChatRequest) -> Admission {
+    let (limit_headers, retry_after) = take_budget(sim, chat.prompt_tokens + chat.max_tokens);
     if let Some(wait) = retry_after {
-        if let Ok(mut s) = sim.stats.lock() {
-            s.rate_limited += 1;
-        }
-        let mut r = error_body(
-            StatusCode::TOO_MANY_REQUESTS,
-            "Rate limit reached for requests. Please try again later.",
-            "requests",
-            "rate_limit_exceeded",
-        );
-        r.headers_mut().extend(limit_headers);
-        r.headers_mut().insert(
-            "retry-after",
-            HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
-        );
-        r.headers_mut().insert(
-            "retry-after-ms",
-            HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
-                .unwrap_or(HeaderValue::from_static("1000")),
-        );
-        return r;
+        return Admission::RateLimited(rate_limited(sim, limit_headers, wait));
     }
     if let Ok(mut s) = sim.stats.lock() {
-        s.prompt_tokens += prompt_tokens;
-        if with_feedback {
+        s.prompt_tokens += chat.prompt_tokens;
+        if chat.with_feedback {
             s.with_feedback += 1;
         }
     }
+    Admission::Admitted(limit_headers)
+}
 
-    // Latency, then the fault draw.
-    let (fault, latency) = {
-        let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
-        let draw: f64 = rng.random_range(0.0..1.0);
-        let mut acc = 0.0;
-        let mut fault = None;
-        for (kind, p) in &sim.faults {
-            acc += p;
-            if draw < acc {
-                fault = Some(kind.clone());
-                break;
-            }
-        }
-        let mean = sim.args.latency_ms as f64;
-        let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        let latency = if mean > 0.0 {
-            mean * 0.2 + (-u.ln()) * mean * 0.8
-        } else {
-            0.0
-        };
-        (fault, Duration::from_micros((latency * 1000.0) as u64))
-    };
-    // Feedback retries get a clean answer: the model "listened".
-    let fault = if with_feedback { None } else { fault };
-    if let Some(f) = &fault
-        && let Ok(mut s) = sim.stats.lock()
-    {
-        *s.by_fault.entry(f.clone()).or_default() += 1;
+/// 429 over the simulator's own limits, saying when to come back.
+fn rate_limited(sim: &Sim, limit_headers: HeaderMap, wait: f64) -> Response {
+    if let Ok(mut s) = sim.stats.lock() {
+        s.rate_limited += 1;
     }
-    if !latency.is_zero() {
-        tokio::time::sleep(latency).await;
-    }
-    match fault.as_deref() {
-        Some("rate_limit") => {
-            let mut r = error_body(
-                StatusCode::TOO_MANY_REQUESTS,
-                "Rate limit reached for tokens.",
-                "tokens",
-                "rate_limit_exceeded",
-            );
-            r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
-            return r;
-        }
-        Some("quota") => {
-            return error_body(
-                StatusCode::TOO_MANY_REQUESTS,
-                "You exceeded your current quota, please check your plan and billing details.",
-                "insufficient_quota",
-                "insufficient_quota",
-            );
-        }
-        Some("unauthorized") => {
-            return error_body(
-                StatusCode::UNAUTHORIZED,
-                "Incorrect API key provided.",
-                "invalid_request_error",
-                "invalid_api_key",
-            );
-        }
-        Some("server_error") => {
-            return error_body(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "The server had an error.",
-                "server_error",
-                "server_error",
-            );
-        }
-        Some("unavailable") => {
-            let mut r = error_body(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "The engine is currently overloaded.",
-                "server_error",
-                "overloaded",
-            );
-            r.headers_mut().insert("retry-after", HeaderValue::from_static("0.2"));
-            return r;
-        }
-        Some("hang") => {
-            tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
-            return error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout");
-        }
-        Some("empty") => return (StatusCode::OK, "").into_response(),
-        _ => {}
-    }
+    let mut r = error_body(
+        StatusCode::TOO_MANY_REQUESTS,
+        "Rate limit reached for requests. Please try again later.",
+        "requests",
+        "rate_limit_exceeded",
+    );
+    r.headers_mut().extend(limit_headers);
+    r.headers_mut().insert(
+        "retry-after",
+        HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
+    );
+    r.headers_mut().insert(
+        "retry-after-ms",
+        HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
+            .unwrap_or(HeaderValue::from_static("1000")),
+    );
+    r
+}
 
-    let seed_text = format!("{}|{}", sim.args.seed, prompt_text);
-    let object = generate(&req["response_format"], user, &seed_text);
-    let mut finish_reason = "stop";
-    let mut refusal = Value::Null;
-    let content: String = match fault.as_deref() {
-        Some("broken_json") => {
-            let s = object.to_string();
-            s[..s.len() / 2].to_owned()
+/// The seeded draws of one admitted request, in this order: its fault (by
+/// the `--faults` probabilities), then its latency.
+fn draw_fault_and_latency(sim: &Sim) -> (Option<Fault>, Duration) {
+    let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
+    let draw: f64 = rng.random_range(0.0..1.0);
+    let mut acc = 0.0;
+    let mut fault = None;
+    for (kind, p) in &sim.faults {
+        acc += p;
+        if draw < acc {
+            fault = Some(*kind);
+            break;
         }
-        Some("fence") => format!("```json\n{object}\n```"),
-        Some("prose") => format!("Here is the classification you asked for: {object} Let me know if you need more."),
-        Some("missing_field") => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut()
-                && let Some(k) = m.keys().next().cloned()
-            {
-                m.remove(&k);
-            }
-            o.to_string()
-        }
-        Some("bad_enum") => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut() {
-                for (k, v) in schema_props(&req["response_format"]) {
-                    if v.get("enum").is_some() {
-                        m.insert(k, json!("definitely_not_allowed"));
-                        break;
-                    }
-                }
-            }
-            o.to_string()
-        }
-        Some("bool_number") => {
-            let mut o = object.clone();
-            if let Some(m) = o.as_object_mut() {
-                for (k, v) in schema_props(&req["response_format"]) {
-                    if type_names(&v).iter().any(|t| t == "number" || t == "integer") {
-                        m.insert(k, json!(true));
-                        break;
-                    }
-                }
-            }
-            o.to_string()
-        }
-        Some("content_filter") => {
-            finish_reason = "content_filter";
-            String::new()
-        }
-        Some("length") => {
-            finish_reason = "length";
-            let s = object.to_string();
-            s[..s.len() * 2 / 3].to_owned()
-        }
-        _ => object.to_string(),
-    };
-    if fault.as_deref() == Some("content_filter") {
-        refusal = json!("I can't help with that.");
     }
+    let mean = sim.args.latency_ms as f64;
+    let u: f64 = rng.random_range(f64::EPSILON..1.0);
+    let latency = if mean > 0.0 {
+        mean * 0.2 + (-u.ln()) * mean * 0.8
+    } else {
+        0.0
+    };
+    (fault, Duration::from_micros((latency * 1000.0) as u64))
+}
+
+/// The answer of a fault that takes the place of a completion, if `fault` is one.
+async fn failure(sim: &Sim, fault: Fault) -> Option<Response> {
+    match fault {
+        Fault::Hang => Some(hang(sim).await),
+        Fault::Empty => Some((StatusCode::OK, "").into_response()),
+        _ => provider_error(fault),
+    }
+}
+
+/// A provider's error answer: status, OpenAI error body, and `retry-after`
+/// where a provider sends one.
+fn provider_error(fault: Fault) -> Option<Response> {
+    let (status, message, kind, code, retry_after) = match fault {
+        Fault::RateLimit => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "Rate limit reached for tokens.",
+            "tokens",
+            "rate_limit_exceeded",
+            Some("1"),
+        ),
+        Fault::Quota => (
+            StatusCode::TOO_MANY_REQUESTS,
+            "You exceeded your current quota, please check your plan and billing details.",
+            "insufficient_quota",
+            "insufficient_quota",
+            None,
+        ),
+        Fault::Unauthorized => (
+            StatusCode::UNAUTHORIZED,
+            "Incorrect API key provided.",
+            "invalid_request_error",
+            "invalid_api_key",
+            None,
+        ),
+        Fault::ServerError => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "The server had an error.",
+            "server_error",
+            "server_error",
+            None,
+        ),
+        Fault::Unavailable => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The engine is currently overloaded.",
+            "server_error",
+            "overloaded",
+            Some("0.2"),
+        ),
+        _ => return None,
+    };
+    let mut r = error_body(status, message, kind, code);
+    if let Some(after) = retry_after {
+        r.headers_mut().insert("retry-after", HeaderValue::from_static(after));
+    }
+    Some(r)
+}
+
+/// Holds the request `--hang-secs` (a client should give up first), then 504.
+async fn hang(sim: &Sim) -> Response {
+    tokio::time::sleep(Duration::from_secs(sim.args.hang_secs)).await;
+    error_body(StatusCode::GATEWAY_TIMEOUT, "timeout", "server_error", "timeout")
+}
+
+/// A 200 completion: the generated object (as a content fault shapes it),
+/// a real `usage`, and the tokens reserved at admission but not used given back.
+fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers: HeaderMap) -> Response {
+    let response_format = &chat.req["response_format"];
+    let seed_text = format!("{}|{}", sim.args.seed, chat.prompt_text);
+    let object = generate(response_format, chat.user, &seed_text);
+    let (content, finish_reason, refusal) = message(fault, object, response_format);
+    let (prompt_tokens, max_tokens) = (chat.prompt_tokens, chat.max_tokens);
     let completion_tokens = estimate_tokens(&content).min(max_tokens);
     // Like OpenAI: max_tokens was reserved at admission; what was not used comes back.
     if let Ok(mut l) = sim.limits.lock()
@@ -490,7 +593,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         "id": id,
         "object": "chat.completion",
         "created": 1_796_000_000u64,
-        "model": req["model"],
+        "model": chat.req["model"],
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": content, "refusal": refusal},
@@ -507,6 +610,64 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     let mut r = (StatusCode::OK, Json(body)).into_response();
     r.headers_mut().extend(limit_headers);
     r
+}
+
+/// The assistant message of a completion: (content, finish_reason, refusal).
+fn message(fault: Option<Fault>, object: Value, response_format: &Value) -> (String, &'static str, Value) {
+    match fault {
+        Some(Fault::ContentFilter) => (String::new(), "content_filter", json!("I can't help with that.")),
+        Some(Fault::Length) => {
+            let s = object.to_string();
+            (s[..s.len() * 2 / 3].to_owned(), "length", Value::Null)
+        }
+        Some(f) => (malformed(f, object, response_format), "stop", Value::Null),
+        None => (object.to_string(), "stop", Value::Null),
+    }
+}
+
+/// The object as a model that misses the format writes it: cut short,
+/// fenced, in prose, or with a field missing or of the wrong kind. Any other
+/// fault: the object as is.
+fn malformed(fault: Fault, mut object: Value, response_format: &Value) -> String {
+    match fault {
+        Fault::BrokenJson => {
+            let s = object.to_string();
+            s[..s.len() / 2].to_owned()
+        }
+        Fault::Fence => format!("```json\n{object}\n```"),
+        Fault::Prose => format!("Here is the classification you asked for: {object} Let me know if you need more."),
+        Fault::MissingField => {
+            if let Some(m) = object.as_object_mut()
+                && let Some(k) = m.keys().next().cloned()
+            {
+                m.remove(&k);
+            }
+            object.to_string()
+        }
+        Fault::BadEnum => {
+            if let Some(m) = object.as_object_mut() {
+                for (k, v) in schema_props(response_format) {
+                    if v.get("enum").is_some() {
+                        m.insert(k, json!("definitely_not_allowed"));
+                        break;
+                    }
+                }
+            }
+            object.to_string()
+        }
+        Fault::BoolNumber => {
+            if let Some(m) = object.as_object_mut() {
+                for (k, v) in schema_props(response_format) {
+                    if type_names(&v).iter().any(|t| t == "number" || t == "integer") {
+                        m.insert(k, json!(true));
+                        break;
+                    }
+                }
+            }
+            object.to_string()
+        }
+        _ => object.to_string(),
+    }
 }
 
 /// Takes one request and `tokens` from the buckets. Returns the rate-limit
@@ -718,4 +879,66 @@ async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Sta
         l.tokens = l.tokens.min(t as f64);
     }
     StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_fault_round_trips_through_its_name() {
+        for &fault in Fault::ALL {
+            assert_eq!(fault.name().parse::<Fault>().ok(), Some(fault), "{fault:?}");
+        }
+        let mut names: Vec<&str> = Fault::ALL.iter().map(|f| f.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Fault::ALL.len(), "two faults share a name");
+    }
+
+    #[test]
+    fn the_help_lists_every_fault() {
+        use clap::CommandFactory;
+        let help = Args::command().render_long_help().to_string();
+        let listed = Fault::ALL.iter().map(|f| f.name()).collect::<Vec<_>>().join(", ");
+        assert!(
+            help.split_whitespace().collect::<Vec<_>>().join(" ").contains(&listed),
+            "--faults help does not list {listed}"
+        );
+    }
+
+    #[test]
+    fn a_fault_mix_parses_in_order() {
+        let mix = parse_faults(" rate_limit=0.1, ,hang=0 ,length=0.25").expect("a valid mix");
+        assert_eq!(
+            mix,
+            vec![(Fault::RateLimit, 0.1), (Fault::Hang, 0.0), (Fault::Length, 0.25)]
+        );
+        assert!(parse_faults("").expect("no faults").is_empty());
+    }
+
+    #[test]
+    fn an_unknown_fault_is_refused_with_the_known_ones() {
+        let err = "nope".parse::<Fault>().expect_err("unknown");
+        assert!(
+            err.to_string()
+                .starts_with("unknown fault `nope` (known: rate_limit, quota,")
+        );
+        let err = parse_faults("fence=0.1,nope=0.1").expect_err("unknown").to_string();
+        assert!(err.starts_with("--faults: unknown fault `nope` (known: rate_limit, quota, server_error,"));
+        assert!(err.ends_with("length, unauthorized)"), "{err}");
+        assert!("Fence".parse::<Fault>().is_err(), "names are case-sensitive");
+    }
+
+    #[test]
+    fn a_probability_out_of_range_or_not_a_number_is_refused() {
+        let err = |spec: &str| parse_faults(spec).expect_err(spec).to_string();
+        assert_eq!(err("fence=1.5"), "--faults: fence=1.5 is outside 0..1");
+        assert_eq!(err("fence=-0.1"), "--faults: fence=-0.1 is outside 0..1");
+        assert_eq!(err("fence=nan"), "--faults: fence=NaN is outside 0..1");
+        assert_eq!(err("fence=lots"), "--faults: `lots` is not a probability");
+        assert_eq!(err("fence"), "--faults: `fence` is not kind=probability");
+        assert_eq!(err("fence=0.6,prose=0.6"), "--faults: probabilities add up to 1.2 > 1");
+        assert!(parse_faults("fence=1").is_ok() && parse_faults("fence=0.5,prose=0.5").is_ok());
+    }
 }

@@ -1,0 +1,103 @@
+//! batchfleet's own binaries as commands a test runs: `producer`
+//! (enqueue, status) and `worker`, pointed at the test's servers.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use crate::paths::bin;
+use crate::process::{stderr, stdout};
+use crate::servers::{LlmSim, RedisServer};
+
+/// Runs `producer` with arguments and returns its output.
+pub fn producer(args: &[&str]) -> Output {
+    Command::new(bin("producer"))
+        .args(args)
+        .env_remove("REDIS_URL")
+        .output()
+        .expect("run producer")
+}
+
+/// A `worker` command for one job against a test Redis and simulator.
+pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
+    worker_cmd_url(&redis.url(), job, sim, extra)
+}
+
+/// [`worker_cmd`] for any Redis URL (a TLS server, a cluster's seed list).
+pub fn worker_cmd_url(redis_url: &str, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
+    let mut c = Command::new(bin("worker"));
+    c.args([
+        "--redis",
+        redis_url,
+        "--job",
+        job,
+        "--base-url",
+        &sim.base_url(),
+        "--log-format",
+        "json",
+    ])
+    .args(["--idle-poll-ms", "20"])
+    // Each worker on its own free port, unless the test picks one.
+    .args(if extra.contains(&"--metrics-addr") {
+        &[][..]
+    } else {
+        &["--metrics-addr", "127.0.0.1:0"][..]
+    })
+    .args(extra)
+    .env("OPENAI_API_KEY", "sk-test-key")
+    .env_remove("REDIS_URL")
+    .env_remove("BATCHFLEET_BASE_URL")
+    .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+    .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    c
+}
+
+/// `producer enqueue DATASET --job JOB --spec SPEC --redis URL` as a command,
+/// for tests that watch or kill it.
+pub fn enqueue_cmd(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) -> Command {
+    enqueue_cmd_url(&redis.url(), dataset, job, spec)
+}
+
+/// [`enqueue_cmd`] for any Redis URL.
+pub fn enqueue_cmd_url(redis_url: &str, dataset: &Path, job: &str, spec: &Path) -> Command {
+    let mut c = Command::new(bin("producer"));
+    c.arg("enqueue")
+        .arg(dataset)
+        .args(["--job", job, "--spec"])
+        .arg(spec)
+        .args(["--redis", redis_url])
+        .env_remove("REDIS_URL")
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    c
+}
+
+/// Enqueues a dataset quietly and asserts it worked.
+pub fn enqueue(redis: &RedisServer, dataset: &Path, job: &str, spec: &Path) {
+    let out = enqueue_cmd(redis, dataset, job, spec)
+        .arg("--no-progress")
+        .output()
+        .expect("run producer");
+    assert!(out.status.success(), "enqueue failed: {}", stderr(&out));
+}
+
+/// `producer status --json --ids --require-complete` of a job: (exit code, status).
+pub fn status_json(redis: &RedisServer, job: &str) -> (Option<i32>, serde_json::Value) {
+    status_json_url(&redis.url(), job)
+}
+
+/// [`status_json`] for any Redis URL.
+pub fn status_json_url(redis_url: &str, job: &str) -> (Option<i32>, serde_json::Value) {
+    let out = producer(&[
+        "status",
+        "--job",
+        job,
+        "--redis",
+        redis_url,
+        "--json",
+        "--ids",
+        "--require-complete",
+    ]);
+    let status =
+        serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stdout(&out)));
+    (out.status.code(), status)
+}

@@ -1,0 +1,49 @@
+//! Datasets and job specs: synthetic record lines, record files, and the
+//! example spec (as is or with replacements).
+
+use std::path::{Path, PathBuf};
+
+use crate::paths::{TempDir, workspace};
+
+/// The example job spec.
+pub fn example_spec() -> PathBuf {
+    workspace().join("examples/job.toml")
+}
+
+/// A synthetic record line for the example spec.
+pub fn record_line(id: &str, text: &str) -> String {
+    serde_json::json!({
+        "message_id": id,
+        "channel": "chat",
+        "task_type": "classify",
+        "text": text,
+    })
+    .to_string()
+}
+
+/// Writes `n` good records `msg-<from>`..`msg-<from+n-1>` to `path`.
+pub fn write_records(path: &Path, from: u64, n: u64) {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).expect("create dataset"));
+    for i in from..from + n {
+        writeln!(
+            f,
+            "{}",
+            record_line(&format!("msg-{i}"), &format!("message number {i}"))
+        )
+        .expect("write dataset");
+    }
+    f.flush().expect("flush dataset");
+}
+
+/// The example spec with replacements, written to `dir/job.toml`.
+pub fn spec_with(dir: &TempDir, replacements: &[(&str, &str)]) -> PathBuf {
+    let mut text = std::fs::read_to_string(example_spec()).expect("read example spec");
+    for (from, to) in replacements {
+        assert!(text.contains(from), "example spec lacks {from:?}");
+        text = text.replacen(from, to, 1);
+    }
+    let path = dir.join("job.toml");
+    std::fs::write(&path, text).expect("write spec");
+    path
+}

@@ -1,0 +1,305 @@
+//! The servers a test starts and owns: `redis-server` (alone or as a
+//! cluster) and `llm-sim`, each a child process on 127.0.0.1 and a free port.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::Method;
+
+use crate::client::{http_get_json, http_request};
+use crate::paths::{TempDir, bin, workspace};
+use crate::process::{stderr, stdout, wait_for};
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+/// The password of the `batchfleet` ACL user every test server has.
+pub const TEST_REDIS_PASSWORD: &str = "bf-test-SECRET-redis-pw";
+
+/// A `redis-server` child process on 127.0.0.1 and a free port.
+///
+/// The server has the ACL user `batchfleet` of `deploy/redis/users.acl` (the
+/// line the README documents), and [`RedisServer::url`] logs in as that user:
+/// every test runs the producer and the workers with exactly those permissions.
+/// Test assertions use the unrestricted default user ([`RedisServer::conn`]).
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+    args: Vec<String>,
+    dir: TempDir,
+}
+
+impl RedisServer {
+    /// Starts a throwaway server (no persistence) and waits until it answers.
+    pub fn start() -> RedisServer {
+        Self::start_with(&["--save", "", "--appendonly", "no"])
+    }
+
+    /// Starts a server with extra configuration arguments.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        for _ in 0..5 {
+            let dir = TempDir::new("redis");
+            let port = free_port();
+            let acl = std::fs::read_to_string(workspace().join("deploy/redis/users.acl"))
+                .expect("read deploy/redis/users.acl")
+                .replace(">CHANGE-ME", &format!(">{TEST_REDIS_PASSWORD}"));
+            std::fs::write(dir.join("users.acl"), acl).expect("write users.acl");
+            let mut args: Vec<String> = vec!["--aclfile".into(), dir.join("users.acl").display().to_string()];
+            args.extend(extra.iter().map(|a| (*a).to_owned()));
+            let child = spawn_redis(port, &dir, &args);
+            let mut server = RedisServer { child, port, args, dir };
+            if server.wait_ready(Duration::from_secs(10)) {
+                return server;
+            }
+            // Lost a race for the port: try another.
+            drop(server);
+        }
+        panic!("redis-server did not start");
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// kill -9, then a new server on the same port, folder and configuration
+    /// (with `appendonly yes` it replays its AOF). Returns when it answers.
+    pub fn kill9_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for _ in 0..50 {
+            self.child = spawn_redis(self.port, &self.dir, &self.args);
+            if self.wait_ready(Duration::from_secs(30)) {
+                return;
+            }
+            // The port may still be held for a moment: try again.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not come back on port {}", self.port);
+    }
+
+    fn wait_ready(&mut self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if let Ok(mut c) = redis::Client::open(self.admin_url()).and_then(|c| c.get_connection())
+                && redis::cmd("PING").query::<String>(&mut c).is_ok()
+            {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// The URL batchfleet's processes get: the `batchfleet` ACL user.
+    pub fn url(&self) -> String {
+        format!("redis://batchfleet:{TEST_REDIS_PASSWORD}@127.0.0.1:{}", self.port)
+    }
+
+    /// The unrestricted default user, for set-up and assertions.
+    pub fn admin_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// A synchronous connection (default user) for assertions.
+    pub fn conn(&self) -> redis::Connection {
+        redis::Client::open(self.admin_url())
+            .and_then(|c| c.get_connection())
+            .expect("connect to test redis")
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A local Redis Cluster of three masters (no replicas), each a
+/// [`RedisServer`] with `cluster-enabled yes`, AOF on, and the same ACL user.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                ])
+            })
+            .collect();
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli must be installed (the Makefile installs it)");
+        assert!(out.status.success(), "cluster create: {}{}", stdout(&out), stderr(&out));
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok();
+        cluster
+    }
+
+    /// Waits until every node says `cluster_state:ok`.
+    pub fn wait_ok(&self) {
+        wait_for("cluster_state:ok on every node", Duration::from_secs(60), || {
+            self.nodes.iter().all(|n| {
+                redis::Client::open(n.admin_url())
+                    .and_then(|c| c.get_connection())
+                    .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            })
+        });
+    }
+
+    /// The seed list batchfleet is given: every node, as the ACL user.
+    pub fn url(&self) -> String {
+        self.nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// The node that holds `key` (by asking each whether the key's slot is its own).
+    pub fn node_of(&self, key: &str) -> usize {
+        let mut c = self.nodes[0].conn();
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut c)
+            .expect("keyslot");
+        let shards: Vec<(u16, u16, Vec<redis::Value>)> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query::<Vec<redis::Value>>(&mut c)
+            .expect("cluster slots")
+            .into_iter()
+            .map(|v| {
+                redis::from_redis_value::<(u16, u16, Vec<redis::Value>)>(v.clone()).unwrap_or_else(|_| {
+                    let parts: Vec<redis::Value> = redis::from_redis_value(v).expect("slot range");
+                    let start = redis::from_redis_value(parts[0].clone()).expect("start");
+                    let end = redis::from_redis_value(parts[1].clone()).expect("end");
+                    let node = redis::from_redis_value(parts[2].clone()).expect("node");
+                    (start, end, node)
+                })
+            })
+            .collect();
+        let (_, _, node) = shards
+            .into_iter()
+            .find(|(a, b, _)| (*a..=*b).contains(&slot))
+            .expect("a node for the slot");
+        let port: u16 = redis::from_redis_value(node[1].clone()).expect("node port");
+        self.nodes.iter().position(|n| n.port == port).expect("a known node")
+    }
+}
+
+fn spawn_redis(port: u16, dir: &TempDir, extra: &[String]) -> Child {
+    Command::new(redis_server_binary())
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"])
+        .arg(dir.path())
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (the Makefile installs it)")
+}
+
+fn redis_server_binary() -> String {
+    std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+/// An `llm-sim` child process on 127.0.0.1 and a free port.
+pub struct LlmSim {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub addr: String,
+}
+
+impl LlmSim {
+    /// Starts llm-sim with extra flags and waits for its address line.
+    pub fn start(args: &[&str]) -> LlmSim {
+        use std::io::BufRead;
+        let mut child = Command::new(bin("llm-sim"))
+            .args(["--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start llm-sim");
+        let stdout = child.stdout.take().expect("llm-sim stdout");
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("llm-sim address line");
+        let addr = line
+            .trim()
+            .strip_prefix("llm-sim listening on ")
+            .unwrap_or_else(|| panic!("unexpected llm-sim output: {line}"))
+            .to_owned();
+        LlmSim { child, addr }
+    }
+
+    /// The base URL a worker uses (`.../v1`).
+    pub fn base_url(&self) -> String {
+        format!("{}/v1", self.addr)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `GET /stats` -> the `stats` object.
+    pub fn stats(&self) -> serde_json::Value {
+        http_get_json(&self.addr, "/stats")["stats"].clone()
+    }
+
+    /// User messages of recent requests containing `needle`.
+    pub fn log_containing(&self, needle: &str) -> Vec<serde_json::Value> {
+        let q: String = needle
+            .bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect();
+        match http_get_json(&self.addr, &format!("/log?contains={q}")) {
+            serde_json::Value::Array(a) => a,
+            other => panic!("unexpected /log reply: {other}"),
+        }
+    }
+
+    /// `POST /admin/limits`.
+    pub fn set_limits(&self, body: &serde_json::Value) {
+        http_request(&self.addr, Method::POST, "/admin/limits", Some(body.to_string()));
+    }
+}
+
+impl Drop for LlmSim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
