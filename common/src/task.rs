@@ -43,6 +43,7 @@ pub enum RecordState {
 impl RecordState {
     /// The reason a reviewer's rejection drops a record with.
     pub const REJECTED: &'static str = "rejected";
+    const DROPPED_PREFIX: &'static str = "dropped:";
 
     /// The one string form of a state.
     pub fn encode(&self) -> Cow<'static, str> {
@@ -52,20 +53,23 @@ impl RecordState {
             RecordState::Done => "done".into(),
             RecordState::Review => "review".into(),
             RecordState::Cancelled => "cancelled".into(),
-            RecordState::Dropped(reason) => format!("dropped:{reason}").into(),
+            RecordState::Dropped(reason) => format!("{}{reason}", Self::DROPPED_PREFIX).into(),
         }
     }
 
     /// Reads a state hash value; None for a value no version ever wrote.
     pub fn decode(text: &str) -> Option<RecordState> {
-        Some(match text {
-            "queued" => RecordState::Queued,
-            "delayed" => RecordState::Delayed,
-            "done" => RecordState::Done,
-            "review" => RecordState::Review,
-            "cancelled" => RecordState::Cancelled,
-            other => RecordState::Dropped(other.strip_prefix("dropped:")?.to_owned()),
-        })
+        const FIXED: [RecordState; 5] = [
+            RecordState::Queued,
+            RecordState::Delayed,
+            RecordState::Done,
+            RecordState::Review,
+            RecordState::Cancelled,
+        ];
+        match text.strip_prefix(Self::DROPPED_PREFIX) {
+            Some(reason) => Some(RecordState::Dropped(reason.to_owned())),
+            None => FIXED.into_iter().find(|s| s.encode() == text),
+        }
     }
 
     /// Done, review, dropped or cancelled: no worker may move it any more.

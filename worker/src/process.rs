@@ -27,7 +27,6 @@ pub struct JobCtx {
     pub user: Template,
     pub response_format: Option<Value>,
     pub provider: Provider,
-    pub versions: Value,
     /// The fleet-wide budget of the job's provider, when the spec sets limits.
     pub limiter: Option<Limiter>,
 }

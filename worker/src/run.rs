@@ -268,7 +268,6 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
         system: system_prompt(&spec),
         user,
         response_format: spec.provider.structured_output.then(|| json_schema(&spec)),
-        versions: serde_json::json!(common::spec::versions_map(&spec)),
         provider,
         spec,
     })

@@ -1,0 +1,470 @@
+//! The Lua scripts on their own, through the store's verbs, against a real
+//! redis-server: what each does on a settled record, a missing task and a
+//! redelivery, and that every encoded task passes through unchanged.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use common::keys;
+use common::spec::JobSpec;
+use common::store::{EnqueueOutcome, Finish, RecordSet, RedisStore, ReviewAction, ReviewOutcome, TaskEntry};
+use common::task::{
+    Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
+};
+use harness::RedisServer;
+use redis::Commands;
+
+const JOB: &str = "lua";
+
+fn spec() -> JobSpec {
+    JobSpec::parse(include_str!("../../examples/job.toml"), "example").unwrap()
+}
+
+/// A store on a fresh server with the job prepared (one partition).
+async fn store(redis: &RedisServer) -> RedisStore {
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    store.prepare_job(JOB, "", 1).await.unwrap();
+    store
+}
+
+fn entry(rid: &str, input: &str) -> TaskEntry {
+    TaskEntry {
+        partition: 0,
+        record_id: rid.to_owned(),
+        origin: format!("ds:{rid}"),
+        key: rid.to_owned(),
+        task: Ok(Task::new(rid, input, "").unwrap()),
+    }
+}
+
+async fn state(store: &RedisStore, rid: &str) -> Option<RecordState> {
+    store.record_state(JOB, 0, rid).await.unwrap()
+}
+
+async fn claim(store: &RedisStore, consumer: &str) -> Vec<Delivery> {
+    store.claim(JOB, 0, consumer, 100, false).await.unwrap()
+}
+
+fn stream_len(redis: &RedisServer) -> u64 {
+    redis.conn().xlen(keys::stream(JOB, 0)).unwrap()
+}
+
+fn pending(redis: &RedisServer) -> u64 {
+    let reply: redis::Value = redis::cmd("XPENDING")
+        .arg(keys::stream(JOB, 0))
+        .arg(keys::GROUP)
+        .query(&mut redis.conn())
+        .unwrap();
+    match reply {
+        redis::Value::Array(parts) => match parts.first() {
+            Some(redis::Value::Int(n)) => *n as u64,
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+fn result_for(d: &Delivery) -> ResultRecord {
+    let answer = Answer {
+        key: d.task.rid.clone(),
+        output: serde_json::Map::new(),
+        attempts: 1,
+        calls: 1,
+        response_id: Some(format!("resp-{}", d.entry_id)),
+        repairs: vec![],
+        usage: None,
+    };
+    ResultRecord::from_model(&d.task, answer, vec![], &Stamp::now(&spec()), "w")
+}
+
+#[tokio::test]
+async fn enqueue_adds_each_record_once_and_passes_the_task_through() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    // Inputs with what a re-encoding would change: big integers, trailing zeros, escapes.
+    let input = r#"{"id":"a","n":12345678901234567890123,"x":1.50,"t":"q\"uote\nline"}"#;
+    let dropped = TaskEntry {
+        task: Err("template_missing:text".into()),
+        ..entry("b", "{}")
+    };
+    let out = store
+        .enqueue(JOB, 60, &[entry("a", input), dropped.clone()])
+        .await
+        .unwrap();
+    assert_eq!(out, vec![EnqueueOutcome::Added, EnqueueOutcome::Added]);
+    // Again: nothing added, the origin of the first run is named.
+    let again = store.enqueue(JOB, 60, &[entry("a", "{}"), dropped]).await.unwrap();
+    assert!(
+        again
+            .iter()
+            .all(|o| matches!(o, EnqueueOutcome::Present { origin: Some(_) })),
+        "{again:?}"
+    );
+    assert_eq!(
+        stream_len(&redis),
+        1,
+        "a dropped record gets no task; a known one no second"
+    );
+    assert_eq!(state(&store, "a").await, Some(RecordState::Queued));
+    assert_eq!(
+        state(&store, "b").await,
+        Some(RecordState::Dropped("template_missing:text".into()))
+    );
+    let d = claim(&store, "w1").await;
+    assert_eq!(d.len(), 1);
+    assert_eq!(
+        d[0].task.input.get(),
+        input,
+        "the input reaches the worker byte for byte"
+    );
+    assert_eq!((d[0].task.attempt, d[0].task.calls, d[0].deliveries), (0, 0, 1));
+}
+
+#[tokio::test]
+async fn finish_moves_a_record_once_and_a_late_copy_only_acknowledges() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}")])
+        .await
+        .unwrap();
+    let mut d = claim(&store, "w1").await;
+    let b = d.pop().unwrap();
+    let a = d.pop().unwrap();
+    assert!(store.finish(JOB, &a, &Finish::Commit(result_for(&a))).await.unwrap());
+    assert_eq!(state(&store, "a").await, Some(RecordState::Done));
+    // A redelivered copy of a settled record: acknowledged, nothing moves.
+    let copy = Delivery {
+        entry_id: "0-1".into(),
+        ..a.clone()
+    };
+    let late = ResultRecord {
+        worker: Some("late".into()),
+        ..result_for(&copy)
+    };
+    assert!(!store.finish(JOB, &copy, &Finish::Commit(late)).await.unwrap());
+    let mut results = Vec::new();
+    store.results(JOB, 0, |r| results.push(r)).await.unwrap();
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].worker.as_deref(), Some("w"), "first writer wins");
+    for late in [
+        Finish::Review(review_of(&a, "attempts_exhausted")),
+        Finish::Drop { reason: "x".into() },
+        Finish::Retry {
+            due_ms: 0,
+            task: a.task.clone(),
+        },
+        Finish::Cancel(a.task.clone()),
+    ] {
+        assert!(!store.finish(JOB, &a, &late).await.unwrap(), "{late:?}");
+    }
+    assert_eq!(state(&store, "a").await, Some(RecordState::Done));
+    let mut reviews = 0;
+    store
+        .record_ids(JOB, 0, RecordSet::Review, |_| reviews += 1)
+        .await
+        .unwrap();
+    assert_eq!(reviews, 0);
+
+    // A retry of a record already waiting to retry keeps the one it has.
+    let next = b.task.next(1, 1, vec![], vec![]);
+    assert!(
+        store
+            .finish(
+                JOB,
+                &b,
+                &Finish::Retry {
+                    due_ms: 1,
+                    task: next.clone()
+                }
+            )
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .finish(JOB, &b, &Finish::Retry { due_ms: 1, task: next })
+            .await
+            .unwrap()
+    );
+    let mut delayed = Vec::new();
+    store
+        .record_ids(JOB, 0, RecordSet::Delayed, |rid| delayed.push(rid))
+        .await
+        .unwrap();
+    assert_eq!(delayed, vec!["b".to_owned()]);
+    // Every finish acknowledged and deleted its entry.
+    assert_eq!((stream_len(&redis), pending(&redis)), (0, 0));
+}
+
+#[tokio::test]
+async fn finish_of_a_task_whose_entry_is_gone_still_settles_the_record() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
+    let d = claim(&store, "w1").await.remove(0);
+    let _: () = redis.conn().xdel(keys::stream(JOB, 0), &[&d.entry_id]).unwrap();
+    assert!(store.finish(JOB, &d, &Finish::Commit(result_for(&d))).await.unwrap());
+    assert_eq!(state(&store, "a").await, Some(RecordState::Done));
+    // A record the job does not know is never moved.
+    let stranger = Delivery {
+        task: Task::new("zz", "{}", "").unwrap(),
+        ..d.clone()
+    };
+    assert!(
+        !store
+            .finish(JOB, &stranger, &Finish::Commit(result_for(&stranger)))
+            .await
+            .unwrap()
+    );
+    assert_eq!(state(&store, "zz").await, None);
+}
+
+fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
+    let facts = ReviewFacts {
+        key: &d.task.rid,
+        prompt: "p",
+        last_raw_output: "{}",
+        errors: &[],
+        attempts: 2,
+        reason,
+    };
+    let history = vec![HistoryItem::Attempt(Attempt {
+        attempt: 1,
+        call: 1,
+        at: String::new(),
+        worker: "w".into(),
+        elapsed_ms: 1,
+        status: Some(200),
+        response_id: None,
+        finish_reason: "stop".into(),
+        outcome: "invalid_output".into(),
+        errors: vec![],
+        repairs: vec![],
+        usage: None,
+        decision: "review".into(),
+    })];
+    ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
+}
+
+#[tokio::test]
+async fn promote_moves_only_due_retries_of_records_still_waiting() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}")])
+        .await
+        .unwrap();
+    let mut d = claim(&store, "w1").await;
+    let b = d.pop().unwrap();
+    let a = d.pop().unwrap();
+    let history = vec![HistoryItem::Action(Action::new("requeue", "ana"))];
+    let a_next = a.task.next(2, 3, vec![], history);
+    let due = 1_000_000;
+    store
+        .finish(
+            JOB,
+            &a,
+            &Finish::Retry {
+                due_ms: due,
+                task: a_next.clone(),
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .finish(
+            JOB,
+            &b,
+            &Finish::Retry {
+                due_ms: due,
+                task: b.task.next(1, 1, vec![], vec![]),
+            },
+        )
+        .await
+        .unwrap();
+    // b settles meanwhile (a late commit wins): its retry must not come back.
+    let _: () = redis.conn().hset(keys::state(JOB, 0), "b", "done").unwrap();
+    // Time is injected: nothing is due a millisecond early.
+    assert_eq!(store.promote_due(JOB, 0, due - 1, 100).await.unwrap(), 0);
+    assert_eq!(store.promote_due(JOB, 0, due, 100).await.unwrap(), 1);
+    assert_eq!(state(&store, "a").await, Some(RecordState::Queued));
+    let mut delayed = 0;
+    store
+        .record_ids(JOB, 0, RecordSet::Delayed, |_| delayed += 1)
+        .await
+        .unwrap();
+    assert_eq!(delayed, 0, "b's stale retry was removed, not re-queued");
+    let back = claim(&store, "w2").await;
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].task, a_next, "the task came back exactly as it was scheduled");
+}
+
+#[tokio::test]
+async fn cancel_keeps_undelivered_and_waiting_work_and_resume_puts_it_back_unchanged() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}"), entry("c", "{}")])
+        .await
+        .unwrap();
+    // a is delivered and waits to retry; b is in flight; c was never delivered.
+    let mut first = store.claim(JOB, 0, "w1", 2, false).await.unwrap();
+    let b = first.pop().unwrap();
+    let a = first.pop().unwrap();
+    let a_next = a.task.next(1, 1, vec![], vec![]);
+    store
+        .finish(
+            JOB,
+            &a,
+            &Finish::Retry {
+                due_ms: u64::MAX / 2,
+                task: a_next.clone(),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store.cancel_job(JOB, 1).await.unwrap(),
+        2,
+        "the retry and the undelivered task"
+    );
+    assert_eq!(state(&store, "a").await, Some(RecordState::Cancelled));
+    assert_eq!(
+        state(&store, "b").await,
+        Some(RecordState::Queued),
+        "in-flight work finishes"
+    );
+    assert_eq!(state(&store, "c").await, Some(RecordState::Cancelled));
+    assert!(store.cancelled(JOB).await.unwrap());
+    // The in-flight task of a cancelled job is kept for resume too.
+    assert!(store.finish(JOB, &b, &Finish::Cancel(b.task.clone())).await.unwrap());
+    assert_eq!(store.resume_job(JOB, 1).await.unwrap(), 3);
+    assert!(!store.cancelled(JOB).await.unwrap());
+    let mut back = claim(&store, "w2").await;
+    back.sort_by(|x, y| x.task.rid.cmp(&y.task.rid));
+    let rids: Vec<&str> = back.iter().map(|d| d.task.rid.as_str()).collect();
+    assert_eq!(rids, ["a", "b", "c"]);
+    assert_eq!(
+        back[0].task, a_next,
+        "attempt counts and history survive cancel and resume"
+    );
+}
+
+#[tokio::test]
+async fn review_actions_apply_once_and_only_to_the_entry_as_read() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}")])
+        .await
+        .unwrap();
+    for d in claim(&store, "w1").await {
+        let review = review_of(&d, "attempts_exhausted");
+        assert!(store.finish(JOB, &d, &Finish::Review(review)).await.unwrap());
+    }
+    let a = store.review_entry(JOB, 0, "a").await.unwrap().unwrap();
+    let b = store.review_entry(JOB, 0, "b").await.unwrap().unwrap();
+    // Two reviewers read the same entry: the first action wins, the second is lost.
+    let requeue = Action::new("requeue", "ana");
+    let outcome = store
+        .review_act(
+            JOB,
+            0,
+            &a,
+            &a.archived(requeue.clone()),
+            &ReviewAction::Requeue(a.requeue(&requeue)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(outcome, ReviewOutcome::Applied);
+    let reject = ReviewAction::Reject { reason: "no".into() };
+    let lost = store
+        .review_act(JOB, 0, &a, &a.archived(Action::new("reject", "bob")), &reject)
+        .await
+        .unwrap();
+    assert_eq!(lost, ReviewOutcome::Lost);
+    assert_eq!(state(&store, "a").await, Some(RecordState::Queued));
+    let again = claim(&store, "w2").await.remove(0);
+    assert_eq!(
+        (again.task.attempt, again.task.base),
+        (2, 2),
+        "a new round counts attempts on"
+    );
+    assert_eq!(
+        store.archived_review(JOB, 0, "a").await.unwrap().unwrap().actions.len(),
+        1
+    );
+
+    // Accepting a record that has a result meanwhile changes nothing.
+    let _: () = redis.conn().hset(keys::results(JOB, 0), "b", "{}").unwrap();
+    let human = ResultRecord::from_review(&b, serde_json::Map::new(), vec![], &Stamp::now(&spec()), "ana");
+    let done = store
+        .review_act(
+            JOB,
+            0,
+            &b,
+            &b.archived(Action::new("accept", "ana")),
+            &ReviewAction::Accept(Box::new(human)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, ReviewOutcome::AlreadyDone);
+    assert_eq!(state(&store, "b").await, Some(RecordState::Review));
+}
+
+#[tokio::test]
+async fn retry_record_requeues_only_from_the_state_the_operator_saw() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
+    let d = claim(&store, "w1").await.remove(0);
+    store
+        .finish(
+            JOB,
+            &d,
+            &Finish::Drop {
+                reason: RecordState::REJECTED.into(),
+            },
+        )
+        .await
+        .unwrap();
+    let task = d.task.next(3, 4, vec![], vec![]);
+    assert!(!store.retry_record(JOB, 0, &RecordState::Review, &task).await.unwrap());
+    let rejected = RecordState::Dropped(RecordState::REJECTED.into());
+    assert!(store.retry_record(JOB, 0, &rejected, &task).await.unwrap());
+    assert!(
+        !store.retry_record(JOB, 0, &rejected, &task).await.unwrap(),
+        "only once"
+    );
+    assert_eq!(claim(&store, "w2").await.remove(0).task, task);
+}
+
+#[tokio::test]
+async fn tasks_of_earlier_versions_are_still_delivered() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let _: () = redis.conn().hset(keys::state(JOB, 0), "old", "queued").unwrap();
+    let _: String = redis
+        .conn()
+        .xadd(
+            keys::stream(JOB, 0),
+            "*",
+            &[
+                ("rid", "old"),
+                ("input", "{\"id\":\"m1\"}"),
+                ("attempt", "2"),
+                ("calls", "3"),
+                ("base", "1"),
+                ("feedback", "[]"),
+                ("history", "[]"),
+                ("tp", ""),
+            ],
+        )
+        .unwrap();
+    let d = claim(&store, "w1").await.remove(0);
+    assert_eq!(
+        (d.task.rid.as_str(), d.task.attempt, d.task.calls, d.task.base),
+        ("old", 2, 3, 1)
+    );
+    assert_eq!(d.task.input.get(), "{\"id\":\"m1\"}");
+}

@@ -1,0 +1,237 @@
+//! The worker's services one round at a time (`run_once` bodies called
+//! directly), against a real redis-server and llm-sim: the claimer reads its
+//! own pending tasks first and holds back for halted jobs and for a reclaim
+//! backlog; the rescuer takes a dead consumer's task over exactly once and
+//! leaves a busy one's alone. Idle times are injected (`XCLAIM ... IDLE`).
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::keys;
+use harness::{LlmSim, RedisServer, TempDir, enqueue, spec_with, write_records};
+use redis::Commands;
+use worker::claim::Claimer;
+use worker::fleet::Fleet;
+use worker::reclaim::Rescuer;
+use worker::run::{Config, start};
+use worker::watch::Watcher;
+
+const JOB: &str = "svc";
+const VISIBILITY: Duration = Duration::from_secs(60);
+
+/// A job of `n` records in one partition.
+fn job(redis: &RedisServer, n: u64) -> TempDir {
+    let dir = TempDir::new("services");
+    // The worker runs in this test process, which cannot set variables
+    // (unsafe code is forbidden): the key is read from one that is always set.
+    let spec = spec_with(
+        &dir,
+        &[
+            ("partitions = 4", "partitions = 1"),
+            ("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"PATH\""),
+        ],
+    );
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    enqueue(redis, &data, JOB, &spec);
+    dir
+}
+
+fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
+    Config {
+        redis_url: redis.url(),
+        jobs: vec![JOB.into()],
+        concurrency: 4,
+        consumer: consumer.into(),
+        drain: false,
+        drain_timeout: Duration::from_secs(10),
+        visibility_timeout: Some(VISIBILITY),
+        max_deliveries: 5,
+        idle_poll: Duration::from_millis(20),
+        base_url: Some(sim.base_url()),
+        allow_evicting_redis: false,
+        metrics_addr: None,
+        traces: common::otel::Traces::off(),
+    }
+}
+
+async fn fleet(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Arc<Fleet> {
+    start(config(redis, sim, consumer)).await.expect("worker starts").0
+}
+
+/// Reads `count` new entries as `consumer` (a worker that then dies or stays busy).
+fn read_as(redis: &RedisServer, consumer: &str, count: usize) -> Vec<String> {
+    let reply: redis::streams::StreamReadReply = redis
+        .conn()
+        .xread_options(
+            &[keys::stream(JOB, 0)],
+            &[">"],
+            &redis::streams::StreamReadOptions::default()
+                .group(keys::GROUP, consumer)
+                .count(count),
+        )
+        .unwrap();
+    reply.keys.into_iter().flat_map(|k| k.ids).map(|e| e.id).collect()
+}
+
+/// Makes an entry look idle for `ms`, keeping its owner (time injection).
+fn set_idle(redis: &RedisServer, consumer: &str, id: &str, ms: u64) {
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg(keys::stream(JOB, 0))
+        .arg(keys::GROUP)
+        .arg(consumer)
+        .arg(0)
+        .arg(id)
+        .arg("IDLE")
+        .arg(ms)
+        .arg("JUSTID")
+        .query(&mut redis.conn())
+        .unwrap();
+}
+
+/// (owner, deliveries) of a pending entry, None when it is not pending.
+fn pending_entry(redis: &RedisServer, id: &str) -> Option<(String, u64)> {
+    let reply: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys::stream(JOB, 0))
+        .arg(keys::GROUP)
+        .arg(id)
+        .arg(id)
+        .arg(1)
+        .query(&mut redis.conn())
+        .unwrap();
+    reply.into_iter().next().map(|(_, owner, _, n)| (owner, n))
+}
+
+fn states(redis: &RedisServer) -> std::collections::HashMap<String, String> {
+    redis.conn().hgetall(keys::state(JOB, 0)).unwrap()
+}
+
+async fn settle(fleet: &Fleet) {
+    fleet.tracker.close();
+    tokio::time::timeout(Duration::from_secs(20), fleet.tracker.wait())
+        .await
+        .expect("tasks finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_consumers_task_is_taken_over_exactly_once_and_a_busy_ones_is_not() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 2);
+    let dead = read_as(&redis, "dead", 1).remove(0);
+    let busy = read_as(&redis, "busy", 1).remove(0);
+    // The dead one has been silent past the visibility timeout; the busy one not.
+    set_idle(&redis, "dead", &dead, VISIBILITY.as_millis() as u64 + 5_000);
+    set_idle(&redis, "busy", &busy, 1_000);
+
+    let a = fleet(&redis, &sim, "a").await;
+    let b = fleet(&redis, &sim, "b").await;
+    let (ra, rb) = (Rescuer::new(a.clone()), Rescuer::new(b.clone()));
+    // Before the claimer read its own pending entries, the rescuer waits.
+    assert_eq!(ra.rescue_round().await, 0);
+    a.own_pending_read.store(true, Ordering::Relaxed);
+    b.own_pending_read.store(true, Ordering::Relaxed);
+    // Both look at once: XCLAIM re-checks the idle time, so one wins.
+    let (ta, tb) = tokio::join!(ra.rescue_round(), rb.rescue_round());
+    assert_eq!(ta + tb, 1, "taken over exactly once (a: {ta}, b: {tb})");
+    settle(&a).await;
+    settle(&b).await;
+    let s = states(&redis);
+    let done: Vec<&String> = s.iter().filter(|(_, v)| *v == "done").map(|(k, _)| k).collect();
+    assert_eq!(done.len(), 1, "{s:?}");
+    assert_eq!(sim.stats()["requests"], 1, "one model call, for the dead worker's task");
+    assert_eq!(pending_entry(&redis, &dead), None, "settled and acknowledged");
+    assert_eq!(
+        pending_entry(&redis, &busy),
+        Some(("busy".to_owned(), 1)),
+        "a busy worker's task stays with it, delivered once"
+    );
+    // And again later: still nothing to take.
+    assert_eq!(ra.rescue_round().await + rb.rescue_round().await, 0);
+    assert_eq!(a.reclaim_backlog.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rescuer_without_a_free_slot_holds_new_claims_back() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 3);
+    let dead = read_as(&redis, "dead", 1).remove(0);
+    set_idle(&redis, "dead", &dead, VISIBILITY.as_millis() as u64 + 5_000);
+    let f = fleet(&redis, &sim, "a").await;
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    assert_eq!(claimer.claim_round().await.claimed, 0, "no pending entries of its own");
+    assert!(f.own_pending_read.load(Ordering::Relaxed));
+    // Every slot is taken.
+    let held = f.permits.clone().acquire_many_owned(4).await.unwrap();
+    let rescuer = Rescuer::new(f.clone());
+    assert_eq!(rescuer.rescue_round().await, 0);
+    assert_eq!(
+        f.reclaim_backlog.load(Ordering::Relaxed),
+        1,
+        "one task waits to be taken over"
+    );
+    assert_eq!(rescuer.period(), Duration::from_millis(100), "looked at again soon");
+    drop(held);
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 0, "no new claims while a dead worker's task waits");
+    assert_eq!(rescuer.rescue_round().await, 1);
+    assert_eq!(f.reclaim_backlog.load(Ordering::Relaxed), 0);
+    claim_all(&mut claimer, 2).await;
+    settle(&f).await;
+    assert!(states(&redis).values().all(|v| v == "done"), "{:?}", states(&redis));
+    assert_eq!(sim.stats()["requests"], 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claimer_reads_its_own_pending_tasks_first_and_skips_halted_jobs() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 5);
+    // A worker named "c" died holding one task; it restarts under the same name.
+    let own = read_as(&redis, "c", 1).remove(0);
+    let f = fleet(&redis, &sim, "c").await;
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    let first = claimer.claim_round().await;
+    assert_eq!(first.claimed, 1, "the first round reads only its own pending entry");
+    assert!(f.own_pending_read.load(Ordering::Relaxed));
+    settle_some(&f, 1).await;
+    assert_eq!(pending_entry(&redis, &own), None);
+
+    // A halted job is not claimed from.
+    let _: () = redis.conn().set(keys::halt(JOB), "http_401").unwrap();
+    Watcher::new(f.clone()).watch_round().await;
+    assert!(f.is_halted(JOB));
+    assert_eq!(claimer.claim_round().await.claimed, 0);
+    let _: () = redis.conn().del(keys::halt(JOB)).unwrap();
+    Watcher::new(f.clone()).watch_round().await;
+    assert!(!f.is_halted(JOB));
+    let rounds = claim_all(&mut claimer, 4).await;
+    assert_eq!(rounds[0], 1, "after an empty round, grants follow the work: {rounds:?}");
+    settle(&f).await;
+    assert_eq!(states(&redis).values().filter(|v| *v == "done").count(), 5);
+    assert_eq!(sim.stats()["requests"], 5);
+}
+
+/// Claim rounds until `n` tasks were claimed (at most 10 rounds); what each claimed.
+async fn claim_all(claimer: &mut Claimer, n: usize) -> Vec<usize> {
+    let mut rounds = Vec::new();
+    while rounds.iter().sum::<usize>() < n {
+        assert!(rounds.len() < 10, "claimed only {rounds:?} of {n}");
+        rounds.push(claimer.claim_round().await.claimed);
+    }
+    assert_eq!(rounds.iter().sum::<usize>(), n, "{rounds:?}");
+    rounds
+}
+
+/// Waits until `n` tasks have finished (the tracker stays open).
+async fn settle_some(f: &Fleet, n: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while f.summary.lock().await.outcomes.values().sum::<u64>() < n as u64 {
+        assert!(tokio::time::Instant::now() < deadline, "tasks did not finish");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
