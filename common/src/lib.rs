@@ -11,12 +11,16 @@
 //! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
 //! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
+//! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
+//!   what providers send back; unusable API keys refused.
+//! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 
 pub mod decision;
 pub mod keys;
 pub mod manifest;
 pub mod otel;
 pub mod record;
+pub mod secret;
 pub mod spec;
 pub mod store;
 pub mod task;

@@ -29,5 +29,5 @@ pub use commands::{
 };
 pub use dataset::{example_spec, record_line, spec_with, write_records};
 pub use paths::{TempDir, bin, workspace};
-pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for};
+pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for, worker_summary};
 pub use servers::{LlmSim, RedisCluster, RedisServer, TEST_REDIS_PASSWORD, free_port};

@@ -109,3 +109,15 @@ impl Drop for Running {
         }
     }
 }
+
+/// The summary a worker prints last: from its JSON log line
+/// (`fields.summary`) or its text line (`worker summary: {...}`).
+pub fn worker_summary(log: &str) -> Option<serde_json::Value> {
+    log.lines().rev().find_map(|l| {
+        if let Some(text) = l.strip_prefix("worker summary: ") {
+            return serde_json::from_str(text).ok();
+        }
+        let v: serde_json::Value = serde_json::from_str(l).ok()?;
+        (v["fields"]["message"] == "worker summary").then(|| v["fields"]["summary"].clone())
+    })
+}

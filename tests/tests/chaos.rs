@@ -80,11 +80,7 @@ impl Fleet<'_> {
         signal(w.pid(), "TERM");
         let (exit, log) = w.finish(Duration::from_secs(60));
         assert!(exit.success(), "{name} did not drain cleanly ({exit}):\n{log}");
-        let summary = log
-            .lines()
-            .find_map(|l| l.strip_prefix("worker summary: "))
-            .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .unwrap_or_else(|| panic!("{name} printed no summary:\n{log}"));
+        let summary = harness::worker_summary(&log).unwrap_or_else(|| panic!("{name} printed no summary:\n{log}"));
         self.summaries.push(json!({"worker": name, "summary": summary}));
     }
 }

@@ -76,11 +76,7 @@ impl Fleet {
         for w in self.workers.drain(..) {
             let (status, err) = w.finish(Duration::from_secs(60));
             assert!(status.success(), "worker: {err}");
-            let line = err
-                .lines()
-                .find_map(|l| l.strip_prefix("worker summary: "))
-                .expect("a worker summary");
-            summaries.push(serde_json::from_str(line).unwrap());
+            summaries.push(harness::worker_summary(&err).expect("a worker summary"));
         }
         summaries
     }

@@ -351,6 +351,166 @@ fn secrets_never_appear_in_logs_metrics_traces_reviews_exports_or_errors() {
     assert!(sim.stats()["by_status"]["401"].as_u64().unwrap_or(0) > 0);
 }
 
+#[test]
+fn a_provider_that_echoes_the_key_leaves_it_nowhere() {
+    const API_KEY: &str = "sk-ECHOED-api-key-77c1";
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--api-key", API_KEY, "--echo-auth"]);
+    let dir = TempDir::new("echo");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 12);
+    let spec = harness::spec_with(
+        &dir,
+        &[
+            ("max_attempts = 4", "max_attempts = 2"),
+            ("base_delay_ms = 500", "base_delay_ms = 20"),
+        ],
+    );
+    enqueue(&redis, &data, "echo", &spec);
+    let mut w = worker_cmd(&redis, "echo", &sim, &["--drain"]);
+    w.env("OPENAI_API_KEY", API_KEY).env("RUST_LOG", "trace");
+    let (exit, log) = Running::spawn(w).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (_, s) = harness::status_json(&redis, "echo");
+    assert!(
+        s["done"].as_u64().unwrap() > 0 && s["review"].as_u64().unwrap() > 0,
+        "both paths ran: {s}"
+    );
+    let mut seen = vec![
+        ("worker log".to_owned(), log),
+        ("redis contents".into(), dump_redis(&redis)),
+    ];
+    for what in ["done", "review"] {
+        let out = harness::producer(&[
+            "export",
+            "--job",
+            "echo",
+            "--what",
+            what,
+            "--out",
+            "-",
+            "--redis",
+            &redis.url(),
+        ]);
+        seen.push((format!("export {what}"), stdout(&out)));
+    }
+    let out = harness::producer(&[
+        "review",
+        "--job",
+        "echo",
+        "--redis",
+        &redis.url(),
+        "export",
+        "--out",
+        "-",
+    ]);
+    seen.push(("review export".into(), stdout(&out)));
+    for (what, text) in &seen {
+        assert!(!text.contains(API_KEY), "{what} holds the key:\n{text}");
+    }
+    // The echo really came back, with the key scrubbed out of it.
+    let done = &seen[2].1;
+    assert!(done.contains("Authorization: Bearer ***"), "{done}");
+    assert!(seen[4].1.contains("Authorization: Bearer ***"), "{}", seen[4].1);
+}
+
+#[test]
+fn a_redis_password_is_hidden_in_every_form_the_client_accepts() {
+    let port = free_port();
+    for (url, secret) in [
+        (
+            format!("redis://batchfleet:pa55,word-c0mma@127.0.0.1:{port}"),
+            "pa55,word-c0mma",
+        ),
+        (format!("redis://batchfleet:p@ss,w@rd-r4w@127.0.0.1:{port}"), "w@rd-r4w"),
+        (
+            format!("redis://127.0.0.1:{port}/?password=hunter2-qu3ry"),
+            "hunter2-qu3ry",
+        ),
+        (
+            format!(
+                "redis://bf:s3cr3t-se3d@127.0.0.1:{port},redis://bf:s3cr3t-se3d@127.0.0.1:{}",
+                free_port()
+            ),
+            "s3cr3t-se3d",
+        ),
+    ] {
+        let out = harness::producer(&["status", "--job", "x", "--redis", &url]);
+        assert!(!out.status.success());
+        let text = stdout(&out) + &stderr(&out);
+        assert!(!text.contains(secret), "{url} -> {text}");
+        assert!(text.contains("127.0.0.1"), "the message still names the server: {text}");
+    }
+}
+
+#[test]
+fn a_key_that_cannot_be_sent_is_refused_at_start_without_showing_it() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("badkey");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 3);
+    enqueue(&redis, &data, "bk", &example_spec());
+    let key = "sk-newline-at-end-5e1a";
+    let mut w = worker_cmd(&redis, "bk", &sim, &["--drain"]);
+    w.env("OPENAI_API_KEY", format!("{key}\n"));
+    let (exit, log) = Running::spawn(w).finish(Duration::from_secs(30));
+    assert_eq!(exit.code(), Some(2), "{log}");
+    assert!(log.contains("OPENAI_API_KEY holds a line break at its end"), "{log}");
+    assert!(!log.contains(key), "{log}");
+    assert_eq!(sim.stats()["requests"], 0, "nothing was sent");
+    let (_, s) = harness::status_json(&redis, "bk");
+    assert_eq!(s["queued"], 3, "every record stays queued: {s}");
+}
+
+/// `INFO errorstats` lines, read on a connection that skips `CLIENT SETINFO`
+/// (which Redis before 7.2 answers with an error).
+fn error_stats(redis: &RedisServer) -> Vec<String> {
+    use redis::IntoConnectionInfo;
+    let info = redis.admin_url().into_connection_info().unwrap();
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    let mut admin = redis::Client::open(info.set_redis_settings(settings))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let text: String = redis::cmd("INFO").arg("errorstats").query(&mut admin).unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("errorstat_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn starting_leaves_nothing_in_the_servers_error_statistics() {
+    let redis = RedisServer::start();
+    let before = error_stats(&redis);
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("errstats");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "es", &example_spec());
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "es", &sim, &["--drain"])).finish(Duration::from_secs(30));
+    assert!(exit.success(), "{log}");
+    // With JSON logs, every line is JSON, the summary included.
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        assert!(
+            serde_json::from_str::<serde_json::Value>(line).is_ok(),
+            "not JSON: {line}"
+        );
+    }
+    assert_eq!(harness::worker_summary(&log).unwrap()["outcomes"]["commit"], 5, "{log}");
+    let out = harness::producer(&["status", "--job", "es", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        error_stats(&redis),
+        before,
+        "the permission probe or the run left errors"
+    );
+    let mut probes: Vec<String> = redis.conn().keys("bf:{probe}*").unwrap();
+    probes.sort();
+    assert!(probes.is_empty(), "probe keys left behind: {probes:?}");
+}
+
 /// Every key and value in the server, as text.
 fn dump_redis(redis: &RedisServer) -> String {
     let mut c = redis.conn();

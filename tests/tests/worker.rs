@@ -160,8 +160,7 @@ fn two_workers_with_the_full_fault_mix_account_for_every_record() {
     for w in workers {
         let (status, err) = output(w);
         assert!(status.success(), "worker failed: {err}");
-        let summary: Value =
-            serde_json::from_str(err.lines().find_map(|l| l.strip_prefix("worker summary: ")).unwrap()).unwrap();
+        let summary: Value = harness::worker_summary(&err).expect("a worker summary");
         grants += summary["limiters"]["e2e"]["grants"].as_u64().unwrap();
     }
     // Rate-limit grants follow the work: no block taken and given back on every idle poll.

@@ -135,10 +135,7 @@ async fn main() -> ExitCode {
     traces.shutdown(Duration::from_secs(5));
     match outcome {
         Ok(summary) => {
-            eprintln!(
-                "worker summary: {}",
-                serde_json::to_string(&summary).unwrap_or_default()
-            );
+            print_summary(&summary, json);
             if summary.halted.is_empty() {
                 ExitCode::SUCCESS
             } else {
@@ -158,6 +155,23 @@ async fn main() -> ExitCode {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The run's summary as the last log line: a JSON log line in the JSON log
+/// format (`fields.summary` holds it), else `worker summary: {...}`.
+fn print_summary(summary: &worker::run::RunSummary, json: bool) {
+    let body = serde_json::to_value(summary).unwrap_or_default();
+    if json {
+        let line = serde_json::json!({
+            "timestamp": common::manifest::now_rfc3339(),
+            "level": "INFO",
+            "fields": {"message": "worker summary", "summary": body},
+            "target": "worker",
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("worker summary: {body}");
     }
 }
 

@@ -65,6 +65,8 @@ pub struct Provider {
     api_key: String,
     max_tokens: u32,
     temperature: f64,
+    /// Removes the API keys and the Redis password from whatever the provider sends back.
+    scrubber: common::secret::Scrubber,
 }
 
 impl Provider {
@@ -86,7 +88,14 @@ impl Provider {
             api_key,
             max_tokens: spec.provider.max_tokens,
             temperature: spec.provider.temperature,
+            scrubber: common::secret::Scrubber::default(),
         })
+    }
+
+    /// Secrets to remove from every answer before anything reads it (a
+    /// provider or proxy may echo the request's Authorization header).
+    pub fn set_scrubber(&mut self, scrubber: common::secret::Scrubber) {
+        self.scrubber = scrubber;
     }
 
     /// Sends one request. Never returns an error: every failure is classified.
@@ -121,7 +130,7 @@ impl Provider {
                 limits = rate_headers(&headers);
                 match resp.text().await {
                     Err(e) => CallResult::Failed(transport_error(&e)),
-                    Ok(text) => classify(status, &headers, &text),
+                    Ok(text) => classify(status, &headers, &self.scrubber.scrub(&text)),
                 }
             }
         };

@@ -188,8 +188,15 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         config.jobs.clone()
     };
     let mut jobs = Vec::new();
+    let mut secrets = common::secret::url_passwords(&config.redis_url);
     for name in names {
-        jobs.push(load_job(&store, &name, config.base_url.as_deref()).await?);
+        let (job, key) = load_job(&store, &name, config.base_url.as_deref()).await?;
+        secrets.push(key);
+        jobs.push(job);
+    }
+    let scrubber = common::secret::Scrubber::new(secrets);
+    for job in &mut jobs {
+        job.provider.set_scrubber(scrubber.clone());
     }
     let max_timeout = jobs.iter().map(|j| j.spec.provider.timeout_secs).max().unwrap_or(60);
     let visibility = config
@@ -238,7 +245,8 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     Ok((Arc::new(fleet), http_stop))
 }
 
-async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Result<JobCtx, RunError> {
+/// A job's context, and its API key (for the scrubber).
+async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Result<(JobCtx, String), RunError> {
     valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
     let spec: JobSpec = store
         .job_spec(name)
@@ -252,17 +260,18 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
                 "job `{name}` does not exist (no spec in Redis): enqueue it first"
             ))
         })?;
-    let api_key = std::env::var(&spec.provider.api_key_env).unwrap_or_default();
+    let var = &spec.provider.api_key_env;
+    let api_key = std::env::var(var).unwrap_or_default();
     if api_key.is_empty() {
         return Err(RunError::Refused(format!(
-            "job `{name}`: the environment variable {} (provider.api_key_env) is not set",
-            spec.provider.api_key_env
+            "job `{name}`: the environment variable {var} (provider.api_key_env) is not set"
         )));
     }
+    common::secret::check_api_key(var, &api_key).map_err(|e| RunError::Refused(format!("job `{name}`: {e}")))?;
     let provider =
-        Provider::new(&spec, base_url, api_key).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
+        Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
-    Ok(JobCtx {
+    let job = JobCtx {
         limiter: None,
         name: name.to_owned(),
         system: system_prompt(&spec),
@@ -270,5 +279,6 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
         response_format: spec.provider.structured_output.then(|| json_schema(&spec)),
         provider,
         spec,
-    })
+    };
+    Ok((job, api_key))
 }

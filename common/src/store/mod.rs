@@ -13,7 +13,9 @@ mod worker_ops;
 
 pub use limit_ops::{LimitParams, Settlement};
 pub use read_ops::RecordSet;
-pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry, cluster_seeds, redact_url};
+pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
+
+pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use worker_ops::{Finish, IdleEntry, QueueStats, Remaining};
 

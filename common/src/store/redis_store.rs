@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use super::StoreError;
 use crate::keys;
 use crate::manifest::{Cursor, DroppedLine, Manifest};
+use crate::secret::{cluster_seeds, redact_url};
 use crate::task::{RecordState, Task};
 
 const ENQUEUE_LUA: &str = include_str!("scripts/enqueue.lua");
@@ -107,29 +108,6 @@ pub(super) struct Scripts {
     pub retry_record: Script,
 }
 
-/// The URL (or comma-separated seed URLs) with any password replaced by
-/// `***`, for messages and logs.
-pub fn redact_url(url: &str) -> String {
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
-}
-
-fn redact_one(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    match rest.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            if userinfo.contains(':') {
-                format!("{scheme}://{user}:***@{host}")
-            } else {
-                format!("{scheme}://***@{host}")
-            }
-        }
-        None => url.to_owned(),
-    }
-}
-
 /// The PEM file of the CA that signed the Redis server's certificate, for
 /// `rediss://` URLs (the system's roots when unset).
 pub const CA_CERT_ENV: &str = "BATCHFLEET_REDIS_CA_CERT";
@@ -152,10 +130,14 @@ fn tls_certificates(url: &str) -> Result<Option<redis::TlsCertificates>, StoreEr
     }))
 }
 
-/// The seed nodes of a cluster: `--redis` holds several URLs separated by commas.
-pub fn cluster_seeds(url: &str) -> Option<Vec<&str>> {
-    let seeds: Vec<&str> = url.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-    (seeds.len() > 1).then_some(seeds)
+/// A URL's connection settings, without the `CLIENT SETINFO` handshake:
+/// servers before 7.2 answer it with an error, which shows in their error
+/// statistics (operators alert on those).
+fn connection_info(url: &str) -> redis::RedisResult<redis::ConnectionInfo> {
+    use redis::IntoConnectionInfo;
+    let info = url.into_connection_info()?;
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    Ok(info.set_redis_settings(settings))
 }
 
 /// Says what a failed TLS handshake means, in words an operator can act on.
@@ -180,7 +162,12 @@ impl RedisStore {
         let certs = tls_certificates(url)?;
         let mut conn = match cluster_seeds(url) {
             Some(seeds) => {
-                let mut builder = redis::cluster::ClusterClientBuilder::new(seeds.clone())
+                let infos = seeds
+                    .iter()
+                    .map(|s| connection_info(s))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(unreachable)?;
+                let mut builder = redis::cluster::ClusterClientBuilder::new(infos)
                     .connection_timeout(Duration::from_secs(5))
                     .response_timeout(Duration::from_secs(30))
                     .retries(8);
@@ -191,9 +178,10 @@ impl RedisStore {
                 Conn::Cluster(client.get_async_connection().await.map_err(unreachable)?)
             }
             None => {
+                let info = connection_info(url).map_err(unreachable)?;
                 let client = match certs {
-                    Some(c) => redis::Client::build_with_tls(url, c),
-                    None => redis::Client::open(url),
+                    Some(c) => redis::Client::build_with_tls(info, c),
+                    None => redis::Client::open(info),
                 }
                 .map_err(unreachable)?;
                 let config = ConnectionManagerConfig::new()
@@ -225,7 +213,29 @@ impl RedisStore {
             },
         };
         store.check_permissions().await?;
+        store.load_scripts().await?;
         Ok(store)
+    }
+
+    /// Loads every Lua script, so the first EVALSHA of each finds it (a
+    /// NOSCRIPT answer would show in the server's error statistics). After a
+    /// server restart the client loads them again on first use.
+    async fn load_scripts(&self) -> Result<(), StoreError> {
+        let s = &self.scripts;
+        for script in [
+            &s.enqueue,
+            &s.finish,
+            &s.promote,
+            &s.limit_acquire,
+            &s.limit_settle,
+            &s.review_action,
+            &s.cancel_page,
+            &s.resume_page,
+            &s.retry_record,
+        ] {
+            script.load_async(&mut self.conn.clone()).await?;
+        }
+        Ok(())
     }
 
     /// Whether the server answers a PING now.
@@ -508,31 +518,5 @@ impl RedisStore {
         })?;
         let _: () = self.conn.clone().set(key, text).await?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn passwords_are_redacted_in_every_seed() {
-        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        assert_eq!(redact_url("redis://:pw@h:1"), "redis://:***@h:1");
-        assert_eq!(redact_url("rediss://bf:p@w@h:1"), "rediss://bf:***@h:1");
-        assert_eq!(
-            redact_url("redis://bf:s1@a:1,redis://bf:s2@b:2"),
-            "redis://bf:***@a:1,redis://bf:***@b:2"
-        );
-    }
-
-    #[test]
-    fn several_urls_make_a_cluster_seed_list() {
-        assert_eq!(cluster_seeds("redis://a:1"), None);
-        assert_eq!(cluster_seeds("redis://a:1,"), None);
-        assert_eq!(
-            cluster_seeds("redis://a:1, redis://b:2"),
-            Some(vec!["redis://a:1", "redis://b:2"])
-        );
     }
 }

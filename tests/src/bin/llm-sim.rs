@@ -66,6 +66,12 @@ struct Args {
     /// Require this bearer token (401 otherwise); any non-empty one when unset.
     #[arg(long, env = "LLM_SIM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Echo the request's Authorization header in every answer, like a
+    /// debugging proxy: for half of the records (by prompt) inside the first
+    /// string field of a valid object, for the other half as the whole
+    /// (invalid) content, so those end in review.
+    #[arg(long)]
+    echo_auth: bool,
 }
 
 /// Declares [`Fault`] from one list: variant, `--faults` name, doc.
@@ -306,7 +312,12 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         Ok(v) => v,
         Err(e) => return invalid_json(&e),
     };
-    let chat = ChatRequest::read(&req);
+    let mut chat = ChatRequest::read(&req);
+    chat.authorization = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
     log_request(sim, &chat);
     let limit_headers = match admit(sim, &chat) {
         Admission::Admitted(headers) => headers,
@@ -342,6 +353,8 @@ struct ChatRequest<'a> {
     user: &'a str,
     /// A retry carrying the validator's feedback.
     with_feedback: bool,
+    /// The Authorization header, for `--echo-auth`.
+    authorization: String,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -370,6 +383,7 @@ impl<'a> ChatRequest<'a> {
             max_tokens,
             user,
             with_feedback: user.contains("rejected by the validator"),
+            authorization: String::new(),
         }
     }
 }
@@ -564,8 +578,25 @@ async fn hang(sim: &Sim) -> Response {
 fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers: HeaderMap) -> Response {
     let response_format = &chat.req["response_format"];
     let seed_text = format!("{}|{}", sim.args.seed, chat.prompt_text);
-    let object = generate(response_format, chat.user, &seed_text);
-    let (content, finish_reason, refusal) = message(fault, object, response_format);
+    let mut object = generate(response_format, chat.user, &seed_text);
+    let mut echo_whole = false;
+    if sim.args.echo_auth {
+        let echo = format!("Authorization: {}", chat.authorization);
+        echo_whole = Sha256::digest(chat.user.as_bytes())[0] % 2 == 1;
+        let first_string = schema_props(response_format)
+            .into_iter()
+            .find(|(_, v)| type_names(v).iter().any(|t| t == "string") && v.get("enum").is_none());
+        if let (false, Some((k, _)), Some(m)) = (echo_whole, first_string, object.as_object_mut()) {
+            m.insert(k, json!(echo));
+        }
+    }
+    let (mut content, finish_reason, refusal) = message(fault, object, response_format);
+    if echo_whole {
+        content = format!(
+            "Debug echo of your request headers: Authorization: {}",
+            chat.authorization
+        );
+    }
     let (prompt_tokens, max_tokens) = (chat.prompt_tokens, chat.max_tokens);
     let completion_tokens = estimate_tokens(&content).min(max_tokens);
     // Like OpenAI: max_tokens was reserved at admission; what was not used comes back.
