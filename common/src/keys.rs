@@ -110,6 +110,18 @@ pub fn delayed(job: &str, partition: u32) -> String {
     format!("bf:{}:delayed", partition_tag(job, partition))
 }
 
+/// Where each record of a partition came from (`<dataset sha12>:<line>`),
+/// kept as long as the job: the duplicate check and `retry --from missing`
+/// must not depend on the idempotency keys' TTL.
+pub fn origins(job: &str, partition: u32) -> String {
+    format!("bf:{}:origin", partition_tag(job, partition))
+}
+
+/// Changes made to a job's stored spec with `producer spec update`: time -> change.
+pub fn spec_changes(job: &str) -> String {
+    format!("bf:{{{job}}}:spec_changes")
+}
+
 /// Idempotency key of one record (`SET NX EX`); its value is the record's origin.
 pub fn idem(job: &str, partition: u32, record_id: &str) -> String {
     format!("bf:{}:idem:{record_id}", partition_tag(job, partition))

@@ -8,6 +8,7 @@
 //!   result, review entry), each with one encoding.
 //! - [`keys`]: every Redis key, stream, group and consumer name.
 //! - [`manifest`]: the job manifest and the producer's resume cursor.
+//! - [`json`]: the one depth limit for every JSON value taken from outside.
 //! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
 //! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
@@ -16,6 +17,7 @@
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 
 pub mod decision;
+pub mod json;
 pub mod keys;
 pub mod manifest;
 pub mod otel;

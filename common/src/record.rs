@@ -31,6 +31,8 @@ pub enum DropReason {
     DuplicateId { first_line: u64 },
     /// A template placeholder has no value in the record.
     TemplateMissing(String),
+    /// The record nests deeper than [`crate::json::MAX_DEPTH`] levels.
+    TooDeep,
 }
 
 impl DropReason {
@@ -46,6 +48,7 @@ impl DropReason {
             DropReason::InvalidId => "invalid_id".into(),
             DropReason::DuplicateId { .. } => "duplicate_id".into(),
             DropReason::TemplateMissing(f) => format!("template_missing:{f}"),
+            DropReason::TooDeep => "too_deep".into(),
         }
     }
 
@@ -61,6 +64,7 @@ impl DropReason {
             DropReason::InvalidId => "id field is not a string or an integer".into(),
             DropReason::DuplicateId { first_line } => format!("same id as line {first_line}"),
             DropReason::TemplateMissing(f) => format!("template field `{f}` is missing, null or empty"),
+            DropReason::TooDeep => format!("nests deeper than {} levels", crate::json::MAX_DEPTH),
         }
     }
 }
@@ -183,6 +187,12 @@ pub fn parse_line(raw: &[u8], oversize: Option<u64>, spec: &JobSpec, user: &Temp
             reason: DropReason::NotObject,
         };
     };
+    if map.values().any(|v| crate::json::depth(v) >= crate::json::MAX_DEPTH) {
+        return Line::Dropped {
+            key: business_key(&map, &spec.job.id_field).ok(),
+            reason: DropReason::TooDeep,
+        };
+    }
     let key = match business_key(&map, &spec.job.id_field) {
         Ok(k) => k,
         Err(reason) => return Line::Dropped { key: None, reason },

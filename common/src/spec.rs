@@ -241,6 +241,9 @@ impl Prices {
     }
 }
 
+/// The longest a retry may wait: a day.
+pub const MAX_RETRY_DELAY_MS: u64 = 24 * 3600 * 1000;
+
 fn default_partitions() -> u32 {
     4
 }
@@ -362,6 +365,14 @@ impl JobSpec {
                     key,
                     "has no {{field}} placeholder: every record would get the same prompt",
                 ),
+                // The system prompt is the same for every record: it is not filled in.
+                Ok(t) if key == "prompt.system" && !t.fields().is_empty() => p.add(
+                    key,
+                    format!(
+                        "placeholders are only filled in prompt.user; move {} there (the system prompt is the same for every record)",
+                        t.fields().iter().map(|f| format!("{{{{{f}}}}}")).collect::<Vec<_>>().join(", ")
+                    ),
+                ),
                 Ok(_) => {}
                 Err(e) => p.add(key, e.to_string()),
             }
@@ -475,6 +486,16 @@ impl JobSpec {
         let pr = &self.provider;
         if !(pr.base_url.starts_with("http://") || pr.base_url.starts_with("https://")) {
             p.add("provider.base_url", "must start with http:// or https://");
+        } else {
+            match url::Url::parse(&pr.base_url) {
+                Err(e) => p.add("provider.base_url", format!("`{}` is not a URL: {e}", pr.base_url)),
+                Ok(u) if u.host_str().is_none_or(str::is_empty) => p.add("provider.base_url", "has no host"),
+                Ok(u) if u.password().is_some() || !u.username().is_empty() => p.add(
+                    "provider.base_url",
+                    "must not hold credentials (the key comes from provider.api_key_env)",
+                ),
+                Ok(_) => {}
+            }
         }
         if pr.model.trim().is_empty() {
             p.add("provider.model", "must not be empty");
@@ -529,9 +550,32 @@ impl JobSpec {
                 );
             }
         }
+        if let Some(itpm) = l.input_tokens_per_minute {
+            // The system prompt alone is sent with every request.
+            let system = (crate::template::system_prompt(self).len() as u64).div_ceil(4);
+            if itpm < system {
+                p.add(
+                    "limits.input_tokens_per_minute",
+                    format!(
+                        "{itpm} is below the system prompt alone (about {system} tokens): no request could ever be sent"
+                    ),
+                );
+            }
+        }
         let r = &self.retry;
         if !(1..=100).contains(&r.max_attempts) {
             p.add("retry.max_attempts", "must be between 1 and 100");
+        }
+        for (key, v) in [
+            ("retry.base_delay_ms", r.base_delay_ms),
+            ("retry.max_delay_ms", r.max_delay_ms),
+        ] {
+            if v > MAX_RETRY_DELAY_MS {
+                p.add(
+                    key,
+                    format!("{v} ms is over the 24 h a retry may wait ({MAX_RETRY_DELAY_MS} ms)"),
+                );
+            }
         }
         if r.base_delay_ms > r.max_delay_ms {
             p.add(
@@ -689,6 +733,37 @@ mod ordered_fields {
 }
 
 /// Maps each version name to its value, for manifests and reports.
+/// What differs between two specs: `key.path: old -> new`, one a line, in
+/// key order (empty when they mean the same, whatever their comments or layout).
+pub fn spec_diff(before: &JobSpec, after: &JobSpec) -> Vec<String> {
+    fn walk(path: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        use serde_json::Value;
+        match (a, b) {
+            (Value::Object(x), Value::Object(y)) => {
+                let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+                keys.sort();
+                keys.dedup();
+                for k in keys {
+                    let p = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    let null = Value::Null;
+                    walk(&p, x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null), out);
+                }
+            }
+            _ if a == b => {}
+            _ => out.push(format!("{path}: {a} -> {b}")),
+        }
+    }
+    let mut out = Vec::new();
+    let a = serde_json::to_value(before).unwrap_or_default();
+    let b = serde_json::to_value(after).unwrap_or_default();
+    walk("", &a, &b, &mut out);
+    out
+}
+
 pub fn versions_map(spec: &JobSpec) -> BTreeMap<&'static str, String> {
     BTreeMap::from([
         ("source", spec.versions.source.clone()),
@@ -798,6 +873,32 @@ mod tests {
         assert_problem(
             &edited("base_url = \"http://127.0.0.1:8089/v1\"", "base_url = \"ftp://x\""),
             "provider.base_url",
+        );
+        assert_problem(
+            &edited(
+                "base_url = \"http://127.0.0.1:8089/v1\"",
+                "base_url = \"http://exa mple.com\"",
+            ),
+            "provider.base_url: `http://exa mple.com` is not a URL",
+        );
+        assert_problem(
+            &edited(
+                "base_url = \"http://127.0.0.1:8089/v1\"",
+                "base_url = \"https://u:p@x.com/v1\"",
+            ),
+            "provider.base_url: must not hold credentials",
+        );
+        assert_problem(
+            &edited("max_delay_ms = 30000", "max_delay_ms = 9223372036854775807"),
+            "retry.max_delay_ms: 9223372036854775807 ms is over the 24 h",
+        );
+        assert_problem(
+            &edited("input_tokens_per_minute = 2000000", "input_tokens_per_minute = 1"),
+            "limits.input_tokens_per_minute: 1 is below the system prompt alone",
+        );
+        assert_problem(
+            &edited("system = \"\"\"", "system = \"\"\"Channel {{channel}}. "),
+            "prompt.system: placeholders are only filled in prompt.user; move {{channel}} there",
         );
         assert_problem(
             &edited("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"sk-abc123\""),

@@ -444,18 +444,13 @@ impl<'de> Deserialize<'de> for Input {
 
 /// A list, or (versions before the one encoding) a string holding its JSON.
 fn list_or_text<'de, D: Deserializer<'de>, T: de::DeserializeOwned>(d: D) -> Result<Vec<T>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Either<T> {
-        List(Vec<T>),
-        Text(String),
-        Null(()),
-    }
-    match Either::<T>::deserialize(d)? {
-        Either::List(v) => Ok(v),
-        Either::Text(t) if t.trim().is_empty() => Ok(vec![]),
-        Either::Text(t) => serde_json::from_str(&t).map_err(de::Error::custom),
-        Either::Null(()) => Ok(vec![]),
+    // Through a Value, not an untagged enum: numbers keep their exact text
+    // (serde_json's arbitrary precision) only outside untagged enums.
+    match Value::deserialize(d)? {
+        Value::Null => Ok(vec![]),
+        Value::String(t) if t.trim().is_empty() => Ok(vec![]),
+        Value::String(t) => serde_json::from_str(&t).map_err(de::Error::custom),
+        list => serde_json::from_value(list).map_err(de::Error::custom),
     }
 }
 

@@ -98,6 +98,13 @@ pub enum Validation {
 pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
     let mut repairs = Vec::new();
     let value = match extract_json(raw, &mut repairs) {
+        Some(v) if crate::json::too_deep(&v) => {
+            let why = format!("the answer nests deeper than {} levels", crate::json::MAX_DEPTH);
+            return Validation::Invalid {
+                errors: vec![err(ErrorCode::Json, "", &why)],
+                repairs,
+            };
+        }
         Some(v) => v,
         None => {
             return Validation::Invalid {

@@ -1,6 +1,6 @@
 //! The command line of `producer`, and `run()`, which `main` calls.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -206,6 +206,20 @@ pub enum ReviewCmd {
 pub enum SpecCmd {
     /// Validate a spec and print the system prompt it renders.
     Check { spec: PathBuf },
+    /// Replace a job's stored spec (workers read it when they start): prints
+    /// what differs and records the change, who and when, in the job's spec
+    /// history. Versions and partitions cannot change (record ids would).
+    Update {
+        #[arg(long)]
+        job: String,
+        #[arg(long)]
+        spec: PathBuf,
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// Who makes the change (recorded).
+        #[arg(long, env = "USER", default_value = "unknown")]
+        by: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -242,12 +256,17 @@ pub struct EnqueueCmd {
     /// No progress bar or progress lines.
     #[arg(long)]
     pub no_progress: bool,
+    /// Enqueue even when Redis may evict keys (never in production).
+    #[arg(long)]
+    pub allow_evicting_redis: bool,
 }
 
 /// Runs a parsed command line; `main` only sets up the runtime and signals.
 pub async fn run(cli: Cli, cancel: CancellationToken) -> ExitCode {
     match run_inner(cli, cancel).await {
         Ok(code) => code,
+        // The reader of our output went away (`| head`): end quietly.
+        Err(e) if crate::out::is_closed_pipe(&e) => ExitCode::from(crate::out::EXIT_CLOSED_PIPE),
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -259,13 +278,13 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
     match cli.command {
         Command::Spec(SpecCmd::Check { spec }) => match JobSpec::load(&spec.display().to_string()) {
             Ok(s) => {
-                println!(
+                crate::outln!(
                     "{}: ok ({} output fields, {} partitions)",
                     spec.display(),
                     s.output.fields.len(),
                     s.job.partitions
                 );
-                println!("--- system prompt ---\n{}", system_prompt(&s));
+                crate::outln!("--- system prompt ---\n{}", system_prompt(&s));
                 Ok(ExitCode::SUCCESS)
             }
             Err(e) => {
@@ -273,11 +292,12 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 Ok(ExitCode::from(EXIT_INPUT))
             }
         },
+        Command::Spec(SpecCmd::Update { job, spec, redis, by }) => update_spec(&job, &spec, &redis, &by).await,
         Command::Manifest { job, redis } => {
             let store = RedisStore::connect(&redis.url).await?;
             match store.load_manifest(&job).await? {
                 Some(m) => {
-                    println!("{}", serde_json::to_string_pretty(&m)?);
+                    crate::outln!("{}", serde_json::to_string_pretty(&m)?);
                     Ok(ExitCode::SUCCESS)
                 }
                 None => {
@@ -289,7 +309,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         Command::Dropped { job, redis } => {
             let store = RedisStore::connect(&redis.url).await?;
             for d in store.dropped_lines(&job).await? {
-                println!("{}", serde_json::to_string(&d)?);
+                crate::outln!("{}", serde_json::to_string(&d)?);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -305,10 +325,10 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             loop {
                 let s = crate::status::status(&store, &job, ids).await?;
                 if json {
-                    println!("{}", serde_json::to_string(&s)?);
+                    crate::outln!("{}", serde_json::to_string(&s)?);
                 } else {
                     if watch {
-                        print!("\x1b[2J\x1b[H"); // clear the screen, cursor home
+                        crate::out!("\x1b[2J\x1b[H"); // clear the screen, cursor home
                     }
                     crate::status::print(&s);
                 }
@@ -332,7 +352,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             };
             let r = crate::report::report(&store, &job, &spec).await?;
             if json {
-                println!("{}", serde_json::to_string(&r)?);
+                crate::outln!("{}", serde_json::to_string(&r)?);
             } else {
                 crate::report::print(&r);
             }
@@ -382,11 +402,11 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         } => {
             let store = RedisStore::connect(&redis.url).await?;
             match crate::retry::retry(&store, &job, from, &reviewer).await {
-                Ok(s) if json => println!("{}", serde_json::to_string(&s)?),
+                Ok(s) if json => crate::outln!("{}", serde_json::to_string(&s)?),
                 Ok(s) => {
-                    println!("job {job}: {} records re-queued for a new round", s.requeued);
+                    crate::outln!("job {job}: {} records re-queued for a new round", s.requeued);
                     for (why, n) in &s.skipped {
-                        println!("  not retried: {n} ({why})");
+                        crate::outln!("  not retried: {n} ({why})");
                     }
                 }
                 Err(crate::review::ReviewError::Store(e)) => return Err(e.into()),
@@ -413,16 +433,22 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
         batch_size: cmd.batch_size as usize,
         idem_ttl_secs: cmd.idem_ttl,
         progress: !cmd.no_progress && !cmd.json,
+        allow_evicting_redis: cmd.allow_evicting_redis,
     };
     match enqueue(&args, cancel).await {
         Ok(summary) => {
             if cmd.json {
-                println!("{}", serde_json::to_string(&summary)?);
+                crate::outln!("{}", serde_json::to_string(&summary)?);
             } else {
                 print_summary(&summary);
             }
+            if let Some(change) = &summary.dataset_changed {
+                eprintln!("{}: {}", if change.grew { "warning" } else { "error" }, change.message);
+            }
             Ok(if summary.interrupted {
                 ExitCode::from(EXIT_INTERRUPTED)
+            } else if summary.dataset_changed.as_ref().is_some_and(|c| !c.grew) {
+                ExitCode::from(EXIT_INPUT)
             } else {
                 ExitCode::SUCCESS
             })
@@ -448,13 +474,13 @@ async fn cancel_or_resume(job: &str, redis: &RedisArgs, cancel: bool) -> anyhow:
     };
     if cancel {
         let n = store.cancel_job(job, spec.job.partitions).await?;
-        println!(
+        crate::outln!(
             "job {job} cancelled: {n} records marked cancelled; in-flight work finishes \
              (producer resume --job {job} brings them back)"
         );
     } else {
         let n = store.resume_job(job, spec.job.partitions).await?;
-        println!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
+        crate::outln!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -468,6 +494,49 @@ async fn spec_or_report(store: &RedisStore, job: &str) -> Option<common::spec::J
             None
         }
     }
+}
+
+/// `producer spec update`: replaces a job's stored spec, refusing a change
+/// of versions or partitions, and records the change.
+async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> anyhow::Result<ExitCode> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: cannot read {}: {e}", path.display());
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+    };
+    let new = match JobSpec::parse(&text, &path.display().to_string()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+    };
+    let store = RedisStore::connect(&redis.url).await?;
+    let Some(old) = spec_or_report(&store, job).await else {
+        return Ok(ExitCode::from(EXIT_INPUT));
+    };
+    if common::spec::versions_map(&old) != common::spec::versions_map(&new) || old.job.partitions != new.job.partitions
+    {
+        eprintln!(
+            "error: the new spec changes the versions or partitions of job `{job}`: record ids would change. \
+             Enqueue it under a new --job name instead"
+        );
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
+    let diff = common::spec::spec_diff(&old, &new);
+    if diff.is_empty() {
+        crate::outln!("job {job}: the spec is unchanged");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let change = serde_json::json!({"by": by, "at": common::manifest::now_rfc3339(), "changes": diff});
+    store.replace_spec(job, &text, &change.to_string()).await?;
+    crate::outln!("job {job}: spec updated by {by}; workers read it when they start:");
+    for d in &diff {
+        crate::outln!("  {d}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Exit code when another reviewer acted on the entry first.
@@ -484,14 +553,14 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             .map(|entries| {
                 for e in &entries {
                     if json {
-                        println!("{}", e.encode());
+                        crate::outln!("{}", e.encode());
                     } else {
                         let codes: Vec<String> = e
                             .errors
                             .iter()
                             .map(|x| format!("{} {}", x.code.as_str(), x.field))
                             .collect();
-                        println!(
+                        crate::outln!(
                             "{}  {:<24} {:<24} attempts {}  {}",
                             &e.record_id[..16.min(e.record_id.len())],
                             e.key,
@@ -507,7 +576,7 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             }),
         ReviewCmd::Show { id } => review::find(&store, job, &id).await.map(|(entry, _)| {
             let v: serde_json::Value = serde_json::from_str(&entry.seen).unwrap_or_default();
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or(entry.seen));
+            crate::outln!("{}", serde_json::to_string_pretty(&v).unwrap_or(entry.seen));
         }),
         ReviewCmd::Accept { id, output, edit } => {
             let text = match (output, edit) {
@@ -524,16 +593,16 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             match text {
                 Ok(text) => review::accept(&store, job, &id, &text, who)
                     .await
-                    .map(|rid| println!("accepted {rid}")),
+                    .map(|rid| crate::outln!("accepted {rid}")),
                 Err(e) => Err(e),
             }
         }
         ReviewCmd::Requeue { id, note } => review::requeue(&store, job, &id, note.as_deref(), who)
             .await
-            .map(|rid| println!("requeued {rid}")),
+            .map(|rid| crate::outln!("requeued {rid}")),
         ReviewCmd::Reject { id, reason } => review::reject(&store, job, &id, &reason, who)
             .await
-            .map(|rid| println!("rejected {rid}")),
+            .map(|rid| crate::outln!("rejected {rid}")),
         ReviewCmd::Next => review::next_loop(&store, job, who).await.map(|_| ()),
         ReviewCmd::Export { out } => {
             let written = if out.as_os_str() == "-" {
@@ -556,7 +625,7 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             Err(e) => Err(ReviewError::Io(format!("cannot read {}: {e}", file.display()))),
             Ok(text) => match review::import(&store, job, &text, who).await {
                 Ok(s) => {
-                    println!(
+                    crate::outln!(
                         "{} applied, {} skipped, {} lines rejected",
                         s.applied,
                         s.skipped,
@@ -586,6 +655,7 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
             ExitCode::from(EXIT_LOST_RACE)
         }
         Err(ReviewError::Store(e)) => return Err(e.into()),
+        Err(ReviewError::Io(e)) if e.contains("Broken pipe") => ExitCode::from(crate::out::EXIT_CLOSED_PIPE),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(EXIT_INPUT)
@@ -602,27 +672,28 @@ fn print_summary(s: &Summary) {
     } else {
         "complete".to_owned()
     };
-    println!("job {} ({}): {status}", s.job, &s.job_key[..12]);
-    println!("  dataset        {} (sha256 {})", s.dataset, &s.dataset_sha256[..12]);
+    crate::outln!("job {} ({}): {status}", s.job, &s.job_key[..12]);
+    crate::outln!("  dataset        {} (sha256 {})", s.dataset, &s.dataset_sha256[..12]);
     if s.resumed_from_line > 0 {
-        println!("  resumed after  line {}", s.resumed_from_line);
+        crate::outln!("  resumed after  line {}", s.resumed_from_line);
     }
-    println!("  lines          {} ({} blank)", s.lines, s.blank_lines);
-    println!("  enqueued       {}", s.enqueued);
-    println!("  already there  {}", s.already_present);
-    println!("  dropped        {}", s.dropped);
+    crate::outln!("  lines          {} ({} blank)", s.lines, s.blank_lines);
+    crate::outln!("  enqueued       {}", s.enqueued);
+    crate::outln!("  already there  {}", s.already_present);
+    crate::outln!("  dropped        {}", s.dropped);
     for (reason, n) in &s.dropped_by_reason {
-        println!("    {reason:<28} {n}");
+        crate::outln!("    {reason:<28} {n}");
     }
-    println!("  records        {} in this dataset", s.records);
+    crate::outln!("  records        {} in this dataset", s.records);
     if let Some(n) = s.job_records {
-        println!("  job records    {n} (expected in the terminal sets)");
+        crate::outln!("  job records    {n} (expected in the terminal sets)");
     }
-    println!(
+    crate::outln!(
         "  elapsed        {:.2}s ({:.0} lines/s)",
-        s.elapsed_secs, s.lines_per_sec
+        s.elapsed_secs,
+        s.lines_per_sec
     );
     if s.dropped > 0 {
-        println!("  see every dropped line with: producer dropped --job {}", s.job);
+        crate::outln!("  see every dropped line with: producer dropped --job {}", s.job);
     }
 }

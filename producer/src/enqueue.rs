@@ -40,6 +40,8 @@ pub struct EnqueueArgs {
     pub idem_ttl_secs: u64,
     /// Show a progress bar (on a terminal) or periodic log lines.
     pub progress: bool,
+    /// Enqueue even into a Redis that may evict keys (tests only).
+    pub allow_evicting_redis: bool,
 }
 
 /// What a run did. Counts cover the whole pass over the dataset, including
@@ -66,6 +68,20 @@ pub struct Summary {
     pub interrupted: bool,
     pub elapsed_secs: f64,
     pub lines_per_sec: f64,
+    /// The dataset changed while it was read (grew, or was rewritten): what
+    /// was enqueued is the part the manifest's sha256 describes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dataset_changed: Option<DatasetChange>,
+}
+
+/// How the dataset changed while it was enqueued.
+#[derive(Debug, Clone, Serialize)]
+pub struct DatasetChange {
+    /// It only grew: the first `bytes_enqueued` (hashed) bytes were enqueued.
+    pub grew: bool,
+    pub bytes_enqueued: u64,
+    pub bytes_now: u64,
+    pub message: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +124,18 @@ async fn enqueue_traced(
         path: args.dataset.display().to_string(),
         source,
     };
+    // A named pipe, a device or a folder would block or be read only once:
+    // refused before anything is written.
+    let meta = std::fs::metadata(&args.dataset).map_err(dataset_err)?;
+    if !meta.is_file() {
+        return Err(EnqueueError::Refused(format!(
+            "dataset {} is not a regular file ({}): batchfleet reads it twice (hash, then records) \
+             and resumes at byte offsets; copy it to a file first",
+            args.dataset.display(),
+            file_kind(&meta)
+        )));
+    }
+    let modified = meta.modified().ok();
     let (sha256, bytes) = file_sha256(&args.dataset).map_err(dataset_err)?;
     let identity = Identity {
         dataset: Dataset {
@@ -124,7 +152,15 @@ async fn enqueue_traced(
     };
     let job_key = identity.job_key();
     let store = RedisStore::connect(&args.redis_url).await?;
+    match store.refuse_eviction().await {
+        Err(e @ StoreError::Evicting { .. }) if !args.allow_evicting_redis => {
+            return Err(EnqueueError::Refused(e.to_string()));
+        }
+        Err(StoreError::Evicting { .. }) | Ok(()) => {}
+        Err(e) => return Err(e.into()),
+    }
     let start = starting_point(&store, args, &identity, &job_key).await?;
+    refuse_changed_spec(&store, &args.job, &spec).await?;
     let sample_lines = match args.sample {
         Some(s) => Some(sample_line_numbers(&args.dataset, s).map_err(dataset_err)?),
         None => None,
@@ -155,6 +191,7 @@ async fn enqueue_traced(
     let interrupted = pass
         .run(
             &args.dataset,
+            bytes,
             args.batch_size,
             sample_lines.as_ref(),
             &progress,
@@ -170,6 +207,11 @@ async fn enqueue_traced(
         let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor).await?;
         job_records = Some(manifest.expected_records);
     }
+    let dataset_changed = if interrupted {
+        None
+    } else {
+        dataset_change(&args.dataset, &identity.dataset, modified, pass.cursor.line)
+    };
     let c = &pass.cursor.counts;
     let elapsed = started.elapsed().as_secs_f64();
     Ok(Summary {
@@ -190,7 +232,84 @@ async fn enqueue_traced(
         interrupted,
         elapsed_secs: elapsed,
         lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
+        dataset_changed,
     })
+}
+
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a folder"
+    } else if t.is_fifo() {
+        "a named pipe"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Whether the dataset changed while it was read: its size, or (same size,
+/// newer modification time) its sha256, now against the start of the run.
+fn dataset_change(
+    path: &Path,
+    hashed: &Dataset,
+    modified: Option<std::time::SystemTime>,
+    lines: u64,
+) -> Option<DatasetChange> {
+    let meta = std::fs::metadata(path).ok()?;
+    let now = meta.len();
+    if now == hashed.bytes && meta.modified().ok() == modified {
+        return None;
+    }
+    if now == hashed.bytes && file_sha256(path).is_ok_and(|(sha, _)| sha == hashed.sha256) {
+        return None;
+    }
+    let grew =
+        now > hashed.bytes && crate::reader::prefix_sha256(path, hashed.bytes).is_ok_and(|sha| sha == hashed.sha256);
+    let message = if grew {
+        format!(
+            "the dataset grew from {} to {now} bytes while it was enqueued: only its first {} bytes ({lines} lines), \
+             whose sha256 the manifest records, were enqueued; enqueue it again with --restart to add the rest",
+            hashed.bytes, hashed.bytes
+        )
+    } else {
+        format!(
+            "the dataset was rewritten while it was enqueued ({} bytes at the start, {now} now): the records \
+             enqueued may not match the sha256 the manifest records; check the file and enqueue it under a new job",
+            hashed.bytes
+        )
+    };
+    Some(DatasetChange {
+        grew,
+        bytes_enqueued: hashed.bytes,
+        bytes_now: now,
+        message,
+    })
+}
+
+/// Refuses a spec that differs from the one the job was enqueued with
+/// (changing it is `producer spec update`, an explicit and logged step).
+async fn refuse_changed_spec(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<(), EnqueueError> {
+    let stored = match store.job_spec(job).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return Ok(()),
+        Err(StoreError::Corrupt { .. }) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let diff = common::spec::spec_diff(&stored, spec);
+    if diff.is_empty() {
+        return Ok(());
+    }
+    Err(EnqueueError::Refused(format!(
+        "job `{job}` was enqueued with another spec; this one differs in:\n  {}\n\
+         Refusing to replace it silently: to change the job's spec, run `producer spec update --job {job} --spec FILE` \
+         (recorded in the job's spec history), or use a new --job name",
+        diff.join("\n  ")
+    )))
 }
 
 struct Start {
@@ -299,18 +418,20 @@ impl Pass<'_> {
     async fn run(
         &mut self,
         path: &Path,
+        end: u64,
         batch_size: usize,
         sample: Option<&HashSet<u64>>,
         progress: &Progress,
         cancel: &CancellationToken,
     ) -> Result<bool, EnqueueError> {
         let limit = self.spec.job.max_record_bytes;
-        let mut reader = LineReader::open(path, self.cursor.offset, self.cursor.line, limit).map_err(|source| {
-            EnqueueError::Dataset {
-                path: path.display().to_string(),
-                source,
-            }
-        })?;
+        let mut reader =
+            LineReader::open_until(path, self.cursor.offset, self.cursor.line, limit, end).map_err(|source| {
+                EnqueueError::Dataset {
+                    path: path.display().to_string(),
+                    source,
+                }
+            })?;
         let mut buf = Vec::with_capacity(4096);
         // Up to IN_FLIGHT batches travel at once so Redis never waits for the
         // parser; they are confirmed (and the cursor moved) strictly in order.

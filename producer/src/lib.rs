@@ -1,6 +1,7 @@
 //! The `producer` command: puts datasets into jobs and inspects them.
 //!
 //! - [`cli`]: the command line (one typed config per subcommand).
+//! - [`out`]: standard output that survives a closed pipe.
 //! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
 //! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
 //! - [`progress`]: progress bar or periodic log lines.
@@ -12,6 +13,7 @@
 
 pub mod cli;
 pub mod enqueue;
+pub mod out;
 pub mod progress;
 pub mod reader;
 pub mod reconcile;

@@ -23,7 +23,7 @@ pub struct LinePos {
 }
 
 pub struct LineReader {
-    inner: BufReader<File>,
+    inner: BufReader<io::Take<File>>,
     offset: u64,
     number: u64,
     limit: usize,
@@ -32,10 +32,16 @@ pub struct LineReader {
 impl LineReader {
     /// Opens `path` positioned at `offset`, which is the start of line `line + 1`.
     pub fn open(path: &Path, offset: u64, line: u64, limit: usize) -> io::Result<LineReader> {
+        Self::open_until(path, offset, line, limit, u64::MAX)
+    }
+
+    /// [`LineReader::open`], reading no further than byte `end` (what was
+    /// hashed: a file that grows meanwhile is read only as far as its hash).
+    pub fn open_until(path: &Path, offset: u64, line: u64, limit: usize, end: u64) -> io::Result<LineReader> {
         let mut file = File::open(path)?;
         file.seek(SeekFrom::Start(offset))?;
         Ok(LineReader {
-            inner: BufReader::with_capacity(256 * 1024, file),
+            inner: BufReader::with_capacity(256 * 1024, file.take(end.saturating_sub(offset))),
             offset,
             number: line,
             limit,
@@ -88,6 +94,21 @@ impl LineReader {
             oversize: over.then_some(len),
         }))
     }
+}
+
+/// sha256 of a file's first `len` bytes, streamed.
+pub fn prefix_sha256(path: &Path, len: u64) -> io::Result<String> {
+    let mut file = File::open(path)?.take(len);
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
 }
 
 /// sha256 and size of a whole file, streamed.

@@ -161,37 +161,41 @@ fn parse_rfc3339(s: &str) -> Option<u64> {
 
 /// The human view of a report.
 pub fn print(r: &Report) {
-    println!("report of job {}", r.job);
+    crate::outln!("report of job {}", r.job);
     let versions: Vec<String> = r.versions.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    println!("  versions     {}", versions.join(" "));
-    println!("  done         {} ({} accepted by people)", r.done, r.human_accepted);
+    crate::outln!("  versions     {}", versions.join(" "));
+    crate::outln!("  done         {} ({} accepted by people)", r.done, r.human_accepted);
     if let (Some(secs), Some(rate)) = (r.elapsed_secs, r.records_per_sec) {
-        println!("  elapsed      {secs:.0}s ({rate:.1} records/s)");
+        crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s)");
     }
     let hist: Vec<String> = r.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
-    println!("  attempts     {} (attempts:records)", hist.join(" "));
-    println!("  validation errors (attempts):");
+    crate::outln!("  attempts     {} (attempts:records)", hist.join(" "));
+    crate::outln!("  validation errors (attempts):");
     for (k, n) in &r.validation_errors {
-        println!("    {k:<32} {n}");
+        crate::outln!("    {k:<32} {n}");
     }
-    println!("  retries by cause:");
+    crate::outln!("  retries by cause:");
     for (k, n) in &r.retries_by_cause {
-        println!("    {k:<32} {n}");
+        crate::outln!("    {k:<32} {n}");
     }
-    println!("  review by reason:");
+    crate::outln!("  review by reason:");
     for (k, n) in &r.review_by_reason {
-        println!("    {k:<32} {n}");
+        crate::outln!("    {k:<32} {n}");
     }
-    println!("  cost (USD)                         calls   prompt   cached  completion        cost");
+    crate::outln!("  cost (USD)                         calls   prompt   cached  completion        cost");
     for (name, u) in [
         ("first-attempt successes", &r.first_attempt_successes),
         ("done after retries", &r.done_after_retries),
         ("ended in review", &r.ended_in_review),
         ("total", &r.total),
     ] {
-        println!(
+        crate::outln!(
             "    {name:<30} {:>7} {:>8} {:>8} {:>11} {:>11.6}",
-            u.calls, u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.cost_usd
+            u.calls,
+            u.prompt_tokens,
+            u.cached_tokens,
+            u.completion_tokens,
+            u.cost_usd
         );
     }
 }

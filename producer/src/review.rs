@@ -354,14 +354,13 @@ pub async fn import(store: &RedisStore, job: &str, text: &str, who: &str) -> Res
 /// `review next`: one entry at a time for a person at a terminal; one key
 /// per action. Returns how many entries were acted on.
 pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, ReviewError> {
-    use std::io::Write;
     let mut acted = 0;
     let mut skipped: std::collections::HashSet<String> = Default::default();
     let _raw = RawMode::enter();
     loop {
         let entries = list(store, job, None, None).await?;
         let Some(e) = entries.into_iter().find(|e| !skipped.contains(&e.record_id)) else {
-            println!("\r\nreview queue of {job} is empty (or every entry was skipped): {acted} acted on\r");
+            crate::outln!("\r\nreview queue of {job} is empty (or every entry was skipped): {acted} acted on\r");
             return Ok(acted);
         };
         let rid = e.record_id.clone();
@@ -380,10 +379,9 @@ pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, 
         screen.push_str(&format!("input: {}\r\n", e.input.get()));
         screen.push_str(&format!("last output: {}\r\n", quoted(&e.last_raw_output)));
         screen.push_str("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ");
-        print!("{screen}");
-        let _ = std::io::stdout().flush();
+        crate::out!("{screen}");
         let key = read_key().map_err(|e| ReviewError::Io(e.to_string()))?;
-        println!("{key}\r");
+        crate::outln!("{key}\r");
         let result = match key {
             'a' => accept(store, job, &rid, &e.last_raw_output, who)
                 .await
@@ -409,7 +407,7 @@ pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, 
                 Ok("skipped")
             }
             'q' => {
-                println!("{acted} acted on\r");
+                crate::outln!("{acted} acted on\r");
                 return Ok(acted);
             }
             _ => Ok("unknown key: nothing done"),
@@ -419,11 +417,11 @@ pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, 
                 if matches!(what, "accepted" | "requeued" | "rejected") {
                     acted += 1;
                 }
-                println!("{what}\r");
+                crate::outln!("{what}\r");
             }
             Err(ReviewError::Store(e)) => return Err(ReviewError::Store(e)),
             // An invalid accept or a lost race: say so, stay on the queue.
-            Err(err) => println!("{}\r", err.to_string().replace('\n', "\r\n")),
+            Err(err) => crate::outln!("{}\r", err.to_string().replace('\n', "\r\n")),
         }
     }
 }

@@ -188,33 +188,33 @@ impl DroppedRecord {
 
 /// The human view of a status.
 pub fn print(s: &JobStatus) {
-    println!(
+    crate::outln!(
         "job {}: {}",
         s.job,
         if s.complete { "COMPLETE" } else { "not complete" }
     );
     if let Some(reason) = &s.halted {
-        println!("  HALTED: {reason} (claiming stopped; tasks stay queued)");
+        crate::outln!("  HALTED: {reason} (claiming stopped; tasks stay queued)");
     }
-    println!(
+    crate::outln!(
         "  expected     {}",
         s.expected.map_or("? (no manifest)".into(), |e| e.to_string())
     );
-    println!("  queued       {}", s.queued);
-    println!("  in flight    {}", s.in_flight);
-    println!("  delayed      {}", s.delayed);
-    println!("  done         {}", s.done);
-    println!("  review       {}", s.review);
-    println!("  dropped      {}", s.dropped);
+    crate::outln!("  queued       {}", s.queued);
+    crate::outln!("  in flight    {}", s.in_flight);
+    crate::outln!("  delayed      {}", s.delayed);
+    crate::outln!("  done         {}", s.done);
+    crate::outln!("  review       {}", s.review);
+    crate::outln!("  dropped      {}", s.dropped);
     for (reason, n) in &s.dropped_by_reason {
-        println!("    {reason:<26} {n}");
+        crate::outln!("    {reason:<26} {n}");
     }
     if s.cancelled > 0 {
-        println!("  cancelled    {}", s.cancelled);
+        crate::outln!("  cancelled    {}", s.cancelled);
     }
-    println!("  missing      {}", s.missing);
-    println!("  duplicates   {}", s.duplicates);
-    println!("  unknown      {}", s.unknown);
+    crate::outln!("  missing      {}", s.missing);
+    crate::outln!("  duplicates   {}", s.duplicates);
+    crate::outln!("  unknown      {}", s.unknown);
     if let Some(r) = &s.anomalies {
         for (kind, list) in [
             ("missing", &r.missing),
@@ -222,14 +222,16 @@ pub fn print(s: &JobStatus) {
             ("unknown", &r.unknown),
         ] {
             for a in list {
-                println!("    {kind:<10} {} (p{}): {}", a.record_id, a.partition, a.what);
+                crate::outln!("    {kind:<10} {} (p{}): {}", a.record_id, a.partition, a.what);
             }
         }
     }
     let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
-    println!("  attempts     {} (attempts:records over done records)", hist.join(" "));
-    println!(
+    crate::outln!("  attempts     {} (attempts:records over done records)", hist.join(" "));
+    crate::outln!(
         "  tokens       {} prompt ({} cached), {} completion",
-        s.tokens.prompt, s.tokens.cached, s.tokens.completion
+        s.tokens.prompt,
+        s.tokens.cached,
+        s.tokens.completion
     );
 }

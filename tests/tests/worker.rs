@@ -514,7 +514,12 @@ fn the_worker_refuses_a_redis_that_can_evict() {
     let spec = test_spec(&dir, "5");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 2);
-    enqueue(&redis, &data, "ev", &spec);
+    // The producer refuses such a Redis too; the worker's own check is what is tested here.
+    let enqueued = harness::enqueue_cmd(&redis, &data, "ev", &spec)
+        .args(["--no-progress", "--allow-evicting-redis"])
+        .output()
+        .unwrap();
+    assert!(enqueued.status.success(), "{}", harness::stderr(&enqueued));
     let (status, err) = output(spawn(worker_cmd(&redis, "ev", &sim, &["--drain"])));
     assert_eq!(status.code(), Some(2), "{err}");
     assert!(

@@ -103,11 +103,13 @@ impl Claimer {
                         },
                     };
                     round.claimed += 1;
-                    let grant = grants.as_mut().and_then(Vec::pop);
+                    let grant = grants.as_mut().and_then(crate::fleet::HeldGrants::pop);
                     f.spawn(job.clone(), d, permit, grant);
                 }
             }
-            f.release(job, grants).await;
+            if let Some(g) = grants {
+                g.release(&f).await;
+            }
         }
         if self.own_pending {
             self.own_pending = false;

@@ -123,26 +123,21 @@ impl Fleet {
 
     /// Up to `want` grants of the job's limiter (None: the job has no limits),
     /// and how long to wait when none was given.
-    pub async fn grants(&self, job: &JobCtx, want: usize) -> Option<(Vec<Grant>, Duration)> {
+    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> Option<(HeldGrants, Duration)> {
         let limiter = job.limiter.as_ref()?;
-        match limiter.try_acquire(want).await {
-            Ok(got) => Some(got),
+        let (grants, wait) = match limiter.try_acquire(want).await {
+            Ok(got) => got,
             Err(e) => {
                 self.store_error(&e).await;
-                Some((Vec::new(), Duration::from_millis(200)))
+                (Vec::new(), Duration::from_millis(200))
             }
-        }
-    }
-
-    /// Gives back grants a round did not use.
-    pub async fn release(&self, job: &JobCtx, unused: Option<Vec<Grant>>) {
-        if let (Some(limiter), Some(unused)) = (&job.limiter, unused) {
-            for g in unused {
-                if let Err(e) = limiter.release(g).await {
-                    self.store_error(&e).await;
-                }
-            }
-        }
+        };
+        let held = HeldGrants {
+            job: job.clone(),
+            grants,
+            tracker: self.tracker.clone(),
+        };
+        Some((held, wait))
     }
 
     /// Starts one delivered task on the tracker; it holds `permit` (and the
@@ -228,6 +223,59 @@ impl Fleet {
             }
         }
         true
+    }
+}
+
+/// Rate-limit grants a round holds. What it does not hand to a task goes
+/// back to the fleet's budget: at once with [`HeldGrants::release`], or,
+/// when the round is cancelled mid-way, from a task started on drop.
+pub struct HeldGrants {
+    job: Arc<JobCtx>,
+    grants: Vec<Grant>,
+    tracker: TaskTracker,
+}
+
+impl HeldGrants {
+    pub fn len(&self) -> usize {
+        self.grants.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.grants.is_empty()
+    }
+
+    /// One grant for a task.
+    pub fn pop(&mut self) -> Option<Grant> {
+        self.grants.pop()
+    }
+
+    /// Gives back the grants not used.
+    pub async fn release(mut self, fleet: &Fleet) {
+        let Some(limiter) = &self.job.limiter else { return };
+        for g in std::mem::take(&mut self.grants) {
+            if let Err(e) = limiter.release(g).await {
+                fleet.store_error(&e).await;
+            }
+        }
+    }
+}
+
+impl Drop for HeldGrants {
+    fn drop(&mut self) {
+        let grants = std::mem::take(&mut self.grants);
+        if grants.is_empty() || self.job.limiter.is_none() {
+            return;
+        }
+        let job = self.job.clone();
+        self.tracker.spawn(async move {
+            if let Some(limiter) = &job.limiter {
+                for g in grants {
+                    if let Err(e) = limiter.release(g).await {
+                        tracing::warn!(error = %e, "could not give back a rate-limit grant (it expires by itself)");
+                    }
+                }
+            }
+        });
     }
 }
 

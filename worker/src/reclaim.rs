@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::store::IdleEntry;
 
-use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::fleet::{Fleet, HeldGrants, STORE_ERROR_PAUSE};
 use crate::process::JobCtx;
 use crate::service::Service;
 
@@ -73,7 +73,7 @@ impl Rescuer {
             Some((g, _)) => Some(g),
             None => None,
         };
-        let free = grants.as_ref().map_or(free, Vec::len);
+        let free = grants.as_ref().map_or(free, HeldGrants::len);
         let mut started = 0;
         let visibility = f.visibility.as_millis() as u64;
         match f
@@ -86,7 +86,7 @@ impl Rescuer {
                     tracing::info!(job = %job.name, record_id = %d.task.rid, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
                     match f.permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            let grant = grants.as_mut().and_then(Vec::pop);
+                            let grant = grants.as_mut().and_then(HeldGrants::pop);
                             f.spawn(job.clone(), d, permit, grant);
                             started += 1;
                         }
@@ -96,7 +96,9 @@ impl Rescuer {
             }
             Err(e) => f.store_error(&e).await,
         }
-        f.release(job, grants).await;
+        if let Some(g) = grants {
+            g.release(f).await;
+        }
         started
     }
 

@@ -90,6 +90,11 @@ impl Config {
         if self.consumer.trim().is_empty() {
             return Err(RunError::Refused("--consumer must not be empty".into()));
         }
+        if self.max_deliveries == 0 {
+            return Err(RunError::Refused(
+                "--max-deliveries must be at least 1 (with 0 every task would go to review as poison)".into(),
+            ));
+        }
         if self.idle_poll.is_zero() {
             return Err(RunError::Refused("--idle-poll-ms must be at least 1".into()));
         }
@@ -165,22 +170,15 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
 pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), RunError> {
     config.validate()?;
     let store = RedisStore::connect(&config.redis_url).await?;
-    match store.eviction_policy().await? {
-        Some(p) if p == "noeviction" => {}
-        Some(p) if !config.allow_evicting_redis => {
-            return Err(RunError::Refused(format!(
-                "Redis maxmemory-policy is `{p}`: it can evict queue state and lose records. \
-                 Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction)."
-            )));
+    match store.refuse_eviction().await {
+        Ok(()) => {}
+        Err(e @ StoreError::Evicting { .. }) if !config.allow_evicting_redis => {
+            return Err(RunError::Refused(e.to_string()));
         }
-        None if !config.allow_evicting_redis => {
-            return Err(RunError::Refused(
-                "cannot read Redis maxmemory-policy (CONFIG GET is not allowed): make sure it is `noeviction`, \
-                 then start with --allow-evicting-redis to skip this check"
-                    .into(),
-            ));
+        Err(StoreError::Evicting { .. }) => {
+            tracing::warn!("starting against a Redis whose eviction policy was not verified")
         }
-        _ => tracing::warn!("starting against a Redis whose eviction policy was not verified"),
+        Err(e) => return Err(e.into()),
     }
     let names = if config.jobs.is_empty() {
         store.jobs().await?

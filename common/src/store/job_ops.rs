@@ -85,14 +85,34 @@ impl RedisStore {
         Ok(n == 1)
     }
 
-    /// The origin (`<dataset sha12>:<line>`) an enqueue stored for a record,
-    /// while its idempotency key lives.
+    /// The origin (`<dataset sha12>:<line>`) an enqueue stored for a record
+    /// (for jobs enqueued before origins were kept, while its idempotency key lives).
     pub async fn record_origin(
         &self,
         job: &str,
         partition: u32,
         record_id: &str,
     ) -> Result<Option<String>, StoreError> {
-        Ok(self.conn.clone().get(keys::idem(job, partition, record_id)).await?)
+        let mut c = self.conn.clone();
+        let kept: Option<String> = c.hget(keys::origins(job, partition), record_id).await?;
+        match kept {
+            Some(o) => Ok(Some(o)),
+            None => Ok(c.get(keys::idem(job, partition, record_id)).await?),
+        }
+    }
+
+    /// Replaces a job's stored spec (`producer spec update`), recording the
+    /// change (who, when, what differs) in the job's spec history.
+    pub async fn replace_spec(&self, job: &str, spec_toml: &str, change: &str) -> Result<(), StoreError> {
+        let at = crate::manifest::now_rfc3339();
+        let _: () = redis::pipe()
+            .atomic()
+            .set(keys::spec(job), spec_toml)
+            .ignore()
+            .hset(keys::spec_changes(job), format!("{at} {}", std::process::id()), change)
+            .ignore()
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
     }
 }

@@ -35,4 +35,19 @@ pub enum StoreError {
         missing.join(" ")
     )]
     Permissions { missing: Vec<String> },
+    /// The server may evict keys: it could silently delete queue state.
+    #[error("{}", evicting_message(policy.as_deref()))]
+    Evicting { policy: Option<String> },
+}
+
+fn evicting_message(policy: Option<&str>) -> String {
+    match policy {
+        Some(p) => format!(
+            "Redis maxmemory-policy is `{p}`: it can evict queue state and lose records. \
+             Set `maxmemory-policy noeviction` (CONFIG SET maxmemory-policy noeviction)."
+        ),
+        None => "cannot read Redis maxmemory-policy (CONFIG GET is not allowed): make sure it is `noeviction`, \
+                 then start with --allow-evicting-redis to skip this check"
+            .to_owned(),
+    }
 }

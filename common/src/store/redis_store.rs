@@ -296,7 +296,9 @@ impl RedisStore {
         });
         for (partition, idx) in chunks {
             let mut inv = self.scripts.enqueue.prepare_invoke();
-            inv.key(keys::stream(job, partition)).key(keys::state(job, partition));
+            inv.key(keys::stream(job, partition))
+                .key(keys::state(job, partition))
+                .key(keys::origins(job, partition));
             inv.arg(idem_ttl_secs);
             for &i in &idx {
                 let e = &entries[i];

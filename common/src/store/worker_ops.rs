@@ -328,6 +328,15 @@ impl RedisStore {
         Ok(policies.find(|p| p != "noeviction").or(first))
     }
 
+    /// Fails with [`StoreError::Evicting`] unless the server's policy is
+    /// `noeviction` (workers and the producer both refuse to run otherwise).
+    pub async fn refuse_eviction(&self) -> Result<(), StoreError> {
+        match self.eviction_policy().await? {
+            Some(p) if p == "noeviction" => Ok(()),
+            policy => Err(StoreError::Evicting { policy }),
+        }
+    }
+
     /// All job names ever enqueued.
     pub async fn jobs(&self) -> Result<Vec<String>, StoreError> {
         let mut v: Vec<String> = self.conn.clone().smembers(keys::jobs()).await?;

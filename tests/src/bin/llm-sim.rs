@@ -45,7 +45,7 @@ struct Args {
     tpm: u64,
     /// Fault mix: `kind=probability,...`. Kinds: rate_limit, quota, server_error,
     /// unavailable, hang, empty, broken_json, fence, prose, missing_field,
-    /// bad_enum, bool_number, content_filter, length, unauthorized.
+    /// bad_enum, bool_number, content_filter, length, unauthorized, deep.
     #[arg(long, default_value = "")]
     faults: String,
     /// Seed of the fault draws and of generated answers.
@@ -128,6 +128,8 @@ faults! {
     Length = "length",
     /// 401 `invalid_api_key`.
     Unauthorized = "unauthorized",
+    /// The object with an extra field nested 125 arrays deep (126 in all).
+    Deep = "deep",
 }
 
 /// A `--faults` kind that is not a [`Fault`].
@@ -697,6 +699,11 @@ fn malformed(fault: Fault, mut object: Value, response_format: &Value) -> String
             }
             object.to_string()
         }
+        Fault::Deep => {
+            let mut text = object.to_string();
+            text.pop();
+            format!("{text},\"nested\":{}1{}}}", "[".repeat(125), "]".repeat(125))
+        }
         _ => object.to_string(),
     }
 }
@@ -957,7 +964,7 @@ mod tests {
         );
         let err = parse_faults("fence=0.1,nope=0.1").expect_err("unknown").to_string();
         assert!(err.starts_with("--faults: unknown fault `nope` (known: rate_limit, quota, server_error,"));
-        assert!(err.ends_with("length, unauthorized)"), "{err}");
+        assert!(err.ends_with("length, unauthorized, deep)"), "{err}");
         assert!("Fence".parse::<Fault>().is_err(), "names are case-sensitive");
     }
 

@@ -9,7 +9,8 @@
 --
 -- KEYS[1]      partition stream            bf:{job:pN}:tasks
 -- KEYS[2]      partition state hash        bf:{job:pN}:state
--- KEYS[2+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
+-- KEYS[3]      partition origins hash      bf:{job:pN}:origin (record -> origin, no TTL)
+-- KEYS[3+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
 -- ARGV[1]      idempotency key TTL, seconds
 -- ARGV[1+4(i-1)+1..4] for record i (at most 1000 records a call):
 --              record_id, origin ("<dataset sha12>:<line>"),
@@ -19,28 +20,32 @@
 -- script never reads); the business key is inside the input, and the origin
 -- stays in the idempotency key (small entries enqueue faster).
 -- Returns: an array with, per record i, integer 1 when it was added, else the
---          origin stored by the run that added it ("" when its key had expired).
+--          origin stored by the run that added it (from the origins hash, or
+--          for jobs enqueued before it existed the idempotency key; "" when
+--          neither holds it).
 local call = redis.call
-local stream, states, ttl = KEYS[1], KEYS[2], ARGV[1]
-local n = #KEYS - 2
+local stream, states, origins, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
+local n = #KEYS - 3
 local ids = {}
 for i = 1, n do
   ids[i] = ARGV[(i - 1) * 4 + 2]
 end
 -- One read for the whole batch: which records the job already holds.
 local known = call('HMGET', states, unpack(ids))
-local out, claimed = {}, {}
+local out, claimed, placed = {}, {}, {}
 for i = 1, n do
   local b = (i - 1) * 4
-  local idem, origin, state = KEYS[2 + i], ARGV[b + 3], ARGV[b + 4]
+  local idem, origin, state = KEYS[3 + i], ARGV[b + 3], ARGV[b + 4]
   if known[i] then
-    out[i] = call('GET', idem) or ''
+    out[i] = call('HGET', origins, ids[i]) or call('GET', idem) or ''
   elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
     if state == 'queued' then
       call('XADD', stream, '*', 'rid', ids[i], 'task', ARGV[b + 5])
     end
     claimed[#claimed + 1] = ids[i]
     claimed[#claimed + 1] = state
+    placed[#placed + 1] = ids[i]
+    placed[#placed + 1] = origin
     out[i] = 1
   else
     -- Taken but not yet in the state hash: the same id earlier in this batch.
@@ -49,5 +54,6 @@ for i = 1, n do
 end
 if #claimed > 0 then
   call('HSET', states, unpack(claimed))
+  call('HSET', origins, unpack(placed))
 end
 return out
