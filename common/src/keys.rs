@@ -117,6 +117,17 @@ pub fn origins(job: &str, partition: u32) -> String {
     format!("bf:{}:origin", partition_tag(job, partition))
 }
 
+/// A job's counters of what left no record: `answers_lost` (paid answers
+/// whose outcome Redis could not store in time).
+pub fn counters(job: &str) -> String {
+    format!("bf:{{{job}}}:counters")
+}
+
+/// A worker's lease on its consumer name (no two live workers share one).
+pub fn consumer_lease(consumer: &str) -> String {
+    format!("bf:{{consumers}}:{consumer}")
+}
+
 /// Changes made to a job's stored spec with `producer spec update`: time -> change.
 pub fn spec_changes(job: &str) -> String {
     format!("bf:{{{job}}}:spec_changes")

@@ -454,14 +454,22 @@ fn list_or_text<'de, D: Deserializer<'de>, T: de::DeserializeOwned>(d: D) -> Res
     }
 }
 
-/// A task as delivered to a worker: the stream entry and how often it was delivered.
+/// A task as delivered to a worker: the stream entry, to whom, and how often
+/// it was delivered. The consumer and the delivery count are the fencing
+/// token: an outcome applies only while the entry is still pending for this
+/// consumer with this count (another worker that took it over changed both).
 #[derive(Debug, Clone)]
 pub struct Delivery {
     pub partition: u32,
     /// The stream entry id (what is acknowledged).
     pub entry_id: String,
-    /// Times this entry was delivered (1 for a first delivery).
+    /// Times this entry was delivered, this delivery included (Redis's count).
     pub deliveries: u32,
+    /// The consumer it was delivered to.
+    pub consumer: String,
+    /// When it was delivered: its outcome must be stored before the
+    /// visibility timeout, or another worker takes the task over.
+    pub claimed_at: std::time::Instant,
     pub task: Task,
 }
 
@@ -875,6 +883,8 @@ mod tests {
             partition: 0,
             entry_id: "1-0".into(),
             deliveries: 2,
+            consumer: "w1".into(),
+            claimed_at: std::time::Instant::now(),
             task: task.clone(),
         };
         let mut out = Map::new();

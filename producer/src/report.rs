@@ -67,6 +67,9 @@ pub struct Report {
     pub total: Usage,
     pub done: u64,
     pub human_accepted: u64,
+    /// Paid answers that left no result: a worker got them but could not
+    /// store the outcome before its visibility timeout (Redis was away).
+    pub paid_answers_lost: u64,
     /// From the manifest's creation to the last commit.
     pub elapsed_secs: Option<f64>,
     pub records_per_sec: Option<f64>,
@@ -80,6 +83,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
         versions: manifest.as_ref().map(|m| m.versions.clone()).unwrap_or_default(),
         ..Report::default()
     };
+    r.paid_answers_lost = store.lost_answers(job).await?;
     let prices = &spec.prices;
     let mut last_commit = String::new();
     for p in 0..spec.job.partitions {
@@ -165,6 +169,12 @@ pub fn print(r: &Report) {
     let versions: Vec<String> = r.versions.iter().map(|(k, v)| format!("{k}={v}")).collect();
     crate::outln!("  versions     {}", versions.join(" "));
     crate::outln!("  done         {} ({} accepted by people)", r.done, r.human_accepted);
+    if r.paid_answers_lost > 0 {
+        crate::outln!(
+            "  lost         {} paid answers left no result (Redis could not store them in time)",
+            r.paid_answers_lost
+        );
+    }
     if let (Some(secs), Some(rate)) = (r.elapsed_secs, r.records_per_sec) {
         crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s)");
     }

@@ -70,8 +70,14 @@ impl RedisServer {
     /// kill -9, then a new server on the same port, folder and configuration
     /// (with `appendonly yes` it replays its AOF). Returns when it answers.
     pub fn kill9_and_restart(&mut self) {
+        self.kill9_and_restart_after(Duration::ZERO);
+    }
+
+    /// [`RedisServer::kill9_and_restart`], staying down for `down` first (an outage).
+    pub fn kill9_and_restart_after(&mut self, down: Duration) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        std::thread::sleep(down);
         for _ in 0..50 {
             self.child = spawn_redis(self.port, &self.dir, &self.args);
             if self.wait_ready(Duration::from_secs(30)) {

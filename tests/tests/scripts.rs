@@ -6,7 +6,9 @@
 
 use common::keys;
 use common::spec::JobSpec;
-use common::store::{EnqueueOutcome, Finish, RecordSet, RedisStore, ReviewAction, ReviewOutcome, TaskEntry};
+use common::store::{
+    EnqueueOutcome, Finish, Finished, IdleEntry, RecordSet, RedisStore, ReviewAction, ReviewOutcome, TaskEntry,
+};
 use common::task::{
     Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
 };
@@ -130,18 +132,30 @@ async fn finish_moves_a_record_once_and_a_late_copy_only_acknowledges() {
     let mut d = claim(&store, "w1").await;
     let b = d.pop().unwrap();
     let a = d.pop().unwrap();
-    assert!(store.finish(JOB, &a, &Finish::Commit(result_for(&a))).await.unwrap());
+    assert_eq!(
+        store.finish(JOB, &a, &Finish::Commit(result_for(&a))).await.unwrap(),
+        Finished::Moved
+    );
     assert_eq!(state(&store, "a").await, Some(RecordState::Done));
-    // A redelivered copy of a settled record: acknowledged, nothing moves.
-    let copy = Delivery {
-        entry_id: "0-1".into(),
-        ..a.clone()
-    };
+    // A redelivered copy of a settled record (a crash between commit and ack
+    // leaves one): acknowledged, nothing moves.
+    let _: String = redis
+        .conn()
+        .xadd(
+            keys::stream(JOB, 0),
+            "*",
+            &[("rid", "a"), ("task", a.task.encode().as_str())],
+        )
+        .unwrap();
+    let copy = claim(&store, "w1").await.remove(0);
     let late = ResultRecord {
         worker: Some("late".into()),
         ..result_for(&copy)
     };
-    assert!(!store.finish(JOB, &copy, &Finish::Commit(late)).await.unwrap());
+    assert_eq!(
+        store.finish(JOB, &copy, &Finish::Commit(late)).await.unwrap(),
+        Finished::AlreadySettled
+    );
     let mut results = Vec::new();
     store.results(JOB, 0, |r| results.push(r)).await.unwrap();
     assert_eq!(results.len(), 1);
@@ -155,7 +169,7 @@ async fn finish_moves_a_record_once_and_a_late_copy_only_acknowledges() {
         },
         Finish::Cancel(a.task.clone()),
     ] {
-        assert!(!store.finish(JOB, &a, &late).await.unwrap(), "{late:?}");
+        assert_ne!(store.finish(JOB, &a, &late).await.unwrap(), Finished::Moved, "{late:?}");
     }
     assert_eq!(state(&store, "a").await, Some(RecordState::Done));
     let mut reviews = 0;
@@ -167,25 +181,12 @@ async fn finish_moves_a_record_once_and_a_late_copy_only_acknowledges() {
 
     // A retry of a record already waiting to retry keeps the one it has.
     let next = b.task.next(1, 1, vec![], vec![]);
-    assert!(
-        store
-            .finish(
-                JOB,
-                &b,
-                &Finish::Retry {
-                    due_ms: 1,
-                    task: next.clone()
-                }
-            )
-            .await
-            .unwrap()
-    );
-    assert!(
-        !store
-            .finish(JOB, &b, &Finish::Retry { due_ms: 1, task: next })
-            .await
-            .unwrap()
-    );
+    let retry = |task: &Task| Finish::Retry {
+        due_ms: 1,
+        task: task.clone(),
+    };
+    assert_eq!(store.finish(JOB, &b, &retry(&next)).await.unwrap(), Finished::Moved);
+    assert_ne!(store.finish(JOB, &b, &retry(&next)).await.unwrap(), Finished::Moved);
     let mut delayed = Vec::new();
     store
         .record_ids(JOB, 0, RecordSet::Delayed, |rid| delayed.push(rid))
@@ -197,24 +198,89 @@ async fn finish_moves_a_record_once_and_a_late_copy_only_acknowledges() {
 }
 
 #[tokio::test]
+async fn a_late_outcome_of_a_task_taken_over_changes_nothing() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
+    let stale = claim(&store, "w1").await.remove(0);
+    // w1 stops; w2 takes the task over (its idle time is past the timeout).
+    let idle = [IdleEntry {
+        entry_id: stale.entry_id.clone(),
+        deliveries: 1,
+    }];
+    let live = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
+    assert_eq!((live.consumer.as_str(), live.deliveries), ("w2", 2));
+    // w1 wakes up and schedules a retry: not applied, nothing acknowledged.
+    let retry = Finish::Retry {
+        due_ms: 1,
+        task: stale.task.next(1, 1, vec![], vec![]),
+    };
+    assert_eq!(store.finish(JOB, &stale, &retry).await.unwrap(), Finished::Stale);
+    assert_eq!(state(&store, "a").await, Some(RecordState::Queued));
+    assert_eq!(pending(&redis), 1, "the entry is still w2's");
+    let mut delayed = 0;
+    store
+        .record_ids(JOB, 0, RecordSet::Delayed, |_| delayed += 1)
+        .await
+        .unwrap();
+    assert_eq!(delayed, 0, "no second live task for the record");
+    // The same consumer name with another delivery count is stale too.
+    let older = Delivery {
+        consumer: "w2".into(),
+        deliveries: 1,
+        ..live.clone()
+    };
+    assert_eq!(
+        store
+            .finish(JOB, &older, &Finish::Commit(result_for(&older)))
+            .await
+            .unwrap(),
+        Finished::Stale
+    );
+    assert_eq!(
+        store.check_delivery(JOB, &stale).await.unwrap(),
+        (Some(RecordState::Queued), false)
+    );
+    assert_eq!(
+        store.check_delivery(JOB, &live).await.unwrap(),
+        (Some(RecordState::Queued), true)
+    );
+    // The live one applies.
+    assert_eq!(
+        store
+            .finish(JOB, &live, &Finish::Commit(result_for(&live)))
+            .await
+            .unwrap(),
+        Finished::Moved
+    );
+    assert_eq!((stream_len(&redis), pending(&redis)), (0, 0));
+}
+
+#[tokio::test]
 async fn finish_of_a_task_whose_entry_is_gone_still_settles_the_record() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
     store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
     let d = claim(&store, "w1").await.remove(0);
     let _: () = redis.conn().xdel(keys::stream(JOB, 0), &[&d.entry_id]).unwrap();
-    assert!(store.finish(JOB, &d, &Finish::Commit(result_for(&d))).await.unwrap());
+    assert_eq!(
+        store.finish(JOB, &d, &Finish::Commit(result_for(&d))).await.unwrap(),
+        Finished::Moved
+    );
     assert_eq!(state(&store, "a").await, Some(RecordState::Done));
     // A record the job does not know is never moved.
+    store.enqueue(JOB, 60, &[entry("b", "{}")]).await.unwrap();
+    let b = claim(&store, "w1").await.remove(0);
     let stranger = Delivery {
         task: Task::new("zz", "{}", "").unwrap(),
-        ..d.clone()
+        ..b.clone()
     };
-    assert!(
-        !store
+    assert_eq!(
+        store
             .finish(JOB, &stranger, &Finish::Commit(result_for(&stranger)))
             .await
-            .unwrap()
+            .unwrap(),
+        Finished::AlreadySettled
     );
     assert_eq!(state(&store, "zz").await, None);
 }
@@ -337,7 +403,10 @@ async fn cancel_keeps_undelivered_and_waiting_work_and_resume_puts_it_back_uncha
     assert_eq!(state(&store, "c").await, Some(RecordState::Cancelled));
     assert!(store.cancelled(JOB).await.unwrap());
     // The in-flight task of a cancelled job is kept for resume too.
-    assert!(store.finish(JOB, &b, &Finish::Cancel(b.task.clone())).await.unwrap());
+    assert_eq!(
+        store.finish(JOB, &b, &Finish::Cancel(b.task.clone())).await.unwrap(),
+        Finished::Moved
+    );
     assert_eq!(store.resume_job(JOB, 1).await.unwrap(), 3);
     assert!(!store.cancelled(JOB).await.unwrap());
     let mut back = claim(&store, "w2").await;
@@ -360,7 +429,10 @@ async fn review_actions_apply_once_and_only_to_the_entry_as_read() {
         .unwrap();
     for d in claim(&store, "w1").await {
         let review = review_of(&d, "attempts_exhausted");
-        assert!(store.finish(JOB, &d, &Finish::Review(review)).await.unwrap());
+        assert_eq!(
+            store.finish(JOB, &d, &Finish::Review(review)).await.unwrap(),
+            Finished::Moved
+        );
     }
     let a = store.review_entry(JOB, 0, "a").await.unwrap().unwrap();
     let b = store.review_entry(JOB, 0, "b").await.unwrap().unwrap();

@@ -527,3 +527,78 @@ fn the_worker_refuses_a_redis_that_can_evict() {
         "{err}"
     );
 }
+
+#[test]
+fn a_consumer_name_a_live_worker_holds_is_refused_and_a_dead_ones_taken_over() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "200"]);
+    let dir = TempDir::new("same-name");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 400);
+    enqueue(&redis, &data, "same", &spec);
+    let first = spawn(worker_cmd(
+        &redis,
+        "same",
+        &sim,
+        &["--consumer", "twin", "--concurrency", "4"],
+    ));
+    wait_for("the first worker calls", Duration::from_secs(20), || {
+        sim.stats()["requests"].as_u64().unwrap_or(0) > 0
+    });
+    // A second worker under the same name would re-run the first one's tasks.
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "same",
+        &sim,
+        &["--consumer", "twin", "--drain"],
+    )));
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("consumer name `twin` is in use by a live worker"), "{err}");
+    // Once the first one is dead, its lease expires and the name can be used
+    // again: its own pending tasks are read back first.
+    let mut first = first;
+    let _ = first.child.kill();
+    let _ = first.child.wait();
+    let (status, err) = output(spawn(worker_cmd(
+        &redis,
+        "same",
+        &sim,
+        &["--consumer", "twin", "--drain", "--concurrency", "32"],
+    )));
+    assert!(status.success(), "{err}");
+    assert!(err.contains("waiting for its lease to expire"), "{err}");
+    JobView::read(&redis, "same").assert_complete(400);
+}
+
+#[test]
+fn a_paid_answer_is_kept_through_a_redis_outage() {
+    let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"]);
+    let sim = LlmSim::start(&["--latency-ms", "1500"]);
+    let dir = TempDir::new("outage");
+    let spec = test_spec(&dir, "5");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    enqueue(&redis, &data, "out", &spec);
+    let worker = spawn(worker_cmd(
+        &redis,
+        "out",
+        &sim,
+        &["--drain", "--concurrency", "32", "--visibility-timeout-ms", "20000"],
+    ));
+    wait_for("every record in flight", Duration::from_secs(20), || {
+        sim.stats()["in_flight"].as_u64().unwrap_or(0) >= 15
+    });
+    // Redis goes away while the answers come in, and comes back 2.5 s later.
+    redis.kill9_and_restart_after(Duration::from_millis(2500));
+    let (status, err) = output(worker);
+    assert!(status.success(), "{err}");
+    JobView::read(&redis, "out").assert_complete(20);
+    assert_eq!(sim.stats()["requests"], 20, "an answer was paid for twice: {err}");
+    assert!(
+        err.contains("cannot store a paid answer yet; retrying"),
+        "the outage hit no answer: {err}"
+    );
+    let summary = harness::worker_summary(&err).unwrap();
+    assert!(summary["outcomes"].get("answer_lost").is_none(), "{summary}");
+}

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::store::{Finish, RedisStore, StoreError};
+use common::store::{Finish, Finished, RedisStore, StoreError};
 use common::task::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
@@ -45,7 +45,18 @@ pub struct Fleet {
     /// Failed Redis calls of the services so far: a round that saw one
     /// waits [`STORE_ERROR_PAUSE`] before the next.
     store_errors: AtomicU64,
+    /// Paid answers lost per job, not yet counted in Redis (it was away).
+    lost_answers: Mutex<BTreeMap<String, u64>>,
+    /// This process's token on its consumer name's lease.
+    pub lease_token: String,
+    /// Fired to stop the services: a signal, `--drain` done, or the consumer
+    /// name's lease lost to another worker.
+    pub shutdown: tokio_util::sync::CancellationToken,
 }
+
+/// How long a worker's lease on its consumer name lives unless renewed (the
+/// watcher renews it twice a second).
+pub const CONSUMER_LEASE: Duration = Duration::from_secs(10);
 
 /// Jobs halted (fleet-wide, or seen here first) and cancelled.
 #[derive(Default)]
@@ -82,6 +93,9 @@ impl Fleet {
             reclaim_backlog: AtomicUsize::new(0),
             own_pending_read: AtomicBool::new(false),
             store_errors: AtomicU64::new(0),
+            lost_answers: Mutex::new(BTreeMap::new()),
+            lease_token: format!("{:016x}{:08x}", rand::random::<u64>(), std::process::id()),
+            shutdown: tokio_util::sync::CancellationToken::new(),
         }
     }
 
@@ -174,9 +188,13 @@ impl Fleet {
                         .records
                         .with_label_values(&[job.name.as_str(), settled.label()])
                         .inc();
-                    if let Settled::Halted(reason) = settled {
-                        me.halted_here(&job.name, &reason);
-                        s.halted.insert(job.name.clone(), reason);
+                    if let Settled::Halted(reason) = &settled {
+                        me.halted_here(&job.name, reason);
+                        s.halted.insert(job.name.clone(), reason.clone());
+                    }
+                    if settled == Settled::AnswerLost {
+                        let mut lost = me.lost_answers.lock().unwrap_or_else(|e| e.into_inner());
+                        *lost.entry(job.name.clone()).or_default() += 1;
                     }
                 }
                 Err(e) => {
@@ -188,8 +206,11 @@ impl Fleet {
     }
 
     async fn cancel_task(&self, job: &JobCtx, d: &Delivery) -> Result<Settled, StoreError> {
-        self.store.finish(&job.name, d, &Finish::Cancel(d.task.clone())).await?;
-        Ok(Settled::Cancelled)
+        let done = self.store.finish(&job.name, d, &Finish::Cancel(d.task.clone())).await?;
+        Ok(match done {
+            Finished::Stale => Settled::Stale,
+            _ => Settled::Cancelled,
+        })
     }
 
     /// Counts and logs a failed Redis call. The caller's loop waits before
@@ -199,6 +220,22 @@ impl Fleet {
         self.summary.lock().await.store_errors += 1;
         self.metrics.store_errors.inc();
         tracing::warn!(error = %e, "Redis call failed; retrying");
+    }
+
+    /// Counts in Redis the paid answers lost since the last call.
+    pub async fn flush_lost_answers(&self) {
+        let pending = std::mem::take(&mut *self.lost_answers.lock().unwrap_or_else(|e| e.into_inner()));
+        for (job, n) in pending {
+            if let Err(e) = self.store.add_lost_answers(&job, n).await {
+                *self
+                    .lost_answers
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(job)
+                    .or_default() += n;
+                self.store_error(&e).await;
+            }
+        }
     }
 
     /// Failed Redis calls of the services so far (compare before and after a round).

@@ -6,7 +6,7 @@
 use common::decision::{Decision, Outcome, decide};
 use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
-use common::store::{Finish, RedisStore, StoreError};
+use common::store::{Finish, Finished, RedisStore, StoreError};
 use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
 };
@@ -47,6 +47,12 @@ pub enum Settled {
     Dropped,
     /// Already in a terminal state (a redelivery, or a late copy): only acked.
     AlreadySettled,
+    /// Another worker took the task over since this delivery (this one hung
+    /// or was stopped past the visibility timeout): nothing was applied.
+    Stale,
+    /// The answer was paid for, but Redis could not store the outcome before
+    /// the visibility timeout: the task is left for another worker.
+    AnswerLost,
     /// The job was cancelled before the task ran: kept for resume.
     Cancelled,
     /// Fleet-level fault: left pending, the job halted.
@@ -61,6 +67,8 @@ impl Settled {
             Settled::Reviewed => "review",
             Settled::Dropped => "drop",
             Settled::AlreadySettled => "already_settled",
+            Settled::Stale => "stale",
+            Settled::AnswerLost => "answer_lost",
             Settled::Cancelled => "cancelled",
             Settled::Halted(_) => "halt",
         }
@@ -74,6 +82,8 @@ pub struct Limits {
     pub worker: String,
     pub metrics: std::sync::Arc<Metrics>,
     pub traces: Traces,
+    /// A task idle this long is taken over: an outcome is stored before then, or not at all.
+    pub visibility: std::time::Duration,
 }
 
 /// Processes one delivery. Store errors are returned (the task then stays
@@ -122,10 +132,14 @@ async fn run_attempt(
     report: &mut Option<CallReport>,
     span: &Span,
 ) -> Result<Settled, StoreError> {
-    let state = store.record_state(&job.name, d.partition, &d.task.rid).await?;
+    let (state, live) = store.check_delivery(&job.name, &d).await?;
     if state.as_ref().is_some_and(RecordState::is_terminal) {
         store.ack(&job.name, &d).await?;
         return Ok(Settled::AlreadySettled);
+    }
+    if !live {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, "the task was taken over by another worker before its call: not called");
+        return Ok(Settled::Stale);
     }
     let input = d.task.input_object();
     let before = Before {
@@ -173,6 +187,8 @@ async fn run_attempt(
         system: &job.system,
         user: &user,
         response_format: job.response_format.as_ref(),
+        record: &d.task.rid,
+        worker: &limits.worker,
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
@@ -312,7 +328,17 @@ async fn apply(
                 usage: reply.usage,
             };
             let result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
-            settle(store, job, d, Finish::Commit(result), Settled::Committed, span).await
+            settle(
+                store,
+                job,
+                d,
+                Finish::Commit(result),
+                Settled::Committed,
+                span,
+                limits,
+                true,
+            )
+            .await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
             let calls = answer.map_or(d.task.calls, |(c, _)| c);
@@ -320,7 +346,18 @@ async fn apply(
                 .task
                 .next(facts.attempts, calls, feedback.unwrap_or_default(), history);
             let due_ms = now_ms() + delay_ms;
-            settle(store, job, d, Finish::Retry { due_ms, task }, Settled::Retried, span).await
+            let paid = answer.is_some();
+            settle(
+                store,
+                job,
+                d,
+                Finish::Retry { due_ms, task },
+                Settled::Retried,
+                span,
+                limits,
+                paid,
+            )
+            .await
         }
         Decision::Review { reason } => {
             let review = ReviewFacts {
@@ -332,9 +369,32 @@ async fn apply(
                 reason: &reason,
             };
             let entry = ReviewEntry::new(d, review, history, stamp, &limits.worker);
-            settle(store, job, d, Finish::Review(entry), Settled::Reviewed, span).await
+            let paid = answer.is_some();
+            settle(
+                store,
+                job,
+                d,
+                Finish::Review(entry),
+                Settled::Reviewed,
+                span,
+                limits,
+                paid,
+            )
+            .await
         }
-        Decision::Drop { reason } => settle(store, job, d, Finish::Drop { reason }, Settled::Dropped, span).await,
+        Decision::Drop { reason } => {
+            settle(
+                store,
+                job,
+                d,
+                Finish::Drop { reason },
+                Settled::Dropped,
+                span,
+                limits,
+                false,
+            )
+            .await
+        }
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
@@ -363,6 +423,13 @@ fn used_of(result: &CallResult) -> Used {
 }
 
 /// Applies the outcome with one atomic store call (the `commit` span).
+///
+/// After a paid call (`paid`) the answer is not given up at the first Redis
+/// error: the call is retried with back-off for as long as this delivery is
+/// surely still the live one (until a second before the visibility
+/// timeout); only then is the answer counted lost and the task left for
+/// another worker.
+#[allow(clippy::too_many_arguments)]
 async fn settle(
     store: &RedisStore,
     job: &JobCtx,
@@ -370,15 +437,42 @@ async fn settle(
     how: Finish,
     then: Settled,
     span: &Span,
+    limits: &Limits,
+    paid: bool,
 ) -> Result<Settled, StoreError> {
     let commit = span.child("commit", SpanKind::Internal);
     commit.set("batchfleet.finish", then.label());
-    let moved = store.finish(&job.name, d, &how).await;
-    match &moved {
-        Ok(moved) => commit.set("batchfleet.moved", *moved),
-        Err(e) => commit.fail(format!("store error: {e}")),
-    }
-    Ok(if moved? { then } else { Settled::AlreadySettled })
+    let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
+    let mut pause = std::time::Duration::from_millis(50);
+    let finished = loop {
+        match store.finish(&job.name, d, &how).await {
+            Ok(f) => break f,
+            Err(e) if paid && d.claimed_at.elapsed() + pause < deadline => {
+                limits.metrics.store_errors.inc();
+                tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "cannot store a paid answer yet; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(std::time::Duration::from_secs(1));
+            }
+            Err(e) if paid => {
+                commit.fail(format!("store error: {e}"));
+                tracing::error!(job = %job.name, record_id = %d.task.rid, error = %e, "a paid answer could not be stored before the visibility timeout: lost");
+                return Ok(Settled::AnswerLost);
+            }
+            Err(e) => {
+                commit.fail(format!("store error: {e}"));
+                return Err(e);
+            }
+        }
+    };
+    commit.set("batchfleet.moved", finished == Finished::Moved);
+    Ok(match finished {
+        Finished::Moved => then,
+        Finished::AlreadySettled => Settled::AlreadySettled,
+        Finished::Stale => {
+            tracing::warn!(job = %job.name, record_id = %d.task.rid, "a late outcome of a task another worker took over: not applied");
+            Settled::Stale
+        }
+    })
 }
 
 /// What the model call did, on its span: status, model, tokens, latency.

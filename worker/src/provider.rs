@@ -54,6 +54,11 @@ pub struct Request<'a> {
     pub system: &'a str,
     pub user: &'a str,
     pub response_format: Option<&'a Value>,
+    /// The record and the worker, sent as `x-batchfleet-record` and
+    /// `x-batchfleet-worker` (so a provider's or proxy's log can tell which
+    /// delivery sent each request).
+    pub record: &'a str,
+    pub worker: &'a str,
 }
 
 /// A client for one job's provider settings.
@@ -118,6 +123,8 @@ impl Provider {
             .http
             .post(&self.url)
             .bearer_auth(&self.api_key)
+            .header("x-batchfleet-record", req.record)
+            .header("x-batchfleet-worker", req.worker)
             .json(&body)
             .send()
             .await;

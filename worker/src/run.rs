@@ -90,6 +90,12 @@ impl Config {
         if self.consumer.trim().is_empty() {
             return Err(RunError::Refused("--consumer must not be empty".into()));
         }
+        if !self.consumer.chars().all(|c| c.is_ascii_graphic()) {
+            return Err(RunError::Refused(format!(
+                "--consumer `{}` may hold only printable ASCII without spaces (it names the worker in Redis and in request headers)",
+                self.consumer.escape_default()
+            )));
+        }
         if self.max_deliveries == 0 {
             return Err(RunError::Refused(
                 "--max-deliveries must be at least 1 (with 0 every task would go to review as poison)".into(),
@@ -117,7 +123,14 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     // The watcher's first look comes before the first claim: a halted or
     // cancelled job is never claimed from.
     Watcher::new(fleet.clone()).watch_round().await;
-    let stop = cancel.child_token();
+    let stop = fleet.shutdown.clone();
+    let signalled = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            stop.cancel();
+        })
+    };
     let loops = tokio_util::task::TaskTracker::new();
     loops.spawn(service::run(Claimer::new(fleet.clone(), stop.clone()), stop.clone()));
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
@@ -159,7 +172,16 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             "drain timeout: unfinished tasks stay pending for another worker"
         );
     }
-    // 5. The HTTP endpoints go last.
+    fleet.flush_lost_answers().await;
+    // 5. The consumer name is free again; the HTTP endpoints go last.
+    signalled.abort();
+    if let Err(e) = fleet
+        .store
+        .release_consumer(&fleet.config.consumer, &fleet.lease_token)
+        .await
+    {
+        tracing::warn!(error = %e, "could not give back the consumer name (its lease expires by itself)");
+    }
     http_stop.cancel();
     Ok(summary)
 }
@@ -238,9 +260,39 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         worker: config.consumer.clone(),
         metrics: metrics.clone(),
         traces: config.traces.clone(),
+        visibility,
     };
     let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
+    take_consumer_name(&fleet).await?;
     Ok((Arc::new(fleet), http_stop))
+}
+
+/// Takes the lease on this worker's consumer name, waiting out a dead
+/// worker's lease; refuses a name a live worker holds.
+async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
+    let name = &fleet.config.consumer;
+    let deadline = tokio::time::Instant::now() + crate::fleet::CONSUMER_LEASE + Duration::from_secs(1);
+    let mut said = false;
+    loop {
+        if fleet
+            .store
+            .lease_consumer(name, &fleet.lease_token, crate::fleet::CONSUMER_LEASE)
+            .await?
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(RunError::Refused(format!(
+                "consumer name `{name}` is in use by a live worker (it renews its lease twice a second): \
+                 give each worker its own --consumer name, or none (a unique one is made)"
+            )));
+        }
+        if !said {
+            tracing::warn!(consumer = %name, "the consumer name is held by another worker; waiting for its lease to expire");
+            said = true;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// A job's context, and its API key (for the scrubber).

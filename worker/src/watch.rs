@@ -1,11 +1,12 @@
 //! The watcher: reads every job's halt and cancel flags from Redis twice a
-//! second, so the claimer skips halted and cancelled jobs.
+//! second, so the claimer skips halted and cancelled jobs, and renews this
+//! worker's lease on its consumer name.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::fleet::{CONSUMER_LEASE, Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
 
 /// How often the flags are read.
@@ -53,6 +54,19 @@ impl Watcher {
             }
         }
         f.set_flags(halted, cancelled);
+        f.flush_lost_answers().await;
+        match f
+            .store
+            .lease_consumer(&f.config.consumer, &f.lease_token, CONSUMER_LEASE)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::error!(consumer = %f.config.consumer, "another worker took this consumer name: stopping");
+                f.shutdown.cancel();
+            }
+            Err(e) => f.store_error(&e).await,
+        }
     }
 }
 

@@ -101,6 +101,20 @@ impl RedisStore {
         }
     }
 
+    /// Counts paid answers whose outcome could not be stored (see
+    /// [`RedisStore::lost_answers`]).
+    pub async fn add_lost_answers(&self, job: &str, n: u64) -> Result<(), StoreError> {
+        let _: i64 = self.conn.clone().hincr(keys::counters(job), "answers_lost", n).await?;
+        Ok(())
+    }
+
+    /// Paid answers of the job that left no result: a worker got them but
+    /// could not store the outcome before its visibility timeout.
+    pub async fn lost_answers(&self, job: &str) -> Result<u64, StoreError> {
+        let n: Option<u64> = self.conn.clone().hget(keys::counters(job), "answers_lost").await?;
+        Ok(n.unwrap_or(0))
+    }
+
     /// Replaces a job's stored spec (`producer spec update`), recording the
     /// change (who, when, what differs) in the job's spec history.
     pub async fn replace_spec(&self, job: &str, spec_toml: &str, change: &str) -> Result<(), StoreError> {

@@ -106,6 +106,7 @@ pub(super) struct Scripts {
     pub cancel_page: Script,
     pub resume_page: Script,
     pub retry_record: Script,
+    pub lease: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -210,6 +211,7 @@ impl RedisStore {
                 cancel_page: Script::new(include_str!("scripts/cancel_page.lua")),
                 resume_page: Script::new(include_str!("scripts/resume_page.lua")),
                 retry_record: Script::new(include_str!("scripts/retry_record.lua")),
+                lease: Script::new(include_str!("scripts/lease.lua")),
             },
         };
         store.check_permissions().await?;
@@ -232,6 +234,7 @@ impl RedisStore {
             &s.cancel_page,
             &s.resume_page,
             &s.retry_record,
+            &s.lease,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

@@ -34,6 +34,18 @@ pub enum Finish {
     Cancel(Task),
 }
 
+/// What a [`RedisStore::finish`] came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// The record moved (and the entry was acknowledged).
+    Moved,
+    /// The record was already settled: the entry was only acknowledged.
+    AlreadySettled,
+    /// Another worker took the task over since this delivery: nothing was
+    /// changed, nothing acknowledged (the entry is the other worker's).
+    Stale,
+}
+
 /// Where the work of a job stands, from Redis.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Remaining {
@@ -90,13 +102,65 @@ impl RedisStore {
             let parts = as_array(stream);
             if let Some(entries) = parts.get(1) {
                 for entry in as_array(entries) {
-                    if let Some(d) = parse_entry(partition, entry, 1) {
+                    if let Some(d) = parse_entry(partition, consumer, entry, 1) {
                         out.push(d);
                     }
                 }
             }
         }
+        if own_pending {
+            // Re-reading its own pending entries counted another delivery of each.
+            self.exact_deliveries(job, &mut out).await?;
+        }
         Ok(out)
+    }
+
+    /// Sets each delivery's count to what Redis holds now (one pipelined
+    /// XPENDING per entry); an entry no longer pending for its consumer is
+    /// dropped from the list (it is not this worker's to run).
+    async fn exact_deliveries(&self, job: &str, ds: &mut Vec<Delivery>) -> Result<(), StoreError> {
+        if ds.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for d in ds.iter() {
+            pipe.cmd("XPENDING")
+                .arg(keys::stream(job, d.partition))
+                .arg(keys::GROUP)
+                .arg(&d.entry_id)
+                .arg(&d.entry_id)
+                .arg(1);
+        }
+        let replies: Vec<Value> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut keep = Vec::with_capacity(ds.len());
+        for (mut d, reply) in ds.drain(..).zip(replies) {
+            if let Some((owner, count)) = pending_row(&reply)
+                && owner == d.consumer
+            {
+                d.deliveries = count;
+                keep.push(d);
+            }
+        }
+        *ds = keep;
+        Ok(())
+    }
+
+    /// Before a call: the record's state, and whether this delivery is still
+    /// the live one (pending for its consumer with its delivery count), in
+    /// one round trip.
+    pub async fn check_delivery(&self, job: &str, d: &Delivery) -> Result<(Option<RecordState>, bool), StoreError> {
+        let (state, pending): (Option<String>, Value) = redis::pipe()
+            .hget(keys::state(job, d.partition), &d.task.rid)
+            .cmd("XPENDING")
+            .arg(keys::stream(job, d.partition))
+            .arg(keys::GROUP)
+            .arg(&d.entry_id)
+            .arg(&d.entry_id)
+            .arg(1)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let live = pending_row(&pending).is_some_and(|(owner, n)| owner == d.consumer && n == d.deliveries);
+        Ok((state.as_deref().and_then(RecordState::decode), live))
     }
 
     /// Takes over the given entries if they are still idle at least
@@ -125,15 +189,12 @@ impl RedisStore {
         let reply: Value = cmd.query_async(&mut self.conn.clone()).await?;
         let mut out = Vec::new();
         for entry in as_array(&reply) {
-            if let Some(mut d) = parse_entry(partition, entry, 1) {
-                // XCLAIM counted this delivery.
-                d.deliveries = idle
-                    .iter()
-                    .find(|e| e.entry_id == d.entry_id)
-                    .map_or(1, |e| e.deliveries + 1);
+            if let Some(d) = parse_entry(partition, consumer, entry, 1) {
                 out.push(d);
             }
         }
+        // XCLAIM counted this delivery: read the count it holds now.
+        self.exact_deliveries(job, &mut out).await?;
         Ok(out)
     }
 
@@ -170,9 +231,9 @@ impl RedisStore {
             .collect())
     }
 
-    /// Settles a delivered task and acknowledges it, atomically. Returns false
-    /// when the record was already settled (the call only acknowledged).
-    pub async fn finish(&self, job: &str, d: &Delivery, how: &Finish) -> Result<bool, StoreError> {
+    /// Settles a delivered task and acknowledges it, atomically, if the
+    /// delivery is still the live one (see [`Delivery`]).
+    pub async fn finish(&self, job: &str, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
         let p = d.partition;
         let (mode, target, value, due) = match how {
             Finish::Commit(result) => ("commit", keys::results(job, p), result.encode(), 0),
@@ -193,9 +254,15 @@ impl RedisStore {
             .arg(mode)
             .arg(value)
             .arg(due)
+            .arg(&d.consumer)
+            .arg(d.deliveries)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        Ok(moved == 1)
+        Ok(match moved {
+            1 => Finished::Moved,
+            -1 => Finished::Stale,
+            _ => Finished::AlreadySettled,
+        })
     }
 
     /// Acknowledges and deletes an entry whose record is already settled.
@@ -337,6 +404,40 @@ impl RedisStore {
         }
     }
 
+    /// Takes or renews this worker's lease on its consumer name for `ttl`.
+    /// False when another live worker holds it.
+    pub async fn lease_consumer(
+        &self,
+        consumer: &str,
+        token: &str,
+        ttl: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let n: i64 = self
+            .scripts
+            .lease
+            .key(keys::consumer_lease(consumer))
+            .arg(token)
+            .arg("take")
+            .arg(ttl.as_millis() as u64)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Gives the consumer name back (if this worker still holds it).
+    pub async fn release_consumer(&self, consumer: &str, token: &str) -> Result<(), StoreError> {
+        let _: i64 = self
+            .scripts
+            .lease
+            .key(keys::consumer_lease(consumer))
+            .arg(token)
+            .arg("release")
+            .arg(0)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
     /// All job names ever enqueued.
     pub async fn jobs(&self) -> Result<Vec<String>, StoreError> {
         let mut v: Vec<String> = self.conn.clone().smembers(keys::jobs()).await?;
@@ -367,9 +468,15 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
+/// `[[id, owner, idle ms, deliveries]]` (one XPENDING row) -> (owner, deliveries).
+fn pending_row(reply: &Value) -> Option<(String, u32)> {
+    let row = as_array(as_array(reply).first()?);
+    Some((as_string(row.get(1)?)?, as_u64(row.get(3)?)? as u32))
+}
+
 /// `[id, [field, value, ...]]` -> Delivery. A deleted entry (nil fields)
 /// or one that holds no task is skipped.
-fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Delivery> {
+fn parse_entry(partition: u32, consumer: &str, entry: &Value, deliveries: u32) -> Option<Delivery> {
     let parts = as_array(entry);
     let entry_id = as_string(parts.first()?)?;
     let fields: Vec<String> = as_array(parts.get(1)?).iter().filter_map(as_string).collect();
@@ -379,6 +486,8 @@ fn parse_entry(partition: u32, entry: &Value, deliveries: u32) -> Option<Deliver
         partition,
         entry_id,
         deliveries,
+        consumer: consumer.to_owned(),
+        claimed_at: std::time::Instant::now(),
         task,
     })
 }

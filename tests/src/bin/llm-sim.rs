@@ -167,6 +167,9 @@ struct Sim {
     /// Answers numbered in order, so every completion id is unique.
     answers: std::sync::atomic::AtomicU64,
     served: Mutex<BTreeMap<String, String>>,
+    /// With `--record-served`: every chat request's record, worker and time
+    /// span (`x-batchfleet-record`, `x-batchfleet-worker`), for `GET /calls`.
+    calls: Mutex<Vec<Value>>,
 }
 
 /// Token buckets of one minute's budget, refilled continuously.
@@ -215,6 +218,7 @@ async fn main() -> anyhow::Result<()> {
         log: Mutex::new(VecDeque::new()),
         answers: Default::default(),
         served: Default::default(),
+        calls: Default::default(),
         faults,
         args,
     });
@@ -223,6 +227,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/stats", get(stats))
         .route("/log", get(log))
         .route("/served", get(served))
+        .route("/calls", get(calls))
         .route("/admin/limits", post(set_limits))
         .with_state(sim);
     println!("llm-sim listening on http://{addr}");
@@ -281,22 +286,55 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: String) -> 
         s.in_flight += 1;
         s.max_in_flight = s.max_in_flight.max(s.in_flight);
     }
-    // Counted down even when the client gives up and the handler is dropped.
-    let _guard = InFlight(&sim);
+    let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    // Counted down (and the call's end noted) even when the client gives up
+    // and the handler is dropped.
+    let mut guard = InFlight {
+        sim: &sim,
+        record: header("x-batchfleet-record"),
+        worker: header("x-batchfleet-worker"),
+        start_ms: unix_ms(),
+        status: 0,
+    };
     let result = answer(&sim, &headers, &body).await;
     let status = result.status().as_u16();
+    guard.status = status;
     if let Ok(mut s) = sim.stats.lock() {
         *s.by_status.entry(status).or_default() += 1;
     }
     result
 }
 
-struct InFlight<'a>(&'a Sim);
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+struct InFlight<'a> {
+    sim: &'a Sim,
+    record: String,
+    worker: String,
+    start_ms: u64,
+    /// 0 when the client went away before the answer.
+    status: u16,
+}
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if let Ok(mut s) = self.0.stats.lock() {
+        if let Ok(mut s) = self.sim.stats.lock() {
             s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        if self.sim.args.record_served
+            && let Ok(mut c) = self.sim.calls.lock()
+        {
+            c.push(json!({
+                "record": self.record,
+                "worker": self.worker,
+                "start_ms": self.start_ms,
+                "end_ms": unix_ms(),
+                "status": self.status,
+            }));
         }
     }
 }
@@ -901,6 +939,12 @@ async fn log(State(sim): State<Arc<Sim>>, Query(q): Query<LogQuery>) -> Json<Val
 async fn served(State(sim): State<Arc<Sim>>) -> Json<Value> {
     let m = sim.served.lock().map(|m| m.clone()).unwrap_or_default();
     Json(json!(m))
+}
+
+/// Every chat request with its record, worker and time span (with `--record-served`).
+async fn calls(State(sim): State<Arc<Sim>>) -> Json<Value> {
+    let c = sim.calls.lock().map(|c| c.clone()).unwrap_or_default();
+    Json(Value::Array(c))
 }
 
 /// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.

@@ -1,5 +1,11 @@
 -- finish.lua: settle one delivered task and acknowledge it, atomically.
 --
+-- Only for the live delivery: the entry must still be pending for this
+-- consumer with this delivery count (the fencing token). A worker whose task
+-- was taken over meanwhile (it hung, or was stopped past the visibility
+-- timeout) gets -1: nothing changes, and nothing is acknowledged, since the
+-- entry now belongs to the worker that took it over.
+--
 -- The record's state moves only from `queued` or `delayed`; a record already
 -- in a terminal state (done, review, dropped, cancelled) is left as it is, so
 -- a redelivered or late task never writes a second outcome. The entry is
@@ -19,9 +25,16 @@
 -- ARGV[5]  commit: the encoded result; retry and cancel: the encoded task; review:
 --          the encoded entry; drop: the reason (all passed through unread)
 -- ARGV[6]  retry: due time, Unix ms (unused otherwise)
--- Returns: 1 when this call moved the record, 0 when it was already settled.
+-- ARGV[7]  the consumer the entry was delivered to
+-- ARGV[8]  its delivery count at that delivery
+-- Returns: 1 when this call moved the record, 0 when it was already settled
+--          (acknowledged only), -1 when the delivery is stale (nothing done).
 local stream, states, target = KEYS[1], KEYS[2], KEYS[3]
 local group, entry, rid, mode, value = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local owner = redis.call('XPENDING', stream, group, entry, entry, 1)[1]
+if not owner or owner[2] ~= ARGV[7] or tonumber(owner[4]) ~= tonumber(ARGV[8]) then
+  return -1
+end
 local state = redis.call('HGET', states, rid)
 local moved = 0
 if mode == 'retry' then
