@@ -266,6 +266,13 @@ fn nothing_lost_nothing_twice_whatever_dies() {
             let (start, end) = (content.find('{').unwrap(), content.rfind('}').unwrap());
             let answer: Value = serde_json::from_str(&content[start..=end]).unwrap();
             assert_eq!(answer["label"], r["output"]["label"], "{rid}: result differs from {id}");
+            // `calls` counts the requests in the history; `attempts` adds the
+            // deliveries lost with their worker, never fewer.
+            let history = r["history"].as_array().unwrap();
+            let calls = history.iter().filter(|h| h.get("call").is_some()).count() as u64;
+            assert_eq!(r["calls"].as_u64(), Some(calls), "{rid}: calls differ from its history");
+            let counted = history.iter().filter(|h| h["outcome"] != "rate_limited").count() as u64;
+            assert!(r["attempts"].as_u64().unwrap() >= counted.min(calls), "{rid}: {r}");
             results += 1;
         }
     }
