@@ -30,6 +30,10 @@ pub enum Outcome {
     /// The task was delivered more often than allowed: every worker that
     /// took it died or hung on it, so no worker takes it again.
     Poison { deliveries: u32 },
+    /// A non-retryable provider error that may be about the job, not the
+    /// record (the provider never answered validly yet): the record waits,
+    /// without using an attempt, while the circuit breaker counts.
+    Suspect { cause: String },
 }
 
 /// The decision, applied by one atomic script each.
@@ -57,6 +61,9 @@ pub enum Decision {
 /// How many calls a record may spend on rate limits before it goes to review
 /// (a provider that never stops throttling must not loop forever).
 pub const RATE_LIMITED_CALLS_PER_ATTEMPT: u32 = 5;
+
+/// The least a record waits after a suspect (maybe systematic) error.
+pub const SUSPECT_WAIT_MS: u64 = 1000;
 
 /// Decides after attempt `attempt` (1-based, counting this one).
 /// `calls` counts every call for the record, rate-limited ones included.
@@ -101,6 +108,11 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         Outcome::InputError { reason } => Decision::Drop { reason: reason.clone() },
         Outcome::Poison { .. } => Decision::Review {
             reason: "poison".into(),
+        },
+        Outcome::Suspect { cause } => Decision::Retry {
+            delay_ms: backoff_ms(attempt, policy, unit).max(SUSPECT_WAIT_MS),
+            cause: cause.clone(),
+            feedback: None,
         },
     }
 }

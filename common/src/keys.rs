@@ -123,6 +123,12 @@ pub fn counters(job: &str) -> String {
     format!("bf:{{{job}}}:counters")
 }
 
+/// The job's circuit breaker for systematic provider errors: `proven` once
+/// any answer was valid; per error signature, how many calls failed with it.
+pub fn breaker(job: &str) -> String {
+    format!("bf:{{{job}}}:breaker")
+}
+
 /// A worker's lease on its consumer name (no two live workers share one).
 pub fn consumer_lease(consumer: &str) -> String {
     format!("bf:{{consumers}}:{consumer}")

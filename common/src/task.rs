@@ -212,6 +212,9 @@ pub struct Attempt {
     /// commit | retry | review | drop | halt
     #[serde(default)]
     pub decision: String,
+    /// The provider's error message, for a failed call (bounded, secrets removed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// What a person or an operator did to a record (accept, requeue, reject, retry).
@@ -754,6 +757,7 @@ mod tests {
                 total: 15,
             }),
             decision: "retry".into(),
+            error: None,
         })
     }
 

@@ -301,6 +301,12 @@ impl LlmSim {
     pub fn set_limits(&self, body: &serde_json::Value) {
         http_request(&self.addr, Method::POST, "/admin/limits", Some(body.to_string()));
     }
+
+    /// Makes every chat request fail with `STATUS:CODE:MESSAGE`, or (None) stops it.
+    pub fn fail_all(&self, spec: Option<&str>) {
+        let body = serde_json::json!({ "fail": spec });
+        http_request(&self.addr, Method::POST, "/admin/fail", Some(body.to_string()));
+    }
 }
 
 impl Drop for LlmSim {

@@ -308,6 +308,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         repairs: vec![],
         usage: None,
         decision: "review".into(),
+        error: None,
     })];
     ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
 }

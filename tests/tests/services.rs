@@ -50,6 +50,7 @@ fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
         drain_timeout: Duration::from_secs(10),
         visibility_timeout: Some(VISIBILITY),
         max_deliveries: 5,
+        breaker_errors: 3,
         idle_poll: Duration::from_millis(20),
         base_url: Some(sim.base_url()),
         allow_evicting_redis: false,

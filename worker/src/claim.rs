@@ -62,7 +62,12 @@ impl Claimer {
             if f.is_halted(&job.name) || f.is_cancelled(&job.name) {
                 continue;
             }
-            let free = self.claimable(first.is_some());
+            // Until the provider answered validly once, one call at a time.
+            let room = job.breaker.room();
+            if room == 0 {
+                continue;
+            }
+            let free = self.claimable(first.is_some()).min(room);
             let want = free.min(self.last_claimed.saturating_mul(2).max(1));
             // Budget before claim: a throttled fleet leaves tasks in the stream.
             let mut grants = match f.grants(job, want).await {
@@ -78,7 +83,8 @@ impl Claimer {
                 let want = match &grants {
                     Some(g) => g.len(),
                     None => self.claimable(first.is_some()),
-                };
+                }
+                .min(job.breaker.room());
                 if want == 0 {
                     break;
                 }

@@ -63,8 +63,8 @@ pub const CONSUMER_LEASE: Duration = Duration::from_secs(10);
 struct Flags {
     /// From Redis, refreshed by the watcher.
     halted: BTreeMap<String, String>,
-    /// Seen by this process's tasks, known before the next refresh.
-    halted_here: BTreeMap<String, String>,
+    /// Seen by this process's tasks (with when), known before the next refresh.
+    halted_here: BTreeMap<String, (String, std::time::Instant)>,
     cancelled: BTreeSet<String>,
 }
 
@@ -103,7 +103,7 @@ impl Fleet {
     pub fn halted(&self) -> BTreeMap<String, String> {
         let f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
         let mut all = f.halted.clone();
-        for (k, v) in &f.halted_here {
+        for (k, (v, _)) in &f.halted_here {
             all.entry(k.clone()).or_insert_with(|| v.clone());
         }
         all
@@ -119,9 +119,14 @@ impl Fleet {
         f.cancelled.contains(job)
     }
 
-    /// The watcher's view of Redis: halted and cancelled jobs.
+    /// The watcher's view of Redis: halted and cancelled jobs. A halt this
+    /// worker saw is forgotten once Redis no longer has it (an operator
+    /// lifted it: `producer resume`), unless it is too recent for Redis to
+    /// have been read after it.
     pub fn set_flags(&self, halted: BTreeMap<String, String>, cancelled: BTreeSet<String>) {
         let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
+        f.halted_here
+            .retain(|job, (_, at)| halted.contains_key(job) || at.elapsed() < Duration::from_secs(1));
         f.halted = halted;
         f.cancelled = cancelled;
         self.health
@@ -131,7 +136,8 @@ impl Fleet {
 
     fn halted_here(&self, job: &str, reason: &str) {
         let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
-        f.halted_here.insert(job.to_owned(), reason.to_owned());
+        f.halted_here
+            .insert(job.to_owned(), (reason.to_owned(), std::time::Instant::now()));
         self.health.halted.store(true, Ordering::Relaxed);
     }
 
@@ -158,10 +164,13 @@ impl Fleet {
     /// rate-limit `grant`) until it is settled.
     pub fn spawn(self: &Arc<Self>, job: Arc<JobCtx>, d: Delivery, permit: OwnedSemaphorePermit, grant: Option<Grant>) {
         let me = self.clone();
+        job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
         self.tracker.spawn(async move {
             let mut report = None;
             let settled = if me.is_halted(&job.name) {
-                // Claimed before a halt was seen: leave it pending, do not call.
+                // Claimed before a halt was seen: handed back, not called, so it
+                // runs as soon as the halt is lifted.
+                let _ = me.store.finish(&job.name, &d, &Finish::Release(d.task.clone())).await;
                 None
             } else if me.is_cancelled(&job.name) {
                 // The job was cancelled before this task ran: keep it for resume.
@@ -170,6 +179,7 @@ impl Fleet {
                 Some(process(&me.store, &job, d, &me.limits, &mut report).await)
             };
             drop(permit);
+            job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
             if let (Some(limiter), Some(grant)) = (&job.limiter, grant) {
                 let settled_budget = match &report {
                     Some(r) => limiter.settle(grant, &r.used, &r.headers).await,

@@ -7,10 +7,12 @@
 //!   tasks; take over dead workers' tasks; promote due retries; read halt and
 //!   cancel flags).
 //! - [`process`]: one task from delivery to its single atomic outcome.
+//! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod breaker;
 pub mod claim;
 pub mod fleet;
 pub mod http;

@@ -238,12 +238,25 @@ pub fn estimate_tokens(text: &str) -> u64 {
 /// Reads `x-ratelimit-*` headers. Values that are not plain non-negative
 /// numbers (or -1) are unknown, never trusted.
 pub fn rate_headers(h: &HeaderMap) -> RateHeaders {
-    let num = |k: &str| -> Option<u64> {
-        let v = h.get(k)?.to_str().ok()?.trim();
-        let n: u64 = v.parse().ok()?;
-        Some(n)
+    // A header as the provider names it, or as a proxy copies it (LiteLLM
+    // prefixes the upstream provider's headers with `llm_provider-`).
+    let get = |k: &str| -> Option<&str> {
+        h.get(k)
+            .or_else(|| h.get(format!("llm_provider-{k}")))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
     };
-    let dur = |k: &str| -> Option<u64> { parse_go_duration(h.get(k)?.to_str().ok()?) };
+    let num = |k: &str| -> Option<u64> { get(k)?.parse().ok() };
+    // Go-style durations (`6m0s`), or plain seconds (`60`, `1.5`).
+    let dur = |k: &str| -> Option<u64> {
+        let v = get(k)?;
+        parse_go_duration(v).or_else(|| {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && (0.0..=86_400.0).contains(s))
+                .map(|s| (s * 1000.0).ceil() as u64)
+        })
+    };
     RateHeaders {
         limit_requests: num("x-ratelimit-limit-requests").filter(|&n| n > 0),
         limit_tokens: num("x-ratelimit-limit-tokens").filter(|&n| n > 0),

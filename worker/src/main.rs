@@ -46,6 +46,10 @@ struct Args {
     /// Deliveries after which a task goes to review as poison.
     #[arg(long, env = "BATCHFLEET_MAX_DELIVERIES", default_value_t = 5)]
     max_deliveries: u32,
+    /// Calls failing with the same non-retryable provider error (a 400 for a
+    /// wrong key or model) before the job halts with the provider's message.
+    #[arg(long, env = "BATCHFLEET_BREAKER_ERRORS", default_value_t = 3)]
+    breaker_errors: u64,
     /// Milliseconds between claims when idle.
     #[arg(long, default_value_t = 100)]
     idle_poll_ms: u64,
@@ -120,6 +124,7 @@ async fn main() -> ExitCode {
         drain_timeout: Duration::from_secs_f64(args.drain_timeout_secs.max(0.0)),
         visibility_timeout: args.visibility_timeout_ms.map(Duration::from_millis),
         max_deliveries: args.max_deliveries,
+        breaker_errors: args.breaker_errors,
         idle_poll: Duration::from_millis(args.idle_poll_ms.max(1)),
         base_url: args.base_url,
         allow_evicting_redis: args.allow_evicting_redis,

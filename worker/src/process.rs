@@ -29,6 +29,8 @@ pub struct JobCtx {
     pub provider: Provider,
     /// The fleet-wide budget of the job's provider, when the spec sets limits.
     pub limiter: Option<Limiter>,
+    /// Halts the job on systematic provider errors.
+    pub breaker: crate::breaker::Breaker,
 }
 
 /// What a call used and what the provider said about limits, for settlement.
@@ -200,10 +202,14 @@ async fn run_attempt(
         used: used_of(&result),
         headers,
     });
-    let reply = result.into_reply(&job.spec, span);
+    let mut reply = result.into_reply(&job.spec, span);
+    judge_errors(store, job, &mut reply).await;
 
-    // Rate-limited and halted calls are not attempts: the record was not at fault.
-    let counts_as_attempt = !matches!(reply.outcome, Outcome::RateLimited { .. } | Outcome::FleetHalt { .. });
+    // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
+    let counts_as_attempt = !matches!(
+        reply.outcome,
+        Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. }
+    );
     let attempt = before.attempts + u32::from(counts_as_attempt);
     let calls = d.task.calls + 1;
     let decision = decide(
@@ -229,6 +235,7 @@ async fn run_attempt(
         repairs: reply.repairs.clone(),
         usage: reply.usage,
         decision: decision_label(&decision).to_owned(),
+        error: reply.error.as_ref().and_then(|e| e.message.clone()),
     }));
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));
@@ -270,6 +277,47 @@ async fn run_attempt(
         span,
     )
     .await
+}
+
+/// Runs a non-retryable provider error through the job's circuit breaker
+/// (see [`crate::breaker`]): it stays about the record, or makes the record
+/// wait, or halts the job with the provider's message. A valid answer proves
+/// the provider (told to Redis once).
+async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply) {
+    use crate::breaker::Verdict;
+    match &reply.outcome {
+        Outcome::Valid => {
+            if job.breaker.on_valid()
+                && let Err(e) = store.mark_proven(&job.name).await
+            {
+                tracing::warn!(error = %e, "could not note the provider as proven");
+            }
+        }
+        Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => job.breaker.reset(),
+        Outcome::Permanent { cause } => {
+            let Some(err) = &reply.error else { return };
+            let signature = err.signature();
+            let count = if job.breaker.proven() {
+                0
+            } else {
+                store.breaker_count(&job.name, &signature).await.unwrap_or(0)
+            };
+            let message = err.message.as_deref().unwrap_or("no message");
+            match job.breaker.judge(&signature, count) {
+                Verdict::Record => {}
+                Verdict::Suspect => {
+                    reply.outcome = Outcome::Suspect { cause: cause.clone() };
+                }
+                Verdict::Halt => {
+                    let n = count.max(job.breaker.threshold);
+                    reply.outcome = Outcome::FleetHalt {
+                        cause: format!("systematic provider error: {cause} on {n} calls in a row: {message}"),
+                    };
+                }
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Before a call: a task delivered too often is poison, a record whose
@@ -399,7 +447,9 @@ async fn apply(
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
             store.halt(&job.name, &reason).await?;
-            tracing::error!(job = %job.name, reason = %reason, "fleet halted: the provider refuses this key; tasks stay queued");
+            tracing::error!(job = %job.name, reason = %reason, "fleet halted: tasks stay queued");
+            // Handed back at once: it runs as soon as the halt is lifted.
+            let _ = store.finish(&job.name, d, &Finish::Release(d.task.clone())).await;
             Ok(Settled::Halted(reason))
         }
     }
@@ -528,6 +578,7 @@ fn outcome_label(o: &Outcome) -> &str {
         Outcome::FleetHalt { cause } => cause,
         Outcome::InputError { reason } => reason,
         Outcome::Poison { .. } => "poison",
+        Outcome::Suspect { cause } => cause,
     }
 }
 

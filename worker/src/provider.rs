@@ -39,7 +39,29 @@ pub struct CallError {
     pub cause: String,
     pub status: Option<u16>,
     pub retry_after_ms: Option<u64>,
+    /// The provider's own words (its error message, bounded; secrets were
+    /// scrubbed from the body before), kept in the history and review entry.
+    pub message: Option<String>,
 }
+
+impl CallError {
+    /// What identifies the same error on every record: the cause and the
+    /// provider's error code (or type, or its message without numbers and quotes).
+    pub fn signature(&self) -> String {
+        let class: String = self
+            .message
+            .as_deref()
+            .unwrap_or("")
+            .chars()
+            .filter(|c| !c.is_ascii_digit() && !matches!(c, '\'' | '"' | '`'))
+            .take(48)
+            .collect();
+        format!("{}:{}", self.cause, class.trim())
+    }
+}
+
+/// Longest provider message kept.
+const MESSAGE_CAP: usize = 300;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -158,6 +180,7 @@ fn transport_error(e: &reqwest::Error) -> CallError {
         cause: cause.into(),
         status: None,
         retry_after_ms: None,
+        message: None,
     }
 }
 
@@ -175,6 +198,8 @@ pub struct Reply {
     pub repairs: Vec<Repair>,
     /// The validated output, when the outcome is `Valid`.
     pub output: Option<Map<String, Value>>,
+    /// The failure, when the call failed.
+    pub error: Option<CallError>,
 }
 
 impl Reply {
@@ -195,10 +220,12 @@ impl CallResult {
         match self {
             CallResult::Failed(e) => Reply {
                 raw: format!(
-                    "{} ({})",
+                    "{} ({}){}",
                     e.cause,
-                    e.status.map_or("no response".into(), |s| format!("HTTP {s}"))
+                    e.status.map_or("no response".into(), |s| format!("HTTP {s}")),
+                    e.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default()
                 ),
+                error: Some(e.clone()),
                 status: e.status,
                 outcome: match e.kind {
                     ErrorKind::Transient => Outcome::Transient {
@@ -231,6 +258,7 @@ impl CallResult {
                 };
                 let mut reply = Reply {
                     outcome: Outcome::Valid,
+                    error: None,
                     raw,
                     status: Some(200),
                     usage,
@@ -283,12 +311,24 @@ impl CallResult {
 /// (two different 429s), with `x-should-retry` overriding.
 pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResult {
     let retry_after_ms = retry_after_ms(headers);
+    let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+    let message = {
+        let m = body["error"]["message"]
+            .as_str()
+            .map(str::to_owned)
+            .or_else(|| body["error"].as_str().map(str::to_owned))
+            .or_else(|| body["detail"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| text.trim().to_owned());
+        let m: String = m.chars().filter(|c| !c.is_control()).take(MESSAGE_CAP).collect();
+        (!m.is_empty() && !status.is_success()).then_some(m)
+    };
     let fail = |kind, cause: String| {
         CallResult::Failed(CallError {
             kind,
             cause,
             status: Some(status.as_u16()),
             retry_after_ms,
+            message: message.clone(),
         })
     };
     if status.is_success() {
@@ -311,7 +351,6 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
             usage: v.get("usage").and_then(Usage::from_provider),
         };
     }
-    let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
     let code = body["error"]["code"]
         .as_str()
         .or(body["error"]["type"].as_str())
@@ -341,19 +380,53 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
     fail(kind, cause)
 }
 
-/// `retry-after-ms`, then `retry-after` as (fractional) seconds. Nonsense is ignored.
+/// The retry hint, in the order the official SDK reads them: `retry-after-ms`,
+/// then `retry-after` as (fractional) seconds or as an HTTP date; each also
+/// as a proxy copies it (`llm_provider-retry-after`, LiteLLM). Nonsense and
+/// waits over an hour are ignored.
 pub fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
-    let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::trim);
+    let get = |k: &str| {
+        headers
+            .get(k)
+            .or_else(|| headers.get(format!("llm_provider-{k}")))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
     if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
         && ms.is_finite()
         && (0.0..=3_600_000.0).contains(&ms)
     {
         return Some(ms.ceil() as u64);
     }
-    get("retry-after")
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|s| s.is_finite() && (0.0..=3600.0).contains(s))
-        .map(|s| (s * 1000.0).ceil() as u64)
+    let v = get("retry-after")?;
+    if let Ok(s) = v.parse::<f64>() {
+        return (s.is_finite() && (0.0..=3600.0).contains(&s)).then(|| (s * 1000.0).ceil() as u64);
+    }
+    let at = http_date_ms(v)?;
+    let now = crate::process::now_ms();
+    Some(at.saturating_sub(now)).filter(|&ms| ms <= 3_600_000)
+}
+
+/// Unix ms of an IMF-fixdate (`Wed, 21 Oct 2015 07:28:00 GMT`), the HTTP date form.
+fn http_date_ms(v: &str) -> Option<u64> {
+    let parts: Vec<&str> = v.split_whitespace().collect();
+    let [_, day, month, year, time, "GMT"] = parts.as_slice() else {
+        return None;
+    };
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let mo = MONTHS.iter().position(|m| m == month)? as i64 + 1;
+    let (d, y): (i64, i64) = (day.parse().ok()?, year.parse().ok()?);
+    let hms: Vec<i64> = time.split(':').map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    let [h, mi, se] = hms.as_slice() else { return None };
+    // days from civil (proleptic Gregorian)
+    let yy = if mo <= 2 { y - 1 } else { y };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * ((mo + 9) % 12) + 2) / 5 + d - 1;
+    let days = era * 146_097 + yoe * 365 + yoe / 4 - yoe / 100 + doy - 719_468;
+    u64::try_from((days * 86_400 + h * 3600 + mi * 60 + se) * 1000).ok()
 }
 
 #[cfg(test)]
@@ -460,5 +533,56 @@ mod tests {
         assert_eq!(retry_after_ms(&headers(&[("retry-after", "-3")])), None);
         assert_eq!(retry_after_ms(&headers(&[("retry-after", "soon")])), None);
         assert_eq!(retry_after_ms(&headers(&[("retry-after-ms", "NaN")])), None);
+    }
+
+    #[test]
+    fn a_proxys_copies_and_http_dates_are_read() {
+        // LiteLLM's over-limit 429 carries only its prefixed copy.
+        assert_eq!(
+            retry_after_ms(&headers(&[("llm_provider-retry-after", "60")])),
+            Some(60_000)
+        );
+        assert_eq!(http_date_ms("Wed, 21 Oct 2015 07:28:00 GMT"), Some(1_445_412_480_000));
+        let soon = crate::process::now_ms() + 30_000;
+        let secs = soon / 1000;
+        let date = {
+            // Format `soon` back as an HTTP date through the inverse of http_date_ms.
+            let days = (secs / 86_400) as i64;
+            let rem = secs % 86_400;
+            let z = days + 719_468;
+            let era = z.div_euclid(146_097);
+            let doe = z - era * 146_097;
+            let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+            let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+            let mp = (5 * doy + 2) / 153;
+            let d = doy - (153 * mp + 2) / 5 + 1;
+            let m = if mp < 10 { mp + 3 } else { mp - 9 };
+            let y = yoe + era * 400 + i64::from(m <= 2);
+            let months = [
+                "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+            ];
+            format!(
+                "Thu, {d:02} {} {y} {:02}:{:02}:{:02} GMT",
+                months[(m - 1) as usize],
+                rem / 3600,
+                rem % 3600 / 60,
+                rem % 60
+            )
+        };
+        let wait = retry_after_ms(&headers(&[("retry-after", &date)])).unwrap();
+        assert!((25_000..=31_000).contains(&wait), "{date}: {wait}");
+        assert_eq!(
+            retry_after_ms(&headers(&[("retry-after", "Thu, 99 Foo 2026 00:00:00 GMT")])),
+            None
+        );
+        let h = crate::limiter::rate_headers(&headers(&[
+            ("llm_provider-x-ratelimit-limit-requests", "300"),
+            ("llm_provider-x-ratelimit-remaining-requests", "12"),
+            ("x-ratelimit-reset-requests", "60"),
+        ]));
+        assert_eq!(
+            (h.limit_requests, h.remaining_requests, h.reset_requests_ms),
+            (Some(300), Some(12), Some(60_000))
+        );
     }
 }

@@ -53,6 +53,9 @@ pub struct Config {
     pub visibility_timeout: Option<Duration>,
     /// Deliveries after which a task goes to review as poison.
     pub max_deliveries: u32,
+    /// Calls failing with the same non-retryable provider error before the
+    /// job halts (see [`crate::breaker`]).
+    pub breaker_errors: u64,
     /// Sleep between claims when there is nothing to do.
     pub idle_poll: Duration,
     /// Overrides every job's `provider.base_url`.
@@ -95,6 +98,9 @@ impl Config {
                 "--consumer `{}` may hold only printable ASCII without spaces (it names the worker in Redis and in request headers)",
                 self.consumer.escape_default()
             )));
+        }
+        if self.breaker_errors == 0 {
+            return Err(RunError::Refused("--breaker-errors must be at least 1".into()));
         }
         if self.max_deliveries == 0 {
             return Err(RunError::Refused(
@@ -210,7 +216,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let mut jobs = Vec::new();
     let mut secrets = common::secret::url_passwords(&config.redis_url);
     for name in names {
-        let (job, key) = load_job(&store, &name, config.base_url.as_deref()).await?;
+        let (job, key) = load_job(&store, &name, config.base_url.as_deref(), config.breaker_errors).await?;
         secrets.push(key);
         jobs.push(job);
     }
@@ -296,7 +302,12 @@ async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
 }
 
 /// A job's context, and its API key (for the scrubber).
-async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Result<(JobCtx, String), RunError> {
+async fn load_job(
+    store: &RedisStore,
+    name: &str,
+    base_url: Option<&str>,
+    breaker_errors: u64,
+) -> Result<(JobCtx, String), RunError> {
     valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
     let spec: JobSpec = store
         .job_spec(name)
@@ -321,7 +332,12 @@ async fn load_job(store: &RedisStore, name: &str, base_url: Option<&str>) -> Res
     let provider =
         Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
+    let breaker = crate::breaker::Breaker::new(breaker_errors);
+    if store.proven(name).await? {
+        breaker.set_proven();
+    }
     let job = JobCtx {
+        breaker,
         limiter: None,
         name: name.to_owned(),
         system: system_prompt(&spec),

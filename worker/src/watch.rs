@@ -40,6 +40,9 @@ impl Watcher {
                     }
                 }
             }
+            if !job.breaker.proven() && matches!(f.store.proven(&job.name).await, Ok(true)) {
+                job.breaker.set_proven();
+            }
             match f.store.cancelled(&job.name).await {
                 Ok(true) => {
                     cancelled.insert(job.name.clone());

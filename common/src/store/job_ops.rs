@@ -60,7 +60,11 @@ impl RedisStore {
                 total += n;
             }
         }
-        let _: () = self.conn.clone().del(&[keys::cancel(job), keys::halt(job)]).await?;
+        let _: () = self
+            .conn
+            .clone()
+            .del(&[keys::cancel(job), keys::halt(job), keys::breaker(job)])
+            .await?;
         Ok(total)
     }
 
@@ -99,6 +103,24 @@ impl RedisStore {
             Some(o) => Ok(Some(o)),
             None => Ok(c.get(keys::idem(job, partition, record_id)).await?),
         }
+    }
+
+    /// Counts one more call that failed with a non-retryable error of this
+    /// signature; returns how many did, fleet-wide.
+    pub async fn breaker_count(&self, job: &str, signature: &str) -> Result<u64, StoreError> {
+        Ok(self.conn.clone().hincr(keys::breaker(job), signature, 1).await?)
+    }
+
+    /// Notes that the job's provider answered validly at least once.
+    pub async fn mark_proven(&self, job: &str) -> Result<(), StoreError> {
+        let _: () = self.conn.clone().hset(keys::breaker(job), "proven", 1).await?;
+        Ok(())
+    }
+
+    /// Whether the job's provider ever answered validly.
+    pub async fn proven(&self, job: &str) -> Result<bool, StoreError> {
+        let v: Option<String> = self.conn.clone().hget(keys::breaker(job), "proven").await?;
+        Ok(v.is_some())
     }
 
     /// Counts paid answers whose outcome could not be stored (see

@@ -32,6 +32,9 @@ pub enum Finish {
     },
     /// The job was cancelled before this task was processed: kept for resume.
     Cancel(Task),
+    /// Not called (the job is halted): back to the stream as a new entry, so
+    /// it runs as soon as the halt is lifted instead of after a visibility timeout.
+    Release(Task),
 }
 
 /// What a [`RedisStore::finish`] came to.
@@ -241,6 +244,7 @@ impl RedisStore {
             Finish::Review(entry) => ("review", keys::review(job, p), entry.encode(), 0),
             Finish::Drop { reason } => ("drop", keys::state(job, p), reason.clone(), 0),
             Finish::Cancel(task) => ("cancel", keys::cancelled(job, p), task.encode(), 0),
+            Finish::Release(task) => ("release", keys::stream(job, p), task.encode(), 0),
         };
         let moved: i64 = self
             .scripts

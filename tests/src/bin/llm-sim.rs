@@ -72,6 +72,15 @@ struct Args {
     /// (invalid) content, so those end in review.
     #[arg(long)]
     echo_auth: bool,
+    /// Answer every chat request with this error, `STATUS:CODE:MESSAGE` (a
+    /// proxy without its database answers a wrong key with
+    /// `400:no_db_connection:...`). `POST /admin/fail` changes it mid-run.
+    #[arg(long)]
+    fail_all: Option<String>,
+    /// The models served (comma-separated); any other is refused like a proxy
+    /// refuses it: 400 `Invalid model name passed in model=...`.
+    #[arg(long)]
+    models: Option<String>,
 }
 
 /// Declares [`Fault`] from one list: variant, `--faults` name, doc.
@@ -170,6 +179,8 @@ struct Sim {
     /// With `--record-served`: every chat request's record, worker and time
     /// span (`x-batchfleet-record`, `x-batchfleet-worker`), for `GET /calls`.
     calls: Mutex<Vec<Value>>,
+    /// `--fail-all` as it stands now: (status, code, message).
+    fail_all: Mutex<Option<(u16, String, String)>>,
 }
 
 /// Token buckets of one minute's budget, refilled continuously.
@@ -219,6 +230,7 @@ async fn main() -> anyhow::Result<()> {
         answers: Default::default(),
         served: Default::default(),
         calls: Default::default(),
+        fail_all: Mutex::new(args.fail_all.as_deref().and_then(parse_fail)),
         faults,
         args,
     });
@@ -229,6 +241,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/served", get(served))
         .route("/calls", get(calls))
         .route("/admin/limits", post(set_limits))
+        .route("/admin/fail", post(set_fail))
         .with_state(sim);
     println!("llm-sim listening on http://{addr}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
@@ -359,6 +372,9 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         .unwrap_or("")
         .to_owned();
     log_request(sim, &chat);
+    if let Some(refused) = fail_everything(sim, &chat) {
+        return refused;
+    }
     let limit_headers = match admit(sim, &chat) {
         Admission::Admitted(headers) => headers,
         Admission::RateLimited(refused) => return refused,
@@ -945,6 +961,39 @@ async fn served(State(sim): State<Arc<Sim>>) -> Json<Value> {
 async fn calls(State(sim): State<Arc<Sim>>) -> Json<Value> {
     let c = sim.calls.lock().map(|c| c.clone()).unwrap_or_default();
     Json(Value::Array(c))
+}
+
+/// `STATUS:CODE:MESSAGE` -> its parts.
+fn parse_fail(spec: &str) -> Option<(u16, String, String)> {
+    let mut parts = spec.splitn(3, ':');
+    let status = parts.next()?.parse().ok()?;
+    Some((status, parts.next()?.to_owned(), parts.next().unwrap_or("").to_owned()))
+}
+
+/// `--fail-all` and `--models`: the errors a proxy answers for every request.
+fn fail_everything(sim: &Sim, chat: &ChatRequest) -> Option<Response> {
+    if let Some((status, code, message)) = sim.fail_all.lock().ok().and_then(|f| f.clone()) {
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST);
+        return Some(error_body(status, &message, "invalid_request_error", &code));
+    }
+    let model = chat.req["model"].as_str().unwrap_or("");
+    let served = sim.args.models.as_deref()?;
+    if served.split(',').any(|m| m.trim() == model) {
+        return None;
+    }
+    let message = format!(
+        "400: {{'error': 'Invalid model name passed in model={model}. Call `/v1/models` to view available models for your key.'}}"
+    );
+    Some(error_body(StatusCode::BAD_REQUEST, &message, "None", "400"))
+}
+
+/// Sets (`{"fail": "STATUS:CODE:MESSAGE"}`) or clears (`{}`) the `--fail-all` error.
+async fn set_fail(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
+    let Ok(mut f) = sim.fail_all.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR;
+    };
+    *f = body["fail"].as_str().and_then(parse_fail);
+    StatusCode::NO_CONTENT
 }
 
 /// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.

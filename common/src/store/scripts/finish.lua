@@ -18,11 +18,13 @@
 --                                  review -> bf:{job:pN}:review  (hash)
 --                                  drop   -> bf:{job:pN}:state   (same as KEYS[2])
 --                                  cancel -> bf:{job:pN}:cancelled (hash, for resume)
+--                                  release -> bf:{job:pN}:tasks (same as KEYS[1])
 -- ARGV[1]  consumer group
 -- ARGV[2]  stream entry id
 -- ARGV[3]  record_id
--- ARGV[4]  mode: commit | retry | review | drop | cancel
--- ARGV[5]  commit: the encoded result; retry and cancel: the encoded task; review:
+-- ARGV[4]  mode: commit | retry | review | drop | cancel | release (back to the
+--          stream as a new entry, not called: a halted worker hands its tasks back)
+-- ARGV[5]  commit: the encoded result; retry, cancel, release: the encoded task; review:
 --          the encoded entry; drop: the reason (all passed through unread)
 -- ARGV[6]  retry: due time, Unix ms (unused otherwise)
 -- ARGV[7]  the consumer the entry was delivered to
@@ -37,7 +39,12 @@ if not owner or owner[2] ~= ARGV[7] or tonumber(owner[4]) ~= tonumber(ARGV[8]) t
 end
 local state = redis.call('HGET', states, rid)
 local moved = 0
-if mode == 'retry' then
+if mode == 'release' then
+  if state == 'queued' then
+    redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
+    moved = 1
+  end
+elseif mode == 'retry' then
   -- Only a record in flight schedules a retry: one already waiting keeps its one.
   if state == 'queued' then
     redis.call('ZADD', target, ARGV[6], value)

@@ -1,0 +1,132 @@
+//! Real servers' behaviours, imitated by llm-sim: a proxy that answers a
+//! wrong key with 400, a model the server does not serve, and resuming a
+//! halted job without waiting for a visibility timeout.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::time::{Duration, Instant};
+
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, status_json, wait_for, worker_cmd,
+    write_records,
+};
+
+fn job(redis: &RedisServer, name: &str, n: u64) -> TempDir {
+    let dir = TempDir::new(name);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    let spec = spec_with(&dir, &[("base_delay_ms = 500", "base_delay_ms = 50")]);
+    enqueue(redis, &data, name, &spec);
+    dir
+}
+
+fn assert_halted_with_records_queued(redis: &RedisServer, job: &str, n: u64, needle: &str) {
+    let (_, s) = status_json(redis, job);
+    assert!(s["halted"].as_str().unwrap_or("").contains(needle), "{s}");
+    assert_eq!(s["review"], 0, "no record goes to review for the job's fault: {s}");
+    assert_eq!(
+        s["queued"].as_u64().unwrap() + s["delayed"].as_u64().unwrap() + s["in_flight"].as_u64().unwrap(),
+        n,
+        "every record waits: {s}"
+    );
+    let text = producer(&["status", "--job", job, "--redis", &redis.url()]);
+    assert!(harness::stdout(&text).contains("HALTED"), "{}", harness::stdout(&text));
+}
+
+#[test]
+fn a_wrong_key_answered_with_400_halts_the_job_after_a_few_calls_with_the_providers_message() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--fail-all", "400:no_db_connection:No connected db."]);
+    let _dir = job(&redis, "nodb", 50);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "nodb", &sim, &["--drain", "--concurrency", "32"]))
+        .finish(Duration::from_secs(60));
+    assert_eq!(exit.code(), Some(3), "{log}");
+    let requests = sim.stats()["requests"].as_u64().unwrap();
+    assert!(
+        requests <= 3,
+        "{requests} calls for a job every call of which fails the same way"
+    );
+    assert!(
+        log.contains("\"level\":\"ERROR\"") && log.contains("No connected db."),
+        "{log}"
+    );
+    assert_halted_with_records_queued(&redis, "nodb", 50, "No connected db.");
+}
+
+#[test]
+fn a_model_the_server_does_not_serve_halts_the_job() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--models", "some-other-model"]);
+    let _dir = job(&redis, "nomodel", 20);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "nomodel", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert_eq!(exit.code(), Some(3), "{log}");
+    assert!(sim.stats()["requests"].as_u64().unwrap() <= 3);
+    assert_halted_with_records_queued(&redis, "nomodel", 20, "Invalid model name passed in model=gpt-4o-mini");
+}
+
+#[test]
+fn a_single_records_400_still_goes_to_review_once_the_provider_answered() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, "one400", 10);
+    // The provider answers validly first; then one kind of request fails.
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "one400", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let dir2 = TempDir::new("one400b");
+    let data = dir2.join("d.jsonl");
+    write_records(&data, 100, 1);
+    let spec = spec_with(&dir2, &[("base_delay_ms = 500", "base_delay_ms = 50")]);
+    let out = harness::enqueue_cmd(&redis, &data, "one400", &spec)
+        .args(["--no-progress", "--restart"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    sim.fail_all(Some("400:context_length_exceeded:This input is too long."));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "one400", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(
+        exit.success(),
+        "a proven job does not halt on one record's error: {log}"
+    );
+    let (_, s) = status_json(&redis, "one400");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64()), (Some(10), Some(1)), "{s}");
+    let show = producer(&["review", "--job", "one400", "--redis", &redis.url(), "list", "--json"]);
+    assert!(
+        harness::stdout(&show).contains("This input is too long."),
+        "the provider's message is kept"
+    );
+}
+
+#[test]
+fn resuming_a_halted_job_commits_at_once() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--fail-all", "400:no_db_connection:No connected db."]);
+    let _dir = job(&redis, "resume", 30);
+    // A long-running worker (no --drain), with a visibility timeout far away.
+    let worker = Running::spawn(worker_cmd(
+        &redis,
+        "resume",
+        &sim,
+        &["--visibility-timeout-ms", "120000"],
+    ));
+    wait_for("the job halted", Duration::from_secs(30), || {
+        status_json(&redis, "resume").1["halted"].is_string()
+    });
+    sim.fail_all(None);
+    let out = producer(&["resume", "--job", "resume", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let resumed = Instant::now();
+    wait_for("a commit after resume", Duration::from_secs(10), || {
+        status_json(&redis, "resume").1["done"].as_u64().unwrap_or(0) > 0
+    });
+    let took = resumed.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the first commit came {took:?} after resume"
+    );
+    wait_for("the job complete", Duration::from_secs(60), || {
+        status_json(&redis, "resume").0 == Some(0)
+    });
+    harness::signal(worker.pid(), "TERM");
+    let (exit, log) = worker.finish(Duration::from_secs(30));
+    assert!(exit.code().is_some(), "{log}");
+}
