@@ -124,7 +124,7 @@ pub fn counters(job: &str) -> String {
 }
 
 /// The job's circuit breaker for systematic provider errors: `proven` once
-/// any answer was valid; per error signature, how many calls failed with it.
+/// the provider answered; per error signature, how many calls failed with it.
 pub fn breaker(job: &str) -> String {
     format!("bf:{{{job}}}:breaker")
 }

@@ -68,6 +68,10 @@ pub enum Command {
         /// Exit non-zero unless every expected record is in exactly one terminal set.
         #[arg(long)]
         require_complete: bool,
+        /// Exit non-zero unless every expected record is done (none in
+        /// review, dropped or cancelled).
+        #[arg(long)]
+        require_done: bool,
         /// List the record ids of missing, duplicated and unknown records.
         #[arg(long)]
         ids: bool,
@@ -318,6 +322,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             redis,
             json,
             require_complete,
+            require_done,
             ids,
             watch,
         } => {
@@ -333,7 +338,15 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                     crate::status::print(&s);
                 }
                 if !watch || s.complete {
-                    return Ok(if require_complete && !s.complete {
+                    if s.review + s.dropped + s.cancelled > 0 {
+                        eprintln!(
+                            "warning: {} in review, {} dropped, {} cancelled: not every record is done \
+                             (producer review --job {job} list; producer dropped --job {job})",
+                            s.review, s.dropped, s.cancelled
+                        );
+                    }
+                    let all_done = s.complete && s.expected.is_some_and(|e| e == s.done);
+                    return Ok(if (require_complete && !s.complete) || (require_done && !all_done) {
                         ExitCode::from(EXIT_INCOMPLETE)
                     } else {
                         ExitCode::SUCCESS

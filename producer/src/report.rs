@@ -73,6 +73,10 @@ pub struct Report {
     /// From the manifest's creation to the last commit.
     pub elapsed_secs: Option<f64>,
     pub records_per_sec: Option<f64>,
+    /// From the first call to the last outcome (commit or review): the time
+    /// the fleet worked, whenever it started after the enqueue.
+    pub processing_secs: Option<f64>,
+    pub processing_records_per_sec: Option<f64>,
 }
 
 /// Builds the report of a job by scanning its results and review entries.
@@ -86,9 +90,26 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
     r.paid_answers_lost = store.lost_answers(job).await?;
     let prices = &spec.prices;
     let mut last_commit = String::new();
+    // First call (its time minus its duration) and last outcome, Unix seconds.
+    let mut first_call: Option<u64> = None;
+    let mut last_outcome: Option<u64> = None;
+    let mut see = |history: &[HistoryItem], outcome_at: &str| {
+        for a in history.iter().filter_map(HistoryItem::as_attempt) {
+            if let Some(at) = parse_rfc3339(&a.at) {
+                let started = at.saturating_sub(a.elapsed_ms / 1000);
+                first_call = Some(first_call.map_or(started, |f| f.min(started)));
+            }
+        }
+        if let Some(at) = parse_rfc3339(outcome_at) {
+            last_outcome = Some(last_outcome.map_or(at, |l| l.max(at)));
+        }
+    };
     for p in 0..spec.job.partitions {
         store
             .results(job, p, |res| {
+                if !res.human {
+                    see(&res.history, &res.committed_at);
+                }
                 r.count_history(&res.history);
                 *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
                 let usage = Usage::of_history(&res.history, prices);
@@ -108,6 +129,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
             .await?;
         store
             .review_entries(job, p, |e| {
+                see(&e.history, &e.created_at);
                 r.count_history(&e.history);
                 *r.attempts_histogram.entry(u64::from(e.attempts)).or_default() += 1;
                 *r.review_by_reason.entry(e.reason.clone()).or_default() += 1;
@@ -119,6 +141,11 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
         let part = part.clone();
         r.total.merge(&part);
     }
+    if let (Some(start), Some(end)) = (first_call, last_outcome) {
+        let secs = end.saturating_sub(start).max(1) as f64;
+        r.processing_secs = Some(secs);
+        r.processing_records_per_sec = Some((r.done + review_total(&r)) as f64 / secs);
+    }
     if let Some(m) = &manifest
         && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), parse_rfc3339(&last_commit))
     {
@@ -127,6 +154,10 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
         r.records_per_sec = Some(r.done as f64 / secs);
     }
     Ok(r)
+}
+
+fn review_total(r: &Report) -> u64 {
+    r.review_by_reason.values().sum()
 }
 
 impl Report {
@@ -175,8 +206,11 @@ pub fn print(r: &Report) {
             r.paid_answers_lost
         );
     }
+    if let (Some(secs), Some(rate)) = (r.processing_secs, r.processing_records_per_sec) {
+        crate::outln!("  processing   {secs:.0}s ({rate:.1} records/s), first call to last outcome");
+    }
     if let (Some(secs), Some(rate)) = (r.elapsed_secs, r.records_per_sec) {
-        crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s)");
+        crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s), enqueue to last commit");
     }
     let hist: Vec<String> = r.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     crate::outln!("  attempts     {} (attempts:records)", hist.join(" "));

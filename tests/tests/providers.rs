@@ -130,3 +130,60 @@ fn resuming_a_halted_job_commits_at_once() {
     let (exit, log) = worker.finish(Duration::from_secs(30));
     assert!(exit.code().is_some(), "{log}");
 }
+
+#[test]
+fn workers_on_one_host_share_the_default_metrics_address_and_an_explicit_busy_one_is_refused() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, "ports", 5);
+    // Whoever holds the default port (another worker on this host), it is busy.
+    let _held = std::net::TcpListener::bind(worker::run::DEFAULT_METRICS_ADDR);
+    let mut cmd = std::process::Command::new(harness::bin("worker"));
+    cmd.args([
+        "--redis",
+        &redis.url(),
+        "--job",
+        "ports",
+        "--base-url",
+        &sim.base_url(),
+        "--drain",
+    ])
+    .args(["--log-format", "json"])
+    .env("OPENAI_API_KEY", "sk-test-key")
+    .env_remove("BATCHFLEET_METRICS_ADDR")
+    .env_remove("REDIS_URL");
+    let (exit, log) = Running::spawn(cmd).finish(Duration::from_secs(30));
+    assert!(exit.success(), "{log}");
+    assert!(log.contains("the default metrics address is in use"), "{log}");
+    // An address given explicitly must be free.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "ports", &sim, &["--drain", "--metrics-addr", &addr]))
+        .finish(Duration::from_secs(30));
+    assert_eq!(exit.code(), Some(2), "{log}");
+    assert!(log.contains(&format!("cannot serve metrics on {addr}")), "{log}");
+}
+
+#[test]
+fn status_warns_when_records_are_not_done_and_require_done_says_so() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", "content_filter=0.5", "--seed", "3"]);
+    let _dir = job(&redis, "notdone", 20);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "notdone", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let out = producer(&[
+        "status",
+        "--job",
+        "notdone",
+        "--redis",
+        &redis.url(),
+        "--require-complete",
+    ]);
+    assert!(out.status.success(), "complete: every record is in a terminal set");
+    assert!(harness::stderr(&out).contains("in review"), "{}", harness::stderr(&out));
+    let out = producer(&["status", "--job", "notdone", "--redis", &redis.url(), "--require-done"]);
+    assert!(!out.status.success(), "not every record is done");
+    let report = producer(&["report", "--job", "notdone", "--redis", &redis.url()]);
+    let text = harness::stdout(&report);
+    assert!(text.contains("first call to last outcome"), "{text}");
+}

@@ -55,6 +55,7 @@ fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
         base_url: Some(sim.base_url()),
         allow_evicting_redis: false,
         metrics_addr: None,
+        metrics_fallback: false,
         traces: common::otel::Traces::off(),
     }
 }

@@ -1,8 +1,9 @@
 //! The circuit breaker for systematic provider errors: a wrong key that a
 //! proxy answers with 400, a model the server does not serve, a parameter it
 //! refuses. Such an error is about the job, not the record: until the job's
-//! provider has answered validly once ("proven"), each worker sends one call
-//! at a time for it, a non-retryable error does not send the record to
+//! provider has answered once ("proven"), each worker sends one call
+//! at a time for it (any answer proves it, valid or not), a non-retryable
+//! error does not send the record to
 //! review (it waits), and when `threshold` calls failed with the same error
 //! (fleet-wide, counted in Redis) the job halts with the provider's message.
 //! Once proven, the same error `threshold` times in a row at one worker
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 pub struct Breaker {
     /// Calls failed with one signature before the job halts.
     pub threshold: u64,
-    /// The job's provider answered validly at least once (from Redis, or seen here).
+    /// The job's provider answered at least once (from Redis, or seen here).
     proven: AtomicBool,
     /// Whether this worker already told Redis.
     told: AtomicBool,
@@ -58,8 +59,8 @@ impl Breaker {
         self.proven.store(true, Ordering::Relaxed);
     }
 
-    /// A valid answer here: true when Redis has to be told (once per worker).
-    pub fn on_valid(&self) -> bool {
+    /// An answer here: true when Redis has to be told (once per worker).
+    pub fn on_answer(&self) -> bool {
         self.proven.store(true, Ordering::Relaxed);
         self.reset();
         !self.told.swap(true, Ordering::Relaxed)
@@ -122,8 +123,8 @@ mod tests {
     #[test]
     fn a_proven_job_reviews_single_errors_and_halts_on_a_streak() {
         let b = Breaker::new(3);
-        assert!(b.on_valid(), "Redis is told once");
-        assert!(!b.on_valid());
+        assert!(b.on_answer(), "Redis is told once");
+        assert!(!b.on_answer());
         assert_eq!(b.room(), usize::MAX);
         assert_eq!(b.judge("http_400:context_length_exceeded", 50), Verdict::Record);
         b.reset();

@@ -62,7 +62,7 @@ impl Claimer {
             if f.is_halted(&job.name) || f.is_cancelled(&job.name) {
                 continue;
             }
-            // Until the provider answered validly once, one call at a time.
+            // Until the provider answered once, one call at a time.
             let room = job.breaker.room();
             if room == 0 {
                 continue;

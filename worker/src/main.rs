@@ -59,9 +59,11 @@ struct Args {
     /// Start even when Redis may evict keys (tests only).
     #[arg(long)]
     allow_evicting_redis: bool,
-    /// Address of /metrics, /healthz and /readyz (`off` disables; port 0 picks one).
-    #[arg(long, env = "BATCHFLEET_METRICS_ADDR", default_value = "127.0.0.1:9464")]
-    metrics_addr: String,
+    /// Address of /metrics, /healthz and /readyz (`off` disables; port 0 picks
+    /// one). Unset: 127.0.0.1:9464, or a free port when another worker on
+    /// this host has it (logged); an address given here must be free.
+    #[arg(long, env = "BATCHFLEET_METRICS_ADDR")]
+    metrics_addr: Option<String>,
     /// Log format: json (default when not a terminal) or text.
     #[arg(long, env = "BATCHFLEET_LOG_FORMAT")]
     log_format: Option<String>,
@@ -96,7 +98,12 @@ async fn main() -> ExitCode {
             .with_writer(std::io::stderr)
             .init();
     }
-    let metrics_addr = match args.metrics_addr.as_str() {
+    let metrics_fallback = args.metrics_addr.is_none();
+    let metrics_addr = match args
+        .metrics_addr
+        .as_deref()
+        .unwrap_or(worker::run::DEFAULT_METRICS_ADDR)
+    {
         "off" | "" => None,
         a => match a.parse() {
             Ok(addr) => Some(addr),
@@ -116,6 +123,7 @@ async fn main() -> ExitCode {
     let config = Config {
         traces: traces.clone(),
         metrics_addr,
+        metrics_fallback,
         redis_url: args.redis_url,
         jobs: args.jobs,
         concurrency: args.concurrency,

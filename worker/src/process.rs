@@ -281,19 +281,19 @@ async fn run_attempt(
 
 /// Runs a non-retryable provider error through the job's circuit breaker
 /// (see [`crate::breaker`]): it stays about the record, or makes the record
-/// wait, or halts the job with the provider's message. A valid answer proves
-/// the provider (told to Redis once).
+/// wait, or halts the job with the provider's message. Any answer proves the
+/// provider (told to Redis once).
 async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply) {
     use crate::breaker::Verdict;
     match &reply.outcome {
-        Outcome::Valid => {
-            if job.breaker.on_valid()
+        // The provider answers (valid or not, the model is at fault, not the setup).
+        Outcome::Valid | Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => {
+            if job.breaker.on_answer()
                 && let Err(e) = store.mark_proven(&job.name).await
             {
                 tracing::warn!(error = %e, "could not note the provider as proven");
             }
         }
-        Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => job.breaker.reset(),
         Outcome::Permanent { cause } => {
             let Some(err) = &reply.error else { return };
             let signature = err.signature();

@@ -64,6 +64,9 @@ pub struct Config {
     pub allow_evicting_redis: bool,
     /// Where `/metrics`, `/healthz` and `/readyz` are served (None: not at all).
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The address is the default one: when it is busy (another worker on
+    /// this host), serve on a free port instead and say which.
+    pub metrics_fallback: bool,
     /// Where attempt spans go (nowhere unless an OTLP endpoint is configured).
     pub traces: common::otel::Traces,
 }
@@ -113,6 +116,9 @@ impl Config {
         Ok(())
     }
 }
+
+/// Where a worker serves `/metrics` unless told otherwise.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -249,16 +255,32 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let http_stop = CancellationToken::new();
     if let Some(addr) = config.metrics_addr {
         let jobs_info: Vec<(String, u32)> = jobs.iter().map(|j| (j.name.clone(), j.spec.job.partitions)).collect();
-        let bound = serve(
-            addr,
-            metrics.clone(),
-            store.clone(),
-            jobs_info,
-            health.clone(),
-            http_stop.clone(),
-        )
-        .await
-        .map_err(|e| RunError::Refused(format!("cannot serve metrics on {addr}: {e}")))?;
+        let serve_on = |addr| {
+            serve(
+                addr,
+                metrics.clone(),
+                store.clone(),
+                jobs_info.clone(),
+                health.clone(),
+                http_stop.clone(),
+            )
+        };
+        let bound = match serve_on(addr).await {
+            Ok(bound) => bound,
+            Err(e) if config.metrics_fallback && e.kind() == std::io::ErrorKind::AddrInUse => {
+                let free = std::net::SocketAddr::new(addr.ip(), 0);
+                let bound = serve_on(free)
+                    .await
+                    .map_err(|e| RunError::Refused(format!("cannot serve metrics on {free}: {e}")))?;
+                tracing::warn!(
+                    busy = %addr,
+                    addr = %bound,
+                    "the default metrics address is in use (another worker on this host?): serving on a free port"
+                );
+                bound
+            }
+            Err(e) => return Err(RunError::Refused(format!("cannot serve metrics on {addr}: {e}"))),
+        };
         tracing::info!(addr = %bound, "metrics, healthz and readyz listening");
     }
     let limits = Limits {

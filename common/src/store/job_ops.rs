@@ -111,13 +111,13 @@ impl RedisStore {
         Ok(self.conn.clone().hincr(keys::breaker(job), signature, 1).await?)
     }
 
-    /// Notes that the job's provider answered validly at least once.
+    /// Notes that the job's provider answered at least once.
     pub async fn mark_proven(&self, job: &str) -> Result<(), StoreError> {
         let _: () = self.conn.clone().hset(keys::breaker(job), "proven", 1).await?;
         Ok(())
     }
 
-    /// Whether the job's provider ever answered validly.
+    /// Whether the job's provider ever answered.
     pub async fn proven(&self, job: &str) -> Result<bool, StoreError> {
         let v: Option<String> = self.conn.clone().hget(keys::breaker(job), "proven").await?;
         Ok(v.is_some())
