@@ -34,6 +34,9 @@ pub enum Outcome {
     /// record (the provider never answered validly yet): the record waits,
     /// without using an attempt, while the circuit breaker counts.
     Suspect { cause: String },
+    /// The server refused the structured-output form sent (`auto` mode
+    /// falls back to the next form): retried at once, not an attempt.
+    FormRefused,
 }
 
 /// The decision, applied by one atomic script each.
@@ -108,6 +111,11 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         Outcome::InputError { reason } => Decision::Drop { reason: reason.clone() },
         Outcome::Poison { .. } => Decision::Review {
             reason: "poison".into(),
+        },
+        Outcome::FormRefused => Decision::Retry {
+            delay_ms: 0,
+            cause: "response_format_refused".into(),
+            feedback: None,
         },
         Outcome::Suspect { cause } => Decision::Retry {
             delay_ms: backoff_ms(attempt, policy, unit).max(SUSPECT_WAIT_MS),

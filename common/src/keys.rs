@@ -129,6 +129,12 @@ pub fn breaker(job: &str) -> String {
     format!("bf:{{{job}}}:breaker")
 }
 
+/// The structured-output form an endpoint and model accept, learned by
+/// `structured_output = "auto"` (`endpoint` is a hash of base URL and model).
+pub fn accepted_form(endpoint: &str) -> String {
+    format!("bf:{{forms}}:{endpoint}")
+}
+
 /// A worker's lease on its consumer name (no two live workers share one).
 pub fn consumer_lease(consumer: &str) -> String {
     format!("bf:{{consumers}}:{consumer}")

@@ -162,9 +162,84 @@ pub struct Provider {
     /// Sampling temperature.
     #[serde(default)]
     pub temperature: f64,
-    /// Send a strict `response_format` JSON schema generated from the output spec.
+    /// The `response_format` sent, generated from the output spec: `"json_schema"`
+    /// (`true`: a strict JSON schema), `"json_object"` (with the schema
+    /// attached: llama.cpp's and vLLM's form), `"off"` (`false`: the prompt
+    /// alone), or `"auto"`: the first form the server accepts, in that order,
+    /// learned once for the fleet.
     #[serde(default)]
-    pub structured_output: bool,
+    pub structured_output: StructuredOutput,
+}
+
+/// How the output's shape is asked for (see [`Provider::structured_output`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum StructuredOutput {
+    #[default]
+    Off,
+    JsonSchema,
+    JsonObject,
+    Auto,
+}
+
+impl StructuredOutput {
+    pub fn name(self) -> &'static str {
+        match self {
+            StructuredOutput::Off => "off",
+            StructuredOutput::JsonSchema => "json_schema",
+            StructuredOutput::JsonObject => "json_object",
+            StructuredOutput::Auto => "auto",
+        }
+    }
+
+    /// The form to fall back to when a server refuses this one (`auto` tries
+    /// json_schema, then json_object with the schema, then the prompt alone).
+    pub fn fallback(self) -> Option<StructuredOutput> {
+        match self {
+            StructuredOutput::JsonSchema => Some(StructuredOutput::JsonObject),
+            StructuredOutput::JsonObject => Some(StructuredOutput::Off),
+            _ => None,
+        }
+    }
+}
+
+/// `true`/`false` stay what they always meant, so record ids do not change.
+impl Serialize for StructuredOutput {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            StructuredOutput::Off => s.serialize_bool(false),
+            StructuredOutput::JsonSchema => s.serialize_bool(true),
+            other => s.serialize_str(other.name()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StructuredOutput {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<StructuredOutput, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = StructuredOutput;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(r#"true, false, "auto", "json_schema", "json_object" or "off""#)
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<StructuredOutput, E> {
+                Ok(if v {
+                    StructuredOutput::JsonSchema
+                } else {
+                    StructuredOutput::Off
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<StructuredOutput, E> {
+                match v {
+                    "auto" => Ok(StructuredOutput::Auto),
+                    "json_schema" => Ok(StructuredOutput::JsonSchema),
+                    "json_object" => Ok(StructuredOutput::JsonObject),
+                    "off" => Ok(StructuredOutput::Off),
+                    other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Fleet-wide limits of the provider key; each is optional.

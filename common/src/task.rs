@@ -215,6 +215,9 @@ pub struct Attempt {
     /// The provider's error message, for a failed call (bounded, secrets removed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The validator's feedback this call carried to the model, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feedback: Option<String>,
 }
 
 /// What a person or an operator did to a record (accept, requeue, reject, retry).
@@ -758,6 +761,7 @@ mod tests {
             }),
             decision: "retry".into(),
             error: None,
+            feedback: None,
         })
     }
 

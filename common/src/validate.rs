@@ -279,6 +279,20 @@ pub fn feedback(errors: &[FieldError]) -> String {
 
 /// The strict JSON schema of the output, for `response_format`. Optional and
 /// conditional fields are nullable, as strict mode requires every property.
+/// The `response_format` of a form (None for `off`): `json_schema` (strict),
+/// or `json_object` with the same schema attached (llama.cpp, vLLM).
+pub fn response_format(spec: &JobSpec, form: crate::spec::StructuredOutput) -> Option<Value> {
+    use crate::spec::StructuredOutput;
+    match form {
+        StructuredOutput::JsonSchema => Some(json_schema(spec)),
+        StructuredOutput::JsonObject => {
+            let schema = json_schema(spec)["json_schema"]["schema"].clone();
+            Some(serde_json::json!({"type": "json_object", "schema": schema}))
+        }
+        StructuredOutput::Off | StructuredOutput::Auto => None,
+    }
+}
+
 pub fn json_schema(spec: &JobSpec) -> Value {
     let mut properties = Map::new();
     let mut required = Vec::new();

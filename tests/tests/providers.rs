@@ -187,3 +187,50 @@ fn status_warns_when_records_are_not_done_and_require_done_says_so() {
     let text = harness::stdout(&report);
     assert!(text.contains("first call to last outcome"), "{text}");
 }
+
+#[test]
+fn auto_negotiates_the_structured_output_form_a_server_accepts_once_for_the_fleet() {
+    let redis = RedisServer::start();
+    // llama-cpp-python's server: json_object with a schema, never json_schema.
+    let sim = LlmSim::start(&["--accept-forms", "json_object,text"]);
+    let dir = TempDir::new("forms");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    let spec = spec_with(&dir, &[("structured_output = true", "structured_output = \"auto\"")]);
+    let spec_check = producer(&["spec", "check", spec.to_str().unwrap()]);
+    assert!(spec_check.status.success(), "{}", harness::stderr(&spec_check));
+    enqueue(&redis, &data, "forms", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "forms", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (_, s) = status_json(&redis, "forms");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64()), (Some(40), Some(0)), "{s}");
+    let by_form = &sim.stats()["by_form"];
+    assert_eq!(
+        by_form["json_schema"], 1,
+        "one refused call, then the fallback: {by_form}"
+    );
+    assert_eq!(by_form["json_object"], 40, "{by_form}");
+    assert!(log.contains("the server refuses this structured-output form"), "{log}");
+    // Another worker, later, sends the learned form at once.
+    let more = dir.join("more.jsonl");
+    write_records(&more, 100, 5);
+    let out = harness::enqueue_cmd(&redis, &more, "forms", &spec)
+        .args(["--no-progress", "--restart"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "forms", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(sim.stats()["by_form"]["json_schema"], 1, "the fleet remembered");
+}
+
+#[test]
+fn a_refused_form_without_auto_halts_instead_of_burning_attempts() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--accept-forms", "json_object,text"]);
+    let _dir = job(&redis, "strict", 30);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "strict", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert_eq!(exit.code(), Some(3), "{log}");
+    assert!(sim.stats()["requests"].as_u64().unwrap() <= 3);
+    assert_halted_with_records_queued(&redis, "strict", 30, "Input should be 'text' or 'json_object'");
+}

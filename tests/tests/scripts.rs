@@ -309,6 +309,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         usage: None,
         decision: "review".into(),
         error: None,
+        feedback: None,
     })];
     ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
 }

@@ -277,6 +277,14 @@ fn invalid_output_is_retried_with_validation_feedback_only() {
         })
         .count();
     assert_eq!(retried, with_feedback.len(), "one feedback request per invalid answer");
+    // The feedback the model saw is kept in the history of the call that carried it.
+    let recorded = view
+        .results
+        .values()
+        .flat_map(|r| r["history"].as_array().unwrap().clone())
+        .filter(|h| h["feedback"].as_str().is_some_and(|f| f.contains("E_ENUM label")))
+        .count();
+    assert_eq!(recorded, with_feedback.len(), "every feedback sent is in a history");
 }
 
 #[test]

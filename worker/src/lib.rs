@@ -8,6 +8,7 @@
 //!   cancel flags).
 //! - [`process`]: one task from delivery to its single atomic outcome.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
+//! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
@@ -15,6 +16,7 @@
 pub mod breaker;
 pub mod claim;
 pub mod fleet;
+pub mod form;
 pub mod http;
 pub mod limiter;
 pub mod process;

@@ -25,7 +25,8 @@ pub struct JobCtx {
     pub spec: JobSpec,
     pub system: String,
     pub user: Template,
-    pub response_format: Option<Value>,
+    /// The structured-output form sent (negotiated with `auto`).
+    pub forms: crate::form::Forms,
     pub provider: Provider,
     /// The fleet-wide budget of the job's provider, when the spec sets limits.
     pub limiter: Option<Limiter>,
@@ -180,15 +181,16 @@ async fn run_attempt(
             .await;
         }
     };
-    let user = if d.task.feedback.is_empty() {
-        rendered.clone()
-    } else {
-        format!("{rendered}\n\n{}", feedback(&d.task.feedback))
+    let sent_feedback = (!d.task.feedback.is_empty()).then(|| feedback(&d.task.feedback));
+    let user = match &sent_feedback {
+        None => rendered.clone(),
+        Some(f) => format!("{rendered}\n\n{f}"),
     };
+    let (form, response_format) = job.forms.current();
     let request = Request {
         system: &job.system,
         user: &user,
-        response_format: job.response_format.as_ref(),
+        response_format,
         record: &d.task.rid,
         worker: &limits.worker,
     };
@@ -203,12 +205,12 @@ async fn run_attempt(
         headers,
     });
     let mut reply = result.into_reply(&job.spec, span);
-    judge_errors(store, job, &mut reply).await;
+    judge_errors(store, job, &mut reply, form).await;
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
     let counts_as_attempt = !matches!(
         reply.outcome,
-        Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. }
+        Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. } | Outcome::FormRefused
     );
     let attempt = before.attempts + u32::from(counts_as_attempt);
     let calls = d.task.calls + 1;
@@ -236,6 +238,7 @@ async fn run_attempt(
         usage: reply.usage,
         decision: decision_label(&decision).to_owned(),
         error: reply.error.as_ref().and_then(|e| e.message.clone()),
+        feedback: sent_feedback,
     }));
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));
@@ -256,8 +259,9 @@ async fn run_attempt(
             errors: reply.errors(),
         },
     );
+    // The review entry shows the prompt as the model last saw it, feedback included.
     let facts = Facts {
-        prompt: &rendered,
+        prompt: &user,
         raw: &reply.raw,
         errors: reply.errors(),
         attempts: attempt,
@@ -283,8 +287,34 @@ async fn run_attempt(
 /// (see [`crate::breaker`]): it stays about the record, or makes the record
 /// wait, or halts the job with the provider's message. Any answer proves the
 /// provider (told to Redis once).
-async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply) {
+async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form: common::spec::StructuredOutput) {
     use crate::breaker::Verdict;
+    // A request refused for its shape: with `auto`, the next structured-output
+    // form; otherwise not a passing error (the breaker decides).
+    if let Some(err) = &reply.error
+        && matches!(err.status, Some(400 | 422 | 500))
+        && err.message.as_deref().is_some_and(crate::form::refuses_request)
+    {
+        if let Some(next) = job.forms.refused(form) {
+            if next != form {
+                tracing::warn!(
+                    job = %job.name,
+                    refused = form.name(),
+                    using = next.name(),
+                    message = err.message.as_deref().unwrap_or(""),
+                    "the server refuses this structured-output form: falling back (remembered for the fleet)"
+                );
+                if let Err(e) = store.remember_form(&job.forms.endpoint, next.name()).await {
+                    tracing::warn!(error = %e, "could not remember the accepted form");
+                }
+            }
+            reply.outcome = Outcome::FormRefused;
+            return;
+        }
+        if let Outcome::Transient { cause, .. } = &reply.outcome {
+            reply.outcome = Outcome::Permanent { cause: cause.clone() };
+        }
+    }
     match &reply.outcome {
         // The provider answers (valid or not, the model is at fault, not the setup).
         Outcome::Valid | Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => {
@@ -579,6 +609,7 @@ fn outcome_label(o: &Outcome) -> &str {
         Outcome::InputError { reason } => reason,
         Outcome::Poison { .. } => "poison",
         Outcome::Suspect { cause } => cause,
+        Outcome::FormRefused => "response_format_refused",
     }
 }
 

@@ -20,7 +20,6 @@ use std::time::Duration;
 use common::spec::JobSpec;
 use common::store::{RedisStore, StoreError, valid_job_name};
 use common::template::{Template, system_prompt};
-use common::validate::json_schema;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim::Claimer;
@@ -354,6 +353,10 @@ async fn load_job(
     let provider =
         Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
+    let forms = crate::form::Forms::new(&spec, base_url.unwrap_or(&spec.provider.base_url), None);
+    if let Some(learned) = store.accepted_form(&forms.endpoint).await? {
+        forms.learned(&learned);
+    }
     let breaker = crate::breaker::Breaker::new(breaker_errors);
     if store.proven(name).await? {
         breaker.set_proven();
@@ -364,7 +367,7 @@ async fn load_job(
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,
-        response_format: spec.provider.structured_output.then(|| json_schema(&spec)),
+        forms,
         provider,
         spec,
     };

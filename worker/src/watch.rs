@@ -43,6 +43,11 @@ impl Watcher {
             if !job.breaker.proven() && matches!(f.store.proven(&job.name).await, Ok(true)) {
                 job.breaker.set_proven();
             }
+            if job.spec.provider.structured_output == common::spec::StructuredOutput::Auto
+                && let Ok(Some(form)) = f.store.accepted_form(&job.forms.endpoint).await
+            {
+                job.forms.learned(&form);
+            }
             match f.store.cancelled(&job.name).await {
                 Ok(true) => {
                     cancelled.insert(job.name.clone());

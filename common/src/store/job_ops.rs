@@ -105,6 +105,17 @@ impl RedisStore {
         }
     }
 
+    /// The structured-output form an endpoint was found to accept, if learned.
+    pub async fn accepted_form(&self, endpoint: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().get(keys::accepted_form(endpoint)).await?)
+    }
+
+    /// Remembers, fleet-wide, the form an endpoint accepts.
+    pub async fn remember_form(&self, endpoint: &str, form: &str) -> Result<(), StoreError> {
+        let _: () = self.conn.clone().set(keys::accepted_form(endpoint), form).await?;
+        Ok(())
+    }
+
     /// Counts one more call that failed with a non-retryable error of this
     /// signature; returns how many did, fleet-wide.
     pub async fn breaker_count(&self, job: &str, signature: &str) -> Result<u64, StoreError> {

@@ -81,6 +81,12 @@ struct Args {
     /// refuses it: 400 `Invalid model name passed in model=...`.
     #[arg(long)]
     models: Option<String>,
+    /// The `response_format` types accepted (comma-separated, e.g.
+    /// `json_object,text` like llama-cpp-python's server, which answers a
+    /// `json_schema` with HTTP 500 `Input should be 'text' or 'json_object'`
+    /// and honours a schema attached to `json_object`). Default: every form.
+    #[arg(long)]
+    accept_forms: Option<String>,
 }
 
 /// Declares [`Fault`] from one list: variant, `--faults` name, doc.
@@ -206,6 +212,8 @@ struct Stats {
     /// Requests being answered right now, and the most at once.
     in_flight: u64,
     max_in_flight: u64,
+    /// Chat requests by `response_format` type (`text` when none).
+    by_form: BTreeMap<String, u64>,
 }
 
 const LOG_CAP: usize = 20_000;
@@ -373,6 +381,9 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         .to_owned();
     log_request(sim, &chat);
     if let Some(refused) = fail_everything(sim, &chat) {
+        return refused;
+    }
+    if let Some(refused) = refuse_form(sim, &chat) {
         return refused;
     }
     let limit_headers = match admit(sim, &chat) {
@@ -838,7 +849,12 @@ fn estimate_tokens(text: &str) -> u64 {
 }
 
 fn schema_props(response_format: &Value) -> Vec<(String, Value)> {
-    response_format["json_schema"]["schema"]["properties"]
+    // `json_schema`, or a schema attached to `json_object` (llama.cpp, vLLM).
+    let schema = match response_format["type"].as_str() {
+        Some("json_object") => &response_format["schema"],
+        _ => &response_format["json_schema"]["schema"],
+    };
+    schema["properties"]
         .as_object()
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
         .unwrap_or_default()
@@ -961,6 +977,26 @@ async fn served(State(sim): State<Arc<Sim>>) -> Json<Value> {
 async fn calls(State(sim): State<Arc<Sim>>) -> Json<Value> {
     let c = sim.calls.lock().map(|c| c.clone()).unwrap_or_default();
     Json(Value::Array(c))
+}
+
+/// `--accept-forms`: a `response_format` type the server does not take is
+/// answered like llama-cpp-python's FastAPI validation (HTTP 500, `detail`).
+fn refuse_form(sim: &Sim, chat: &ChatRequest) -> Option<Response> {
+    let form = chat.req["response_format"]["type"].as_str().unwrap_or("text");
+    if let Ok(mut s) = sim.stats.lock() {
+        *s.by_form.entry(form.to_owned()).or_default() += 1;
+    }
+    let accepted = sim.args.accept_forms.as_deref()?;
+    if accepted.split(',').any(|f| f.trim() == form) {
+        return None;
+    }
+    let body = json!({"detail": [{
+        "type": "literal_error",
+        "loc": ["body", "response_format", "type"],
+        "msg": "Input should be 'text' or 'json_object'",
+        "input": form,
+    }]});
+    Some((StatusCode::INTERNAL_SERVER_ERROR, Json(body)).into_response())
 }
 
 /// `STATUS:CODE:MESSAGE` -> its parts.
