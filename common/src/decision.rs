@@ -37,6 +37,9 @@ pub enum Outcome {
     /// The server refused the structured-output form sent (`auto` mode
     /// falls back to the next form): retried at once, not an attempt.
     FormRefused,
+    /// The next request would be byte-identical to one the record already
+    /// got an answer for: not sent (it would buy the same answer again).
+    NoNewAttempt,
 }
 
 /// The decision, applied by one atomic script each.
@@ -112,6 +115,9 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         Outcome::Poison { .. } => Decision::Review {
             reason: "poison".into(),
         },
+        Outcome::NoNewAttempt => Decision::Review {
+            reason: "no_new_attempt".into(),
+        },
         Outcome::FormRefused => Decision::Retry {
             delay_ms: 0,
             cause: "response_format_refused".into(),
@@ -149,6 +155,7 @@ mod tests {
             base_delay_ms: 1000,
             max_delay_ms: 5000,
             jitter: Jitter::None,
+            temperatures: vec![],
         }
     }
 
@@ -246,6 +253,29 @@ mod tests {
                 reason: "refused:content_filter".into()
             }
         );
+    }
+
+    #[test]
+    fn a_request_the_record_already_got_an_answer_for_is_not_sent() {
+        assert_eq!(
+            decide(2, 2, &Outcome::NoNewAttempt, &policy(), 0.5),
+            Decision::Review {
+                reason: "no_new_attempt".into()
+            }
+        );
+        let schedule = RetryPolicy {
+            temperatures: vec![0.0, 0.5],
+            ..policy()
+        };
+        assert_eq!(
+            (
+                schedule.temperature(1),
+                schedule.temperature(2),
+                schedule.temperature(9)
+            ),
+            (Some(0.0), Some(0.5), Some(0.5))
+        );
+        assert_eq!(policy().temperature(1), None);
     }
 
     #[test]

@@ -278,6 +278,19 @@ pub struct RetryPolicy {
     pub max_delay_ms: u64,
     #[serde(default = "default_jitter")]
     pub jitter: Jitter,
+    /// Temperature of each attempt of a round (the last one repeats), e.g.
+    /// `[0.0, 0.3, 0.7]`: a retry then asks differently instead of sending
+    /// the same request again. Empty: `provider.temperature` every time.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub temperatures: Vec<f64>,
+}
+
+impl RetryPolicy {
+    /// The temperature of attempt `n` of a round (1-based), or None for the provider's.
+    pub fn temperature(&self, n: u32) -> Option<f64> {
+        let i = (n.max(1) as usize - 1).min(self.temperatures.len().checked_sub(1)?);
+        self.temperatures.get(i).copied()
+    }
 }
 
 impl Default for RetryPolicy {
@@ -286,6 +299,7 @@ impl Default for RetryPolicy {
             max_attempts: default_max_attempts(),
             base_delay_ms: default_base_delay_ms(),
             max_delay_ms: default_max_delay_ms(),
+            temperatures: Vec::new(),
             jitter: default_jitter(),
         }
     }
@@ -638,6 +652,9 @@ impl JobSpec {
             }
         }
         let r = &self.retry;
+        if r.temperatures.iter().any(|t| !(0.0..=2.0).contains(t)) {
+            p.add("retry.temperatures", "every temperature must be between 0 and 2");
+        }
         if !(1..=100).contains(&r.max_attempts) {
             p.add("retry.max_attempts", "must be between 1 and 100");
         }

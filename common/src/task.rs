@@ -309,6 +309,12 @@ pub struct Task {
     /// W3C traceparent of the record's enqueue span (empty when not traced).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub tp: String,
+    /// The last answer, shown to the model with the feedback on its errors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    /// Fingerprints of the requests that got an answer: none is sent again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub answered: Vec<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -332,6 +338,8 @@ impl Task {
             feedback: vec![],
             history: vec![],
             tp: traceparent.to_owned(),
+            answer: None,
+            answered: vec![],
         })
     }
 
@@ -396,6 +404,8 @@ impl Task {
             feedback,
             history,
             tp: self.tp.clone(),
+            answer: None,
+            answered: self.answered.clone(),
         }
     }
 }
@@ -698,6 +708,8 @@ impl ReviewEntry {
             feedback: vec![],
             history,
             tp: String::new(),
+            answer: None,
+            answered: vec![],
         }
     }
 
@@ -801,6 +813,8 @@ mod tests {
             feedback: vec![err()],
             history: vec![attempt(1), HistoryItem::Action(Action::new("requeue", "ana"))],
             tp: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+            answer: Some("{\"label\":\"nope\"}".into()),
+            answered: vec!["0123456789abcdef".into()],
         };
         let text = t.encode();
         assert!(text.starts_with(&format!("{{\"rid\":\"{}\"", t.rid)), "{text}");

@@ -234,3 +234,57 @@ fn a_refused_form_without_auto_halts_instead_of_burning_attempts() {
     assert!(sim.stats()["requests"].as_u64().unwrap() <= 3);
     assert_halted_with_records_queued(&redis, "strict", 30, "Input should be 'text' or 'json_object'");
 }
+
+#[test]
+fn no_request_is_sent_twice_for_a_record_and_a_temperature_schedule_varies_retries() {
+    let redis = RedisServer::start();
+    // A model at temperature 0: the same request always gets the same (cut off) answer.
+    let sim = LlmSim::start(&["--deterministic", "--faults", "length=1.0"]);
+    let dir = TempDir::new("same-request");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 10);
+    let spec = spec_with(&dir, &[("base_delay_ms = 500", "base_delay_ms = 20")]);
+    enqueue(&redis, &data, "same", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "same", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(
+        sim.stats()["requests"],
+        10,
+        "one call per record: a retry would repeat it byte for byte"
+    );
+    let (_, s) = status_json(&redis, "same");
+    assert_eq!(s["review"], 10, "{s}");
+    let list = producer(&[
+        "review",
+        "--job",
+        "same",
+        "--redis",
+        &redis.url(),
+        "list",
+        "--reason",
+        "no_new_attempt",
+    ]);
+    assert!(
+        harness::stderr(&list).contains("10 entries in review"),
+        "{}",
+        harness::stderr(&list)
+    );
+
+    // With a schedule, each retry asks at another temperature, until the schedule repeats.
+    let sim = LlmSim::start(&["--deterministic", "--faults", "length=1.0"]);
+    let spec = spec_with(
+        &dir,
+        &[
+            ("base_delay_ms = 500", "base_delay_ms = 20"),
+            ("jitter = \"full\"", "jitter = \"full\"\ntemperatures = [0.0, 0.4, 0.8]"),
+        ],
+    );
+    enqueue(&redis, &data, "sched", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "sched", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(
+        sim.stats()["requests"],
+        30,
+        "three temperatures, three calls per record"
+    );
+}

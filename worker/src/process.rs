@@ -187,16 +187,55 @@ async fn run_attempt(
         Some(f) => format!("{rendered}\n\n{f}"),
     };
     let (form, response_format) = job.forms.current();
+    let in_round = (before.attempts + 1).saturating_sub(d.task.base);
     let request = Request {
         system: &job.system,
-        user: &user,
+        user: &rendered,
+        feedback: sent_feedback.as_deref(),
+        previous: d.task.answer.as_deref().filter(|_| sent_feedback.is_some()),
+        temperature: job.spec.retry.temperature(in_round),
         response_format,
         record: &d.task.rid,
         worker: &limits.worker,
     };
+    let body = job.provider.body(&request);
+    let fp = crate::provider::fingerprint(&body);
+    if d.task.answered.contains(&fp) {
+        // The same request already got its answer: sending it again buys the same one.
+        let decision = decide(
+            before.attempts.max(1),
+            d.task.calls,
+            &Outcome::NoNewAttempt,
+            &job.spec.retry,
+            0.0,
+        );
+        let facts = Facts {
+            prompt: &user,
+            raw: d.task.answer.as_deref().unwrap_or(""),
+            errors: &d.task.feedback,
+            attempts: before.attempts,
+        };
+        let stamp = Stamp::now(&job.spec);
+        log_event(job, &d, before.attempts, "review", "no_new_attempt", 0, &[]);
+        return apply(
+            store,
+            job,
+            &d,
+            decision,
+            &before,
+            facts,
+            None,
+            d.task.history.clone(),
+            &stamp,
+            limits,
+            span,
+        )
+        .await;
+    }
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let (result, headers, elapsed) = job.provider.call(&request).await;
+    let (result, headers, elapsed) = job.provider.call(&request, &body).await;
+    let answered = matches!(result, CallResult::Message { .. });
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &result);
     call_span.end();
@@ -266,7 +305,11 @@ async fn run_attempt(
         errors: reply.errors(),
         attempts: attempt,
     };
-    let answer = (calls, &reply);
+    let answer = Call {
+        calls,
+        reply: &reply,
+        fingerprint: answered.then_some(fp),
+    };
     apply(
         store,
         job,
@@ -371,9 +414,16 @@ struct Facts<'a> {
     attempts: u32,
 }
 
+/// The call an attempt made: calls so far, what it came to, and the
+/// request's fingerprint when it got an answer.
+struct Call<'a> {
+    calls: u32,
+    reply: &'a Reply,
+    fingerprint: Option<String>,
+}
+
 /// Applies a decision with one atomic store call (or, for a halt, stops the
-/// fleet and leaves the task pending). `answer` is the call made, if any:
-/// (calls so far, what it came to).
+/// fleet and leaves the task pending). `answer` is the call made, if any.
 #[allow(clippy::too_many_arguments)]
 async fn apply(
     store: &RedisStore,
@@ -382,7 +432,7 @@ async fn apply(
     decision: Decision,
     before: &Before,
     facts: Facts<'_>,
-    answer: Option<(u32, &Reply)>,
+    answer: Option<Call<'_>>,
     history: Vec<HistoryItem>,
     stamp: &Stamp,
     limits: &Limits,
@@ -390,7 +440,7 @@ async fn apply(
 ) -> Result<Settled, StoreError> {
     match decision {
         Decision::Commit => {
-            let Some((calls, reply)) = answer else {
+            let Some(Call { calls, reply, .. }) = answer else {
                 return Err(StoreError::Corrupt {
                     key: d.task.rid.clone(),
                     reason: "a commit without an answer".into(),
@@ -419,10 +469,17 @@ async fn apply(
             .await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
-            let calls = answer.map_or(d.task.calls, |(c, _)| c);
-            let task = d
+            let calls = answer.as_ref().map_or(d.task.calls, |a| a.calls);
+            let mut task = d
                 .task
                 .next(facts.attempts, calls, feedback.unwrap_or_default(), history);
+            if let Some(call) = &answer {
+                task.answered.extend(call.fingerprint.clone());
+                // The model sees its own answer beside the feedback on it.
+                if !task.feedback.is_empty() {
+                    task.answer = Some(call.reply.raw.clone());
+                }
+            }
             let due_ms = now_ms() + delay_ms;
             let paid = answer.is_some();
             settle(
@@ -610,6 +667,7 @@ fn outcome_label(o: &Outcome) -> &str {
         Outcome::Poison { .. } => "poison",
         Outcome::Suspect { cause } => cause,
         Outcome::FormRefused => "response_format_refused",
+        Outcome::NoNewAttempt => "no_new_attempt",
     }
 }
 

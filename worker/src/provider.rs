@@ -74,7 +74,14 @@ pub enum ErrorKind {
 /// One chat request's parts.
 pub struct Request<'a> {
     pub system: &'a str,
+    /// The rendered user prompt.
     pub user: &'a str,
+    /// The validator's feedback on the previous answer, and that answer
+    /// (sent as the assistant's message before the feedback).
+    pub feedback: Option<&'a str>,
+    pub previous: Option<&'a str>,
+    /// This attempt's temperature (None: the spec's).
+    pub temperature: Option<f64>,
     pub response_format: Option<&'a Value>,
     /// The record and the worker, sent as `x-batchfleet-record` and
     /// `x-batchfleet-worker` (so a provider's or proxy's log can tell which
@@ -125,29 +132,43 @@ impl Provider {
         self.scrubber = scrubber;
     }
 
-    /// Sends one request. Never returns an error: every failure is classified.
-    /// Also returns the rate-limit headers, when there was a response.
-    pub async fn call(&self, req: &Request<'_>) -> (CallResult, RateHeaders, Duration) {
-        let started = Instant::now();
+    /// The request body: system and user messages, and after an invalid
+    /// answer that answer (as the assistant) and the validator's feedback.
+    pub fn body(&self, req: &Request<'_>) -> Value {
+        let mut messages = vec![json!({"role": "system", "content": req.system})];
+        match (req.feedback, req.previous) {
+            (Some(f), Some(prev)) => {
+                messages.push(json!({"role": "user", "content": req.user}));
+                messages.push(json!({"role": "assistant", "content": prev}));
+                messages.push(json!({"role": "user", "content": f}));
+            }
+            (Some(f), None) => messages.push(json!({"role": "user", "content": format!("{}\n\n{f}", req.user)})),
+            (None, _) => messages.push(json!({"role": "user", "content": req.user})),
+        }
         let mut body = json!({
             "model": self.model,
-            "messages": [
-                {"role": "system", "content": req.system},
-                {"role": "user", "content": req.user},
-            ],
+            "messages": messages,
             "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
+            "temperature": req.temperature.unwrap_or(self.temperature),
         });
         if let Some(rf) = req.response_format {
             body["response_format"] = rf.clone();
         }
+        body
+    }
+
+    /// Sends one request body (see [`Provider::body`]). Never returns an
+    /// error: every failure is classified. Also returns the rate-limit
+    /// headers, when there was a response.
+    pub async fn call(&self, req: &Request<'_>, body: &Value) -> (CallResult, RateHeaders, Duration) {
+        let started = Instant::now();
         let sent = self
             .http
             .post(&self.url)
             .bearer_auth(&self.api_key)
             .header("x-batchfleet-record", req.record)
             .header("x-batchfleet-worker", req.worker)
-            .json(&body)
+            .json(body)
             .send()
             .await;
         let mut limits = RateHeaders::default();
@@ -305,6 +326,15 @@ impl CallResult {
             }
         }
     }
+}
+
+/// A request body's fingerprint: two requests with the same one would get
+/// the same answer from a deterministic model.
+pub fn fingerprint(body: &Value) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = hex::encode(Sha256::digest(body.to_string().as_bytes()));
+    h.truncate(16);
+    h
 }
 
 /// Classifies a response by status, then by the body's `error.code`/`type`

@@ -87,6 +87,11 @@ struct Args {
     /// and honours a schema attached to `json_object`). Default: every form.
     #[arg(long)]
     accept_forms: Option<String>,
+    /// Like a model at temperature 0 on a fixed seed: the same request body
+    /// always gets the same answer, faults included (the draw is seeded by
+    /// the request, not by the order of arrival).
+    #[arg(long)]
+    deterministic: bool,
 }
 
 /// Declares [`Fault`] from one list: variant, `--faults` name, doc.
@@ -390,7 +395,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
         Admission::Admitted(headers) => headers,
         Admission::RateLimited(refused) => return refused,
     };
-    let (fault, latency) = draw_fault_and_latency(sim);
+    let (fault, latency) = draw_fault_and_latency(sim, body);
     // Feedback retries get a clean answer: the model "listened".
     let fault = if chat.with_feedback { None } else { fault };
     if let Some(f) = fault
@@ -418,6 +423,9 @@ struct ChatRequest<'a> {
     max_tokens: u64,
     /// The last user message.
     user: &'a str,
+    /// The first user message: the record (a feedback retry adds the
+    /// previous answer and the feedback as messages after it).
+    record_user: &'a str,
     /// A retry carrying the validator's feedback.
     with_feedback: bool,
     /// The Authorization header, for `--echo-auth`.
@@ -443,12 +451,18 @@ impl<'a> ChatRequest<'a> {
             .find(|m| m["role"] == "user")
             .and_then(|m| m["content"].as_str())
             .unwrap_or("");
+        let record_user = messages
+            .iter()
+            .find(|m| m["role"] == "user")
+            .and_then(|m| m["content"].as_str())
+            .unwrap_or("");
         ChatRequest {
             req,
             prompt_text,
             prompt_tokens,
             max_tokens,
             user,
+            record_user,
             with_feedback: user.contains("rejected by the validator"),
             authorization: String::new(),
         }
@@ -555,8 +569,17 @@ fn rate_limited(sim: &Sim, limit_headers: HeaderMap, wait: f64) -> Response {
 
 /// The seeded draws of one admitted request, in this order: its fault (by
 /// the `--faults` probabilities), then its latency.
-fn draw_fault_and_latency(sim: &Sim) -> (Option<Fault>, Duration) {
-    let mut rng = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
+fn draw_fault_and_latency(sim: &Sim, body: &str) -> (Option<Fault>, Duration) {
+    let mut seeded;
+    let mut shared;
+    let rng: &mut StdRng = if sim.args.deterministic {
+        let digest = Sha256::digest(format!("{}|{body}", sim.args.seed).as_bytes());
+        seeded = StdRng::seed_from_u64(u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])));
+        &mut seeded
+    } else {
+        shared = sim.rng.lock().unwrap_or_else(|e| e.into_inner());
+        &mut shared
+    };
     let draw: f64 = rng.random_range(0.0..1.0);
     let mut acc = 0.0;
     let mut fault = None;
@@ -645,11 +668,11 @@ async fn hang(sim: &Sim) -> Response {
 fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers: HeaderMap) -> Response {
     let response_format = &chat.req["response_format"];
     let seed_text = format!("{}|{}", sim.args.seed, chat.prompt_text);
-    let mut object = generate(response_format, chat.user, &seed_text);
+    let mut object = generate(response_format, chat.record_user, &seed_text);
     let mut echo_whole = false;
     if sim.args.echo_auth {
         let echo = format!("Authorization: {}", chat.authorization);
-        echo_whole = Sha256::digest(chat.user.as_bytes())[0] % 2 == 1;
+        echo_whole = Sha256::digest(chat.record_user.as_bytes())[0] % 2 == 1;
         let first_string = schema_props(response_format)
             .into_iter()
             .find(|(_, v)| type_names(v).iter().any(|t| t == "string") && v.get("enum").is_none());
