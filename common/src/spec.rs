@@ -133,6 +133,41 @@ pub struct FieldSpec {
     /// The field is required when another field has a given value.
     #[serde(default)]
     pub required_if: Option<RequiredIf>,
+    /// For an array: what each item must be (`items = { type = "string",
+    /// enum = [...], max_len = 40 }`); strings when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub items: Option<Box<FieldSpec>>,
+    /// For a string enum: accept a value that differs only in case (mapped
+    /// to the enum's spelling, recorded as a repair).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub enum_ignore_case: bool,
+    /// For a string enum: synonyms mapped to enum values (`{ refund = "billing" }`),
+    /// applied after the call and recorded as a repair.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enum_map: Option<BTreeMap<String, String>>,
+}
+
+impl FieldSpec {
+    /// What each item of an array field must be (strings unless declared).
+    pub fn item_spec(&self) -> std::borrow::Cow<'_, FieldSpec> {
+        match &self.items {
+            Some(i) => std::borrow::Cow::Borrowed(i),
+            None => std::borrow::Cow::Owned(FieldSpec {
+                kind: FieldType::String,
+                description: None,
+                required: true,
+                nullable: false,
+                enum_values: None,
+                min: None,
+                max: None,
+                max_len: None,
+                required_if: None,
+                items: None,
+                enum_ignore_case: false,
+                enum_map: None,
+            }),
+        }
+    }
 }
 
 /// `required_if = { field = "task_type", equals = "extract" }`.
@@ -521,6 +556,44 @@ impl JobSpec {
                 && min > max
             {
                 p.add(at("max"), format!("max ({max}) is less than min ({min})"));
+            }
+            if let Some(items) = &f.items {
+                if f.kind != FieldType::Array {
+                    p.add(
+                        at("items"),
+                        format!("applies to arrays, not to a {} field", f.kind.name()),
+                    );
+                }
+                if matches!(items.kind, FieldType::Array | FieldType::Object) {
+                    p.add(at("items.type"), "items are strings, numbers, integers or booleans");
+                }
+                if items.required_if.is_some() || items.items.is_some() {
+                    p.add(at("items"), "takes type, enum, min, max, max_len and description only");
+                }
+                if let Some(values) = &items.enum_values {
+                    for v in values {
+                        if !value_has_type(v, items.kind) {
+                            p.add(at("items.enum"), format!("value {v} is not a {}", items.kind.name()));
+                        }
+                    }
+                }
+            }
+            if (f.enum_ignore_case || f.enum_map.is_some()) && (f.kind != FieldType::String || f.enum_values.is_none())
+            {
+                p.add(
+                    at("enum_map"),
+                    "enum_map and enum_ignore_case apply to string fields with an enum",
+                );
+            }
+            if let (Some(map), Some(values)) = (&f.enum_map, &f.enum_values) {
+                for (from, to) in map {
+                    if !values.iter().any(|v| v.as_str() == Some(to)) {
+                        p.add(
+                            at("enum_map"),
+                            format!("`{from}` maps to `{to}`, which is not in the enum"),
+                        );
+                    }
+                }
             }
             for (k, v) in [("min", f.min), ("max", f.max)] {
                 if v.is_some_and(|v| !v.is_finite()) {

@@ -148,6 +148,18 @@ pub fn system_prompt(spec: &JobSpec) -> String {
             };
             rules.push(format!("at most {n} {unit}"));
         }
+        if f.kind == FieldType::Array {
+            let item = f.item_spec();
+            let mut what = format!("each item a {}", item.kind.name());
+            if let Some(values) = &item.enum_values {
+                let list: Vec<String> = values.iter().map(Value::to_string).collect();
+                what.push_str(&format!(" (one of {})", list.join(", ")));
+            }
+            if let (Some(n), FieldType::String) = (item.max_len, item.kind) {
+                what.push_str(&format!(" of at most {n} characters"));
+            }
+            rules.push(what);
+        }
         if let Some(cond) = &f.required_if {
             rules.push(format!("required when {} is {}", cond.field, cond.equals));
         }

@@ -79,6 +79,9 @@ pub enum Repair {
     ExtraFieldsRemoved,
     /// Fields the system fills in were provided by the model and ignored.
     SystemFieldsIgnored,
+    /// An enum value given in another case, or a declared synonym, was
+    /// mapped to the enum's value (`enum_ignore_case`, `enum_map`).
+    EnumMapped,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -145,12 +148,13 @@ pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
                 // An optional field sent as null (strict schemas require every
                 // property) counts as absent.
             }
-            Some(v) => match check_value(v, f) {
-                Ok(()) => {
-                    output.insert(name.clone(), v.clone());
+            Some(v) => match check_value(&map_enum(v, f, &mut repairs), f) {
+                Ok(mapped) => {
+                    output.insert(name.clone(), mapped);
                 }
                 Err(e) => errors.push(FieldError {
-                    field: name.clone(),
+                    // An item's error names it: `items[3]`.
+                    field: format!("{name}{}", e.field),
                     ..e
                 }),
             },
@@ -166,7 +170,68 @@ pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
     }
 }
 
-fn check_value(v: &Value, f: &crate::spec::FieldSpec) -> Result<(), FieldError> {
+/// A string enum value as the spec spells it: same value in another case
+/// (`enum_ignore_case`) or a synonym (`enum_map`), recorded as a repair.
+fn map_enum(v: &Value, f: &crate::spec::FieldSpec, repairs: &mut Vec<Repair>) -> Value {
+    let (Some(text), Some(values)) = (v.as_str(), &f.enum_values) else {
+        return v.clone();
+    };
+    if values.iter().any(|e| e.as_str() == Some(text)) {
+        return v.clone();
+    }
+    let mapped = f
+        .enum_map
+        .as_ref()
+        .and_then(|m| {
+            m.get(text).or_else(|| {
+                m.iter()
+                    .find(|(k, _)| f.enum_ignore_case && k.eq_ignore_ascii_case(text))
+                    .map(|(_, v)| v)
+            })
+        })
+        .cloned()
+        .or_else(|| {
+            f.enum_ignore_case
+                .then(|| {
+                    values
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .find(|e| e.eq_ignore_ascii_case(text))
+                })
+                .flatten()
+                .map(str::to_owned)
+        });
+    match mapped {
+        Some(m) => {
+            if !repairs.contains(&Repair::EnumMapped) {
+                repairs.push(Repair::EnumMapped);
+            }
+            Value::String(m)
+        }
+        None => v.clone(),
+    }
+}
+
+/// Checks a value against its field spec; returns the value to keep.
+fn check_value(v: &Value, f: &crate::spec::FieldSpec) -> Result<Value, FieldError> {
+    check_scalar(v, f)?;
+    if f.kind == FieldType::Array
+        && let Value::Array(items) = v
+    {
+        let spec = f.item_spec();
+        for (i, item) in items.iter().enumerate() {
+            if let Err(e) = check_scalar(item, &spec) {
+                return Err(FieldError {
+                    field: format!("[{i}]"),
+                    ..e
+                });
+            }
+        }
+    }
+    Ok(v.clone())
+}
+
+fn check_scalar(v: &Value, f: &crate::spec::FieldSpec) -> Result<(), FieldError> {
     if !value_has_type(v, f.kind) {
         return Err(err(
             ErrorCode::Type,
@@ -279,6 +344,26 @@ pub fn feedback(errors: &[FieldError]) -> String {
 
 /// The strict JSON schema of the output, for `response_format`. Optional and
 /// conditional fields are nullable, as strict mode requires every property.
+/// The JSON schema of an array's items, from its item spec (the same one
+/// the validator checks).
+fn item_schema(f: &crate::spec::FieldSpec) -> Value {
+    let mut prop = Map::new();
+    prop.insert("type".into(), Value::String(f.kind.name().into()));
+    if let Some(values) = &f.enum_values {
+        prop.insert("enum".into(), Value::Array(values.clone()));
+    }
+    if let Some(min) = f.min {
+        prop.insert("minimum".into(), serde_json::json!(min));
+    }
+    if let Some(max) = f.max {
+        prop.insert("maximum".into(), serde_json::json!(max));
+    }
+    if let (Some(n), FieldType::String) = (f.max_len, f.kind) {
+        prop.insert("maxLength".into(), serde_json::json!(n));
+    }
+    Value::Object(prop)
+}
+
 /// The `response_format` of a form (None for `off`): `json_schema` (strict),
 /// or `json_object` with the same schema attached (llama.cpp, vLLM).
 pub fn response_format(spec: &JobSpec, form: crate::spec::StructuredOutput) -> Option<Value> {
@@ -321,9 +406,12 @@ pub fn json_schema(spec: &JobSpec) -> Value {
         if let Some(max) = f.max {
             prop.insert("maximum".into(), serde_json::json!(max));
         }
+        if let (Some(n), FieldType::String) = (f.max_len, f.kind) {
+            prop.insert("maxLength".into(), serde_json::json!(n));
+        }
         match f.kind {
             FieldType::Array => {
-                prop.insert("items".into(), serde_json::json!({"type": "string"}));
+                prop.insert("items".into(), item_schema(&f.item_spec()));
                 if let Some(n) = f.max_len {
                     prop.insert("maxItems".into(), serde_json::json!(n));
                 }
@@ -355,6 +443,173 @@ pub fn json_schema(spec: &JobSpec) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small evaluator of the schema subset `json_schema` generates (type,
+    /// enum, minimum, maximum, maxLength, maxItems, items, required,
+    /// additionalProperties): an independent reading of what the schema says.
+    fn schema_accepts(schema: &Value, v: &Value) -> bool {
+        let types: Vec<&str> = match &schema["type"] {
+            Value::String(t) => vec![t.as_str()],
+            Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+            _ => vec![],
+        };
+        let type_ok = types.iter().any(|t| match *t {
+            "string" => v.is_string(),
+            "number" => v.is_number(),
+            "integer" => v.as_f64().is_some_and(|x| x.fract() == 0.0) && v.is_number(),
+            "boolean" => v.is_boolean(),
+            "array" => v.is_array(),
+            "object" => v.is_object(),
+            "null" => v.is_null(),
+            _ => false,
+        });
+        if !type_ok {
+            return false;
+        }
+        if v.is_null() {
+            return true;
+        }
+        if let Some(e) = schema["enum"].as_array()
+            && !e
+                .iter()
+                .any(|x| x == v || (x.as_f64().is_some() && x.as_f64() == v.as_f64()))
+        {
+            return false;
+        }
+        if let (Some(x), Some(min)) = (v.as_f64(), schema["minimum"].as_f64())
+            && x < min
+        {
+            return false;
+        }
+        if let (Some(x), Some(max)) = (v.as_f64(), schema["maximum"].as_f64())
+            && x > max
+        {
+            return false;
+        }
+        if let (Some(s), Some(n)) = (v.as_str(), schema["maxLength"].as_u64())
+            && s.chars().count() as u64 > n
+        {
+            return false;
+        }
+        if let Some(a) = v.as_array() {
+            if schema["maxItems"].as_u64().is_some_and(|n| a.len() as u64 > n) {
+                return false;
+            }
+            if !schema["items"].is_null() && !a.iter().all(|i| schema_accepts(&schema["items"], i)) {
+                return false;
+            }
+        }
+        if let (Some(o), Some(props)) = (v.as_object(), schema["properties"].as_object()) {
+            let required: Vec<&str> = schema["required"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            if required.iter().any(|r| !o.contains_key(*r)) {
+                return false;
+            }
+            for (k, x) in o {
+                match props.get(k) {
+                    Some(s) if !schema_accepts(s, x) => return false,
+                    Some(_) => {}
+                    None if schema["additionalProperties"] == false => return false,
+                    None => {}
+                }
+            }
+        }
+        true
+    }
+
+    #[test]
+    fn the_schema_sent_and_the_validator_agree_on_a_corpus() {
+        let text = include_str!("../../examples/job.toml").replace(
+            "description = \"order numbers or product names mentioned\"",
+            "description = \"order numbers or product names mentioned\"\nitems = { type = \"string\", max_len = 12 }",
+        );
+        let spec = JobSpec::parse(&text, "job.toml").unwrap();
+        let schema = json_schema(&spec)["json_schema"]["schema"].clone();
+        let base = serde_json::json!({"label": "billing", "reason": "r", "confidence": 0.5, "task_type": "classify", "items": null});
+        let with = |k: &str, v: Value| {
+            let mut o = base.clone();
+            o[k] = v;
+            o
+        };
+        let corpus = [
+            base.clone(),
+            with("items", serde_json::json!(["A-1", "B-2"])),
+            with("items", serde_json::json!([2])),
+            with("items", serde_json::json!([{"sku": "x"}])),
+            with("items", serde_json::json!(["a very long product name"])),
+            with("items", Value::Array(vec![Value::from("x"); 21])),
+            with("label", serde_json::json!("refunds")),
+            with("label", serde_json::json!(3)),
+            with("confidence", serde_json::json!(1.5)),
+            with("confidence", serde_json::json!(true)),
+            with("confidence", Value::Null),
+            with("reason", Value::String("x".repeat(61))),
+            with("task_type", serde_json::json!("summarise")),
+        ];
+        for answer in corpus {
+            let valid = matches!(validate(&spec, &answer.to_string()), Validation::Valid { .. });
+            assert_eq!(valid, schema_accepts(&schema, &answer), "disagree on {answer}");
+        }
+        // An item of the wrong type is named by its index.
+        let Validation::Invalid { errors, .. } =
+            validate(&spec, &with("items", serde_json::json!(["ok", 7])).to_string())
+        else {
+            panic!("an item of the wrong type passed")
+        };
+        assert_eq!(
+            (errors[0].code, errors[0].field.as_str()),
+            (ErrorCode::Type, "items[1]")
+        );
+    }
+
+    #[test]
+    fn enum_values_are_mapped_by_code_and_the_mapping_recorded() {
+        let text = include_str!("../../examples/job.toml").replace(
+            "description = \"the message's main topic\"",
+            "description = \"the message's main topic\"\nenum_ignore_case = true\nenum_map = { refund = \"billing\" }",
+        );
+        let spec = JobSpec::parse(&text, "job.toml").unwrap();
+        let answer = |label: &str| {
+            serde_json::json!({"label": label, "reason": "r", "confidence": 0.5, "task_type": "classify"}).to_string()
+        };
+        for (given, kept) in [("Billing", "billing"), ("refund", "billing"), ("REFUND", "billing")] {
+            let Validation::Valid { output, repairs } = validate(&spec, &answer(given)) else {
+                panic!("{given} was not mapped")
+            };
+            assert_eq!(output["label"], kept);
+            assert!(repairs.contains(&Repair::EnumMapped), "{given}: {repairs:?}");
+        }
+        let Validation::Valid { repairs, .. } = validate(&spec, &answer("billing")) else {
+            panic!()
+        };
+        assert!(
+            !repairs.contains(&Repair::EnumMapped),
+            "nothing to map, nothing recorded"
+        );
+        assert!(matches!(
+            validate(&spec, &answer("nonsense")),
+            Validation::Invalid { .. }
+        ));
+        let bad = text.replace(
+            "enum_map = { refund = \"billing\" }",
+            "enum_map = { refund = \"money\" }",
+        );
+        let problems: Vec<String> = JobSpec::parse(&bad, "job.toml")
+            .err()
+            .map(|e| e.to_string())
+            .into_iter()
+            .collect();
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("maps to `money`, which is not in the enum")),
+            "{problems:?}"
+        );
+    }
 
     fn spec() -> JobSpec {
         JobSpec::parse(include_str!("../../examples/job.toml"), "job.toml").unwrap()
