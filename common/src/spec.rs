@@ -145,6 +145,11 @@ pub struct FieldSpec {
     /// applied after the call and recorded as a repair.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub enum_map: Option<BTreeMap<String, String>>,
+    /// Filled by code from this input field (a dotted path), never taken
+    /// from the model: not asked for, and a model's differing value is
+    /// recorded as the repair `from_input`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_input: Option<String>,
 }
 
 impl FieldSpec {
@@ -165,6 +170,7 @@ impl FieldSpec {
                 items: None,
                 enum_ignore_case: false,
                 enum_map: None,
+                from_input: None,
             }),
         }
     }

@@ -113,7 +113,8 @@ pub fn lookup<'a>(record: &'a serde_json::Map<String, Value>, path: &str) -> Opt
 pub fn system_prompt(spec: &JobSpec) -> String {
     let mut out = spec.prompt.system.trim_end().to_owned();
     out.push_str("\n\nAnswer with exactly one JSON object and nothing else (no prose, no code fence). Its fields:\n");
-    for (name, f) in spec.output.fields.iter() {
+    // Fields code fills from the input are not asked of the model.
+    for (name, f) in spec.output.fields.iter().filter(|(_, f)| f.from_input.is_none()) {
         let mut ty = f.kind.name().to_owned();
         if f.nullable {
             ty.push_str(" or null");

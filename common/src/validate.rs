@@ -82,6 +82,8 @@ pub enum Repair {
     /// An enum value given in another case, or a declared synonym, was
     /// mapped to the enum's value (`enum_ignore_case`, `enum_map`).
     EnumMapped,
+    /// A field filled from the input (`from_input`) had another value from the model.
+    FromInput,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -99,6 +101,12 @@ pub enum Validation {
 
 /// Validates raw model text against the spec's output fields.
 pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
+    validate_record(spec, raw, None)
+}
+
+/// [`validate`] for a record: fields declared `from_input` are filled from
+/// `input`, whatever the model said (a difference is recorded as a repair).
+pub fn validate_record(spec: &JobSpec, raw: &str, input: Option<&Map<String, Value>>) -> Validation {
     let mut repairs = Vec::new();
     let value = match extract_json(raw, &mut repairs) {
         Some(v) if crate::json::too_deep(&v) => {
@@ -124,6 +132,21 @@ pub fn validate(spec: &JobSpec, raw: &str) -> Validation {
     };
     if SYSTEM_FIELDS.iter().any(|f| obj.remove(*f).is_some()) {
         repairs.push(Repair::SystemFieldsIgnored);
+    }
+    if let Some(input) = input {
+        for (name, f) in spec.output.fields.iter() {
+            let Some(value) = f
+                .from_input
+                .as_deref()
+                .and_then(|path| crate::template::lookup(input, path))
+            else {
+                continue;
+            };
+            if obj.get(name.as_str()).is_some_and(|given| given != value) && !repairs.contains(&Repair::FromInput) {
+                repairs.push(Repair::FromInput);
+            }
+            obj.insert(name.clone(), value.clone());
+        }
     }
     let fields = &spec.output.fields;
     let mut errors = Vec::new();
@@ -381,7 +404,8 @@ pub fn response_format(spec: &JobSpec, form: crate::spec::StructuredOutput) -> O
 pub fn json_schema(spec: &JobSpec) -> Value {
     let mut properties = Map::new();
     let mut required = Vec::new();
-    for (name, f) in spec.output.fields.iter() {
+    // Fields code fills from the input are not asked of the model.
+    for (name, f) in spec.output.fields.iter().filter(|(_, f)| f.from_input.is_none()) {
         let optional = f.nullable || !f.required || f.required_if.is_some();
         let ty = if optional {
             serde_json::json!([f.kind.name(), "null"])
@@ -564,6 +588,41 @@ mod tests {
             (errors[0].code, errors[0].field.as_str()),
             (ErrorCode::Type, "items[1]")
         );
+    }
+
+    #[test]
+    fn a_field_code_knows_is_filled_from_the_input_and_switches_required_if() {
+        let text = include_str!("../../examples/job.toml").replace(
+            "description = \"copy the task type from the input\"",
+            "description = \"copy the task type from the input\"\nfrom_input = \"task_type\"",
+        );
+        let spec = JobSpec::parse(&text, "job.toml").unwrap();
+        assert!(
+            json_schema(&spec)["json_schema"]["schema"]["properties"]
+                .get("task_type")
+                .is_none(),
+            "not asked"
+        );
+        let input: Map<String, Value> =
+            serde_json::from_value(serde_json::json!({"message_id": "m1", "task_type": "extract", "text": "x"}))
+                .unwrap();
+        // The model says `classify`, which would switch off `items`' requirement.
+        let answer = serde_json::json!({"label": "billing", "reason": "r", "confidence": 0.5, "task_type": "classify"})
+            .to_string();
+        let Validation::Invalid { errors, repairs } = validate_record(&spec, &answer, Some(&input)) else {
+            panic!("the model's task_type was trusted")
+        };
+        assert_eq!(
+            (errors[0].code, errors[0].field.as_str()),
+            (ErrorCode::Missing, "items")
+        );
+        assert!(repairs.contains(&Repair::FromInput));
+        let fixed =
+            serde_json::json!({"label": "billing", "reason": "r", "confidence": 0.5, "items": ["A-1"]}).to_string();
+        let Validation::Valid { output, .. } = validate_record(&spec, &fixed, Some(&input)) else {
+            panic!()
+        };
+        assert_eq!(output["task_type"], "extract");
     }
 
     #[test]

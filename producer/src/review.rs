@@ -7,7 +7,7 @@ use std::path::Path;
 use common::spec::JobSpec;
 use common::store::{RedisStore, ReviewAction, ReviewOutcome};
 use common::task::{Action, ResultRecord, ReviewEntry, Stamp};
-use common::validate::{Validation, validate};
+use common::validate::{Validation, validate, validate_record};
 use serde_json::Value;
 
 /// Why a review command did not apply.
@@ -97,7 +97,7 @@ pub async fn accept(
 ) -> Result<String, ReviewError> {
     let spec = job_spec(store, job).await?;
     let (entry, p) = find(store, job, id).await?;
-    let (out, repairs) = match validate(&spec, output) {
+    let (out, repairs) = match validate_record(&spec, output, Some(&entry.input.object())) {
         Validation::Valid { output, repairs } => (output, repairs),
         Validation::Invalid { errors, .. } => {
             return Err(ReviewError::Invalid(

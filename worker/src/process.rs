@@ -243,7 +243,7 @@ async fn run_attempt(
         used: used_of(&result),
         headers,
     });
-    let mut reply = result.into_reply(&job.spec, span);
+    let mut reply = result.into_reply(&job.spec, &before.input, span);
     judge_errors(store, job, &mut reply, form).await;
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.

@@ -8,7 +8,7 @@ use common::decision::Outcome;
 use common::otel::{Span, SpanKind};
 use common::spec::JobSpec;
 use common::task::Usage;
-use common::validate::{FieldError, Repair, Validation, validate};
+use common::validate::{FieldError, Repair, Validation, validate_record};
 use reqwest::StatusCode;
 use reqwest::header::HeaderMap;
 use serde_json::{Map, Value, json};
@@ -237,7 +237,7 @@ impl CallResult {
     /// Maps the answer to an outcome: a failure by its kind; a message by its
     /// finish reason and refusal, then by validating it against the spec (in
     /// a `validate` span, child of `span`).
-    pub fn into_reply(self, spec: &JobSpec, span: &Span) -> Reply {
+    pub fn into_reply(self, spec: &JobSpec, input: &Map<String, Value>, span: &Span) -> Reply {
         match self {
             CallResult::Failed(e) => Reply {
                 raw: format!(
@@ -300,7 +300,7 @@ impl CallResult {
                     Outcome::Truncated
                 } else {
                     let check = span.child("validate", SpanKind::Internal);
-                    match validate(spec, &reply.raw) {
+                    match validate_record(spec, &reply.raw, Some(input)) {
                         Validation::Valid { output, repairs } => {
                             check.set("batchfleet.valid", true);
                             check.set("batchfleet.repairs", repairs.len() as i64);
