@@ -375,6 +375,12 @@ fn item_schema(f: &crate::spec::FieldSpec) -> Value {
     if let Some(values) = &f.enum_values {
         prop.insert("enum".into(), Value::Array(values.clone()));
     }
+    bounds(f, &mut prop);
+    Value::Object(prop)
+}
+
+/// A field's bounds in a JSON schema: `minimum`, `maximum`, and a string's `maxLength`.
+fn bounds(f: &crate::spec::FieldSpec, prop: &mut Map<String, Value>) {
     if let Some(min) = f.min {
         prop.insert("minimum".into(), serde_json::json!(min));
     }
@@ -384,7 +390,6 @@ fn item_schema(f: &crate::spec::FieldSpec) -> Value {
     if let (Some(n), FieldType::String) = (f.max_len, f.kind) {
         prop.insert("maxLength".into(), serde_json::json!(n));
     }
-    Value::Object(prop)
 }
 
 /// The `response_format` of a form (None for `off`): `json_schema` (strict),
@@ -424,15 +429,7 @@ pub fn json_schema(spec: &JobSpec) -> Value {
             }
             prop.insert("enum".into(), Value::Array(values));
         }
-        if let Some(min) = f.min {
-            prop.insert("minimum".into(), serde_json::json!(min));
-        }
-        if let Some(max) = f.max {
-            prop.insert("maximum".into(), serde_json::json!(max));
-        }
-        if let (Some(n), FieldType::String) = (f.max_len, f.kind) {
-            prop.insert("maxLength".into(), serde_json::json!(n));
-        }
+        bounds(f, &mut prop);
         match f.kind {
             FieldType::Array => {
                 prop.insert("items".into(), item_schema(&f.item_spec()));

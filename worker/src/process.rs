@@ -154,31 +154,13 @@ async fn run_attempt(
     let rendered = match pre_call(job, &d, &before, limits) {
         Ok(rendered) => rendered,
         Err(outcome) => {
-            let decision = decide(before.attempts.max(1), d.task.calls, &outcome, &job.spec.retry, 0.0);
-            if let Decision::Drop { reason } = &decision {
-                log_event(job, &d, before.attempts, "drop", reason, 0, &[]);
-            }
             let facts = Facts {
                 prompt: "",
                 raw: "",
                 errors: &[],
                 attempts: before.attempts,
             };
-            let stamp = Stamp::now(&job.spec);
-            return apply(
-                store,
-                job,
-                &d,
-                decision,
-                &before,
-                facts,
-                None,
-                d.task.history.clone(),
-                &stamp,
-                limits,
-                span,
-            )
-            .await;
+            return without_call(store, job, &d, &before, outcome, facts, limits, span).await;
         }
     };
     let sent_feedback = (!d.task.feedback.is_empty()).then(|| feedback(&d.task.feedback));
@@ -202,35 +184,13 @@ async fn run_attempt(
     let fp = crate::provider::fingerprint(&body);
     if d.task.answered.contains(&fp) {
         // The same request already got its answer: sending it again buys the same one.
-        let decision = decide(
-            before.attempts.max(1),
-            d.task.calls,
-            &Outcome::NoNewAttempt,
-            &job.spec.retry,
-            0.0,
-        );
         let facts = Facts {
             prompt: &user,
             raw: d.task.answer.as_deref().unwrap_or(""),
             errors: &d.task.feedback,
             attempts: before.attempts,
         };
-        let stamp = Stamp::now(&job.spec);
-        log_event(job, &d, before.attempts, "review", "no_new_attempt", 0, &[]);
-        return apply(
-            store,
-            job,
-            &d,
-            decision,
-            &before,
-            facts,
-            None,
-            d.task.history.clone(),
-            &stamp,
-            limits,
-            span,
-        )
-        .await;
+        return without_call(store, job, &d, &before, Outcome::NoNewAttempt, facts, limits, span).await;
     }
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
@@ -391,6 +351,37 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
         }
         _ => {}
     }
+}
+
+/// Decides and applies an outcome reached without calling the model
+/// (poison, an input error, a request that would repeat an answered one).
+#[allow(clippy::too_many_arguments)]
+async fn without_call(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    before: &Before,
+    outcome: Outcome,
+    facts: Facts<'_>,
+    limits: &Limits,
+    span: &Span,
+) -> Result<Settled, StoreError> {
+    let decision = decide(before.attempts.max(1), d.task.calls, &outcome, &job.spec.retry, 0.0);
+    log_event(
+        job,
+        d,
+        before.attempts,
+        decision_label(&decision),
+        outcome_label(&outcome),
+        0,
+        &[],
+    );
+    let stamp = Stamp::now(&job.spec);
+    let history = d.task.history.clone();
+    apply(
+        store, job, d, decision, before, facts, None, history, &stamp, limits, span,
+    )
+    .await
 }
 
 /// Before a call: a task delivered too often is poison, a record whose

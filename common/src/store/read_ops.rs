@@ -50,13 +50,9 @@ impl RedisStore {
     }
 
     /// Calls `f` with every result of the partition (undecodable ones are skipped).
-    pub async fn results(&self, job: &str, partition: u32, mut f: impl FnMut(ResultRecord)) -> Result<(), StoreError> {
-        self.scan_hash(&keys::results(job, partition), |_, text| {
-            if let Ok(r) = ResultRecord::decode(&text) {
-                f(r)
-            }
-        })
-        .await
+    pub async fn results(&self, job: &str, partition: u32, f: impl FnMut(ResultRecord)) -> Result<(), StoreError> {
+        self.scan_decoded(&keys::results(job, partition), |t| ResultRecord::decode(t).ok(), f)
+            .await
     }
 
     /// Calls `f` with every review entry of the partition (undecodable ones are skipped).
@@ -64,11 +60,22 @@ impl RedisStore {
         &self,
         job: &str,
         partition: u32,
-        mut f: impl FnMut(ReviewEntry),
+        f: impl FnMut(ReviewEntry),
     ) -> Result<(), StoreError> {
-        self.scan_hash(&keys::review(job, partition), |_, text| {
-            if let Ok(e) = ReviewEntry::decode(&text) {
-                f(e)
+        self.scan_decoded(&keys::review(job, partition), |t| ReviewEntry::decode(t).ok(), f)
+            .await
+    }
+
+    /// Calls `f` with every value of a hash that `decode` reads.
+    async fn scan_decoded<T>(
+        &self,
+        key: &str,
+        decode: impl Fn(&str) -> Option<T>,
+        mut f: impl FnMut(T),
+    ) -> Result<(), StoreError> {
+        self.scan_hash(key, |_, text| {
+            if let Some(v) = decode(&text) {
+                f(v)
             }
         })
         .await
