@@ -64,10 +64,6 @@ pub enum Decision {
     },
 }
 
-/// How many calls a record may spend on rate limits before it goes to review
-/// (a provider that never stops throttling must not loop forever).
-pub const RATE_LIMITED_CALLS_PER_ATTEMPT: u32 = 5;
-
 /// The least a record waits after a suspect (maybe systematic) error.
 pub const SUSPECT_WAIT_MS: u64 = 1000;
 
@@ -91,15 +87,14 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         Outcome::Transient { .. } => Decision::Review {
             reason: "attempts_exhausted".into(),
         },
-        Outcome::RateLimited { retry_after_ms } => {
-            if calls < policy.max_attempts.saturating_mul(RATE_LIMITED_CALLS_PER_ATTEMPT) {
-                retry("rate_limited", *retry_after_ms, None)
-            } else {
-                Decision::Review {
-                    reason: "rate_limited_too_often".into(),
-                }
-            }
-        }
+        // Never the record's fault, never its last chance: it waits, longer
+        // the more often it was throttled (the backoff follows its calls,
+        // not its attempts), while the fleet's budget pauses.
+        Outcome::RateLimited { retry_after_ms } => Decision::Retry {
+            delay_ms: backoff_ms(calls, policy, unit).max(retry_after_ms.unwrap_or(0)),
+            cause: "rate_limited".into(),
+            feedback: None,
+        },
         Outcome::Truncated if attempts_left => retry("truncated", None, None),
         Outcome::Truncated => Decision::Review {
             reason: "truncated".into(),
@@ -224,12 +219,25 @@ mod tests {
     }
 
     #[test]
-    fn rate_limits_do_not_use_up_attempts_but_are_bounded() {
+    fn a_429_never_sends_a_record_to_review_and_waits_longer_the_more_it_was_throttled() {
         let r = Outcome::RateLimited {
             retry_after_ms: Some(100),
         };
-        assert!(matches!(decide(3, 3, &r, &policy(), 0.5), Decision::Retry { .. }));
-        assert!(matches!(decide(3, 15, &r, &policy(), 0.5), Decision::Review { .. }));
+        let delay = |calls| match decide(3, calls, &r, &policy(), 1.0) {
+            Decision::Retry { delay_ms, .. } => delay_ms,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(delay(1), 1000, "the base delay");
+        assert_eq!(delay(2), 2000);
+        assert_eq!(delay(500), 5000, "capped");
+        let short = RetryPolicy {
+            base_delay_ms: 10,
+            ..policy()
+        };
+        match decide(1, 1, &r, &short, 0.0) {
+            Decision::Retry { delay_ms, .. } => assert_eq!(delay_ms, 100, "Retry-After is the minimum"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

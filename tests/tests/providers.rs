@@ -288,3 +288,41 @@ fn no_request_is_sent_twice_for_a_record_and_a_temperature_schedule_varies_retri
         "three temperatures, three calls per record"
     );
 }
+
+#[test]
+fn a_429_never_sends_a_record_to_review() {
+    let redis = RedisServer::start();
+    // A provider that throttles nine requests in ten; the spec knows no limits.
+    let sim = LlmSim::start(&["--faults", "rate_limit=0.9", "--seed", "4"]);
+    let dir = TempDir::new("throttled");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 8);
+    let spec = spec_with(
+        &dir,
+        &[
+            ("requests_per_minute = 10000\n", ""),
+            ("input_tokens_per_minute = 2000000\n", ""),
+            ("output_tokens_per_minute = 500000\n", ""),
+            ("max_concurrent = 64\n", ""),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", "max_delay_ms = 50"),
+        ],
+    );
+    enqueue(&redis, &data, "throttled", &spec);
+    let (exit, log) =
+        Running::spawn(worker_cmd(&redis, "throttled", &sim, &["--drain"])).finish(Duration::from_secs(90));
+    assert!(exit.success(), "{log}");
+    let (_, s) = status_json(&redis, "throttled");
+    let review = producer(&["review", "--job", "throttled", "--redis", &redis.url(), "list", "--json"]);
+    assert_eq!(
+        (s["done"].as_u64(), s["review"].as_u64()),
+        (Some(8), Some(0)),
+        "{s}\n{}",
+        harness::stdout(&review)
+    );
+    let throttled = sim.stats()["by_status"]["429"].as_u64().unwrap();
+    assert!(
+        throttled > 8 * 3,
+        "the provider throttled only {throttled} times (the old bound, review after 20 calls, is a unit test of decide)"
+    );
+}
