@@ -313,7 +313,15 @@ fn a_429_never_sends_a_record_to_review() {
         Running::spawn(worker_cmd(&redis, "throttled", &sim, &["--drain"])).finish(Duration::from_secs(90));
     assert!(exit.success(), "{log}");
     let (_, s) = status_json(&redis, "throttled");
-    let review = producer(&["review", "--job", "throttled", "--redis", &redis.url(), "list", "--json"]);
+    let review = producer(&[
+        "review",
+        "--job",
+        "throttled",
+        "--redis",
+        &redis.url(),
+        "list",
+        "--json",
+    ]);
     assert_eq!(
         (s["done"].as_u64(), s["review"].as_u64()),
         (Some(8), Some(0)),
