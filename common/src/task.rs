@@ -287,6 +287,8 @@ pub fn calls_in(history: &[HistoryItem]) -> u32 {
 /// decoding); the input is embedded as written.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Task {
+    /// Absent from a stream entry's encoding (the entry's `rid` field holds it).
+    #[serde(default)]
     pub rid: String,
     /// The record's input object, exactly as enqueued.
     pub input: Input,
@@ -352,21 +354,27 @@ impl Task {
         serde_json::from_str(text).map_err(|e| DecodeError(format!("task: {e}")))
     }
 
+    /// The encoding a stream entry holds beside its `rid` field: the same
+    /// without the record id (64 bytes less per queued record).
+    pub fn encode_entry(&self) -> String {
+        let full = self.encode();
+        let prefix = format!("{{\"rid\":{},", serde_json::to_string(&self.rid).unwrap_or_default());
+        match full.strip_prefix(&prefix) {
+            Some(rest) => format!("{{{rest}"),
+            None => full,
+        }
+    }
+
     /// A stream entry's fields: `task` (the encoding) or, from versions
     /// before it, one field per item (`rid`, `input`, `attempt`, `calls`,
     /// `base`, `feedback`, `history`, `tp`).
     pub fn from_entry_fields<'a>(fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> Result<Task, DecodeError> {
         let mut legacy = Map::new();
-        let mut rid = None;
+        let mut rid: Option<String> = None;
+        let mut encoded: Option<&str> = None;
         for (k, v) in fields {
             match k {
-                "task" => {
-                    let mut t = Task::decode(v)?;
-                    if let Some(r) = rid.take().filter(|r: &String| !r.is_empty()) {
-                        t.rid = r;
-                    }
-                    return Ok(t);
-                }
+                "task" => encoded = Some(v),
                 "rid" => {
                     rid = Some(v.to_owned());
                     legacy.insert("rid".into(), Value::String(v.to_owned()));
@@ -379,6 +387,16 @@ impl Task {
                 }
                 _ => {}
             }
+        }
+        if let Some(text) = encoded {
+            let mut t = Task::decode(text)?;
+            if let Some(r) = rid.filter(|r| !r.is_empty()) {
+                t.rid = r;
+            }
+            if t.rid.is_empty() {
+                return Err(DecodeError("task entry without a record id".into()));
+            }
+            return Ok(t);
         }
         if legacy.get("rid").is_none_or(|r| r.as_str().is_none_or(str::is_empty)) {
             return Err(DecodeError("task entry without a record id".into()));
@@ -868,10 +886,19 @@ mod tests {
         assert_eq!((t.attempt, t.calls, t.feedback.len(), t.history.len()), (0, 0, 0, 0));
         assert!(Task::from_entry_fields([("input", "{}")]).is_err());
 
-        // Today's entries: the encoded task.
-        let enc = Task::new("r4", "{\"k\":[1,2]}", "").unwrap().encode();
+        // Today's entries: the encoded task, without its record id (the entry's `rid` has it).
+        let enc = Task::new("r4", "{\"k\":[1,2]}", "").unwrap().encode_entry();
+        assert_eq!(enc, "{\"input\":{\"k\":[1,2]}}");
         let t = Task::from_entry_fields([("rid", "r4"), ("task", enc.as_str())]).unwrap();
-        assert_eq!(t.input.get(), "{\"k\":[1,2]}");
+        assert_eq!((t.rid.as_str(), t.input.get()), ("r4", "{\"k\":[1,2]}"));
+        // Entries written by promote and resume hold the whole encoding.
+        let full = Task::new("r5", "{}", "").unwrap().encode();
+        assert_eq!(
+            Task::from_entry_fields([("rid", "r5"), ("task", full.as_str())])
+                .unwrap()
+                .rid,
+            "r5"
+        );
     }
 
     #[test]

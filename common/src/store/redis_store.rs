@@ -309,7 +309,7 @@ impl RedisStore {
                 inv.arg(&e.record_id)
                     .arg(&e.origin)
                     .arg(e.state().encode().as_ref())
-                    .arg(e.task.as_ref().map(Task::encode).unwrap_or_default());
+                    .arg(e.task.as_ref().map(Task::encode_entry).unwrap_or_default());
             }
             let mut conn = self.conn.clone();
             let call = async move {

@@ -15,10 +15,12 @@
 -- ARGV[1+4(i-1)+1..4] for record i (at most 1000 records a call):
 --              record_id, origin ("<dataset sha12>:<line>"),
 --              state ("queued" for a task, "dropped:<reason>" for an input error),
---              the encoded task ("" for a dropped record), passed through as it is
--- A task entry holds `rid` (for scans) and `task` (the encoded task, which this
--- script never reads); the business key is inside the input, and the origin
--- stays in the idempotency key (small entries enqueue faster).
+--              the encoded task without its record id ("" for a dropped record),
+--              passed through as it is
+-- A task entry holds `rid` (for scans, and the task's record id) and `task`
+-- (the encoded task, which this script never reads); the business key is
+-- inside the input, and the origin stays in the origins hash and the
+-- idempotency key (small entries enqueue faster).
 -- Returns: an array with, per record i, integer 1 when it was added, else the
 --          origin stored by the run that added it (from the origins hash, or
 --          for jobs enqueued before it existed the idempotency key; "" when
