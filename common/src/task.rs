@@ -529,6 +529,15 @@ impl Stamp {
         }
     }
 
+    /// The same model and versions, stamped now (the versions are derived
+    /// from the spec once per job, not once per record).
+    pub fn renewed(&self) -> Stamp {
+        Stamp {
+            at: crate::manifest::now_rfc3339(),
+            ..self.clone()
+        }
+    }
+
     /// The output with its system fields: the record id and the model.
     fn output(&self, mut output: Map<String, Value>, record_id: &str) -> Map<String, Value> {
         output.insert("record_id".into(), Value::String(record_id.to_owned()));

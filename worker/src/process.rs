@@ -32,6 +32,8 @@ pub struct JobCtx {
     pub limiter: Option<Limiter>,
     /// Halts the job on systematic provider errors.
     pub breaker: crate::breaker::Breaker,
+    /// The job's model and versions (renewed with the time for each record).
+    pub stamp: Stamp,
 }
 
 /// What a call used and what the provider said about limits, for settlement.
@@ -220,7 +222,7 @@ async fn run_attempt(
         &job.spec.retry,
         rand::rng().random_range(0.0..1.0),
     );
-    let stamp = Stamp::now(&job.spec);
+    let stamp = job.stamp.renewed();
     let mut history = d.task.history.clone();
     history.push(HistoryItem::Attempt(Attempt {
         attempt,
@@ -376,7 +378,7 @@ async fn without_call(
         0,
         &[],
     );
-    let stamp = Stamp::now(&job.spec);
+    let stamp = job.stamp.renewed();
     let history = d.task.history.clone();
     apply(
         store, job, d, decision, before, facts, None, history, &stamp, limits, span,

@@ -362,6 +362,7 @@ async fn load_job(
         breaker.set_proven();
     }
     let job = JobCtx {
+        stamp: common::task::Stamp::now(&spec),
         breaker,
         limiter: None,
         name: name.to_owned(),

@@ -109,9 +109,7 @@ impl RedisStore {
         partition: u32,
         record_id: &str,
     ) -> Result<Option<ReviewEntry>, StoreError> {
-        let text: Option<String> =
-            redis::AsyncCommands::hget(&mut self.conn.clone(), keys::review(job, partition), record_id).await?;
-        decode_entry(text, &keys::review(job, partition))
+        self.entry_at(&keys::review(job, partition), record_id).await
     }
 
     /// The archived review entry of a record a person acted on.
@@ -121,20 +119,19 @@ impl RedisStore {
         partition: u32,
         record_id: &str,
     ) -> Result<Option<ReviewEntry>, StoreError> {
-        let text: Option<String> =
-            redis::AsyncCommands::hget(&mut self.conn.clone(), keys::reviewed(job, partition), record_id).await?;
-        decode_entry(text, &keys::reviewed(job, partition))
+        self.entry_at(&keys::reviewed(job, partition), record_id).await
     }
-}
 
-fn decode_entry(text: Option<String>, key: &str) -> Result<Option<ReviewEntry>, StoreError> {
-    text.map(|t| {
-        ReviewEntry::decode(&t).map_err(|e| StoreError::Corrupt {
-            key: key.to_owned(),
-            reason: e.to_string(),
+    async fn entry_at(&self, key: &str, record_id: &str) -> Result<Option<ReviewEntry>, StoreError> {
+        let text: Option<String> = redis::AsyncCommands::hget(&mut self.conn.clone(), key, record_id).await?;
+        text.map(|t| {
+            ReviewEntry::decode(&t).map_err(|e| StoreError::Corrupt {
+                key: key.to_owned(),
+                reason: e.to_string(),
+            })
         })
-    })
-    .transpose()
+        .transpose()
+    }
 }
 
 /// A delayed member is an encoded task: its record id comes first.
