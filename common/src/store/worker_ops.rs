@@ -314,13 +314,20 @@ impl RedisStore {
         Ok(text.as_deref().and_then(RecordState::decode))
     }
 
-    /// Work left in a job: stream entries and delayed retries over all partitions.
+    /// Work left in a job: stream entries and delayed retries over all
+    /// partitions. Each partition is read in one transaction: a retry
+    /// promoted (delayed -> stream) or scheduled (stream -> delayed) between
+    /// two separate reads could make a partition look empty.
     pub async fn remaining(&self, job: &str, partitions: u32) -> Result<Remaining, StoreError> {
         let mut c = self.conn.clone();
         let mut r = Remaining::default();
         for p in 0..partitions {
-            let n: u64 = c.xlen(keys::stream(job, p)).await?;
-            let z: u64 = c.zcard(keys::delayed(job, p)).await?;
+            let (n, z): (u64, u64) = redis::pipe()
+                .atomic()
+                .xlen(keys::stream(job, p))
+                .zcard(keys::delayed(job, p))
+                .query_async(&mut c)
+                .await?;
             r.in_streams += n;
             r.delayed += z;
         }
