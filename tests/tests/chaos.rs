@@ -176,7 +176,16 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         match round % 5 {
             0 => {
                 // kill -9 a random worker, start another; time how long until its tasks run again.
-                let i = rng.random_range(0..fleet.workers.len());
+                // The worker holding the most tasks (a random one when none is known to).
+                let held_by: Vec<u64> = fleet
+                    .workers
+                    .iter()
+                    .map(|(n, _)| pending_of(&redis, n).unwrap_or(0))
+                    .collect();
+                let i = match held_by.iter().enumerate().max_by_key(|(_, h)| **h) {
+                    Some((i, h)) if *h > 0 => i,
+                    _ => rng.random_range(0..fleet.workers.len()),
+                };
                 let (name, mut w) = fleet.take(i);
                 let held = pending_of(&redis, &name).unwrap_or(0);
                 killed_workers.push(name.clone());
