@@ -3,8 +3,10 @@
 # Starts a throwaway redis-server (unless REDIS_URL is set) and llm-sim with a
 # realistic fault mix (unless OPENAI_API_KEY and BATCHFLEET_BASE_URL are set,
 # then that endpoint is used), enqueues examples/dataset.jsonl, runs two
-# workers until the job is drained, and prints the job status and where the
-# results are. Everything it starts binds to 127.0.0.1 and is stopped at exit.
+# workers until the job is drained, writing the results into a throwaway
+# PostgreSQL (when its server binaries are installed; `make demo` installs
+# them), and prints the job status, a psql query and its first rows.
+# Everything it starts binds to 127.0.0.1 and is stopped at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
@@ -15,6 +17,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
   stop_redis
+  stop_postgres
 }
 trap cleanup EXIT
 
@@ -38,10 +41,20 @@ else
   echo "started llm-sim on $addr (150 ms mean latency, 10000 requests/min, fault mix: $faults)"
 fi
 
+spec=examples/job.toml
+if start_postgres; then
+  export DEMO_DATABASE_URL="$PG_URL"
+  spec="$work/job.toml"
+  sed 's/^\[retry\]$/[sink]\nkind = "postgres"\nurl_env = "DEMO_DATABASE_URL"\ntable = "results"\n\n[retry]/' examples/job.toml >"$spec"
+  echo "started a throwaway PostgreSQL on 127.0.0.1:$PG_PORT: results go to its table \`results\` ($spec adds [sink])"
+else
+  echo "PostgreSQL's server binaries are not installed: results stay in Redis (export them with producer export)"
+fi
+
 job=demo-$(date +%Y%m%d-%H%M%S)
 echo
-echo "== producer enqueue examples/dataset.jsonl --job $job --spec examples/job.toml"
-$bin/producer enqueue examples/dataset.jsonl --job "$job" --spec examples/job.toml --no-progress
+echo "== producer enqueue examples/dataset.jsonl --job $job --spec $spec"
+$bin/producer enqueue examples/dataset.jsonl --job "$job" --spec "$spec" --no-progress
 echo
 echo "== two workers, until the job is drained (logs in $work/worker-*.log)"
 for i in 1 2; do
@@ -61,5 +74,13 @@ echo
 $bin/producer export --job "$job" --out "$work/results.jsonl"
 echo "results: $work/results.jsonl ($(wc -l <"$work/results.jsonl") records); one of them:"
 head -1 "$work/results.jsonl" | python3 -c 'import json,sys; r=json.load(sys.stdin); print(json.dumps({k: r[k] for k in ("record_id","key","output","attempts")}, indent=2))'
+if [ -n "${DEMO_DATABASE_URL:-}" ]; then
+  query="SELECT business_key, output->>'label' AS label, attempts, committed_at FROM results WHERE job = '$job' ORDER BY business_key LIMIT 5"
+  echo
+  echo "== psql -c \"$query\""
+  PGPASSWORD="$PG_PASSWORD" psql -h 127.0.0.1 -p "$PG_PORT" -U bf -d postgres -c "$query"
+  PGPASSWORD="$PG_PASSWORD" psql -h 127.0.0.1 -p "$PG_PORT" -U bf -d postgres -Atc \
+    "SELECT count(*) || ' rows in results, ' || (SELECT count(*) FROM results_failures WHERE resolved_at IS NULL) || ' open failures' FROM results WHERE job = '$job'"
+fi
 echo "review queue: producer review --job $job list   (then show / accept / requeue / reject)"
 echo "dropped lines: producer dropped --job $job"

@@ -2,7 +2,8 @@
 # Makes sure the tools the tests and the demo run are installed: redis-server
 # and redis-cli (real Redis for every test), promtool (checks the metrics
 # exposition), openssl (makes the TLS test's CA), rotel (the OTLP receiver
-# the trace test exports to). Installs
+# the trace test exports to), PostgreSQL's server binaries (initdb, pg_ctl:
+# the result sink's tests start their own throwaway server). Installs
 # them with apt-get / pip when this machine allows it, else says exactly what
 # to run.
 set -euo pipefail
@@ -17,6 +18,16 @@ missing=()
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  missing+=(postgresql)
+  # Only the binaries: no cluster of the package's own listening on 5432.
+  as_root=""; [ "$(id -u)" = 0 ] || as_root="sudo -n"
+  if $as_root true 2>/dev/null; then
+    $as_root mkdir -p /etc/postgresql-common
+    echo "create_main_cluster = false" | $as_root tee /etc/postgresql-common/createcluster.conf >/dev/null
+  fi
+fi
+command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
 [ ${#missing[@]} -eq 0 ] && exit 0
 install="apt-get install -y --no-install-recommends ${missing[*]}"
 if command -v apt-get >/dev/null 2>&1; then

@@ -48,3 +48,36 @@ bench_records() {
     python3 scripts/gen_bench_data.py "$n" "$BENCH_DATA" "$BENCH_PROTO"
   fi
 }
+
+# start_postgres: a throwaway PostgreSQL (initdb into a temp dir, pg_ctl) on
+# 127.0.0.1 and a free port, as the `postgres` user when run as root; sets
+# PG_PORT, PG_DIR and PG_URL (role bf, password in PG_PASSWORD). Returns 1
+# when PostgreSQL's server binaries are not installed. Stop it with stop_postgres.
+start_postgres() {
+  local bindir
+  bindir=$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb 2>/dev/null | sort | tail -1)" 2>/dev/null) || return 1
+  [ -x "$bindir/initdb" ] && [ -x "$bindir/pg_ctl" ] || return 1
+  PG_BIN=$bindir
+  PG_DIR=$(mktemp -d /tmp/batchfleet-demo-pg.XXXXXX)
+  PG_PORT=$(free_port)
+  PG_PASSWORD="demo-$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')"
+  printf '%s' "$PG_PASSWORD" >"$PG_DIR/pw"
+  local as=()
+  if [ "$(id -u)" = 0 ]; then chown -R postgres "$PG_DIR"; as=(runuser -u postgres --); fi
+  "${as[@]}" "$PG_BIN/initdb" -D "$PG_DIR/data" -U bf -A scram-sha-256 --pwfile "$PG_DIR/pw" >"$PG_DIR/initdb.log" 2>&1 || return 1
+  "${as[@]}" "$PG_BIN/pg_ctl" -D "$PG_DIR/data" -l "$PG_DIR/log" -w \
+    -o "-p $PG_PORT -k $PG_DIR -c listen_addresses=127.0.0.1" start >/dev/null || return 1
+  PG_URL="postgres://bf:$PG_PASSWORD@127.0.0.1:$PG_PORT/postgres?sslmode=disable"
+}
+
+stop_postgres() {
+  if [ -n "${PG_DIR:-}" ]; then
+    local pid
+    pid=$(head -1 "$PG_DIR/data/postmaster.pid" 2>/dev/null || true)
+    # Its own pid file names it: a fast shutdown of exactly that server.
+    [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+    rm -rf "$PG_DIR"
+    PG_DIR=
+  fi
+}

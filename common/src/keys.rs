@@ -8,6 +8,9 @@
 /// The consumer group every worker of every job reads through.
 pub const GROUP: &str = "workers";
 
+/// The consumer group that writes a partition's outcomes to the job's sink.
+pub const SINK_GROUP: &str = "sink";
+
 /// Why a job name was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("job name `{0}` is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -")]
@@ -88,6 +91,15 @@ pub fn state(job: &str, partition: u32) -> String {
 /// Hash record_id -> result JSON; written once (first writer wins).
 pub fn results(job: &str, partition: u32) -> String {
     format!("bf:{}:results", partition_tag(job, partition))
+}
+
+/// Stream of outcomes to hand to the job's sink (only for a job with one):
+/// `rid` and `k` (`r` a committed result, `f` a record in review or
+/// dropped), added by the same script that settles the record; read through
+/// [`SINK_GROUP`], acknowledged and deleted once the sink's transaction is
+/// durable. It exists exactly when the job has a sink.
+pub fn sink(job: &str, partition: u32) -> String {
+    format!("bf:{}:sink", partition_tag(job, partition))
 }
 
 /// Hash record_id -> review entry JSON: what people drain.

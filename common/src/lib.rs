@@ -23,6 +23,7 @@ pub mod manifest;
 pub mod otel;
 pub mod record;
 pub mod secret;
+pub mod sink;
 pub mod spec;
 pub mod store;
 pub mod task;

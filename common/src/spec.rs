@@ -35,6 +35,59 @@ pub struct JobSpec {
     /// Prices in USD per million tokens, for cost reports.
     #[serde(default)]
     pub prices: Prices,
+    /// Where committed results are written after Redis (`[sink]`; none by default).
+    #[serde(default, skip_serializing_if = "Sink::is_none")]
+    pub sink: Sink,
+}
+
+/// `[sink]`: where committed results go (see the README's "Result sink").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Sink {
+    #[serde(default)]
+    pub kind: SinkKind,
+    /// `postgres`: the NAME of the environment variable holding the database
+    /// URL (like `provider.api_key_env`, never the URL itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url_env: Option<String>,
+    /// `postgres`: the results table (`name` or `schema.name`; default
+    /// `batchfleet_results`); its failures table is `<table>_failures`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<String>,
+    /// `files`: the directory of the JSONL segments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir: Option<String>,
+    /// Rows per write (one transaction each); default 500.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_rows: Option<usize>,
+}
+
+/// See [`Sink::kind`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    /// A dry run: results stay in Redis, nothing is written downstream.
+    #[default]
+    None,
+    Postgres,
+    Files,
+}
+
+impl Sink {
+    pub const DEFAULT_TABLE: &str = "batchfleet_results";
+
+    pub fn is_none(&self) -> bool {
+        self.kind == SinkKind::None
+    }
+
+    /// The results table, as configured or the default.
+    pub fn table(&self) -> &str {
+        self.table.as_deref().unwrap_or(Self::DEFAULT_TABLE)
+    }
+
+    pub fn batch_rows(&self) -> usize {
+        self.batch_rows.unwrap_or(500)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -150,6 +203,11 @@ pub struct FieldSpec {
     /// recorded as the repair `from_input`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub from_input: Option<String>,
+    /// For an object (a field, or an array's items): its own fields, checked
+    /// like the output's (`[output.fields.address.fields.city]`); the schema
+    /// sent declares them. An object without them may hold anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fields: Option<OrderedFields>,
 }
 
 impl FieldSpec {
@@ -171,6 +229,7 @@ impl FieldSpec {
                 enum_ignore_case: false,
                 enum_map: None,
                 from_input: None,
+                fields: None,
             }),
         }
     }
@@ -197,6 +256,11 @@ pub struct Provider {
     /// Per-request timeout in seconds.
     #[serde(default = "default_timeout_secs")]
     pub timeout_secs: u64,
+    /// How long a timed-out call still holds its concurrency slot: a
+    /// self-hosted server keeps generating after the client gave up, and the
+    /// next request would queue behind it. Default: `timeout_secs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_grace_secs: Option<u64>,
     /// `max_tokens` sent with each request; also reserved against the output budget.
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u32,
@@ -210,6 +274,13 @@ pub struct Provider {
     /// learned once for the fleet.
     #[serde(default)]
     pub structured_output: StructuredOutput,
+}
+
+impl Provider {
+    /// How long a timed-out call keeps its concurrency slot.
+    pub fn timeout_grace(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.timeout_grace_secs.unwrap_or(self.timeout_secs))
+    }
 }
 
 /// How the output's shape is asked for (see [`Provider::structured_output`]).
@@ -510,20 +581,26 @@ impl JobSpec {
         self.output_problems(&mut p);
         self.provider_problems(&mut p);
         self.limit_problems(&mut p);
+        self.sink_problems(&mut p);
         p.0
     }
 
     fn output_problems(&self, p: &mut Problems) {
-        let fields = &self.output.fields;
+        Self::field_problems(&self.output.fields, "output.fields", true, p);
+    }
+
+    /// The problems of a table of fields at `path` (`output.fields`, or an
+    /// object's own `output.fields.address.fields`); `top`: the output's own.
+    fn field_problems(fields: &OrderedFields, path: &str, top: bool, p: &mut Problems) {
         if fields.is_empty() {
-            p.add("output.fields", "must define at least one field");
+            p.add(path.to_owned(), "must define at least one field");
         }
         for (name, f) in fields.iter() {
             let at = |k: &str| {
                 if k.is_empty() {
-                    format!("output.fields.{name}")
+                    format!("{path}.{name}")
                 } else {
-                    format!("output.fields.{name}.{k}")
+                    format!("{path}.{name}.{k}")
                 }
             };
             if !is_identifier(name) {
@@ -570,11 +647,23 @@ impl JobSpec {
                         format!("applies to arrays, not to a {} field", f.kind.name()),
                     );
                 }
-                if matches!(items.kind, FieldType::Array | FieldType::Object) {
-                    p.add(at("items.type"), "items are strings, numbers, integers or booleans");
+                if items.kind == FieldType::Array {
+                    p.add(
+                        at("items.type"),
+                        "items are strings, numbers, integers, booleans or objects",
+                    );
                 }
-                if items.required_if.is_some() || items.items.is_some() {
-                    p.add(at("items"), "takes type, enum, min, max, max_len and description only");
+                if items.required_if.is_some() || items.items.is_some() || items.from_input.is_some() {
+                    p.add(
+                        at("items"),
+                        "takes type, enum, min, max, max_len, fields and description only",
+                    );
+                }
+                if let Some(item_fields) = &items.fields {
+                    if items.kind != FieldType::Object {
+                        p.add(at("items.fields"), "applies to object items");
+                    }
+                    Self::field_problems(item_fields, &at("items.fields"), false, p);
                 }
                 if let Some(values) = &items.enum_values {
                     for v in values {
@@ -600,6 +689,21 @@ impl JobSpec {
                         );
                     }
                 }
+            }
+            if let Some(own) = &f.fields {
+                if f.kind != FieldType::Object {
+                    p.add(
+                        at("fields"),
+                        format!("applies to object fields, not to a {} field", f.kind.name()),
+                    );
+                }
+                Self::field_problems(own, &at("fields"), false, p);
+            }
+            if !top && f.from_input.is_some() {
+                p.add(
+                    at("from_input"),
+                    "applies to the output's own fields, not to a nested one",
+                );
             }
             for (k, v) in [("min", f.min), ("max", f.max)] {
                 if v.is_some_and(|v| !v.is_finite()) {
@@ -650,6 +754,62 @@ impl JobSpec {
         }
     }
 
+    fn sink_problems(&self, p: &mut Problems) {
+        let s = &self.sink;
+        match s.kind {
+            SinkKind::None => {
+                for (key, set) in [
+                    ("sink.url_env", s.url_env.is_some()),
+                    ("sink.table", s.table.is_some()),
+                    ("sink.dir", s.dir.is_some()),
+                ] {
+                    if set {
+                        p.add(key, "is set but sink.kind is \"none\" (set kind = \"postgres\")");
+                    }
+                }
+            }
+            SinkKind::Files => p.add(
+                "sink.kind",
+                "\"files\" is not available in this version: use \"postgres\", or \"none\" to keep results in Redis",
+            ),
+            SinkKind::Postgres => {
+                match &s.url_env {
+                    None => p.add(
+                        "sink.url_env",
+                        "is required: the NAME of the variable holding the database URL",
+                    ),
+                    Some(v) if !is_env_name(v) => p.add(
+                        "sink.url_env",
+                        "must be the NAME of an environment variable (A-Z, 0-9, _), never the URL",
+                    ),
+                    Some(_) => {}
+                }
+                let table_ok = {
+                    let parts: Vec<&str> = s.table().split('.').collect();
+                    parts.len() <= 2
+                        && parts.iter().all(|t| {
+                            t.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                                && t.chars()
+                                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                                && t.len() <= 54
+                        })
+                };
+                if !table_ok {
+                    p.add(
+                        "sink.table",
+                        "must be `name` or `schema.name`: lowercase letters, digits and `_`, at most 54 each",
+                    );
+                }
+                if s.dir.is_some() {
+                    p.add("sink.dir", "applies to kind = \"files\"");
+                }
+            }
+        }
+        if s.batch_rows.is_some_and(|n| !(1..=5000).contains(&n)) {
+            p.add("sink.batch_rows", "must be between 1 and 5000");
+        }
+    }
+
     fn provider_problems(&self, p: &mut Problems) {
         let pr = &self.provider;
         if !(pr.base_url.starts_with("http://") || pr.base_url.starts_with("https://")) {
@@ -668,13 +828,7 @@ impl JobSpec {
         if pr.model.trim().is_empty() {
             p.add("provider.model", "must not be empty");
         }
-        let env_ok = !pr.api_key_env.is_empty()
-            && pr
-                .api_key_env
-                .chars()
-                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
-            && !pr.api_key_env.starts_with(|c: char| c.is_ascii_digit());
-        if !env_ok {
+        if !is_env_name(&pr.api_key_env) {
             p.add(
                 "provider.api_key_env",
                 "must be the NAME of an environment variable (A-Z, 0-9, _), never the key",
@@ -682,6 +836,9 @@ impl JobSpec {
         }
         if !(1..=600).contains(&pr.timeout_secs) {
             p.add("provider.timeout_secs", "must be between 1 and 600");
+        }
+        if pr.timeout_grace_secs.is_some_and(|g| g > 600) {
+            p.add("provider.timeout_grace_secs", "must be between 0 and 600");
         }
         if !(1..=1_000_000).contains(&pr.max_tokens) {
             p.add("provider.max_tokens", "must be between 1 and 1000000");
@@ -805,6 +962,14 @@ impl Problems {
             message: message.into(),
         });
     }
+}
+
+/// `OPENAI_API_KEY`: an environment variable's name (A-Z, 0-9, `_`, not a digit first).
+fn is_env_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+        && !s.starts_with(|c: char| c.is_ascii_digit())
 }
 
 fn is_identifier(s: &str) -> bool {
@@ -954,6 +1119,42 @@ mod tests {
     fn edited(replace: &str, with: &str) -> String {
         assert!(EXAMPLE.contains(replace), "example spec lacks {replace:?}");
         EXAMPLE.replacen(replace, with, 1)
+    }
+
+    #[test]
+    fn a_sink_is_checked_field_by_field() {
+        let with = |sink: &str| edited("[retry]", &format!("[sink]\n{sink}\n\n[retry]"));
+        let ok = JobSpec::parse(&with("kind = \"postgres\"\nurl_env = \"DATABASE_URL\""), "job.toml").unwrap();
+        assert_eq!(ok.sink.table(), "batchfleet_results");
+        assert_eq!(ok.sink.batch_rows(), 500);
+        assert!(
+            JobSpec::parse(EXAMPLE, "job.toml").unwrap().sink.is_none(),
+            "none by default"
+        );
+        for (sink, needle) in [
+            ("kind = \"postgres\"", "sink.url_env: is required"),
+            (
+                "kind = \"postgres\"\nurl_env = \"postgres://u:p@h/db\"",
+                "sink.url_env: must be the NAME",
+            ),
+            (
+                "kind = \"postgres\"\nurl_env = \"D\"\ntable = \"Results; DROP\"",
+                "sink.table: must be `name` or `schema.name`",
+            ),
+            (
+                "kind = \"postgres\"\nurl_env = \"D\"\nbatch_rows = 0",
+                "sink.batch_rows: must be between 1 and 5000",
+            ),
+            (
+                "kind = \"files\"\ndir = \"out\"",
+                "sink.kind: \"files\" is not available",
+            ),
+            ("url_env = \"D\"", "sink.url_env: is set but sink.kind is \"none\""),
+            ("kind = \"mysql\"", "unknown variant `mysql`"),
+        ] {
+            let problems = problems_of(&with(sink)).join("\n");
+            assert!(problems.contains(needle), "{sink}: {problems}");
+        }
     }
 
     fn problems_of(text: &str) -> Vec<String> {

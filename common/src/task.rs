@@ -96,6 +96,10 @@ pub struct Usage {
     pub completion: u64,
     pub reasoning: u64,
     pub total: u64,
+    /// Not reported by the provider but estimated by us (a call that timed
+    /// out: the server may have generated and billed it): the prompt from
+    /// its length, the completion as `max_tokens`. Encoded as `"estimated": true`.
+    pub estimated: bool,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -110,6 +114,8 @@ struct UsageWire {
     prompt_tokens_details: Option<Details>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     completion_tokens_details: Option<Details>,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    estimated: bool,
 }
 
 #[derive(Serialize, Deserialize, Default)]
@@ -126,7 +132,24 @@ impl Usage {
         if !v.is_object() {
             return None;
         }
-        serde_json::from_value::<UsageWire>(v.clone()).ok().map(Usage::from)
+        // `estimated` is ours to say, never the provider's.
+        let wire = serde_json::from_value::<UsageWire>(v.clone()).ok()?;
+        Some(Usage {
+            estimated: false,
+            ..Usage::from(wire)
+        })
+    }
+
+    /// What a call the provider never answered may have used: `prompt`
+    /// tokens estimated from the request, the completion as `max_tokens`.
+    pub fn estimate(prompt: u64, max_tokens: u64) -> Usage {
+        Usage {
+            prompt,
+            completion: max_tokens,
+            total: prompt + max_tokens,
+            estimated: true,
+            ..Usage::default()
+        }
     }
 
     /// USD for this call at `prices`.
@@ -152,6 +175,7 @@ impl From<UsageWire> for Usage {
                 .and_then(|d| d.reasoning_tokens)
                 .unwrap_or(0),
             total: w.total_tokens.unwrap_or(prompt + completion),
+            estimated: w.estimated,
         }
     }
 }
@@ -170,6 +194,7 @@ impl Serialize for Usage {
                 cached_tokens: None,
                 reasoning_tokens: Some(self.reasoning),
             }),
+            estimated: self.estimated,
         }
         .serialize(s)
     }
@@ -797,6 +822,7 @@ mod tests {
                 completion: 5,
                 reasoning: 0,
                 total: 15,
+                estimated: false,
             }),
             decision: "retry".into(),
             error: None,

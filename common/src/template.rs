@@ -113,8 +113,15 @@ pub fn lookup<'a>(record: &'a serde_json::Map<String, Value>, path: &str) -> Opt
 pub fn system_prompt(spec: &JobSpec) -> String {
     let mut out = spec.prompt.system.trim_end().to_owned();
     out.push_str("\n\nAnswer with exactly one JSON object and nothing else (no prose, no code fence). Its fields:\n");
+    describe_fields(&mut out, &spec.output.fields, "");
+    out
+}
+
+/// One line per field, `indent`ed; an object's own fields (or its items')
+/// follow it, indented further.
+fn describe_fields(out: &mut String, fields: &crate::spec::OrderedFields, indent: &str) {
     // Fields code fills from the input are not asked of the model.
-    for (name, f) in spec.output.fields.iter().filter(|(_, f)| f.from_input.is_none()) {
+    for (name, f) in fields.iter().filter(|(_, f)| f.from_input.is_none()) {
         let mut ty = f.kind.name().to_owned();
         if f.nullable {
             ty.push_str(" or null");
@@ -126,7 +133,7 @@ pub fn system_prompt(spec: &JobSpec) -> String {
         } else {
             "optional"
         };
-        let _ = write!(out, "- {name} ({ty}, {presence})");
+        let _ = write!(out, "{indent}- {name} ({ty}, {presence})");
         let mut rules = Vec::new();
         if let Some(d) = &f.description {
             rules.push(d.trim().to_owned());
@@ -164,12 +171,18 @@ pub fn system_prompt(spec: &JobSpec) -> String {
         if let Some(cond) = &f.required_if {
             rules.push(format!("required when {} is {}", cond.field, cond.equals));
         }
+        let own = f.fields.as_ref().or(f.items.as_ref().and_then(|i| i.fields.as_ref()));
+        if own.is_some() {
+            rules.push("with these fields".to_owned());
+        }
         if !rules.is_empty() {
             let _ = write!(out, ": {}", rules.join("; "));
         }
         out.push('\n');
+        if let Some(own) = own {
+            describe_fields(out, own, &format!("{indent}  "));
+        }
     }
-    out
 }
 
 #[cfg(test)]

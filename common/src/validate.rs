@@ -148,44 +148,7 @@ pub fn validate_record(spec: &JobSpec, raw: &str, input: Option<&Map<String, Val
             obj.insert(name.clone(), value.clone());
         }
     }
-    let fields = &spec.output.fields;
-    let mut errors = Vec::new();
-    let mut output = Map::new();
-    for (name, f) in fields.iter() {
-        let required = f.required
-            || f.required_if
-                .as_ref()
-                .is_some_and(|c| obj.get(&c.field) == Some(&c.equals));
-        match obj.get(name.as_str()) {
-            None => {
-                if required {
-                    errors.push(err(ErrorCode::Missing, name, "is required"));
-                }
-            }
-            Some(Value::Null) => {
-                if f.nullable {
-                    output.insert(name.clone(), Value::Null);
-                } else if required {
-                    errors.push(err(ErrorCode::Null, name, "must not be null"));
-                }
-                // An optional field sent as null (strict schemas require every
-                // property) counts as absent.
-            }
-            Some(v) => match check_value(&map_enum(v, f, &mut repairs), f) {
-                Ok(mapped) => {
-                    output.insert(name.clone(), mapped);
-                }
-                Err(e) => errors.push(FieldError {
-                    // An item's error names it: `items[3]`.
-                    field: format!("{name}{}", e.field),
-                    ..e
-                }),
-            },
-        }
-    }
-    if obj.keys().any(|k| fields.get(k).is_none()) {
-        repairs.push(Repair::ExtraFieldsRemoved);
-    }
+    let (output, errors) = check_fields(&spec.output.fields, &obj, "", &mut repairs);
     if errors.is_empty() {
         Validation::Valid { output, repairs }
     } else {
@@ -235,23 +198,96 @@ fn map_enum(v: &Value, f: &crate::spec::FieldSpec, repairs: &mut Vec<Repair>) ->
     }
 }
 
-/// Checks a value against its field spec; returns the value to keep.
-fn check_value(v: &Value, f: &crate::spec::FieldSpec) -> Result<Value, FieldError> {
-    check_scalar(v, f)?;
-    if f.kind == FieldType::Array
-        && let Value::Array(items) = v
-    {
-        let spec = f.item_spec();
-        for (i, item) in items.iter().enumerate() {
-            if let Err(e) = check_scalar(item, &spec) {
-                return Err(FieldError {
-                    field: format!("[{i}]"),
-                    ..e
-                });
+/// Checks an object against a table of fields: the value to keep (only the
+/// fields named, in their order) and every error, each naming its field by
+/// its path from the output (`address.city`, `items[3].sku`).
+fn check_fields(
+    fields: &crate::spec::OrderedFields,
+    obj: &Map<String, Value>,
+    path: &str,
+    repairs: &mut Vec<Repair>,
+) -> (Map<String, Value>, Vec<FieldError>) {
+    let mut errors = Vec::new();
+    let mut output = Map::new();
+    for (name, f) in fields.iter() {
+        let at = format!("{path}{name}");
+        let required = f.required
+            || f.required_if
+                .as_ref()
+                .is_some_and(|c| obj.get(&c.field) == Some(&c.equals));
+        match obj.get(name.as_str()) {
+            None => {
+                if required {
+                    errors.push(err(ErrorCode::Missing, &at, "is required"));
+                }
             }
+            Some(Value::Null) => {
+                if f.nullable {
+                    output.insert(name.clone(), Value::Null);
+                } else if required {
+                    errors.push(err(ErrorCode::Null, &at, "must not be null"));
+                }
+                // An optional field sent as null (strict schemas require every
+                // property) counts as absent.
+            }
+            Some(v) => match check_value(&map_enum(v, f, repairs), f, &at, repairs) {
+                Ok(kept) => {
+                    output.insert(name.clone(), kept);
+                }
+                Err(mut e) => errors.append(&mut e),
+            },
         }
     }
-    Ok(v.clone())
+    if obj.keys().any(|k| fields.get(k).is_none()) && !repairs.contains(&Repair::ExtraFieldsRemoved) {
+        repairs.push(Repair::ExtraFieldsRemoved);
+    }
+    (output, errors)
+}
+
+/// Checks a value at `at` against its field spec; returns the value to keep.
+fn check_value(
+    v: &Value,
+    f: &crate::spec::FieldSpec,
+    at: &str,
+    repairs: &mut Vec<Repair>,
+) -> Result<Value, Vec<FieldError>> {
+    check_scalar(v, f).map_err(|e| {
+        vec![FieldError {
+            field: at.to_owned(),
+            ..e
+        }]
+    })?;
+    match (v, f.kind) {
+        (Value::Object(o), FieldType::Object) => match &f.fields {
+            Some(own) => {
+                let (kept, errors) = check_fields(own, o, &format!("{at}."), repairs);
+                if errors.is_empty() {
+                    Ok(Value::Object(kept))
+                } else {
+                    Err(errors)
+                }
+            }
+            None => Ok(v.clone()),
+        },
+        (Value::Array(items), FieldType::Array) => {
+            let spec = f.item_spec();
+            let mut kept = Vec::with_capacity(items.len());
+            let mut errors = Vec::new();
+            for (i, item) in items.iter().enumerate() {
+                let item = map_enum(item, &spec, repairs);
+                match check_value(&item, &spec, &format!("{at}[{i}]"), repairs) {
+                    Ok(k) => kept.push(k),
+                    Err(mut e) => errors.append(&mut e),
+                }
+            }
+            if errors.is_empty() {
+                Ok(Value::Array(kept))
+            } else {
+                Err(errors)
+            }
+        }
+        _ => Ok(v.clone()),
+    }
 }
 
 fn check_scalar(v: &Value, f: &crate::spec::FieldSpec) -> Result<(), FieldError> {
@@ -365,20 +401,6 @@ pub fn feedback(errors: &[FieldError]) -> String {
     out
 }
 
-/// The strict JSON schema of the output, for `response_format`. Optional and
-/// conditional fields are nullable, as strict mode requires every property.
-/// The JSON schema of an array's items, from its item spec (the same one
-/// the validator checks).
-fn item_schema(f: &crate::spec::FieldSpec) -> Value {
-    let mut prop = Map::new();
-    prop.insert("type".into(), Value::String(f.kind.name().into()));
-    if let Some(values) = &f.enum_values {
-        prop.insert("enum".into(), Value::Array(values.clone()));
-    }
-    bounds(f, &mut prop);
-    Value::Object(prop)
-}
-
 /// A field's bounds in a JSON schema: `minimum`, `maximum`, and a string's `maxLength`.
 fn bounds(f: &crate::spec::FieldSpec, prop: &mut Map<String, Value>) {
     if let Some(min) = f.min {
@@ -406,59 +428,87 @@ pub fn response_format(spec: &JobSpec, form: crate::spec::StructuredOutput) -> O
     }
 }
 
+/// The strict JSON schema of the output, for `response_format`: generated
+/// from the same field spec the validator checks, nested objects and array
+/// items included. Optional and conditional fields are nullable, as strict
+/// mode requires every property.
 pub fn json_schema(spec: &JobSpec) -> Value {
-    let mut properties = Map::new();
-    let mut required = Vec::new();
     // Fields code fills from the input are not asked of the model.
-    for (name, f) in spec.output.fields.iter().filter(|(_, f)| f.from_input.is_none()) {
-        let optional = f.nullable || !f.required || f.required_if.is_some();
-        let ty = if optional {
-            serde_json::json!([f.kind.name(), "null"])
-        } else {
-            serde_json::json!(f.kind.name())
-        };
-        let mut prop = Map::new();
-        prop.insert("type".into(), ty);
-        if let Some(d) = &f.description {
-            prop.insert("description".into(), Value::String(d.clone()));
-        }
-        if let Some(values) = &f.enum_values {
-            let mut values = values.clone();
-            if optional {
-                values.push(Value::Null);
-            }
-            prop.insert("enum".into(), Value::Array(values));
-        }
-        bounds(f, &mut prop);
-        match f.kind {
-            FieldType::Array => {
-                prop.insert("items".into(), item_schema(&f.item_spec()));
-                if let Some(n) = f.max_len {
-                    prop.insert("maxItems".into(), serde_json::json!(n));
-                }
-            }
-            FieldType::Object => {
-                prop.insert("properties".into(), serde_json::json!({}));
-                prop.insert("additionalProperties".into(), Value::Bool(false));
-            }
-            _ => {}
-        }
-        properties.insert(name.clone(), Value::Object(prop));
-        required.push(Value::String(name.clone()));
-    }
+    let asked: crate::spec::OrderedFields = spec
+        .output
+        .fields
+        .iter()
+        .filter(|(_, f)| f.from_input.is_none())
+        .map(|(k, f)| (k.clone(), f.clone()))
+        .collect();
     serde_json::json!({
         "type": "json_schema",
         "json_schema": {
             "name": "batchfleet_output",
             "strict": true,
-            "schema": {
-                "type": "object",
-                "properties": properties,
-                "required": required,
-                "additionalProperties": false,
-            }
+            "schema": Value::Object(object_schema(&asked)),
         }
     })
+}
+
+/// A strict object of these fields: every one listed in `required`, no others.
+fn object_schema(fields: &crate::spec::OrderedFields) -> Map<String, Value> {
+    let mut properties = Map::new();
+    let mut required = Vec::new();
+    for (name, f) in fields.iter() {
+        let optional = f.nullable || !f.required || f.required_if.is_some();
+        properties.insert(name.clone(), field_schema(f, optional));
+        required.push(Value::String(name.clone()));
+    }
+    let mut o = Map::new();
+    o.insert("type".into(), Value::String("object".into()));
+    o.insert("properties".into(), Value::Object(properties));
+    o.insert("required".into(), Value::Array(required));
+    o.insert("additionalProperties".into(), Value::Bool(false));
+    o
+}
+
+/// The schema of one field or array item (`optional`: null allowed too).
+fn field_schema(f: &crate::spec::FieldSpec, optional: bool) -> Value {
+    let ty = if optional {
+        serde_json::json!([f.kind.name(), "null"])
+    } else {
+        serde_json::json!(f.kind.name())
+    };
+    let mut prop = Map::new();
+    prop.insert("type".into(), ty);
+    if let Some(d) = &f.description {
+        prop.insert("description".into(), Value::String(d.clone()));
+    }
+    if let Some(values) = &f.enum_values {
+        let mut values = values.clone();
+        if optional {
+            values.push(Value::Null);
+        }
+        prop.insert("enum".into(), Value::Array(values));
+    }
+    bounds(f, &mut prop);
+    match f.kind {
+        FieldType::Array => {
+            prop.insert("items".into(), field_schema(&f.item_spec(), false));
+            if let Some(n) = f.max_len {
+                prop.insert("maxItems".into(), serde_json::json!(n));
+            }
+        }
+        FieldType::Object => match &f.fields {
+            Some(own) => {
+                for (k, v) in object_schema(own).into_iter().filter(|(k, _)| k != "type") {
+                    prop.insert(k, v);
+                }
+            }
+            None => {
+                prop.insert("properties".into(), serde_json::json!({}));
+                prop.insert("additionalProperties".into(), Value::Bool(false));
+            }
+        },
+        _ => {}
+    }
+    Value::Object(prop)
 }
 
 #[cfg(test)]
@@ -584,6 +634,123 @@ mod tests {
         assert_eq!(
             (errors[0].code, errors[0].field.as_str()),
             (ErrorCode::Type, "items[1]")
+        );
+    }
+
+    /// The example spec plus an object field with its own fields and an
+    /// array of objects with theirs.
+    fn nested_spec() -> JobSpec {
+        let text = format!(
+            "{}{}",
+            include_str!("../../examples/job.toml"),
+            r#"
+[output.fields.address]
+type = "object"
+required = false
+
+[output.fields.address.fields.city]
+type = "string"
+max_len = 20
+
+[output.fields.address.fields.zip]
+type = "integer"
+required = false
+
+[output.fields.lines]
+type = "array"
+required = false
+items = { type = "object", fields = { sku = { type = "string" }, qty = { type = "integer", min = 1 } } }
+"#
+        );
+        JobSpec::parse(&text, "job.toml").unwrap()
+    }
+
+    #[test]
+    fn nested_objects_are_checked_as_the_schema_declares_them() {
+        let spec = nested_spec();
+        let schema = json_schema(&spec)["json_schema"]["schema"].clone();
+        assert_eq!(
+            schema["properties"]["address"]["required"],
+            serde_json::json!(["city", "zip"]),
+            "strict: every nested property listed"
+        );
+        assert_eq!(schema["properties"]["lines"]["items"]["additionalProperties"], false);
+        let base = serde_json::json!({"label": "billing", "reason": "r", "confidence": 0.5, "task_type": "classify", "items": null, "address": null, "lines": null});
+        let with = |k: &str, v: Value| {
+            let mut o = base.clone();
+            o[k] = v;
+            o
+        };
+        let corpus = [
+            with("address", serde_json::json!({"city": "Lyon", "zip": 69001})),
+            with("address", serde_json::json!({"city": "Lyon", "zip": null})),
+            with("address", serde_json::json!({"zip": 69001})),
+            with("address", serde_json::json!({"city": 7, "zip": 1})),
+            with("address", serde_json::json!({"city": "x".repeat(21), "zip": 1})),
+            with("address", serde_json::json!({"city": "Lyon", "zip": 1.5})),
+            with("address", serde_json::json!("Lyon")),
+            with("lines", serde_json::json!([{"sku": "A", "qty": 2}])),
+            with("lines", serde_json::json!([{"sku": "A", "qty": 0}])),
+            with("lines", serde_json::json!([{"sku": "A"}])),
+            with("lines", serde_json::json!(["A"])),
+            with(
+                "lines",
+                serde_json::json!([{"sku": "A", "qty": 1}, {"sku": 3, "qty": 1}]),
+            ),
+        ];
+        for answer in corpus {
+            let valid = matches!(validate(&spec, &answer.to_string()), Validation::Valid { .. });
+            assert_eq!(valid, schema_accepts(&schema, &answer), "disagree on {answer}");
+        }
+        // Every error names its field by its path; extra nested keys are dropped.
+        let answer = with("address", serde_json::json!({"city": 7, "zip": null}));
+        let mut answer = answer;
+        answer["lines"] = serde_json::json!([{"sku": "A", "qty": 1}, {"sku": "B", "qty": 0}]);
+        let Validation::Invalid { errors, .. } = validate(&spec, &answer.to_string()) else {
+            panic!("passed: {answer}")
+        };
+        let named: Vec<(ErrorCode, &str)> = errors.iter().map(|e| (e.code, e.field.as_str())).collect();
+        assert_eq!(
+            named,
+            vec![(ErrorCode::Type, "address.city"), (ErrorCode::Range, "lines[1].qty")]
+        );
+        let extra = with(
+            "address",
+            serde_json::json!({"city": "Lyon", "zip": null, "street": "Rue X"}),
+        );
+        let Validation::Valid { output, repairs } = validate(&spec, &extra.to_string()) else {
+            panic!("an extra nested key is removed, not an error")
+        };
+        // (an optional field sent as null counts as absent, as at the top)
+        assert_eq!(output["address"], serde_json::json!({"city": "Lyon"}));
+        assert!(repairs.contains(&Repair::ExtraFieldsRemoved));
+        // The model is told about the nested fields too.
+        let prompt = crate::template::system_prompt(&spec);
+        assert!(
+            prompt.contains("- address (object, optional): with these fields\n  - city (string, required)"),
+            "{prompt}"
+        );
+        assert!(prompt.contains("  - qty (integer, required): at least 1"), "{prompt}");
+    }
+
+    #[test]
+    fn nested_fields_are_checked_at_spec_time_with_their_path() {
+        let text = format!(
+            "{}{}",
+            include_str!("../../examples/job.toml"),
+            "\n[output.fields.address]\ntype = \"object\"\nrequired = false\n\n[output.fields.address.fields.city]\ntype = \"string\"\nmin = 3\nfrom_input = \"channel\"\n"
+        );
+        let e = JobSpec::parse(&text, "job.toml").unwrap_err().to_string();
+        assert!(e.contains("output.fields.address.fields.city.min"), "{e}");
+        assert!(e.contains("output.fields.address.fields.city.from_input"), "{e}");
+        let text = include_str!("../../examples/job.toml").replace(
+            "description = \"order numbers or product names mentioned\"",
+            "description = \"order numbers or product names mentioned\"\nfields = { a = { type = \"string\" } }",
+        );
+        let e = JobSpec::parse(&text, "job.toml").unwrap_err().to_string();
+        assert!(
+            e.contains("output.fields.items.fields: applies to object fields"),
+            "{e}"
         );
     }
 

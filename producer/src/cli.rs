@@ -327,8 +327,20 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             watch,
         } => {
             let store = RedisStore::connect(&redis.url).await?;
+            let spec = store.job_spec(&job).await.ok().flatten();
+            // Completeness is proven from the sink's own rows too.
+            let verify = (require_complete || require_done) && spec.as_ref().is_some_and(|s| !s.sink.is_none());
             loop {
-                let s = crate::status::status(&store, &job, ids).await?;
+                let mut s = crate::status::status(&store, &job, ids, verify).await?;
+                if let Some(spec) = &spec {
+                    let done = std::mem::take(&mut s.done_ids);
+                    s.sink = crate::sink::sink_status(&store, &job, spec, verify.then_some(done)).await?;
+                    if let Some(sink) = &s.sink
+                        && verify
+                    {
+                        s.complete &= sink.backlog == 0 && sink.verified.as_ref().is_some_and(|v| v.exact);
+                    }
+                }
                 if json {
                     crate::outln!("{}", serde_json::to_string(&s)?);
                 } else {
@@ -336,6 +348,9 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                         crate::out!("\x1b[2J\x1b[H"); // clear the screen, cursor home
                     }
                     crate::status::print(&s);
+                    if let Some(sink) = &s.sink {
+                        crate::sink::print(sink);
+                    }
                 }
                 if !watch || s.complete {
                     if s.review + s.dropped + s.cancelled > 0 {

@@ -165,7 +165,9 @@ async fn enqueue_traced(
         Some(s) => Some(sample_line_numbers(&args.dataset, s).map_err(dataset_err)?),
         None => None,
     };
-    store.prepare_job(&args.job, &spec_text, spec.job.partitions).await?;
+    store
+        .prepare_job(&args.job, &spec_text, spec.job.partitions, !spec.sink.is_none())
+        .await?;
 
     let mut pass = Pass {
         store: &store,

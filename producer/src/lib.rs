@@ -20,4 +20,5 @@ pub mod reconcile;
 pub mod report;
 pub mod retry;
 pub mod review;
+pub mod sink;
 pub mod status;

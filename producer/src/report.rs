@@ -15,6 +15,12 @@ pub struct Usage {
     pub cached_tokens: u64,
     pub completion_tokens: u64,
     pub cost_usd: f64,
+    /// Calls that timed out: the server may have generated and billed them.
+    /// Their tokens (prompt estimated from its length, completion counted as
+    /// `max_tokens`) and cost are included above, and also shown here.
+    pub estimated_calls: u64,
+    pub estimated_tokens: u64,
+    pub estimated_cost_usd: f64,
 }
 
 impl Usage {
@@ -25,6 +31,11 @@ impl Usage {
             self.cached_tokens += u.cached;
             self.completion_tokens += u.completion;
             self.cost_usd += u.cost(prices);
+            if u.estimated {
+                self.estimated_calls += 1;
+                self.estimated_tokens += u.prompt + u.completion;
+                self.estimated_cost_usd += u.cost(prices);
+            }
         }
     }
 
@@ -43,6 +54,9 @@ impl Usage {
         self.cached_tokens += o.cached_tokens;
         self.completion_tokens += o.completion_tokens;
         self.cost_usd += o.cost_usd;
+        self.estimated_calls += o.estimated_calls;
+        self.estimated_tokens += o.estimated_tokens;
+        self.estimated_cost_usd += o.estimated_cost_usd;
     }
 }
 
@@ -240,6 +254,15 @@ pub fn print(r: &Report) {
             u.cached_tokens,
             u.completion_tokens,
             u.cost_usd
+        );
+    }
+    let t = &r.total;
+    if t.estimated_calls > 0 {
+        crate::outln!(
+            "    of which estimated: {} timed-out calls, {} tokens, {:.6} USD (the server may have billed them)",
+            t.estimated_calls,
+            t.estimated_tokens,
+            t.estimated_cost_usd
         );
     }
 }

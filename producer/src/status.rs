@@ -46,6 +46,12 @@ pub struct JobStatus {
     pub attempts_histogram: BTreeMap<u64, u64>,
     pub tokens: Tokens,
     pub halted: Option<String>,
+    /// The job's result sink, when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sink: Option<crate::sink::SinkStatus>,
+    /// The done records' ids, when asked for (to check the sink against).
+    #[serde(skip)]
+    pub done_ids: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -56,8 +62,9 @@ pub struct Tokens {
 }
 
 /// Reads the status of a job from Redis, with its reconciliation.
-/// `with_ids` keeps the record ids of every anomaly.
-pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<JobStatus, StoreError> {
+/// `with_ids` keeps the record ids of every anomaly; `keep_done` the ids of
+/// the done records (in [`JobStatus::done_ids`], read in the same pass).
+pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bool) -> Result<JobStatus, StoreError> {
     let manifest = store.load_manifest(job).await?;
     let partitions = match &manifest {
         Some(m) => m.partitions,
@@ -72,12 +79,17 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool) -> Result<Job
     let mut queued_state = 0u64;
     for p in 0..partitions {
         store
-            .record_states(job, p, |_, state| {
+            .record_states(job, p, |rid, state| {
                 s.known += 1;
                 match state {
                     Some(RecordState::Queued) => queued_state += 1,
                     Some(RecordState::Delayed) => s.delayed += 1,
-                    Some(RecordState::Done) => s.done += 1,
+                    Some(RecordState::Done) => {
+                        s.done += 1;
+                        if keep_done {
+                            s.done_ids.push(rid);
+                        }
+                    }
                     Some(RecordState::Review) => s.review += 1,
                     Some(RecordState::Cancelled) => s.cancelled += 1,
                     Some(RecordState::Dropped(reason)) => {

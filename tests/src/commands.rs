@@ -10,11 +10,17 @@ use crate::servers::{LlmSim, RedisServer};
 
 /// Runs `producer` with arguments and returns its output.
 pub fn producer(args: &[&str]) -> Output {
-    Command::new(bin("producer"))
-        .args(args)
-        .env_remove("REDIS_URL")
-        .output()
-        .expect("run producer")
+    producer_with_env(args, &[])
+}
+
+/// [`producer`] with environment variables set (a sink's database URL).
+pub fn producer_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(bin("producer"));
+    c.args(args).env_remove("REDIS_URL");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run producer")
 }
 
 /// A `worker` command for one job against a test Redis and simulator.
@@ -87,16 +93,25 @@ pub fn status_json(redis: &RedisServer, job: &str) -> (Option<i32>, serde_json::
 
 /// [`status_json`] for any Redis URL.
 pub fn status_json_url(redis_url: &str, job: &str) -> (Option<i32>, serde_json::Value) {
-    let out = producer(&[
-        "status",
-        "--job",
-        job,
-        "--redis",
-        redis_url,
-        "--json",
-        "--ids",
-        "--require-complete",
-    ]);
+    status_json_env(redis_url, job, &[])
+}
+
+/// [`status_json_url`] with environment variables set (a sink's database
+/// URL: completeness is then proven from the sink's table too).
+pub fn status_json_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> (Option<i32>, serde_json::Value) {
+    let out = producer_with_env(
+        &[
+            "status",
+            "--job",
+            job,
+            "--redis",
+            redis_url,
+            "--json",
+            "--ids",
+            "--require-complete",
+        ],
+        env,
+    );
     let status =
         serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stdout(&out)));
     (out.status.code(), status)

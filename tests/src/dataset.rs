@@ -36,6 +36,13 @@ pub fn write_records(path: &Path, from: u64, n: u64) {
     f.flush().expect("flush dataset");
 }
 
+/// The replacement that gives the example spec a `[sink]` writing to
+/// PostgreSQL (the URL in the variable `url_env`), with `extra` lines
+/// (`table = ...`, `batch_rows = ...`): use as `("[retry]", &text)`.
+pub fn sink_section(url_env: &str, extra: &str) -> String {
+    format!("[sink]\nkind = \"postgres\"\nurl_env = \"{url_env}\"\n{extra}\n[retry]")
+}
+
 /// The example spec with replacements, written to `dir/job.toml`.
 pub fn spec_with(dir: &TempDir, replacements: &[(&str, &str)]) -> PathBuf {
     let mut text = std::fs::read_to_string(example_spec()).expect("read example spec");

@@ -25,9 +25,10 @@ pub mod servers;
 
 pub use client::{http_get, http_get_json};
 pub use commands::{
-    enqueue, enqueue_cmd, enqueue_cmd_url, producer, status_json, status_json_url, worker_cmd, worker_cmd_url,
+    enqueue, enqueue_cmd, enqueue_cmd_url, producer, producer_with_env, status_json, status_json_env, status_json_url,
+    worker_cmd, worker_cmd_url,
 };
-pub use dataset::{example_spec, record_line, spec_with, write_records};
+pub use dataset::{example_spec, record_line, sink_section, spec_with, write_records};
 pub use paths::{TempDir, bin, workspace};
 pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for, worker_summary};
-pub use servers::{LlmSim, RedisCluster, RedisServer, TEST_REDIS_PASSWORD, free_port};
+pub use servers::{LlmSim, PgServer, RedisCluster, RedisServer, TEST_PG_PASSWORD, TEST_REDIS_PASSWORD, free_port};

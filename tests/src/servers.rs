@@ -315,3 +315,220 @@ impl Drop for LlmSim {
         let _ = self.child.wait();
     }
 }
+
+/// The password of the `bf` role every test PostgreSQL server has.
+pub const TEST_PG_PASSWORD: &str = "bf-test-SECRET-pg-pw";
+
+/// A throwaway PostgreSQL server (`initdb` into a temp dir, `pg_ctl start`)
+/// on 127.0.0.1 and a free port, password authentication for the role `bf`.
+/// Run as the `postgres` user when the tests run as root (PostgreSQL
+/// refuses root). Stopped by its postmaster's pid on drop.
+pub struct PgServer {
+    dir: TempDir,
+    port: u16,
+    bin: std::path::PathBuf,
+}
+
+impl PgServer {
+    pub fn start() -> PgServer {
+        let dir = TempDir::new("pg");
+        let bin = pg_bin_dir();
+        let pwfile = dir.join("pw");
+        std::fs::write(&pwfile, TEST_PG_PASSWORD).expect("write pwfile");
+        as_pg_owner(&dir);
+        let out = pg_command(&bin.join("initdb"))
+            .arg("-D")
+            .arg(dir.join("data"))
+            .args(["-U", "bf", "-A", "scram-sha-256", "--no-sync", "--pwfile"])
+            .arg(&pwfile)
+            .output()
+            .expect("run initdb");
+        assert!(out.status.success(), "initdb: {}", stderr(&out));
+        let mut pg = PgServer {
+            dir,
+            port: free_port(),
+            bin,
+        };
+        pg.start_again();
+        pg
+    }
+
+    fn start_again(&mut self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.path().display()
+        );
+        let out = pg_command(&self.bin.join("pg_ctl"))
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-o", &options, "-l"])
+            .arg(self.dir.join("log"))
+            .args(["-w", "start"])
+            .output()
+            .expect("run pg_ctl");
+        assert!(
+            out.status.success(),
+            "pg_ctl start: {}{}",
+            stdout(&out),
+            std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+        );
+    }
+
+    /// `postgres://bf:PASSWORD@127.0.0.1:PORT/postgres` (no TLS).
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://bf:{TEST_PG_PASSWORD}@127.0.0.1:{}/postgres?sslmode=disable",
+            self.port
+        )
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The postmaster's pid (first line of `postmaster.pid`).
+    pub fn pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// kill -9 of the postmaster (its backends exit with it), then a start
+    /// after `down`: crash recovery from the write-ahead log.
+    pub fn kill9_and_restart_after(&mut self, down: Duration) {
+        self.kill9();
+        std::thread::sleep(down);
+        self.start_again();
+    }
+
+    /// kill -9 of the postmaster; it stays down.
+    pub fn kill9(&mut self) {
+        if let Some(pid) = self.pid() {
+            // The postmaster and its backends, by pid: the whole server dies at once.
+            let mut pids = vec![pid.to_string()];
+            pids.extend(children_of(pid));
+            let _ = Command::new("kill").arg("-9").args(&pids).status();
+            wait_for("postgres to die", Duration::from_secs(10), || {
+                std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() && pids.iter().all(|p| !alive(p))
+            });
+            // A dead postmaster not yet reaped (a zombie) still answers
+            // kill(pid, 0): its lock file would stop the next start. Every
+            // process of the server is gone, so the lock guards nothing.
+            let _ = std::fs::remove_file(self.dir.join("data/postmaster.pid"));
+            let socket = self.dir.join(&format!(".s.PGSQL.{}", self.port));
+            let _ = std::fs::remove_file(socket.with_extension(format!("{}.lock", self.port)));
+            let _ = std::fs::remove_file(&socket);
+        }
+    }
+
+    /// One SQL statement through `psql`; its rows, `|`-separated.
+    pub fn query(&self, sql: &str) -> String {
+        let out = Command::new("psql")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                "bf",
+                "-d",
+                "postgres",
+            ])
+            .args(["-At", "-v", "ON_ERROR_STOP=1", "-c", sql])
+            .env("PGPASSWORD", TEST_PG_PASSWORD)
+            .output()
+            .expect("run psql");
+        assert!(out.status.success(), "psql {sql}: {}", stderr(&out));
+        stdout(&out).trim().to_owned()
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+    }
+}
+
+/// Where PostgreSQL's server binaries are: on PATH, or Debian's folder.
+fn pg_bin_dir() -> std::path::PathBuf {
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .find(|d| d.join("initdb").exists() && d.join("pg_ctl").exists());
+    if let Some(d) = on_path {
+        return d;
+    }
+    let mut found: Vec<std::path::PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|b| b.join("initdb").exists())
+        .collect();
+    found.sort();
+    found
+        .pop()
+        .expect("PostgreSQL's server binaries (initdb, pg_ctl) are not installed: `make test` installs them")
+}
+
+/// The pids whose parent is `pid` (from /proc: no tool needed).
+fn children_of(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{name}/stat")).ok()?;
+            // `pid (comm) state ppid ...`: the fields after the last `)`.
+            let ppid: u32 = stat.rsplit_once(") ")?.1.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == pid).then_some(name)
+        })
+        .collect()
+}
+
+/// Whether a process is running (a zombie waiting to be reaped is not).
+fn alive(pid: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// A PostgreSQL command, as the `postgres` user when we are root.
+fn pg_command(program: &std::path::Path) -> Command {
+    if running_as_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+/// Hands a folder to the `postgres` user when we are root.
+fn as_pg_owner(dir: &TempDir) {
+    if running_as_root() {
+        let ok = Command::new("chown")
+            .args(["-R", "postgres"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "chown postgres {}", dir.path().display());
+    }
+}

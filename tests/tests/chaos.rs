@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use common::keys;
 use harness::{
-    LlmSim, RedisServer, Running, TempDir, enqueue_cmd, signal, spec_with, status_json, stderr, stdout, wait_for,
-    worker_cmd, write_records,
+    LlmSim, RedisServer, Running, TempDir, enqueue_cmd, signal, spec_with, stderr, stdout, wait_for, worker_cmd,
+    write_records,
 };
 use rand::{RngExt, SeedableRng};
 use redis::Commands;
@@ -34,6 +34,9 @@ const PARTITIONS: u32 = 4;
 const FAULTS: &str = "rate_limit=0.005,server_error=0.03,unavailable=0.02,hang=0.003,empty=0.02,broken_json=0.03,\
 fence=0.03,prose=0.03,missing_field=0.03,bad_enum=0.05,bool_number=0.03,content_filter=0.01,length=0.02";
 
+/// The variable the spec's `sink.url_env` names.
+const DB_ENV: &str = "CHAOS_DATABASE_URL";
+
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -41,6 +44,8 @@ fn env_or(name: &str, default: u64) -> u64 {
 /// The fleet: workers by consumer name.
 struct Fleet<'a> {
     sim: &'a LlmSim,
+    /// The results' database (the job writes to a real PostgreSQL).
+    db_url: String,
     concurrency: String,
     workers: Vec<(String, Running)>,
     started: usize,
@@ -53,7 +58,7 @@ impl Fleet<'_> {
         self.started += 1;
         let name = format!("chaos-w{}", self.started);
         let vis = VISIBILITY.as_millis().to_string();
-        let cmd = worker_cmd(
+        let mut cmd = worker_cmd(
             redis,
             "chaos",
             self.sim,
@@ -68,6 +73,7 @@ impl Fleet<'_> {
                 "10",
             ],
         );
+        cmd.env(DB_ENV, &self.db_url);
         self.workers.push((name, Running::spawn(cmd)));
     }
 
@@ -122,9 +128,16 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         "--record-served",
     ]);
     let dir = TempDir::new("chaos");
+    // Results go into a real PostgreSQL, which is killed too; the verdict
+    // is read from its table as well as from Redis.
+    let mut pg = harness::PgServer::start();
+    let db_url = pg.url();
     let spec = spec_with(
         &dir,
-        &[("timeout_secs = 30", &format!("timeout_secs = {PROVIDER_TIMEOUT_SECS}"))],
+        &[
+            ("timeout_secs = 30", &format!("timeout_secs = {PROVIDER_TIMEOUT_SECS}")),
+            ("[retry]", &harness::sink_section(DB_ENV, "table = \"results\"\n")),
+        ],
     );
     let data = dir.join("d.jsonl");
     write_records(&data, 0, records);
@@ -140,6 +153,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
 
     let mut fleet = Fleet {
         sim: &sim,
+        db_url: db_url.clone(),
         concurrency: concurrency.to_string(),
         workers: vec![],
         started: 0,
@@ -155,25 +169,29 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let mut late_workers: Vec<String> = vec![];
     let mut killed_workers: Vec<String> = vec![];
     let deadline = Instant::now() + Duration::from_secs(60 + records / 10);
-    // Exit code 0 of `status --require-complete` (it fails while Redis restarts).
+    // Exit code 0 of `status --require-complete` (it fails while Redis
+    // restarts): every record settled, and every done one in the table.
     let complete = |redis: &RedisServer| {
-        harness::producer(&[
-            "status",
-            "--job",
-            "chaos",
-            "--redis",
-            &redis.url(),
-            "--require-complete",
-        ])
+        harness::producer_with_env(
+            &[
+                "status",
+                "--job",
+                "chaos",
+                "--redis",
+                &redis.url(),
+                "--require-complete",
+            ],
+            &[(DB_ENV, db_url.as_str())],
+        )
         .status
         .success()
     };
     // Let the fleet get going, then break something every round until done.
     std::thread::sleep(Duration::from_secs(2));
     let mut round = 0;
-    while !complete(&redis) || injected.len() < 5 {
+    while !complete(&redis) || injected.len() < 6 {
         assert!(Instant::now() < deadline, "the job did not complete: {injected:?}");
-        match round % 5 {
+        match round % 6 {
             0 => {
                 // kill -9 a random worker, start another; time how long until its tasks run again.
                 // The worker holding the most tasks (a random one when none is known to).
@@ -227,6 +245,12 @@ fn nothing_lost_nothing_twice_whatever_dies() {
                 redis_restarts.push(t.elapsed());
                 *injected.entry("redis kill -9").or_default() += 1;
             }
+            4 => {
+                // kill -9 PostgreSQL (postmaster and backends) mid-batch; it
+                // recovers from its WAL; the sink writers reconnect.
+                pg.kill9_and_restart_after(Duration::from_millis(500));
+                *injected.entry("postgres kill -9").or_default() += 1;
+            }
             _ => {
                 // The producer again, mid-run: it must add nothing.
                 let summary = enqueue(&redis);
@@ -243,8 +267,12 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     while let Some((name, w)) = fleet.workers.pop() {
         fleet.stop(name, w);
     }
-    let (code, status) = status_json(&redis, "chaos");
+    let (code, status) = harness::status_json_env(&redis.url(), "chaos", &[(DB_ENV, db_url.as_str())]);
     assert_eq!(code, Some(0), "status --require-complete: {status}");
+    // The database holds exactly the done records, each once.
+    assert_eq!(status["sink"]["verified"]["exact"], true, "{status}");
+    let rows = pg.query("SELECT count(*) FROM results WHERE job = 'chaos'");
+    assert_eq!(rows, status["done"].to_string(), "one row per done record: {status}");
     let counts = |k: &str| status[k].as_u64().unwrap();
     assert_eq!(
         (counts("missing"), counts("duplicates"), counts("unknown")),
@@ -369,6 +397,8 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         .copied()
         .unwrap_or_default();
     let within_target = recoveries.iter().filter(|d| **d < target).count();
+    let report = harness::producer(&["report", "--job", "chaos", "--redis", &redis.url(), "--json"]);
+    let report: Value = serde_json::from_str(&stdout(&report)).unwrap_or_default();
     let summary = json!({
         "records": records,
         "workers": WORKERS,
@@ -389,6 +419,8 @@ fn nothing_lost_nothing_twice_whatever_dies() {
             "done": counts("done"), "review": counts("review"), "dropped": counts("dropped"),
             "missing": 0, "duplicates": 0, "unknown": 0,
         },
+        "review_by_reason": report["review_by_reason"],
+        "sink_rows": rows,
         "results_checked_against_served_answers": results,
         "requests": requests,
         "requests_in_no_history": {

@@ -185,14 +185,14 @@ fn every_dashboard_query_parses_and_returns_data_from_a_real_prometheus() {
     ]);
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 3000);
-    enqueue(&redis, &data, "dash", &example_spec());
+    // The job writes to a real PostgreSQL, so the sink panels have data too.
+    let pg = harness::PgServer::start();
+    let spec = harness::spec_with(&dir, &[("[retry]", &harness::sink_section("BF_DASH_DB", ""))]);
+    enqueue(&redis, &data, "dash", &spec);
     let addr = format!("127.0.0.1:{}", free_port());
-    let _worker = Running::spawn(worker_cmd(
-        &redis,
-        "dash",
-        &sim,
-        &["--concurrency", "8", "--metrics-addr", &addr],
-    ));
+    let mut cmd = worker_cmd(&redis, "dash", &sim, &["--concurrency", "8", "--metrics-addr", &addr]);
+    cmd.env("BF_DASH_DB", pg.url());
+    let _worker = Running::spawn(cmd);
     let prom_port = free_port();
     std::fs::write(
         dir.join("prometheus.yml"),

@@ -232,3 +232,123 @@ fn a_lowered_provider_limit_is_followed_within_seconds() {
     let stats: Value = f.sim.stats();
     assert!(stats["requests"].as_u64().unwrap() > 0);
 }
+
+/// What one fleet without `[limits]` did between its first minute and the end.
+struct Learned {
+    mode: &'static str,
+    window: Window,
+    review: u64,
+    summaries: Vec<Value>,
+    /// One worker's `/metrics` at the end.
+    exposition: String,
+}
+
+/// A job whose spec says nothing about limits, against llm-sim enforcing
+/// `LEARN_RPM` and telling it only as `mode` does (`--limit-headers`): two
+/// workers, a minute to learn, then 40 s measured.
+fn learn(mode: &'static str) -> Learned {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[
+        "--latency-ms",
+        "50",
+        "--rpm",
+        &LEARN_RPM.to_string(),
+        "--limit-headers",
+        mode,
+    ]);
+    let dir = TempDir::new("learn");
+    let spec = spec_with(
+        &dir,
+        &[
+            ("requests_per_minute = 10000", ""),
+            ("input_tokens_per_minute = 2000000", ""),
+            ("output_tokens_per_minute = 500000", ""),
+            ("max_concurrent = 64", ""),
+        ],
+    );
+    assert!(
+        !std::fs::read_to_string(&spec).unwrap().contains("_per_minute ="),
+        "the spec sets no limit"
+    );
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 4000);
+    enqueue(&redis, &data, "rl", &spec);
+    let mut f = Fleet {
+        redis,
+        sim,
+        _dir: dir,
+        workers: Vec::new(),
+    };
+    let metrics = format!("127.0.0.1:{}", harness::free_port());
+    let cmd = worker_cmd(
+        &f.redis,
+        "rl",
+        &f.sim,
+        &["--concurrency", "64", "--metrics-addr", &metrics],
+    );
+    f.workers.push(Running::spawn(cmd));
+    f.add_workers(1);
+    run_for(60);
+    let a = f.snapshot();
+    run_for(40);
+    let b = f.snapshot();
+    let exposition = harness::http_get(&format!("http://{metrics}"), "/metrics").1;
+    let summaries = f.stop();
+    let (_, status) = harness::status_json(&f.redis, "rl");
+    Learned {
+        mode,
+        window: window(&a, &b),
+        review: status["review"].as_u64().unwrap(),
+        summaries,
+        exposition,
+    }
+}
+
+const LEARN_RPM: u64 = 1200;
+
+/// No `[limits]` at all: the fleet learns llm-sim's limit from whatever it
+/// is told — LiteLLM's headers (limit and remaining, no reset; a 429 with
+/// only `llm_provider-retry-after`), or nothing but bare 429s. Both run at
+/// once; after the first minute 429s stay at most 2% of the requests, the
+/// limit is used, and no record went to review for rate limits.
+#[test]
+fn without_limits_the_fleet_learns_them_from_headers_or_bare_429s() {
+    let runs: Vec<_> = ["none", "litellm"]
+        .into_iter()
+        .map(|m| std::thread::spawn(move || learn(m)))
+        .collect();
+    let learned: Vec<Learned> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+    for l in &learned {
+        let w = &l.window;
+        let what = format!("--limit-headers {}", l.mode);
+        assert!(
+            w.rate_429() <= 0.02,
+            "{what}: 429 rate {:.4} > 2% after the first minute ({} of {})",
+            w.rate_429(),
+            w.rejected,
+            w.accepted + w.rejected
+        );
+        let util = w.request_utilization(LEARN_RPM);
+        assert!(
+            util >= 0.75,
+            "{what}: utilization {util:.3} < 0.75 ({} accepted)",
+            w.accepted
+        );
+        assert_eq!(l.review, 0, "{what}: no record in review (llm-sim injects no fault)");
+        let budget = &l.summaries[0]["limiters"]["rl"]["budget"];
+        if l.mode == "none" {
+            // Nothing told it the limit: it learned one from the 429s.
+            let learned = budget["learned_requests_per_minute"].as_f64();
+            assert!(learned.is_some(), "{what}: a learned rate: {budget}");
+            assert!(
+                l.exposition
+                    .contains("batchfleet_limit_learned{job=\"rl\",kind=\"requests_per_minute\"}"),
+                "{what}: the learned rate is a metric"
+            );
+        }
+        eprintln!(
+            "{what}: utilization {util:.3}, 429 rate {:.4}, budget {budget}",
+            w.rate_429()
+        );
+    }
+}

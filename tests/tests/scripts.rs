@@ -24,7 +24,7 @@ fn spec() -> JobSpec {
 /// A store on a fresh server with the job prepared (one partition).
 async fn store(redis: &RedisServer) -> RedisStore {
     let store = RedisStore::connect(&redis.url()).await.unwrap();
-    store.prepare_job(JOB, "", 1).await.unwrap();
+    store.prepare_job(JOB, "", 1, false).await.unwrap();
     store
 }
 

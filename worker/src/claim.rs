@@ -70,21 +70,14 @@ impl Claimer {
             let free = self.claimable(first.is_some()).min(room);
             let want = free.min(self.last_claimed.saturating_mul(2).max(1));
             // Budget before claim: a throttled fleet leaves tasks in the stream.
-            let mut grants = match f.grants(job, want).await {
-                Some((g, wait)) if g.is_empty() => {
-                    round.limited = Some(round.limited.map_or(wait, |w| w.min(wait)));
-                    continue;
-                }
-                Some((g, _)) => Some(g),
-                None => None,
-            };
+            let (mut grants, wait) = f.grants(job, want).await;
+            if grants.is_empty() {
+                round.limited = Some(round.limited.map_or(wait, |w| w.min(wait)));
+                continue;
+            }
             let n = job.spec.job.partitions;
             for p in (0..n).map(|i| (i + self.rounds) % n) {
-                let want = match &grants {
-                    Some(g) => g.len(),
-                    None => self.claimable(first.is_some()),
-                }
-                .min(job.breaker.room());
+                let want = grants.len().min(job.breaker.room());
                 if want == 0 {
                     break;
                 }
@@ -109,13 +102,11 @@ impl Claimer {
                         },
                     };
                     round.claimed += 1;
-                    let grant = grants.as_mut().and_then(crate::fleet::HeldGrants::pop);
+                    let grant = grants.pop();
                     f.spawn(job.clone(), d, permit, grant);
                 }
             }
-            if let Some(g) = grants {
-                g.release(&f).await;
-            }
+            grants.release(&f).await;
         }
         if self.own_pending {
             self.own_pending = false;

@@ -141,11 +141,10 @@ impl Fleet {
         self.health.halted.store(true, Ordering::Relaxed);
     }
 
-    /// Up to `want` grants of the job's limiter (None: the job has no limits),
-    /// and how long to wait when none was given.
-    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> Option<(HeldGrants, Duration)> {
-        let limiter = job.limiter.as_ref()?;
-        let (grants, wait) = match limiter.try_acquire(want).await {
+    /// Up to `want` grants of the job's limiter, and how long to wait when
+    /// none was given.
+    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration) {
+        let (grants, wait) = match job.limiter.try_acquire(want).await {
             Ok(got) => got,
             Err(e) => {
                 self.store_error(&e).await;
@@ -157,7 +156,7 @@ impl Fleet {
             grants,
             tracker: self.tracker.clone(),
         };
-        Some((held, wait))
+        (held, wait)
     }
 
     /// Starts one delivered task on the tracker; it holds `permit` (and the
@@ -180,10 +179,10 @@ impl Fleet {
             };
             drop(permit);
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if let (Some(limiter), Some(grant)) = (&job.limiter, grant) {
+            if let Some(grant) = grant {
                 let settled_budget = match &report {
-                    Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
-                    None => limiter.release(grant).await,
+                    Some(r) => job.limiter.settle(grant, &r.used, &r.headers).await,
+                    None => job.limiter.release(grant).await,
                 };
                 if let Err(e) = settled_budget {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
@@ -298,9 +297,8 @@ impl HeldGrants {
 
     /// Gives back the grants not used.
     pub async fn release(mut self, fleet: &Fleet) {
-        let Some(limiter) = &self.job.limiter else { return };
         for g in std::mem::take(&mut self.grants) {
-            if let Err(e) = limiter.release(g).await {
+            if let Err(e) = self.job.limiter.release(g).await {
                 fleet.store_error(&e).await;
             }
         }
@@ -310,16 +308,14 @@ impl HeldGrants {
 impl Drop for HeldGrants {
     fn drop(&mut self) {
         let grants = std::mem::take(&mut self.grants);
-        if grants.is_empty() || self.job.limiter.is_none() {
+        if grants.is_empty() {
             return;
         }
         let job = self.job.clone();
         self.tracker.spawn(async move {
-            if let Some(limiter) = &job.limiter {
-                for g in grants {
-                    if let Err(e) = limiter.release(g).await {
-                        tracing::warn!(error = %e, "could not give back a rate-limit grant (it expires by itself)");
-                    }
+            for g in grants {
+                if let Err(e) = job.limiter.release(g).await {
+                    tracing::warn!(error = %e, "could not give back a rate-limit grant (it expires by itself)");
                 }
             }
         });

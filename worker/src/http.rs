@@ -24,6 +24,8 @@ const READY_WITHIN_MS: u64 = 30_000;
 pub struct Health {
     pub draining: AtomicBool,
     pub halted: AtomicBool,
+    /// A job's sink cannot write (outcomes wait in Redis).
+    pub sink_failing: AtomicBool,
     /// When the claim loop last completed a round against Redis (Unix ms).
     pub last_ok_ms: AtomicU64,
 }
@@ -37,7 +39,7 @@ impl Health {
 struct Http {
     metrics: Arc<Metrics>,
     store: RedisStore,
-    jobs: Vec<(String, u32)>,
+    jobs: Vec<crate::telemetry::Watched>,
     health: Arc<Health>,
 }
 
@@ -47,7 +49,7 @@ pub async fn serve(
     addr: SocketAddr,
     metrics: Arc<Metrics>,
     store: RedisStore,
-    jobs: Vec<(String, u32)>,
+    jobs: Vec<crate::telemetry::Watched>,
     health: Arc<Health>,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<SocketAddr> {
@@ -93,6 +95,9 @@ async fn ready_handler(State(s): State<Arc<Http>>) -> (StatusCode, String) {
     }
     if !s.store.ping().await {
         return not_ready("Redis unreachable");
+    }
+    if s.health.sink_failing.load(Ordering::Relaxed) {
+        return not_ready("the result sink cannot write (see the worker's log; outcomes wait in Redis)");
     }
     let last = s.health.last_ok_ms.load(Ordering::Relaxed);
     if now_ms().saturating_sub(last) > READY_WITHIN_MS {

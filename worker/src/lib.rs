@@ -25,5 +25,6 @@ pub mod provider;
 pub mod reclaim;
 pub mod run;
 pub mod service;
+pub mod sink;
 pub mod telemetry;
 pub mod watch;

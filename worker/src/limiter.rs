@@ -1,12 +1,20 @@
 //! Fleet-wide rate limits: grants from token buckets shared in Redis by every
 //! worker of a provider key/model, taken before a task is claimed and settled
 //! with the real usage after the call.
+//!
+//! Always on: the spec's `[limits]` are ceilings and starting points, the
+//! provider's `x-ratelimit-*` headers tighten them while fresh, a 429's
+//! retry hint pauses the fleet that long, and bare 429s teach the rest (an
+//! AIMD controller of the fleet's request rate and concurrency, in the same
+//! Redis hash; see `limit_settle.lua`). A job with no `[limits]` against a
+//! provider that sends no headers at all still settles near the provider's
+//! limit after a few 429s.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::spec::JobSpec;
-use common::store::{LimitParams, RedisStore, Settlement, StoreError};
+use common::store::{CallKind, LimitParams, RedisStore, Settlement, StoreError};
 use reqwest::header::HeaderMap;
 use sha2::{Digest, Sha256};
 
@@ -31,6 +39,8 @@ pub struct Limiter {
     params: LimitParams,
     prefix: String,
     max_tokens: u64,
+    /// How long a timed-out call keeps its concurrency slot.
+    timeout_grace: Duration,
     /// Running estimate of a request's prompt tokens (before the task is known).
     prompt_estimate: AtomicU64,
     stats: LimiterStats,
@@ -45,6 +55,8 @@ pub struct LimiterStats {
     pub tokens_returned: AtomicU64,
     /// 429s from the provider (each paused the fleet).
     pub rate_limited: AtomicU64,
+    /// Calls that timed out (their slot kept for the grace, tokens estimated).
+    pub timed_out: AtomicU64,
 }
 
 /// A snapshot of [`LimiterStats`] and of the shared bucket levels.
@@ -54,7 +66,8 @@ pub struct LimiterReport {
     pub tokens_reserved: u64,
     pub tokens_returned: u64,
     pub rate_limited: u64,
-    /// Current level of each shared bucket (`r`, `t`, `i`, `o`), from Redis.
+    pub timed_out: u64,
+    /// Current level of each shared bucket and the limits learned from 429s, from Redis.
     pub budget: std::collections::BTreeMap<String, f64>,
 }
 
@@ -78,27 +91,16 @@ pub struct Used {
     /// The provider refused the call for rate limits (nothing was counted).
     pub rate_limited: bool,
     pub retry_after_ms: Option<u64>,
+    /// No answer before the timeout: the server may still be generating.
+    pub timed_out: bool,
 }
 
 impl Limiter {
-    /// The limiter of a job, or None when its spec sets no limit.
-    /// `base_url` is where requests really go; `consumer` prefixes grant ids.
-    pub fn for_job(
-        store: &RedisStore,
-        spec: &JobSpec,
-        base_url: &str,
-        consumer: &str,
-        lease: Duration,
-    ) -> Option<Limiter> {
+    /// The limiter of a job: the spec's limits, when it sets any, are its
+    /// ceilings. `base_url` is where requests really go; `consumer` prefixes
+    /// grant ids.
+    pub fn for_job(store: &RedisStore, spec: &JobSpec, base_url: &str, consumer: &str, lease: Duration) -> Limiter {
         let l = &spec.limits;
-        if l.requests_per_minute.is_none()
-            && l.tokens_per_minute.is_none()
-            && l.input_tokens_per_minute.is_none()
-            && l.output_tokens_per_minute.is_none()
-            && l.max_concurrent.is_none()
-        {
-            return None;
-        }
         // The budget belongs to the key and model, not to the job.
         let identity = format!(
             "{}|{}|{}",
@@ -110,7 +112,7 @@ impl Limiter {
         id.truncate(16);
         let max_tokens = u64::from(spec.provider.max_tokens);
         let system = estimate_tokens(&common::template::system_prompt(spec));
-        Some(Limiter {
+        Limiter {
             store: store.clone(),
             id,
             params: LimitParams {
@@ -127,13 +129,20 @@ impl Limiter {
             },
             prefix: consumer.to_owned(),
             max_tokens,
+            timeout_grace: spec.provider.timeout_grace(),
             prompt_estimate: AtomicU64::new(system + 100),
             stats: LimiterStats::default(),
-        })
+        }
     }
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// How long a grant's concurrency slot lives unless settled (the
+    /// visibility timeout, known once every job is loaded).
+    pub fn set_lease(&mut self, lease: Duration) {
+        self.params.lease_ms = lease.as_millis() as u64;
     }
 
     /// Takes up to `want` grants now; with fewer, also how long to wait.
@@ -183,9 +192,17 @@ impl Limiter {
             header_limit_tokens: headers.limit_tokens,
             header_remaining_requests: headers.remaining_requests,
             header_remaining_tokens: headers.remaining_tokens,
+            call: CallKind::Other,
+            ceiling_requests: self.params.requests,
+            ceiling_concurrent: self.params.max_concurrent,
             ..Settlement::default()
         };
         if used.rate_limited {
+            s.call = if used.retry_after_ms.is_some() {
+                CallKind::RateLimitedWithHint
+            } else {
+                CallKind::RateLimited
+            };
             self.stats.rate_limited.fetch_add(1, Ordering::Relaxed);
             // Not counted by the provider: everything back, and the fleet waits.
             s.tokens_back = g.tokens as i64;
@@ -193,6 +210,7 @@ impl Limiter {
             s.output_back = g.output as i64;
             s.pause_ms = used.retry_after_ms.unwrap_or(1000).min(MAX_PAUSE_MS);
         } else if let (Some(prompt), Some(completion)) = (used.prompt_tokens, used.completion_tokens) {
+            s.call = CallKind::Answered;
             s.tokens_back = g.tokens as i64 - (prompt + completion) as i64;
             s.input_back = g.input as i64 - prompt as i64;
             s.output_back = g.output as i64 - completion as i64;
@@ -200,6 +218,12 @@ impl Limiter {
             let old = self.prompt_estimate.load(Ordering::Relaxed);
             self.prompt_estimate
                 .store((old * 7 + prompt).div_ceil(8), Ordering::Relaxed);
+        } else if used.timed_out {
+            // The server may still be generating it: its slot stays taken for
+            // the grace, and its reserved tokens count as used.
+            self.stats.timed_out.fetch_add(1, Ordering::Relaxed);
+            s.call = CallKind::TimedOut;
+            s.hold_ms = self.timeout_grace.as_millis() as u64;
         }
         // An exhausted budget with a reset time is a real signal; 0 alone is not.
         let exhausted =
@@ -224,6 +248,7 @@ impl Limiter {
             tokens_reserved: load(&self.stats.tokens_reserved),
             tokens_returned: load(&self.stats.tokens_returned),
             rate_limited: load(&self.stats.rate_limited),
+            timed_out: load(&self.stats.timed_out),
             budget: self.store.limit_levels(&self.id).await?,
         })
     }
@@ -238,14 +263,7 @@ pub fn estimate_tokens(text: &str) -> u64 {
 /// Reads `x-ratelimit-*` headers. Values that are not plain non-negative
 /// numbers (or -1) are unknown, never trusted.
 pub fn rate_headers(h: &HeaderMap) -> RateHeaders {
-    // A header as the provider names it, or as a proxy copies it (LiteLLM
-    // prefixes the upstream provider's headers with `llm_provider-`).
-    let get = |k: &str| -> Option<&str> {
-        h.get(k)
-            .or_else(|| h.get(format!("llm_provider-{k}")))
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-    };
+    let get = |k: &str| provider_header(h, k);
     let num = |k: &str| -> Option<u64> { get(k)?.parse().ok() };
     // Go-style durations (`6m0s`), or plain seconds (`60`, `1.5`).
     let dur = |k: &str| -> Option<u64> {
@@ -265,6 +283,15 @@ pub fn rate_headers(h: &HeaderMap) -> RateHeaders {
         reset_requests_ms: dur("x-ratelimit-reset-requests"),
         reset_tokens_ms: dur("x-ratelimit-reset-tokens"),
     }
+}
+
+/// A header as the provider names it, or as a proxy copies it (LiteLLM
+/// prefixes the upstream provider's headers with `llm_provider-`), trimmed.
+pub fn provider_header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .or_else(|| h.get(format!("llm_provider-{name}")))
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
 }
 
 /// Parses Go-style durations (`1s`, `6m0s`, `12ms`, `1m30.5s`, `2h`) to ms.

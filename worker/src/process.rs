@@ -15,7 +15,7 @@ use common::validate::{FieldError, feedback};
 use rand::RngExt;
 use serde_json::{Map, Value};
 
-use crate::limiter::{Limiter, RateHeaders, Used};
+use crate::limiter::{Limiter, RateHeaders, Used, estimate_tokens};
 use crate::provider::{CallResult, ErrorKind, Provider, Reply, Request};
 use crate::telemetry::{Metrics, status_class};
 
@@ -28,10 +28,13 @@ pub struct JobCtx {
     /// The structured-output form sent (negotiated with `auto`).
     pub forms: crate::form::Forms,
     pub provider: Provider,
-    /// The fleet-wide budget of the job's provider, when the spec sets limits.
-    pub limiter: Option<Limiter>,
+    /// The fleet-wide budget of the job's provider (always on; the spec's
+    /// limits are its ceilings).
+    pub limiter: Limiter,
     /// Halts the job on systematic provider errors.
     pub breaker: crate::breaker::Breaker,
+    /// The database URL of the job's `postgres` sink (from `sink.url_env`).
+    pub sink_url: Option<String>,
     /// The job's model and versions (renewed with the time for each record).
     pub stamp: Stamp,
 }
@@ -198,6 +201,7 @@ async fn run_attempt(
     limits.metrics.in_flight.inc();
     let (result, headers, elapsed) = job.provider.call(&request, &body).await;
     let answered = matches!(result, CallResult::Message { .. });
+    let timed_out = matches!(&result, CallResult::Failed(e) if e.cause == "timeout");
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &result);
     call_span.end();
@@ -207,6 +211,12 @@ async fn run_attempt(
     });
     let mut reply = result.into_reply(&job.spec, &before.input, span);
     judge_errors(store, job, &mut reply, form).await;
+    if timed_out && reply.usage.is_none() {
+        // The server may have generated (and billed) it after we gave up.
+        let prompt =
+            estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens);
+        reply.usage = Some(Usage::estimate(prompt, u64::from(job.spec.provider.max_tokens)));
+    }
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
     let counts_as_attempt = !matches!(
@@ -546,6 +556,10 @@ fn used_of(result: &CallResult) -> Used {
         CallResult::Failed(e) if e.kind == ErrorKind::RateLimited => Used {
             rate_limited: true,
             retry_after_ms: e.retry_after_ms,
+            ..Used::default()
+        },
+        CallResult::Failed(e) if e.cause == "timeout" => Used {
+            timed_out: true,
             ..Used::default()
         },
         _ => Used::default(),

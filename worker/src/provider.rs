@@ -415,13 +415,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
 /// as a proxy copies it (`llm_provider-retry-after`, LiteLLM). Nonsense and
 /// waits over an hour are ignored.
 pub fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
-    let get = |k: &str| {
-        headers
-            .get(k)
-            .or_else(|| headers.get(format!("llm_provider-{k}")))
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-    };
+    let get = |k: &str| crate::limiter::provider_header(headers, k);
     if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
         && ms.is_finite()
         && (0.0..=3_600_000.0).contains(&ms)

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::store::IdleEntry;
 
-use crate::fleet::{Fleet, HeldGrants, STORE_ERROR_PAUSE};
+use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::process::JobCtx;
 use crate::service::Service;
 
@@ -68,12 +68,11 @@ impl Rescuer {
         if free == 0 {
             return 0;
         }
-        let mut grants = match f.grants(job, free).await {
-            Some((g, _)) if g.is_empty() => return 0,
-            Some((g, _)) => Some(g),
-            None => None,
-        };
-        let free = grants.as_ref().map_or(free, HeldGrants::len);
+        let (mut grants, _) = f.grants(job, free).await;
+        if grants.is_empty() {
+            return 0;
+        }
+        let free = grants.len();
         let mut started = 0;
         let visibility = f.visibility.as_millis() as u64;
         match f
@@ -86,7 +85,7 @@ impl Rescuer {
                     tracing::info!(job = %job.name, record_id = %d.task.rid, deliveries = d.deliveries, "reclaimed a task from a dead or stuck worker");
                     match f.permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            let grant = grants.as_mut().and_then(HeldGrants::pop);
+                            let grant = grants.pop();
                             f.spawn(job.clone(), d, permit, grant);
                             started += 1;
                         }
@@ -96,9 +95,7 @@ impl Rescuer {
             }
             Err(e) => f.store_error(&e).await,
         }
-        if let Some(g) = grants {
-            g.release(f).await;
-        }
+        grants.release(f).await;
         started
     }
 

@@ -31,6 +31,7 @@ use crate::promote::Promoter;
 use crate::provider::Provider;
 use crate::reclaim::Rescuer;
 use crate::service;
+use crate::sink::SinkWriter;
 use crate::telemetry::Metrics;
 use crate::watch::Watcher;
 
@@ -147,6 +148,13 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Promoter::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Watcher::new(fleet.clone()), stop.clone()));
+    for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
+        let url = job.sink_url.clone().unwrap_or_default();
+        loops.spawn(service::run(
+            SinkWriter::new(fleet.clone(), job.clone(), url),
+            stop.clone(),
+        ));
+    }
     loops.close();
     stop.cancelled().await;
 
@@ -164,15 +172,22 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             "draining in-flight tasks"
         );
     }
+    let started_drain = std::time::Instant::now();
     let drained = tokio::time::timeout(fleet.config.drain_timeout, fleet.tracker.wait())
         .await
         .is_ok();
+    // 3b. What was committed reaches the sink before the worker leaves
+    // (within the same deadline; whatever is left another worker writes).
+    for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
+        let url = job.sink_url.clone().unwrap_or_default();
+        SinkWriter::new(fleet.clone(), job.clone(), url)
+            .flush(started_drain + fleet.config.drain_timeout)
+            .await;
+    }
     // 4. What the limiters saw.
     let mut summary = fleet.summary.lock().await.clone();
     for job in &fleet.jobs {
-        if let Some(limiter) = &job.limiter
-            && let Ok(report) = limiter.report().await
-        {
+        if let Ok(report) = job.limiter.report().await {
             summary.limiters.insert(job.name.clone(), report);
         }
     }
@@ -221,8 +236,11 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let mut jobs = Vec::new();
     let mut secrets = common::secret::url_passwords(&config.redis_url);
     for name in names {
-        let (job, key) = load_job(&store, &name, config.base_url.as_deref(), config.breaker_errors).await?;
+        let (job, key) = load_job(&store, &name, &config).await?;
         secrets.push(key);
+        if let Some(url) = &job.sink_url {
+            secrets.extend(common::sink::db_passwords(url));
+        }
         jobs.push(job);
     }
     let scrubber = common::secret::Scrubber::new(secrets);
@@ -242,8 +260,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     // A grant's concurrency slot lives as long as its task may: a dead
     // worker's slots come back when its tasks could be reclaimed.
     for job in &mut jobs {
-        let url = config.base_url.as_deref().unwrap_or(&job.spec.provider.base_url);
-        job.limiter = Limiter::for_job(&store, &job.spec, url, &config.consumer, visibility);
+        job.limiter.set_lease(visibility);
     }
     let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
     let metrics = Arc::new(Metrics::new());
@@ -253,7 +270,14 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let health = Arc::new(Health::default());
     let http_stop = CancellationToken::new();
     if let Some(addr) = config.metrics_addr {
-        let jobs_info: Vec<(String, u32)> = jobs.iter().map(|j| (j.name.clone(), j.spec.job.partitions)).collect();
+        let jobs_info: Vec<crate::telemetry::Watched> = jobs
+            .iter()
+            .map(|j| crate::telemetry::Watched {
+                job: j.name.clone(),
+                partitions: j.spec.job.partitions,
+                limiter: Some(j.limiter.id().to_owned()),
+            })
+            .collect();
         let serve_on = |addr| {
             serve(
                 addr,
@@ -323,12 +347,8 @@ async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
 }
 
 /// A job's context, and its API key (for the scrubber).
-async fn load_job(
-    store: &RedisStore,
-    name: &str,
-    base_url: Option<&str>,
-    breaker_errors: u64,
-) -> Result<(JobCtx, String), RunError> {
+async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(JobCtx, String), RunError> {
+    let (base_url, breaker_errors) = (config.base_url.as_deref(), config.breaker_errors);
     valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
     let spec: JobSpec = store
         .job_spec(name)
@@ -350,6 +370,17 @@ async fn load_job(
         )));
     }
     common::secret::check_api_key(var, &api_key).map_err(|e| RunError::Refused(format!("job `{name}`: {e}")))?;
+    let sink_url = match (spec.sink.kind, spec.sink.url_env.as_deref()) {
+        (common::spec::SinkKind::Postgres, Some(var)) => match std::env::var(var) {
+            Ok(url) if !url.is_empty() => Some(url),
+            _ => {
+                return Err(RunError::Refused(format!(
+                    "job `{name}`: the environment variable {var} (sink.url_env) is not set: it holds the database URL results are written to"
+                )));
+            }
+        },
+        _ => None,
+    };
     let provider =
         Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
     let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
@@ -364,7 +395,15 @@ async fn load_job(
     let job = JobCtx {
         stamp: common::task::Stamp::now(&spec),
         breaker,
-        limiter: None,
+        // Its lease is set once every job is loaded (the visibility timeout).
+        limiter: Limiter::for_job(
+            store,
+            &spec,
+            base_url.unwrap_or(&spec.provider.base_url),
+            &config.consumer,
+            Duration::ZERO,
+        ),
+        sink_url,
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,

@@ -44,6 +44,22 @@ pub struct Metrics {
     pub up: Gauge,
     /// The spec's limits per job, so dashboards can draw usage against them.
     pub limit_per_minute: IntGaugeVec,
+    /// The limits the fleet learned from bare 429s, while it has them.
+    limit_learned: GaugeVec,
+    /// Result rows new in the sink, and the sink's errors by cause.
+    pub sink_written: IntCounterVec,
+    pub sink_errors: IntCounterVec,
+    /// Outcomes committed in Redis and not yet in the sink.
+    sink_lag: IntGaugeVec,
+}
+
+/// A job as the metrics endpoint watches it.
+#[derive(Debug, Clone)]
+pub struct Watched {
+    pub job: String,
+    pub partitions: u32,
+    /// Its limiter's id (the provider key/model budget).
+    pub limiter: Option<String>,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -199,6 +215,37 @@ impl Metrics {
                 "The job spec's fleet-wide limit per minute, by kind (requests, tokens, input_tokens, output_tokens).",
                 &["job", "kind"],
             ),
+            limit_learned: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{p}limit_learned"),
+                        "A limit the fleet learned from the provider's bare 429s (AIMD), by kind \
+                         (requests_per_minute, concurrency); absent while none is learned.",
+                    ),
+                    &["job", "kind"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("metric registered once");
+                g
+            },
+            sink_written: counter(
+                &r,
+                &format!("{p}sink_written_total"),
+                "Result rows this worker wrote to the job's sink that were new there.",
+                &["job"],
+            ),
+            sink_errors: counter(
+                &r,
+                &format!("{p}sink_errors_total"),
+                "Failed sink writes, by cause (unreachable, refused, schema, rejected).",
+                &["job", "cause"],
+            ),
+            sink_lag: gauge(
+                &r,
+                &format!("{p}sink_lag"),
+                "Outcomes committed in Redis and not yet written to the job's sink.",
+                &["job"],
+            ),
             up,
             registry: r,
         }
@@ -219,7 +266,7 @@ impl Metrics {
     }
 
     /// Reads the queue gauges from Redis unless they are fresh enough.
-    pub async fn refresh_queues(&self, store: &RedisStore, jobs: &[(String, u32)]) {
+    pub async fn refresh_queues(&self, store: &RedisStore, jobs: &[Watched]) {
         let stale = self
             .last_queue_read
             .lock()
@@ -228,7 +275,27 @@ impl Metrics {
         if !stale {
             return;
         }
-        for (job, partitions) in jobs {
+        for Watched {
+            job,
+            partitions,
+            limiter,
+        } in jobs
+        {
+            if let Some(id) = limiter
+                && let Ok(levels) = store.limit_levels(id).await
+            {
+                for (kind, key) in [
+                    ("requests_per_minute", "learned_requests_per_minute"),
+                    ("concurrency", "learned_concurrency"),
+                ] {
+                    match levels.get(key) {
+                        Some(v) => self.limit_learned.with_label_values(&[job.as_str(), kind]).set(*v),
+                        None => {
+                            let _ = self.limit_learned.remove_label_values(&[job.as_str(), kind]);
+                        }
+                    }
+                }
+            }
             for p in 0..*partitions {
                 let Ok(q) = store.queue_stats(job, p).await else {
                     self.store_errors.inc();
@@ -243,6 +310,9 @@ impl Metrics {
                     .set(q.oldest_pending_ms as f64 / 1000.0);
                 self.queue_delayed.with_label_values(&labels).set(q.delayed as i64);
                 self.queue_review.with_label_values(&labels).set(q.review as i64);
+            }
+            if let Ok(Some(backlog)) = store.sink_backlog(job, *partitions).await {
+                self.sink_lag.with_label_values(&[job.as_str()]).set(backlog as i64);
             }
             let halted = store.halted(job).await.ok().flatten().is_some();
             self.halted.with_label_values(&[job.as_str()]).set(i64::from(halted));

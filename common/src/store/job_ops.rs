@@ -25,6 +25,7 @@ impl RedisStore {
                     .key(keys::state(job, p))
                     .key(keys::delayed(job, p))
                     .key(keys::cancelled(job, p))
+                    .key(keys::sink(job, p))
                     .arg(keys::GROUP)
                     .arg(PAGE)
                     .invoke_async(&mut self.conn.clone())

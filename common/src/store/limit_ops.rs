@@ -33,6 +33,43 @@ pub struct Settlement {
     pub header_remaining_tokens: Option<u64>,
     /// Pause the whole fleet this long (a 429, or an exhausted budget).
     pub pause_ms: u64,
+    /// What the call did, for the adaptive limits.
+    pub call: CallKind,
+    /// After a timeout: how much longer the concurrency slot stays taken.
+    pub hold_ms: u64,
+    /// The spec's ceilings (0 = none): a learned limit never grows past them.
+    pub ceiling_requests: u64,
+    pub ceiling_concurrent: u64,
+}
+
+/// What a settled grant's call did, as the adaptive limits see it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CallKind {
+    /// Answered: a learned limit that holds the fleet back grows a little.
+    Answered,
+    /// Refused with 429 and told when to come back (`retry-after` and its
+    /// kin): the fleet pauses that long, the learned limits stay.
+    RateLimitedWithHint,
+    /// Refused with a bare 429: the learned limits are cut (once per event,
+    /// from the second such 429 within 10 s: a lone one is noise).
+    RateLimited,
+    /// No answer in time: the server may still be generating it.
+    TimedOut,
+    /// Anything else (not called, an error unrelated to load).
+    #[default]
+    Other,
+}
+
+impl CallKind {
+    fn name(self) -> &'static str {
+        match self {
+            CallKind::Answered => "ok",
+            CallKind::RateLimitedWithHint => "hinted",
+            CallKind::RateLimited => "limited",
+            CallKind::TimedOut => "timeout",
+            CallKind::Other => "other",
+        }
+    }
 }
 
 impl RedisStore {
@@ -97,22 +134,35 @@ impl RedisStore {
             .arg(opt(s.header_remaining_requests))
             .arg(opt(s.header_remaining_tokens))
             .arg(s.pause_ms)
+            .arg(s.call.name())
+            .arg(s.hold_ms)
+            .arg(s.ceiling_requests)
+            .arg(s.ceiling_concurrent)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(held == 1)
     }
 
-    /// Current levels of a limiter's buckets (`r`, `t`, `i`, `o`).
+    /// Current levels of a limiter's buckets (`r`, `t`, `i`, `o`) and the
+    /// limits it learned from 429s (`learned_requests_per_minute`,
+    /// `learned_concurrency`), those it has.
     pub async fn limit_levels(&self, limiter: &str) -> Result<std::collections::BTreeMap<String, f64>, StoreError> {
         let fields: Vec<Option<String>> = redis::cmd("HMGET")
             .arg(keys::limit_buckets(limiter))
-            .arg(&["r", "t", "i", "o"])
+            .arg(&["r", "t", "i", "o", "ar", "ac"])
             .query_async(&mut self.conn.clone())
             .await?;
-        Ok(["requests", "tokens", "input_tokens", "output_tokens"]
-            .iter()
-            .zip(fields)
-            .filter_map(|(name, v)| Some(((*name).to_owned(), v?.parse().ok()?)))
-            .collect())
+        Ok([
+            "requests",
+            "tokens",
+            "input_tokens",
+            "output_tokens",
+            "learned_requests_per_minute",
+            "learned_concurrency",
+        ]
+        .iter()
+        .zip(fields)
+        .filter_map(|(name, v)| Some(((*name).to_owned(), v?.parse().ok()?)))
+        .collect())
     }
 }

@@ -9,14 +9,16 @@ mod permissions;
 mod read_ops;
 mod redis_store;
 mod review_ops;
+mod sink_ops;
 mod worker_ops;
 
-pub use limit_ops::{LimitParams, Settlement};
+pub use limit_ops::{CallKind, LimitParams, Settlement};
 pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 
 pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
+pub use sink_ops::{SinkBatch, SinkEntry};
 pub use worker_ops::{Finish, Finished, IdleEntry, QueueStats, Remaining};
 
 pub use crate::keys::{BadJobName, valid_job_name};

@@ -255,24 +255,31 @@ impl RedisStore {
     }
 
     /// Registers the job, stores its spec, and creates every partition's stream
-    /// and consumer group (from id 0, so no task added later is missed).
-    pub async fn prepare_job(&self, job: &str, spec_toml: &str, partitions: u32) -> Result<(), StoreError> {
+    /// and consumer group (from id 0, so no task added later is missed); with
+    /// `sink`, also every partition's sink stream and its group.
+    pub async fn prepare_job(&self, job: &str, spec_toml: &str, partitions: u32, sink: bool) -> Result<(), StoreError> {
         let mut c = self.conn.clone();
         let _: () = c.sadd(keys::jobs(), job).await?;
         let _: () = c.set(keys::spec(job), spec_toml).await?;
         for p in 0..partitions {
-            let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
-                .arg("CREATE")
-                .arg(keys::stream(job, p))
-                .arg(keys::GROUP)
-                .arg("0")
-                .arg("MKSTREAM")
-                .query_async(&mut c)
-                .await;
-            match created {
-                Ok(()) => {}
-                Err(e) if e.code() == Some("BUSYGROUP") => {}
-                Err(e) => return Err(e.into()),
+            let mut groups = vec![(keys::stream(job, p), keys::GROUP)];
+            if sink {
+                groups.push((keys::sink(job, p), keys::SINK_GROUP));
+            }
+            for (stream, group) in groups {
+                let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(stream)
+                    .arg(group)
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .query_async(&mut c)
+                    .await;
+                match created {
+                    Ok(()) => {}
+                    Err(e) if e.code() == Some("BUSYGROUP") => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         Ok(())

@@ -49,6 +49,7 @@ impl RedisStore {
             .key(keys::reviewed(job, partition))
             .key(keys::results(job, partition))
             .key(keys::stream(job, partition))
+            .key(keys::sink(job, partition))
             .arg(&entry.record_id)
             .arg(&entry.seen)
             .arg(archived.encode())

@@ -252,6 +252,7 @@ impl RedisStore {
             .key(keys::stream(job, p))
             .key(keys::state(job, p))
             .key(target)
+            .key(keys::sink(job, p))
             .arg(keys::GROUP)
             .arg(&d.entry_id)
             .arg(&d.task.rid)
@@ -457,14 +458,14 @@ impl RedisStore {
     }
 }
 
-fn as_array(v: &Value) -> &[Value] {
+pub(super) fn as_array(v: &Value) -> &[Value] {
     match v {
         Value::Array(a) => a,
         _ => &[],
     }
 }
 
-fn as_string(v: &Value) -> Option<String> {
+pub(super) fn as_string(v: &Value) -> Option<String> {
     match v {
         Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
         Value::SimpleString(s) => Some(s.clone()),

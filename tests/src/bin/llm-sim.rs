@@ -92,6 +92,30 @@ struct Args {
     /// the request, not by the order of arrival).
     #[arg(long)]
     deterministic: bool,
+    /// How the rate limits are told: `openai` (`x-ratelimit-*` limit,
+    /// remaining and reset on every answer; `retry-after` and
+    /// `retry-after-ms` on a 429), `litellm` (LiteLLM's proxy: limit and
+    /// remaining but no reset; a 429 says only `llm_provider-retry-after`,
+    /// whole seconds), `none` (nothing at all: a bare 429 body).
+    #[arg(long, value_enum, default_value_t = LimitHeaders::Openai)]
+    limit_headers: LimitHeaders,
+    /// Like a self-hosted server (llama.cpp's `--parallel` slots,
+    /// llama-cpp-python's single model): at most N requests generate at
+    /// once, the others wait in line, and a request whose client gave up is
+    /// still generated to its end, its slot busy all along. 0: no slots.
+    #[arg(long, default_value_t = 0)]
+    slots: usize,
+    /// Every request takes exactly `--latency-ms` (no random spread).
+    #[arg(long)]
+    steady_latency: bool,
+}
+
+/// See [`Args::limit_headers`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LimitHeaders {
+    Openai,
+    Litellm,
+    None,
 }
 
 /// Declares [`Fault`] from one list: variant, `--faults` name, doc.
@@ -118,7 +142,8 @@ macro_rules! faults {
 }
 
 faults! {
-    /// 429 `rate_limit_exceeded` (tokens), `retry-after: 1`.
+    /// 429 `rate_limit_exceeded` (tokens), told to come back in 1 s as
+    /// `--limit-headers` spells it (or not told, with `none`).
     RateLimit = "rate_limit",
     /// 429 `insufficient_quota`.
     Quota = "quota",
@@ -192,6 +217,8 @@ struct Sim {
     calls: Mutex<Vec<Value>>,
     /// `--fail-all` as it stands now: (status, code, message).
     fail_all: Mutex<Option<(u16, String, String)>>,
+    /// `--slots`: the generation slots, taken in arrival order.
+    slots: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 /// Token buckets of one minute's budget, refilled continuously.
@@ -219,6 +246,11 @@ struct Stats {
     max_in_flight: u64,
     /// Chat requests by `response_format` type (`text` when none).
     by_form: BTreeMap<String, u64>,
+    /// With `--slots`: requests generating right now (their client waiting
+    /// or not), the most at once, and those finished after their client left.
+    generating: u64,
+    max_generating: u64,
+    abandoned: u64,
 }
 
 const LOG_CAP: usize = 20_000;
@@ -244,6 +276,7 @@ async fn main() -> anyhow::Result<()> {
         served: Default::default(),
         calls: Default::default(),
         fail_all: Mutex::new(args.fail_all.as_deref().and_then(parse_fail)),
+        slots: (args.slots > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.slots))),
         faults,
         args,
     });
@@ -367,7 +400,7 @@ impl Drop for InFlight<'_> {
 
 /// One chat request, step by step: each step either answers (and ends the
 /// request) or hands on to the next.
-async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
+async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
     if let Some(to) = &sim.args.redirect_to {
         return redirect(to);
     }
@@ -403,9 +436,7 @@ async fn answer(sim: &Sim, headers: &HeaderMap, body: &str) -> Response {
     {
         *s.by_fault.entry(f.name()).or_default() += 1;
     }
-    if !latency.is_zero() {
-        tokio::time::sleep(latency).await;
-    }
+    take_time(sim, latency).await;
     if let Some(f) = fault
         && let Some(failed) = failure(sim, f).await
     {
@@ -555,16 +586,65 @@ fn rate_limited(sim: &Sim, limit_headers: HeaderMap, wait: f64) -> Response {
         "rate_limit_exceeded",
     );
     r.headers_mut().extend(limit_headers);
-    r.headers_mut().insert(
-        "retry-after",
-        HeaderValue::from_str(&format!("{:.3}", wait)).unwrap_or(HeaderValue::from_static("1")),
-    );
-    r.headers_mut().insert(
-        "retry-after-ms",
-        HeaderValue::from_str(&format!("{}", (wait * 1000.0).ceil() as u64))
-            .unwrap_or(HeaderValue::from_static("1000")),
-    );
+    retry_hint(sim, &mut r, wait);
     r
+}
+
+/// A 429's retry hint, as `--limit-headers` says the server spells it:
+/// `retry-after` and `retry-after-ms` (OpenAI), `llm_provider-retry-after`
+/// in whole seconds (LiteLLM), or none at all.
+fn retry_hint(sim: &Sim, r: &mut Response, wait_secs: f64) {
+    let mut put = |k: &'static str, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            r.headers_mut().insert(k, v);
+        }
+    };
+    match sim.args.limit_headers {
+        LimitHeaders::Openai => {
+            put("retry-after", format!("{wait_secs:.3}"));
+            put("retry-after-ms", format!("{}", (wait_secs * 1000.0).ceil() as u64));
+        }
+        LimitHeaders::Litellm => put("llm_provider-retry-after", format!("{}", wait_secs.ceil().max(1.0))),
+        LimitHeaders::None => {}
+    }
+}
+
+/// The time a request takes to generate. With `--slots` it waits for a slot
+/// first, and the generation runs to its end even when the client leaves (a
+/// detached task holds the slot; the client only waits for it).
+async fn take_time(sim: &Arc<Sim>, latency: Duration) {
+    let Some(slots) = sim.slots.clone() else {
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+        return;
+    };
+    /// Set when the client's handler is dropped before the generation ends.
+    struct Waiting(Arc<std::sync::atomic::AtomicBool>);
+    impl Drop for Waiting {
+        fn drop(&mut self) {
+            self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let waiting = Waiting(Arc::new(std::sync::atomic::AtomicBool::new(true)));
+    let still = waiting.0.clone();
+    let me = sim.clone();
+    let generation = tokio::spawn(async move {
+        let Ok(_slot) = slots.acquire_owned().await else { return };
+        if let Ok(mut s) = me.stats.lock() {
+            s.generating += 1;
+            s.max_generating = s.max_generating.max(s.generating);
+        }
+        tokio::time::sleep(latency).await;
+        if let Ok(mut s) = me.stats.lock() {
+            s.generating -= 1;
+            if !still.load(std::sync::atomic::Ordering::Relaxed) {
+                s.abandoned += 1;
+            }
+        }
+    });
+    let _ = generation.await;
+    drop(waiting);
 }
 
 /// The seeded draws of one admitted request, in this order: its fault (by
@@ -592,7 +672,9 @@ fn draw_fault_and_latency(sim: &Sim, body: &str) -> (Option<Fault>, Duration) {
     }
     let mean = sim.args.latency_ms as f64;
     let u: f64 = rng.random_range(f64::EPSILON..1.0);
-    let latency = if mean > 0.0 {
+    let latency = if sim.args.steady_latency {
+        mean
+    } else if mean > 0.0 {
         mean * 0.2 + (-u.ln()) * mean * 0.8
     } else {
         0.0
@@ -605,20 +687,20 @@ async fn failure(sim: &Sim, fault: Fault) -> Option<Response> {
     match fault {
         Fault::Hang => Some(hang(sim).await),
         Fault::Empty => Some((StatusCode::OK, "").into_response()),
-        _ => provider_error(fault),
+        _ => provider_error(sim, fault),
     }
 }
 
 /// A provider's error answer: status, OpenAI error body, and `retry-after`
 /// where a provider sends one.
-fn provider_error(fault: Fault) -> Option<Response> {
+fn provider_error(sim: &Sim, fault: Fault) -> Option<Response> {
     let (status, message, kind, code, retry_after) = match fault {
         Fault::RateLimit => (
             StatusCode::TOO_MANY_REQUESTS,
             "Rate limit reached for tokens.",
             "tokens",
             "rate_limit_exceeded",
-            Some("1"),
+            None,
         ),
         Fault::Quota => (
             StatusCode::TOO_MANY_REQUESTS,
@@ -653,6 +735,10 @@ fn provider_error(fault: Fault) -> Option<Response> {
     let mut r = error_body(status, message, kind, code);
     if let Some(after) = retry_after {
         r.headers_mut().insert("retry-after", HeaderValue::from_static(after));
+    }
+    if fault == Fault::RateLimit {
+        // A 429 says when to come back the way this server spells it.
+        retry_hint(sim, &mut r, 1.0);
     }
     Some(r)
 }
@@ -853,14 +939,16 @@ fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
         ),
     ];
     for ([limit, remaining, reset], per_minute, left) in budgets {
-        if per_minute > 0 {
+        if per_minute > 0 && sim.args.limit_headers != LimitHeaders::None {
             put(&mut h, limit, per_minute.to_string());
             put(&mut h, remaining, (left.max(0.0) as u64).to_string());
-            put(
-                &mut h,
-                reset,
-                go_duration((per_minute as f64 - left) * 60.0 / per_minute as f64),
-            );
+            if sim.args.limit_headers == LimitHeaders::Openai {
+                put(
+                    &mut h,
+                    reset,
+                    go_duration((per_minute as f64 - left) * 60.0 / per_minute as f64),
+                );
+            }
         }
     }
     (h, wait)
@@ -908,50 +996,74 @@ fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
     let mut rng = StdRng::seed_from_u64(u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])));
     let mut out = serde_json::Map::new();
     for (name, prop) in props {
-        let types = type_names(&prop);
-        let ty = types
+        out.insert(name, value_for(&prop, user, &mut rng));
+    }
+    Value::Object(out)
+}
+
+/// A conforming value for one property's schema: an enum value (the one
+/// the prompt names, if any), a number in range, words of the prompt for
+/// strings and string arrays; objects and arrays of objects from their own
+/// `properties`, recursively.
+fn value_for(prop: &Value, user: &str, rng: &mut StdRng) -> Value {
+    let types = type_names(prop);
+    let ty = types
+        .iter()
+        .find(|t| *t != "null")
+        .cloned()
+        .unwrap_or_else(|| "string".into());
+    if let Some(values) = prop["enum"].as_array() {
+        let choices: Vec<&Value> = values.iter().filter(|v| !v.is_null()).collect();
+        // Echo a value the prompt names (e.g. "Task type: extract"), as a real model would.
+        return choices
             .iter()
-            .find(|t| *t != "null")
-            .cloned()
-            .unwrap_or_else(|| "string".into());
-        let value = if let Some(values) = prop["enum"].as_array() {
-            let choices: Vec<&Value> = values.iter().filter(|v| !v.is_null()).collect();
-            // Echo a value the prompt names (e.g. "Task type: extract"), as a real model would.
-            choices
-                .iter()
-                .find(|v| v.as_str().is_some_and(|s| user.contains(&format!(": {s}"))))
-                .or_else(|| choices.get(rng.random_range(0..choices.len().max(1))))
-                .map(|v| (*v).clone())
-                .unwrap_or(Value::Null)
-        } else {
-            match ty.as_str() {
-                "number" => {
-                    let lo = prop["minimum"].as_f64().unwrap_or(0.0);
-                    let hi = prop["maximum"].as_f64().unwrap_or(lo + 100.0);
-                    json!(((lo + (hi - lo) * rng.random_range(0.0..1.0)) * 100.0).round() / 100.0)
-                }
-                "integer" => {
-                    let lo = prop["minimum"].as_f64().unwrap_or(0.0) as i64;
-                    let hi = prop["maximum"].as_f64().unwrap_or(lo as f64 + 100.0) as i64;
-                    json!(rng.random_range(lo..=hi.max(lo)))
-                }
-                "boolean" => json!(rng.random_range(0..2) == 1),
-                "array" => {
+            .find(|v| v.as_str().is_some_and(|s| user.contains(&format!(": {s}"))))
+            .or_else(|| choices.get(rng.random_range(0..choices.len().max(1))))
+            .map(|v| (*v).clone())
+            .unwrap_or(Value::Null);
+    }
+    match ty.as_str() {
+        "number" => {
+            let lo = prop["minimum"].as_f64().unwrap_or(0.0);
+            let hi = prop["maximum"].as_f64().unwrap_or(lo + 100.0);
+            json!(((lo + (hi - lo) * rng.random_range(0.0..1.0)) * 100.0).round() / 100.0)
+        }
+        "integer" => {
+            let lo = prop["minimum"].as_f64().unwrap_or(0.0) as i64;
+            let hi = prop["maximum"].as_f64().unwrap_or(lo as f64 + 100.0) as i64;
+            json!(rng.random_range(lo..=hi.max(lo)))
+        }
+        "boolean" => json!(rng.random_range(0..2) == 1),
+        "array" => {
+            let items = &prop["items"];
+            let item_type = type_names(items).into_iter().find(|t| t != "null");
+            match item_type.as_deref() {
+                None | Some("string") if items["enum"].is_null() => {
                     let words: Vec<&str> = user.split_whitespace().filter(|w| w.len() > 3).take(2).collect();
                     json!(words)
                 }
-                "object" => json!({}),
-                _ => {
-                    let words: Vec<&str> = user.split_whitespace().rev().take(5).collect();
-                    let mut s = format!("mentions {}", words.join(" "));
-                    s.truncate(40);
-                    json!(s.trim_end())
-                }
+                _ => Value::Array((0..2).map(|_| value_for(items, user, rng)).collect()),
             }
-        };
-        out.insert(name, value);
+        }
+        "object" => match prop["properties"].as_object() {
+            Some(props) => Value::Object(
+                props
+                    .iter()
+                    .map(|(k, p)| (k.clone(), value_for(p, user, rng)))
+                    .collect(),
+            ),
+            None => json!({}),
+        },
+        _ => {
+            let words: Vec<&str> = user.split_whitespace().rev().take(5).collect();
+            let mut s = format!("mentions {}", words.join(" "));
+            let max = prop["maxLength"].as_u64().map_or(40, |n| (n as usize).min(40));
+            while s.len() > max {
+                s.pop();
+            }
+            json!(s.trim_end())
+        }
     }
-    Value::Object(out)
 }
 
 async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {

@@ -9,6 +9,8 @@
 -- KEYS[2]  partition state hash      bf:{job:pN}:state
 -- KEYS[3]  partition delayed set     bf:{job:pN}:delayed
 -- KEYS[4]  partition cancelled hash  bf:{job:pN}:cancelled
+-- KEYS[5]  partition sink stream      bf:{job:pN}:sink (see finish.lua): a
+--          cancelled record is handed to the sink as a failure (`k` f)
 -- ARGV[1]  consumer group
 -- ARGV[2]  at most this many tasks per call
 -- Delayed members and stream entries' `task` field are encoded tasks, kept
@@ -19,10 +21,12 @@
 local stream, states, delayed, cancelled = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local limit = tonumber(ARGV[2])
 local n = 0
+local sink = redis.call('EXISTS', KEYS[5]) == 1
 local function cancel(rid, task)
   if redis.call('HGET', states, rid) == 'queued' or redis.call('HGET', states, rid) == 'delayed' then
     redis.call('HSET', cancelled, rid, task)
     redis.call('HSET', states, rid, 'cancelled')
+    if sink then redis.call('XADD', KEYS[5], '*', 'rid', rid, 'k', 'f') end
     n = n + 1
   end
 end

@@ -13,6 +13,9 @@
 --
 -- KEYS[1]  partition stream        bf:{job:pN}:tasks
 -- KEYS[2]  partition state hash    bf:{job:pN}:state
+-- KEYS[4]  partition sink stream   bf:{job:pN}:sink: when it exists (the job
+--          has a sink), a record that became done (`k` r) or went to review,
+--          was dropped or cancelled (`k` f) is handed to the sink through it
 -- KEYS[3]  the mode's target:      commit -> bf:{job:pN}:results (hash)
 --                                  retry  -> bf:{job:pN}:delayed (sorted set)
 --                                  review -> bf:{job:pN}:review  (hash)
@@ -71,6 +74,9 @@ elseif state == 'queued' or state == 'delayed' then
   else
     return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))
   end
+end
+if moved == 1 and mode ~= 'retry' and mode ~= 'release' and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('XADD', KEYS[4], '*', 'rid', rid, 'k', mode == 'commit' and 'r' or 'f')
 end
 redis.call('XACK', stream, group, entry)
 redis.call('XDEL', stream, entry)

@@ -7,11 +7,17 @@
 -- concurrency slot (a member of the in-flight set that expires, so a dead
 -- worker's slots come back by themselves). Limits learned from the provider's
 -- headers tighten the spec's while fresh; a 429 pauses the whole fleet.
+-- Limits learned from 429s (`ar` requests/min, `ac` requests in flight; see
+-- limit_settle.lua) tighten them too: with no limit in the spec and none in
+-- the headers, they are the only ones.
 -- The clock is the server's (TIME), the same for every worker.
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 --          fields: r t i o (levels), at (last refill ms), pause (ms),
---                  hr ht (header limits), hat (when they were seen, ms)
+--                  hr ht (header limits), hat (when they were seen, ms),
+--                  ar ac (limits learned from 429s), rb cb (when each last
+--                  bound, ms), wn ws pr (grants since ws, ms; the rate of
+--                  the window before, per minute)
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight  (member grant id, score expiry ms)
 -- ARGV[1..4]  limits per minute: requests, total tokens, input tokens, output tokens (0 = none)
 -- ARGV[5]  max concurrent requests (0 = none)
@@ -29,7 +35,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want = tonumber(ARGV[9])
 local burst, lease = tonumber(ARGV[10]), tonumber(ARGV[11])
-local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat')
+local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws')
 local pause = tonumber(s[6]) or 0
 if now < pause then
   return {0, pause - now}
@@ -41,6 +47,13 @@ if fresh then
   local hr, ht = tonumber(s[7]), tonumber(s[8])
   if hr and hr > 0 and (limits[1] == 0 or hr < limits[1]) then limits[1] = hr end
   if ht and ht > 0 and (limits[2] == 0 or ht < limits[2]) then limits[2] = ht end
+end
+-- The learned request rate, when it is the tightest: `rb` then says it bound.
+local ar = tonumber(s[10])
+local learned_rate = false
+if ar and (limits[1] == 0 or ar < limits[1]) then
+  limits[1] = ar
+  learned_rate = true
 end
 local need = {1, tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
 local names = {'r', 't', 'i', 'o'}
@@ -65,18 +78,27 @@ if #expired > 0 then
   redis.call('ZREMRANGEBYSCORE', inflight, '-inf', now)
 end
 local maxc = tonumber(ARGV[5])
+local ac = tonumber(s[11])
+local learned_conc = false
+if ac and (maxc == 0 or math.floor(ac) < maxc) then
+  maxc = math.max(1, math.floor(ac))
+  learned_conc = true
+end
 local granted, wait = 0, 0
 local ids = {}
+local bound = {}
 while granted < want do
   local ok = true
   for k = 1, 4 do
     if limits[k] > 0 and level[k] < math.min(need[k], cap[k]) then
       ok = false
+      bound[k] = true
       wait = math.max(wait, math.ceil((math.min(need[k], cap[k]) - level[k]) * 60000 / limits[k]))
     end
   end
   if ok and maxc > 0 and redis.call('ZCARD', inflight) >= maxc then
     ok = false
+    bound[5] = true
     wait = math.max(wait, 20)
   end
   if not ok then break end
@@ -92,6 +114,30 @@ if granted > 0 then
   redis.call('HINCRBY', b, 'reserved', granted * need[2])
 end
 local fields = {'at', now}
+-- A learned limit grows back only while it is what holds the fleet back.
+if bound[1] and learned_rate then
+  fields[#fields + 1] = 'rb'
+  fields[#fields + 1] = now
+end
+if bound[5] and learned_conc then
+  fields[#fields + 1] = 'cb'
+  fields[#fields + 1] = now
+end
+-- The fleet's sending rate, in windows of 5 s or more (what a 429 cuts).
+local wn, ws = (tonumber(s[12]) or 0) + granted, tonumber(s[13]) or now
+if now - ws >= 15000 then
+  -- Far longer than a window: the fleet was idle or paused, and that time
+  -- is no sending rate. Start over.
+  wn, ws = granted, now
+elseif now - ws >= 5000 then
+  fields[#fields + 1] = 'pr'
+  fields[#fields + 1] = tostring(wn * 60000 / (now - ws))
+  wn, ws = 0, now
+end
+fields[#fields + 1] = 'wn'
+fields[#fields + 1] = wn
+fields[#fields + 1] = 'ws'
+fields[#fields + 1] = ws
 for k = 1, 4 do
   if limits[k] > 0 then
     fields[#fields + 1] = names[k]

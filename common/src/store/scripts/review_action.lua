@@ -10,6 +10,8 @@
 -- KEYS[3]  partition archive hash   bf:{job:pN}:reviewed
 -- KEYS[4]  partition results hash   bf:{job:pN}:results
 -- KEYS[5]  partition stream         bf:{job:pN}:tasks
+-- KEYS[6]  partition sink stream    bf:{job:pN}:sink (see finish.lua): an
+--          accepted result (`k` r) or a rejection (`k` f) is handed to the sink
 -- ARGV[1]  record_id
 -- ARGV[2]  the entry JSON as the reviewer read it
 -- ARGV[3]  the entry JSON with this action appended (archived)
@@ -35,6 +37,9 @@ elseif action == 'reject' then
   redis.call('HSET', states, rid, 'dropped:rejected')
 else
   return redis.error_reply('review_action.lua: unknown action ' .. tostring(action))
+end
+if action ~= 'requeue' and redis.call('EXISTS', KEYS[6]) == 1 then
+  redis.call('XADD', KEYS[6], '*', 'rid', rid, 'k', action == 'accept' and 'r' or 'f')
 end
 redis.call('HDEL', review, rid)
 redis.call('HSET', archive, rid, after)

@@ -1,0 +1,593 @@
+//! The PostgreSQL result sink: its tables (created with [`ddl`] when absent,
+//! an existing one checked column by column), batched writes that a
+//! redelivered batch cannot duplicate (`ON CONFLICT (record_id) DO NOTHING`),
+//! and the reads reconciliation needs.
+//!
+//! The worker's sink service moves outcomes here from each partition's sink
+//! stream and acknowledges them only after the transaction committed; see the
+//! README's "Result sink".
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+use tokio_postgres::Client;
+
+use crate::secret::Scrubber;
+use crate::spec::Prices;
+use crate::task::{ResultRecord, ReviewEntry};
+
+/// Why the sink could not do its work; every message is scrubbed of the
+/// database URL's password.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SinkError {
+    /// Down, unreachable, or the connection broke: retried with back-off.
+    #[error("cannot reach the database: {0}")]
+    Unreachable(String),
+    /// Authentication or authorization failed: retried, but needs a person.
+    #[error("the database refused the connection: {0}")]
+    Refused(String),
+    /// The table exists but lacks a column or has one of another type.
+    #[error("{0}")]
+    Schema(String),
+    /// The database refused the rows (a constraint the user added...).
+    #[error("the database rejected a batch: {0}")]
+    Rejected(String),
+}
+
+impl SinkError {
+    /// A bounded label for `batchfleet_sink_errors_total{cause}`.
+    pub fn cause(&self) -> &'static str {
+        match self {
+            SinkError::Unreachable(_) => "unreachable",
+            SinkError::Refused(_) => "refused",
+            SinkError::Schema(_) => "schema",
+            SinkError::Rejected(_) => "rejected",
+        }
+    }
+
+    fn of(e: &tokio_postgres::Error, scrub: &Scrubber) -> SinkError {
+        let text = scrub.scrub(&error_text(e));
+        match e.code().map(|c| c.code()) {
+            // 28: invalid authorization; 42501: insufficient privilege; 3D000: no such database.
+            Some(c) if c.starts_with("28") || c == "42501" || c == "3D000" => SinkError::Refused(text),
+            // 23: integrity constraint violation; 22: data exception; 21: cardinality.
+            Some(c) if c.starts_with("23") || c.starts_with("22") || c.starts_with("21") => SinkError::Rejected(text),
+            Some(c) if c.starts_with("42") => SinkError::Schema(text),
+            _ => SinkError::Unreachable(text),
+        }
+    }
+}
+
+/// The database's own message when it sent one, else the client's.
+fn error_text(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} ({})", db.message(), db.code().code()),
+        None => {
+            let mut text = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                text.push_str(": ");
+                text.push_str(&s.to_string());
+                source = s.source();
+            }
+            text
+        }
+    }
+}
+
+/// The columns of the results table batchfleet writes, and their types as
+/// `information_schema.columns.data_type` names them.
+const RESULT_COLUMNS: &[(&str, &str)] = &[
+    ("record_id", "text"),
+    ("job", "text"),
+    ("business_key", "text"),
+    ("versions", "jsonb"),
+    ("output", "jsonb"),
+    ("attempts", "integer"),
+    ("calls", "integer"),
+    ("prompt_tokens", "bigint"),
+    ("cached_tokens", "bigint"),
+    ("completion_tokens", "bigint"),
+    ("cost_usd", "double precision"),
+    ("model", "text"),
+    ("response_id", "text"),
+    ("human", "boolean"),
+    ("reviewer", "text"),
+    ("committed_at", "timestamp with time zone"),
+];
+
+const FAILURE_COLUMNS: &[(&str, &str)] = &[
+    ("record_id", "text"),
+    ("job", "text"),
+    ("business_key", "text"),
+    ("state", "text"),
+    ("reason", "text"),
+    ("errors", "jsonb"),
+    ("at", "timestamp with time zone"),
+    ("resolved_at", "timestamp with time zone"),
+];
+
+/// The DDL of a results table and its failures table (`<table>_failures`).
+pub fn ddl(table: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {table} (\n\
+         \x20   record_id         text PRIMARY KEY,\n\
+         \x20   job               text NOT NULL,\n\
+         \x20   business_key      text NOT NULL,\n\
+         \x20   versions          jsonb NOT NULL,\n\
+         \x20   output            jsonb NOT NULL,\n\
+         \x20   attempts          integer NOT NULL,\n\
+         \x20   calls             integer NOT NULL,\n\
+         \x20   prompt_tokens     bigint,\n\
+         \x20   cached_tokens     bigint,\n\
+         \x20   completion_tokens bigint,\n\
+         \x20   cost_usd          double precision,\n\
+         \x20   model             text NOT NULL,\n\
+         \x20   response_id       text,\n\
+         \x20   human             boolean NOT NULL,\n\
+         \x20   reviewer          text,\n\
+         \x20   committed_at      timestamptz NOT NULL,\n\
+         \x20   written_at        timestamptz NOT NULL DEFAULT now()\n\
+         );\n\
+         CREATE INDEX IF NOT EXISTS {index}_job ON {table} (job);\n\
+         CREATE TABLE IF NOT EXISTS {table}_failures (\n\
+         \x20   record_id    text PRIMARY KEY,\n\
+         \x20   job          text NOT NULL,\n\
+         \x20   business_key text NOT NULL,\n\
+         \x20   state        text NOT NULL,  -- review | dropped | cancelled | rejected\n\
+         \x20   reason       text NOT NULL,\n\
+         \x20   errors       jsonb NOT NULL,\n\
+         \x20   at           timestamptz NOT NULL,\n\
+         \x20   resolved_at  timestamptz     -- set when the record became done\n\
+         );\n",
+        index = table.replace('.', "_"),
+    )
+}
+
+/// One committed result as a row.
+#[derive(Debug, Clone)]
+pub struct ResultRow {
+    pub record_id: String,
+    pub business_key: String,
+    pub versions: Value,
+    pub output: Value,
+    pub attempts: i32,
+    pub calls: i32,
+    pub prompt_tokens: Option<i64>,
+    pub cached_tokens: Option<i64>,
+    pub completion_tokens: Option<i64>,
+    pub cost_usd: Option<f64>,
+    pub model: String,
+    pub response_id: Option<String>,
+    pub human: bool,
+    pub reviewer: Option<String>,
+    pub committed_at: String,
+}
+
+impl ResultRow {
+    pub fn of(r: &ResultRecord, prices: &Prices) -> ResultRow {
+        let versions: BTreeMap<&String, &String> = r.versions.iter().collect();
+        ResultRow {
+            record_id: r.record_id.clone(),
+            business_key: r.key.clone(),
+            versions: serde_json::to_value(versions).unwrap_or(Value::Null),
+            output: Value::Object(r.output.clone()),
+            attempts: i32::try_from(r.attempts).unwrap_or(i32::MAX),
+            calls: i32::try_from(r.calls).unwrap_or(i32::MAX),
+            prompt_tokens: r.usage.map(|u| u.prompt as i64),
+            cached_tokens: r.usage.map(|u| u.cached as i64),
+            completion_tokens: r.usage.map(|u| u.completion as i64),
+            cost_usd: r.usage.map(|u| u.cost(prices)),
+            model: r.model.clone(),
+            response_id: r.response_id.clone(),
+            human: r.human,
+            reviewer: r.reviewer.clone(),
+            committed_at: r.committed_at.clone(),
+        }
+    }
+}
+
+/// A record that did not become done (yet): in review, dropped or cancelled.
+#[derive(Debug, Clone)]
+pub struct FailureRow {
+    pub record_id: String,
+    pub business_key: String,
+    /// `review`, `dropped` or `cancelled`.
+    pub state: String,
+    pub reason: String,
+    pub errors: Value,
+    pub at: String,
+}
+
+impl FailureRow {
+    /// A record in `state` (dropped, cancelled, rejected...) with `reason`,
+    /// as of now; its business key is not at hand here.
+    pub fn of_state(rid: &str, state: &str, reason: &str) -> FailureRow {
+        FailureRow {
+            record_id: rid.to_owned(),
+            business_key: String::new(),
+            state: state.to_owned(),
+            reason: reason.to_owned(),
+            errors: Value::Array(vec![]),
+            at: crate::manifest::now_rfc3339(),
+        }
+    }
+
+    pub fn of_review(e: &ReviewEntry) -> FailureRow {
+        FailureRow {
+            record_id: e.record_id.clone(),
+            business_key: e.key.clone(),
+            state: "review".into(),
+            reason: e.reason.clone(),
+            errors: serde_json::to_value(&e.errors).unwrap_or(Value::Null),
+            at: e.created_at.clone(),
+        }
+    }
+}
+
+/// A connected sink: its client and table names.
+pub struct PgSink {
+    client: Client,
+    results: String,
+    failures: String,
+    scrub: Scrubber,
+}
+
+impl PgSink {
+    /// Connects (TLS when the URL's `sslmode` asks for it or the server
+    /// offers it), then creates the tables when absent or checks them.
+    pub async fn connect(url: &str, table: &str) -> Result<PgSink, SinkError> {
+        let scrub = Scrubber::new(db_passwords(url));
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
+            SinkError::Refused(format!("the database URL is invalid: {}", scrub.scrub(&error_text(&e))))
+        })?;
+        if config.get_connect_timeout().is_none() {
+            // A black-holed server must not hold a worker past its drain.
+            config.connect_timeout(std::time::Duration::from_secs(10));
+        }
+        let tls = tls_connector();
+        let (client, connection) = config.connect(tls).await.map_err(|e| SinkError::of(&e, &scrub))?;
+        tokio::spawn(async move {
+            // Ends when the client is dropped or the connection breaks; the
+            // next query then fails and the sink reconnects.
+            let _ = connection.await;
+        });
+        let sink = PgSink {
+            client,
+            results: table.to_owned(),
+            failures: format!("{table}_failures"),
+            scrub,
+        };
+        sink.prepare().await?;
+        Ok(sink)
+    }
+
+    /// Whether the connection is gone (the sink must reconnect).
+    pub fn is_closed(&self) -> bool {
+        self.client.is_closed()
+    }
+
+    fn err(&self, e: &tokio_postgres::Error) -> SinkError {
+        SinkError::of(e, &self.scrub)
+    }
+
+    /// Creates the tables when absent; checks an existing one's columns.
+    async fn prepare(&self) -> Result<(), SinkError> {
+        for (table, columns) in [(&self.results, RESULT_COLUMNS), (&self.failures, FAILURE_COLUMNS)] {
+            let found = self.columns(table).await?;
+            if found.is_empty() {
+                self.client
+                    .batch_execute(&ddl(&self.results))
+                    .await
+                    .map_err(|e| self.err(&e))?;
+                continue;
+            }
+            for (name, ty) in columns {
+                match found.get(*name) {
+                    None => {
+                        return Err(SinkError::Schema(format!(
+                            "table {table} has no column `{name}` ({ty}): add it, or point sink.table at a new table (batchfleet creates it; see the README's DDL)"
+                        )));
+                    }
+                    Some(t) if t != ty && !(*ty == "integer" && t == "bigint") => {
+                        return Err(SinkError::Schema(format!(
+                            "table {table}: column `{name}` is {t}, batchfleet writes {ty}"
+                        )));
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An existing table's columns and their types (empty when it is absent).
+    async fn columns(&self, table: &str) -> Result<BTreeMap<String, String>, SinkError> {
+        let (schema, name) = match table.split_once('.') {
+            Some((s, n)) => (Some(s), n),
+            None => (None, table),
+        };
+        let rows = self
+            .client
+            .query(
+                "SELECT column_name::text, data_type::text FROM information_schema.columns \
+                 WHERE table_name = $1 AND table_schema = COALESCE($2, current_schema())",
+                &[&name, &schema],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Writes one batch in one transaction: the failures (a record already
+    /// in the results table is never a failure again), then the results
+    /// (`ON CONFLICT (record_id) DO NOTHING`: a redelivered batch adds
+    /// nothing), then marks the failures those results resolve. Returns the
+    /// result rows that were new.
+    pub async fn write(&mut self, job: &str, results: &[ResultRow], failures: &[FailureRow]) -> Result<u64, SinkError> {
+        let scrub = self.scrub.clone();
+        let err = |e: tokio_postgres::Error| SinkError::of(&e, &scrub);
+        let tx = self.client.transaction().await.map_err(err)?;
+        // One writer of a job at a time: a failure row is then never written
+        // from a state older than a result another writer just committed.
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('batchfleet sink ' || $1::text))",
+            &[&job],
+        )
+        .await
+        .map_err(err)?;
+        if !failures.is_empty() {
+            let col = |f: fn(&FailureRow) -> String| failures.iter().map(f).collect::<Vec<String>>();
+            let errors: Vec<Value> = failures.iter().map(|f| f.errors.clone()).collect();
+            tx.execute(
+                &format!(
+                    "INSERT INTO {f} (record_id, job, business_key, state, reason, errors, at) \
+                     SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g::timestamptz \
+                     FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::text[]) AS u(a, c, d, e, f, g) \
+                     WHERE NOT EXISTS (SELECT 1 FROM {r} r WHERE r.record_id = u.a) \
+                     ON CONFLICT (record_id) DO UPDATE SET state = EXCLUDED.state, reason = EXCLUDED.reason, \
+                     errors = EXCLUDED.errors, at = EXCLUDED.at, resolved_at = NULL \
+                     WHERE EXCLUDED.at >= {f}.at",
+                    f = self.failures,
+                    r = self.results
+                ),
+                &[
+                    &job,
+                    &col(|f| f.record_id.clone()),
+                    &col(|f| f.business_key.clone()),
+                    &col(|f| f.state.clone()),
+                    &col(|f| f.reason.clone()),
+                    &errors,
+                    &col(|f| f.at.clone()),
+                ],
+            )
+            .await
+            .map_err(err)?;
+        }
+        let mut written = 0;
+        if !results.is_empty() {
+            let ids: Vec<&str> = results.iter().map(|r| r.record_id.as_str()).collect();
+            let keys: Vec<&str> = results.iter().map(|r| r.business_key.as_str()).collect();
+            let versions: Vec<&Value> = results.iter().map(|r| &r.versions).collect();
+            let outputs: Vec<&Value> = results.iter().map(|r| &r.output).collect();
+            let attempts: Vec<i32> = results.iter().map(|r| r.attempts).collect();
+            let calls: Vec<i32> = results.iter().map(|r| r.calls).collect();
+            let prompt: Vec<Option<i64>> = results.iter().map(|r| r.prompt_tokens).collect();
+            let cached: Vec<Option<i64>> = results.iter().map(|r| r.cached_tokens).collect();
+            let completion: Vec<Option<i64>> = results.iter().map(|r| r.completion_tokens).collect();
+            let cost: Vec<Option<f64>> = results.iter().map(|r| r.cost_usd).collect();
+            let model: Vec<&str> = results.iter().map(|r| r.model.as_str()).collect();
+            let response: Vec<Option<&str>> = results.iter().map(|r| r.response_id.as_deref()).collect();
+            let human: Vec<bool> = results.iter().map(|r| r.human).collect();
+            let reviewer: Vec<Option<&str>> = results.iter().map(|r| r.reviewer.as_deref()).collect();
+            let at: Vec<&str> = results.iter().map(|r| r.committed_at.as_str()).collect();
+            written = tx
+                .execute(
+                    &format!(
+                        "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
+                         prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
+                         reviewer, committed_at) \
+                         SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz \
+                         FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
+                         $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
+                         $15::text[], $16::text[]) AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
+                         ON CONFLICT (record_id) DO NOTHING",
+                        r = self.results
+                    ),
+                    &[
+                        &job,
+                        &ids,
+                        &keys,
+                        &versions,
+                        &outputs,
+                        &attempts,
+                        &calls,
+                        &prompt,
+                        &cached,
+                        &completion,
+                        &cost,
+                        &model,
+                        &response,
+                        &human,
+                        &reviewer,
+                        &at,
+                    ],
+                )
+                .await
+                .map_err(err)?;
+            tx.execute(
+                &format!(
+                    "UPDATE {f} SET resolved_at = now() WHERE record_id = ANY($1) AND resolved_at IS NULL",
+                    f = self.failures
+                ),
+                &[&ids],
+            )
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(written)
+    }
+
+    /// After a batch was rejected: writes it again one row to a
+    /// transaction, so the rows the database accepts are written and those
+    /// it refuses are found. A refused result is kept in the failures table
+    /// as `rejected`, with the database's message, so it is never silently
+    /// dropped (and `status --require-complete` lists it as missing from the
+    /// table). Returns the new result rows and the refused records with
+    /// their messages.
+    pub async fn write_each(
+        &mut self,
+        job: &str,
+        results: &[ResultRow],
+        failures: &[FailureRow],
+    ) -> Result<(u64, Vec<(String, String)>), SinkError> {
+        let mut written = 0;
+        let mut refused = Vec::new();
+        for f in failures {
+            match self.write(job, &[], std::slice::from_ref(f)).await {
+                Ok(_) => {}
+                Err(SinkError::Rejected(m)) => {
+                    self.keep_refused(job, &f.record_id, "", &m).await?;
+                    refused.push((f.record_id.clone(), m));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for r in results {
+            match self.write(job, std::slice::from_ref(r), &[]).await {
+                Ok(n) => written += n,
+                Err(SinkError::Rejected(m)) => {
+                    self.keep_refused(job, &r.record_id, &r.business_key, &m).await?;
+                    refused.push((r.record_id.clone(), m));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((written, refused))
+    }
+
+    /// Keeps a refused outcome in the failures table as `rejected`, with the
+    /// database's message (at most 500 bytes); if even that row is refused,
+    /// a bare one (the id and a fixed reason). Only a database that refuses
+    /// both is an error here (the batch is then retried).
+    async fn keep_refused(&mut self, job: &str, rid: &str, key: &str, message: &str) -> Result<(), SinkError> {
+        let mut cut = message.len().min(500);
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let row = |key: &str, reason: &str| FailureRow {
+            business_key: key.to_owned(),
+            ..FailureRow::of_state(rid, "rejected", reason)
+        };
+        match self.write(job, &[], &[row(key, &message[..cut])]).await {
+            Err(SinkError::Rejected(_)) => self
+                .write(
+                    job,
+                    &[],
+                    &[row("", "the database refused this outcome and its message")],
+                )
+                .await
+                .map(|_| ()),
+            other => other.map(|_| ()),
+        }
+    }
+
+    /// Every record id of the job in the results table, sorted.
+    pub async fn result_ids(&self, job: &str) -> Result<Vec<String>, SinkError> {
+        let rows = self
+            .client
+            .query(
+                &format!(
+                    "SELECT record_id FROM {} WHERE job = $1 ORDER BY record_id",
+                    self.results
+                ),
+                &[&job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
+    }
+
+    /// Open failures of the job by state (`review`, `dropped`, `cancelled`).
+    pub async fn open_failures(&self, job: &str) -> Result<BTreeMap<String, u64>, SinkError> {
+        let rows = self
+            .client
+            .query(
+                &format!(
+                    "SELECT state, count(*) FROM {} WHERE job = $1 AND resolved_at IS NULL GROUP BY state",
+                    self.failures
+                ),
+                &[&job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(rows
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1).max(0) as u64))
+            .collect())
+    }
+}
+
+/// The password of a database URL (`postgres://u:PASSWORD@...` or
+/// `password=...` in a key/value string), for the scrubber.
+pub fn db_passwords(url: &str) -> Vec<String> {
+    let mut found = crate::secret::url_passwords(url);
+    for part in url.split_whitespace() {
+        if let Some(p) = part.strip_prefix("password=") {
+            found.push(p.trim_matches('\'').to_owned());
+        }
+    }
+    if let Ok(c) = url.parse::<tokio_postgres::Config>()
+        && let Some(p) = c.get_password()
+    {
+        found.push(String::from_utf8_lossy(p).into_owned());
+    }
+    found.retain(|p| !p.is_empty());
+    found
+}
+
+/// TLS with the system's root certificates (used when `sslmode` is
+/// `prefer`, the default, and the server offers it, or `require`).
+fn tls_connector() -> tokio_postgres_rustls::MakeRustlsConnect {
+    // The system's certificates are read once per process, not per reconnect.
+    static CONFIG: std::sync::OnceLock<rustls::ClientConfig> = std::sync::OnceLock::new();
+    tokio_postgres_rustls::MakeRustlsConnect::new(CONFIG.get_or_init(tls_config).clone())
+}
+
+fn tls_config() -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _ = roots.add(cert);
+    }
+    rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+        .unwrap_or_else(|_| {
+            rustls::ClientConfig::builder()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_of_both_url_forms_are_found() {
+        assert!(db_passwords("postgres://bf:s3cr%3At-pw@127.0.0.1:5432/db").contains(&"s3cr:t-pw".to_owned()));
+        assert!(db_passwords("host=127.0.0.1 user=bf password=hunter2hunter2").contains(&"hunter2hunter2".to_owned()));
+        assert!(db_passwords("postgres://127.0.0.1/db").is_empty());
+    }
+
+    #[test]
+    fn the_ddl_names_every_column_it_checks() {
+        let ddl = ddl("s.results");
+        for (name, _) in RESULT_COLUMNS.iter().chain(FAILURE_COLUMNS) {
+            assert!(ddl.contains(&format!("    {name} ")), "{name}");
+        }
+        assert!(ddl.contains("CREATE TABLE IF NOT EXISTS s.results_failures"));
+        assert!(ddl.contains("CREATE INDEX IF NOT EXISTS s_results_job ON s.results (job)"));
+    }
+}

@@ -1,0 +1,245 @@
+//! The store's sink verbs: take a batch of a partition's sink stream (new
+//! entries, or entries a dead writer left pending), read the outcomes they
+//! name, and acknowledge them once the sink's transaction committed.
+
+use redis::{AsyncCommands, Value};
+
+use super::worker_ops::{as_array, as_string};
+use super::{RedisStore, StoreError};
+use crate::keys;
+use crate::sink::FailureRow;
+use crate::task::{RecordState, ResultRecord, ReviewEntry};
+
+/// One entry of a sink stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkEntry {
+    pub entry_id: String,
+    pub rid: String,
+    /// A committed result (`r`), or a record in review, dropped or cancelled.
+    pub result: bool,
+}
+
+/// What a batch of sink entries names, read from Redis.
+#[derive(Debug, Default)]
+pub struct SinkBatch {
+    pub results: Vec<ResultRecord>,
+    /// Records whose state is review, dropped or cancelled now, and results
+    /// that cannot be read (kept as `rejected`).
+    pub failures: Vec<FailureRow>,
+}
+
+impl RedisStore {
+    /// Up to `count` entries of a partition's sink stream for `consumer`:
+    /// with `own`, the consumer's own pending entries (a batch this worker
+    /// read and did not acknowledge before it stopped or was cancelled);
+    /// else first those pending longer than `stale_ms` (their writer died or
+    /// hung mid-batch; claimed over), else new ones.
+    pub async fn sink_take(
+        &self,
+        job: &str,
+        partition: u32,
+        consumer: &str,
+        count: usize,
+        stale_ms: u64,
+        own: bool,
+    ) -> Result<Vec<SinkEntry>, StoreError> {
+        let stream = keys::sink(job, partition);
+        let mut c = self.conn.clone();
+        let idle: Value = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(keys::SINK_GROUP)
+            .arg("IDLE")
+            .arg(stale_ms)
+            .arg("-")
+            .arg("+")
+            .arg(count.max(1))
+            .query_async(&mut c)
+            .await?;
+        let ids: Vec<String> = as_array(&idle)
+            .iter()
+            .filter_map(|e| as_string(as_array(e).first()?))
+            .collect();
+        let reply: Value = if own || ids.is_empty() {
+            redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(keys::SINK_GROUP)
+                .arg(consumer)
+                .arg("COUNT")
+                .arg(count.max(1))
+                .arg("STREAMS")
+                .arg(&stream)
+                .arg(if own { "0" } else { ">" })
+                .query_async(&mut c)
+                .await?
+        } else {
+            let mut cmd = redis::cmd("XCLAIM");
+            cmd.arg(&stream).arg(keys::SINK_GROUP).arg(consumer).arg(stale_ms);
+            for id in &ids {
+                cmd.arg(id);
+            }
+            // Shaped as XREADGROUP's reply, so one parser reads both.
+            Value::Array(vec![Value::Array(vec![
+                Value::BulkString(stream.clone().into_bytes()),
+                cmd.query_async(&mut c).await?,
+            ])])
+        };
+        let mut out = Vec::new();
+        for s in as_array(&reply) {
+            for entry in as_array(as_array(s).get(1).unwrap_or(&Value::Nil)) {
+                let parts = as_array(entry);
+                let (Some(id), Some(fields)) = (parts.first().and_then(as_string), parts.get(1)) else {
+                    continue;
+                };
+                let fields: Vec<String> = as_array(fields).iter().filter_map(as_string).collect();
+                let get = |k: &str| fields.chunks(2).find(|kv| kv[0] == k).and_then(|kv| kv.get(1)).cloned();
+                if let Some(rid) = get("rid") {
+                    out.push(SinkEntry {
+                        entry_id: id,
+                        rid,
+                        result: get("k").as_deref() == Some("r"),
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The results and failures a batch names, as Redis holds them now: a
+    /// failure entry whose record has become done since is skipped (its
+    /// result entry follows), and so is a result that is no longer there.
+    pub async fn sink_read(&self, job: &str, partition: u32, entries: &[SinkEntry]) -> Result<SinkBatch, StoreError> {
+        let mut c = self.conn.clone();
+        let mut batch = SinkBatch::default();
+        let results: Vec<&str> = entries.iter().filter(|e| e.result).map(|e| e.rid.as_str()).collect();
+        if !results.is_empty() {
+            let texts: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(keys::results(job, partition))
+                .arg(&results)
+                .query_async(&mut c)
+                .await?;
+            let mut seen = std::collections::HashSet::new();
+            for (rid, t) in results.iter().zip(texts) {
+                let Some(t) = t else { continue };
+                if !seen.insert(*rid) {
+                    continue; // handed over twice in one batch: one row
+                }
+                match ResultRecord::decode(&t) {
+                    Ok(r) => batch.results.push(r),
+                    // Kept as a failure, so the rest of the batch is written.
+                    Err(e) => batch.failures.push(FailureRow::of_state(
+                        rid,
+                        "rejected",
+                        &format!("the result in Redis cannot be read: {e}"),
+                    )),
+                }
+            }
+        }
+        // A record handed over as a failure twice in one batch (review, then
+        // rejected) is read once: its state now says which.
+        let mut failed: Vec<&str> = entries.iter().filter(|e| !e.result).map(|e| e.rid.as_str()).collect();
+        failed.sort_unstable();
+        failed.dedup();
+        if !failed.is_empty() {
+            let states: Vec<Option<String>> = redis::cmd("HMGET")
+                .arg(keys::state(job, partition))
+                .arg(&failed)
+                .query_async(&mut c)
+                .await?;
+            let states: Vec<Option<RecordState>> = states
+                .into_iter()
+                .map(|t| t.as_deref().and_then(RecordState::decode))
+                .collect();
+            // The review entries of those in review, in one read.
+            let in_review: Vec<&str> = failed
+                .iter()
+                .zip(&states)
+                .filter(|(_, st)| **st == Some(RecordState::Review))
+                .map(|(rid, _)| *rid)
+                .collect();
+            let mut entries = std::collections::HashMap::new();
+            if !in_review.is_empty() {
+                let texts: Vec<Option<String>> = redis::cmd("HMGET")
+                    .arg(keys::review(job, partition))
+                    .arg(&in_review)
+                    .query_async(&mut c)
+                    .await?;
+                entries.extend(in_review.iter().zip(texts).filter_map(|(rid, t)| Some((*rid, t?))));
+            }
+            for (rid, state) in failed.iter().zip(states) {
+                let row = match state {
+                    Some(RecordState::Review) => match entries.get(rid).map(|t| ReviewEntry::decode(t)) {
+                        Some(Ok(e)) => FailureRow::of_review(&e),
+                        _ => FailureRow::of_state(rid, "review", ""),
+                    },
+                    Some(RecordState::Dropped(reason)) => FailureRow::of_state(rid, "dropped", &reason),
+                    Some(RecordState::Cancelled) => FailureRow::of_state(rid, "cancelled", "cancelled"),
+                    _ => continue,
+                };
+                batch.failures.push(row);
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Acknowledges and deletes entries the sink holds durably, and counts
+    /// the rows that were new there (`sink_written` in the job's counters: a
+    /// lower bound, since a batch committed by a writer that stopped before
+    /// this call is written again later and is not new then).
+    pub async fn sink_ack(
+        &self,
+        job: &str,
+        partition: u32,
+        entries: &[SinkEntry],
+        written: u64,
+    ) -> Result<(), StoreError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let stream = keys::sink(job, partition);
+        let ids: Vec<&str> = entries.iter().map(|e| e.entry_id.as_str()).collect();
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("XACK")
+            .arg(&stream)
+            .arg(keys::SINK_GROUP)
+            .arg(&ids)
+            .ignore()
+            .cmd("XDEL")
+            .arg(&stream)
+            .arg(&ids)
+            .ignore();
+        if written > 0 {
+            pipe.cmd("HINCRBY")
+                .arg(keys::counters(job))
+                .arg("sink_written")
+                .arg(written)
+                .ignore();
+        }
+        let _: () = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    /// Outcomes not yet in the sink (queued in its streams or being
+    /// written), over every partition; None when the job has no sink streams.
+    pub async fn sink_backlog(&self, job: &str, partitions: u32) -> Result<Option<u64>, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.cmd("EXISTS").arg(keys::sink(job, p));
+            pipe.cmd("XLEN").arg(keys::sink(job, p));
+        }
+        let replies: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut any = false;
+        let mut backlog = 0;
+        for pair in replies.chunks(2) {
+            any |= pair[0] == 1;
+            backlog += pair.get(1).copied().unwrap_or(0);
+        }
+        Ok(any.then_some(backlog))
+    }
+
+    /// Rows the sink reported new (the job's `sink_written` counter).
+    pub async fn sink_written(&self, job: &str) -> Result<u64, StoreError> {
+        let n: Option<u64> = self.conn.clone().hget(keys::counters(job), "sink_written").await?;
+        Ok(n.unwrap_or(0))
+    }
+}

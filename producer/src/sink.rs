@@ -1,0 +1,137 @@
+//! What `producer status` says of a job's sink: outcomes written and still
+//! waiting in Redis, and, when asked to prove completeness, a check against
+//! the sink's own data: the ids in the results table are exactly the job's
+//! done records (none missing, none unknown; the primary key makes each one
+//! there once).
+
+use std::collections::BTreeMap;
+
+use common::sink::PgSink;
+use common::spec::{JobSpec, SinkKind};
+use common::store::RedisStore;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SinkStatus {
+    pub kind: &'static str,
+    pub table: String,
+    /// Result rows the workers wrote that were new (a counter; the check
+    /// below reads the table itself).
+    pub written: u64,
+    /// Outcomes committed in Redis and not yet written (the sink lag).
+    pub backlog: u64,
+    /// From the table, with `--require-complete` / `--require-done`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verified: Option<SinkVerified>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct SinkVerified {
+    /// Rows of the job in the results table.
+    pub rows: u64,
+    /// Done records with no row (up to 20 ids shown).
+    pub missing: u64,
+    pub missing_ids: Vec<String>,
+    /// Rows of the job that are no done record.
+    pub unknown: u64,
+    pub unknown_ids: Vec<String>,
+    /// Unresolved rows of the failures table, by state.
+    pub open_failures: BTreeMap<String, u64>,
+    /// Every done record has its row and nothing else is there.
+    pub exact: bool,
+}
+
+/// The sink's status; None when the job has no sink. With `verify` (the
+/// job's done record ids), the table is checked against them.
+pub async fn sink_status(
+    store: &RedisStore,
+    job: &str,
+    spec: &JobSpec,
+    verify: Option<Vec<String>>,
+) -> anyhow::Result<Option<SinkStatus>> {
+    if spec.sink.kind != SinkKind::Postgres {
+        return Ok(None);
+    }
+    let partitions = spec.job.partitions;
+    let mut s = SinkStatus {
+        kind: "postgres",
+        table: spec.sink.table().to_owned(),
+        written: store.sink_written(job).await?,
+        backlog: store.sink_backlog(job, partitions).await?.unwrap_or(0),
+        verified: None,
+    };
+    if let Some(mut done) = verify {
+        let var = spec.sink.url_env.as_deref().unwrap_or_default();
+        let url = std::env::var(var).unwrap_or_default();
+        if url.is_empty() {
+            anyhow::bail!(
+                "job `{job}` writes to PostgreSQL: set {var} (sink.url_env) to the database URL to check the sink"
+            );
+        }
+        let db = PgSink::connect(&url, spec.sink.table()).await?;
+        done.sort_unstable();
+        let rows = db.result_ids(job).await?;
+        let mut v = SinkVerified {
+            rows: rows.len() as u64,
+            open_failures: db.open_failures(job).await?,
+            ..SinkVerified::default()
+        };
+        // Both sorted (the table by byte order): one merge finds the differences.
+        let (mut i, mut j) = (0, 0);
+        while i < done.len() || j < rows.len() {
+            match (done.get(i), rows.get(j)) {
+                (Some(d), Some(r)) if d == r => {
+                    i += 1;
+                    j += 1;
+                }
+                (Some(d), r) if r.is_none_or(|r| d < r) => {
+                    v.missing += 1;
+                    if v.missing_ids.len() < 20 {
+                        v.missing_ids.push(d.clone());
+                    }
+                    i += 1;
+                }
+                (_, Some(r)) => {
+                    v.unknown += 1;
+                    if v.unknown_ids.len() < 20 {
+                        v.unknown_ids.push(r.clone());
+                    }
+                    j += 1;
+                }
+                _ => break,
+            }
+        }
+        v.exact = v.missing == 0 && v.unknown == 0;
+        s.verified = Some(v);
+    }
+    Ok(Some(s))
+}
+
+/// The human lines of a sink status.
+pub fn print(s: &SinkStatus) {
+    crate::outln!(
+        "  sink         {} table {}: {} written, {} waiting in Redis",
+        s.kind,
+        s.table,
+        s.written,
+        s.backlog
+    );
+    if let Some(v) = &s.verified {
+        crate::outln!(
+            "    checked    {} rows: {} done records missing, {} unknown rows{}",
+            v.rows,
+            v.missing,
+            v.unknown,
+            if v.exact { " (exact)" } else { "" }
+        );
+        for id in &v.missing_ids {
+            crate::outln!("      missing {id}");
+        }
+        for id in &v.unknown_ids {
+            crate::outln!("      unknown {id}");
+        }
+        for (state, n) in &v.open_failures {
+            crate::outln!("    failures   {state} {n}");
+        }
+    }
+}

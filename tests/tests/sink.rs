@@ -1,0 +1,299 @@
+//! The PostgreSQL result sink against a real PostgreSQL server the harness
+//! starts itself (127.0.0.1, a free port): exactly one row per done record
+//! through a writer killed mid-transaction, the database and Redis killed and
+//! restarted, and redelivered batches; and the clear errors of a mistyped
+//! table, a wrong password and a stopped server.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::keys;
+use harness::{
+    LlmSim, PgServer, RedisServer, Running, TEST_PG_PASSWORD, TempDir, enqueue, producer, spec_with, wait_for,
+    worker_cmd, write_records,
+};
+use serde_json::Value;
+
+const URL_ENV: &str = "BF_TEST_DATABASE_URL";
+
+/// The example spec writing to `results` in the database `URL_ENV` names
+/// (a 3 s provider timeout, so the tests' visibility timeout can be short).
+fn sink_spec(dir: &TempDir) -> PathBuf {
+    spec_with(
+        dir,
+        &[
+            (
+                "[retry]",
+                &harness::sink_section(URL_ENV, "table = \"results\"\nbatch_rows = 50\n"),
+            ),
+            ("timeout_secs = 30", "timeout_secs = 3"),
+        ],
+    )
+}
+
+fn worker(redis: &RedisServer, sim: &LlmSim, db_url: &str, extra: &[&str]) -> Command {
+    let mut c = worker_cmd(redis, "sink", sim, extra);
+    c.env(URL_ENV, db_url);
+    c
+}
+
+/// `producer status --json --require-complete`, with the database URL set.
+fn status(redis: &RedisServer, db_url: &str) -> (Option<i32>, Value) {
+    harness::status_json_env(&redis.url(), "sink", &[(URL_ENV, db_url)])
+}
+
+/// The job's rows in the results table (its primary key makes each record once).
+fn rows(pg: &PgServer) -> u64 {
+    pg.query("SELECT count(*) FROM results WHERE job = 'sink'")
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_redis() {
+    let pg = PgServer::start();
+    let mut pg = pg;
+    let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "always"]);
+    let sim = LlmSim::start(&[
+        "--latency-ms",
+        "50",
+        "--faults",
+        "bad_enum=0.05,content_filter=0.02",
+        "--seed",
+        "3",
+    ]);
+    let dir = TempDir::new("sink");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 2000);
+    enqueue(&redis, &data, "sink", &sink_spec(&dir));
+    let url = pg.url();
+    let fast = [
+        "--concurrency",
+        "4",
+        "--visibility-timeout-ms",
+        "4000",
+        "--drain-timeout-secs",
+        "5",
+    ];
+
+    // A: writes some rows, then its next write blocks on a lock mid-transaction
+    // and it is killed -9 there: the database rolls that transaction back.
+    let a = Running::spawn(worker(&redis, &sim, &url, &fast));
+    wait_for("rows in the table", Duration::from_secs(60), || {
+        pg.query("SELECT to_regclass('results') IS NOT NULL") == "t" && rows(&pg) >= 100
+    });
+    let mut lock = Command::new("psql")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port().to_string(),
+            "-U",
+            "bf",
+            "-d",
+            "postgres",
+        ])
+        .args([
+            "-c",
+            "BEGIN; LOCK TABLE results IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep(3); COMMIT;",
+        ])
+        .env("PGPASSWORD", TEST_PG_PASSWORD)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let blocked = pg.query("SELECT count(*) FROM pg_locks WHERE NOT granted");
+    assert_ne!(blocked.trim(), "0", "the writer waits on the lock mid-transaction");
+    harness::signal(a.pid(), "KILL");
+    let _ = a.finish(Duration::from_secs(10));
+    assert!(lock.wait().unwrap().success());
+
+    // B: takes over A's batch once it is stale; meanwhile the database is
+    // killed -9 and restarted, then Redis (replaying its AOF).
+    let b = Running::spawn(worker(&redis, &sim, &url, &fast));
+    let before = rows(&pg);
+    wait_for("more rows", Duration::from_secs(60), || rows(&pg) > before + 100);
+    pg.kill9_and_restart_after(Duration::from_secs(2));
+    wait_for("rows again after the database restart", Duration::from_secs(60), || {
+        rows(&pg) > before + 200
+    });
+    redis.kill9_and_restart();
+
+    // C drains the job (and the sink) and exits; B is stopped.
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &[&fast[..], &["--drain"]].concat()))
+        .finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    harness::signal(b.pid(), "TERM");
+    let (exit_b, log_b) = b.finish(Duration::from_secs(60));
+    assert!(exit_b.success(), "{log_b}");
+
+    let (code, s) = status(&redis, &url);
+    let done = s["done"].as_u64().unwrap();
+    assert_eq!(code, Some(0), "complete, proven from the table: {s}");
+    assert_eq!(s["sink"]["verified"]["exact"], true, "{s}");
+    assert_eq!(s["sink"]["backlog"], 0, "{s}");
+    assert_eq!(rows(&pg), done, "one row per done record: {s}");
+    assert!(done > 1800, "{s}");
+    // What is in review is in the failures table, unresolved.
+    let review = s["review"].as_u64().unwrap();
+    let failures = pg.query("SELECT count(*) FROM results_failures WHERE resolved_at IS NULL AND state = 'review'");
+    assert_eq!(failures.trim().parse::<u64>().unwrap(), review, "{s}");
+    let orphans = pg
+        .query("SELECT count(*) FROM results_failures f JOIN results r USING (record_id) WHERE f.resolved_at IS NULL");
+    assert_eq!(orphans.trim(), "0", "no done record is an open failure");
+
+    // A redelivered batch adds nothing: hand 100 done records to the sink again.
+    let mut c = redis.conn();
+    let ids: Vec<String> = redis::cmd("HKEYS")
+        .arg(keys::results("sink", 0))
+        .query::<Vec<String>>(&mut c)
+        .unwrap()
+        .into_iter()
+        .take(100)
+        .collect();
+    assert!(!ids.is_empty());
+    // And a record handed over twice in one batch, as a result and as a
+    // failure (review, then rejected): one row each, nothing stuck.
+    let reviewed: Vec<String> = redis::cmd("HKEYS").arg(keys::review("sink", 0)).query(&mut c).unwrap();
+    assert!(!reviewed.is_empty(), "content_filter sent records of p0 to review");
+    let twice: Vec<(&str, &str)> = reviewed
+        .iter()
+        .take(1)
+        .map(|r| (r.as_str(), "f"))
+        .chain(ids.iter().take(1).map(|r| (r.as_str(), "r")))
+        .flat_map(|e| [e, e])
+        .collect();
+    let again = twice.into_iter().chain(ids.iter().map(|r| (r.as_str(), "r")));
+    for (id, k) in again {
+        let _: String = redis::cmd("XADD")
+            .arg(keys::sink("sink", 0))
+            .arg("*")
+            .arg("rid")
+            .arg(id)
+            .arg("k")
+            .arg(k)
+            .query(&mut c)
+            .unwrap();
+    }
+    let (exit, log) =
+        Running::spawn(worker(&redis, &sim, &url, &[&fast[..], &["--drain"]].concat())).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(rows(&pg), done, "the redelivered batch added no row");
+    let failure_rows = pg.query(&format!(
+        "SELECT count(*) FROM results_failures WHERE record_id = '{}'",
+        reviewed[0]
+    ));
+    assert_eq!(failure_rows, "1", "a failure handed over twice is one row");
+    let (code, s) = status(&redis, &url);
+    assert_eq!((code, &s["sink"]["backlog"]), (Some(0), &Value::from(0)), "{s}");
+    // The database password appears in no log and no status.
+    for text in [&log, &log_b, &s.to_string()] {
+        assert!(!text.contains(TEST_PG_PASSWORD));
+    }
+}
+
+/// Runs a worker for a job whose sink cannot write (the database URL as
+/// given), checks every outcome waits in Redis, and returns the worker's log.
+fn failing_sink(db_url: &str) -> String {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("sinkfail");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    enqueue(&redis, &data, "sink", &sink_spec(&dir));
+    let w = Running::spawn(worker(&redis, &sim, db_url, &["--drain-timeout-secs", "1"]));
+    let job_status = || {
+        let out = producer(&["status", "--job", "sink", "--redis", &redis.url(), "--json"]);
+        serde_json::from_str::<Value>(&harness::stdout(&out)).unwrap()
+    };
+    wait_for("the records committed in Redis", Duration::from_secs(30), || {
+        job_status()["done"] == 20
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    harness::signal(w.pid(), "TERM");
+    let (exit, log) = w.finish(Duration::from_secs(30));
+    assert!(exit.success(), "the worker keeps working while its sink fails: {log}");
+    let s = job_status();
+    assert_eq!(s["sink"]["backlog"], 20, "every outcome waits in Redis: {s}");
+    log
+}
+
+#[test]
+fn a_mistyped_table_a_wrong_password_and_a_stopped_server_each_say_so() {
+    let pg = PgServer::start();
+    pg.query(
+        "CREATE TABLE results (record_id text PRIMARY KEY, job text, business_key text, versions jsonb, \
+         output jsonb, attempts text, calls integer)",
+    );
+    let log = failing_sink(&pg.url());
+    assert!(
+        log.contains("table results: column `attempts` is text, batchfleet writes integer"),
+        "{log}"
+    );
+    assert_eq!(
+        pg.query("SELECT count(*) FROM results"),
+        "0",
+        "nothing written into a table of another shape"
+    );
+
+    let wrong = pg.url().replace(TEST_PG_PASSWORD, "not-the-password-123");
+    let log = failing_sink(&wrong);
+    assert!(log.contains("the database refused the connection"), "{log}");
+    assert!(log.contains("password authentication failed"), "{log}");
+    assert!(!log.contains("not-the-password-123"), "the password is never printed");
+
+    let stopped = format!(
+        "postgres://bf:{TEST_PG_PASSWORD}@127.0.0.1:{}/postgres",
+        harness::free_port()
+    );
+    let log = failing_sink(&stopped);
+    assert!(log.contains("cannot reach the database"), "{log}");
+    assert!(!log.contains(TEST_PG_PASSWORD), "the password is never printed");
+}
+
+#[test]
+fn a_row_the_database_rejects_is_kept_as_a_failure_with_its_message_and_the_others_are_written() {
+    let pg = PgServer::start();
+    // The user's own rule on their table: no record labelled `bug`.
+    pg.query(&common::sink::ddl("results"));
+    pg.query("ALTER TABLE results ADD CONSTRAINT no_bugs_here CHECK (output->>'label' <> 'bug')");
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "5"]);
+    let dir = TempDir::new("sinkreject");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 120);
+    enqueue(&redis, &data, "sink", &sink_spec(&dir));
+    let url = pg.url();
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    let (code, s) = status(&redis, &url);
+    let done = s["done"].as_u64().unwrap();
+    let bugs: u64 = pg
+        .query("SELECT count(*) FROM results_failures WHERE state = 'rejected' AND reason LIKE '%no_bugs_here%'")
+        .parse()
+        .unwrap();
+    assert!(bugs > 0, "llm-sim labelled some records `bug`: {s}");
+    let sink_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("sink") || l.contains("database"))
+        .collect();
+    assert_eq!(
+        s["sink"]["backlog"], 0,
+        "a refused row does not hold back the others: {s}\n{sink_lines:#?}"
+    );
+    assert_eq!(rows(&pg) + bugs, done, "every other done record is written: {s}");
+    assert_ne!(
+        code,
+        Some(0),
+        "not complete while done records are not in the table: {s}"
+    );
+    assert_eq!(s["sink"]["verified"]["missing"], bugs, "{s}");
+    assert_eq!(
+        s["sink"]["backlog"], 0,
+        "a refused row does not hold back the others: {s}"
+    );
+    assert!(log.contains("the database rejected rows"), "{log}");
+}

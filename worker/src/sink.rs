@@ -1,0 +1,234 @@
+//! The sink writer: moves a job's outcomes from its partitions' sink streams
+//! into PostgreSQL in batches, one transaction each, and acknowledges a batch
+//! only after its transaction committed. Every worker runs one per job with
+//! a sink; they share the streams through a consumer group, and a batch whose
+//! writer died mid-transaction (rolled back by the database) is claimed over
+//! once pending longer than the visibility timeout, and written again:
+//! `ON CONFLICT (record_id) DO NOTHING` makes the second write add nothing.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::sink::{PgSink, ResultRow, SinkError};
+use common::store::SinkEntry;
+
+use crate::fleet::Fleet;
+use crate::process::JobCtx;
+use crate::service::Service;
+
+/// The wait between rounds when every stream is empty.
+const IDLE: Duration = Duration::from_millis(200);
+/// The longest wait between attempts while the database fails.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+pub struct SinkWriter {
+    fleet: Arc<Fleet>,
+    job: Arc<JobCtx>,
+    url: String,
+    sink: Option<PgSink>,
+    /// A batch whose write failed: written again first, before anything new.
+    retry: Option<(u32, Vec<SinkEntry>)>,
+    backoff: Duration,
+    /// The first error of the current failure, for logging it once at ERROR.
+    failing: Option<(SinkError, Instant)>,
+    /// This consumer's own pending entries are read first (a batch it read
+    /// before it was stopped or restarted and never acknowledged).
+    own_pending_read: bool,
+}
+
+impl SinkWriter {
+    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, url: String) -> SinkWriter {
+        SinkWriter {
+            fleet,
+            job,
+            url,
+            sink: None,
+            retry: None,
+            backoff: Duration::from_millis(200),
+            failing: None,
+            own_pending_read: false,
+        }
+    }
+
+    /// One pass over every partition: at most one batch each. Returns the
+    /// outcomes written (acknowledged), or the error that stopped the pass.
+    pub async fn write_round(&mut self) -> Result<usize, SinkError> {
+        if self.sink.as_ref().is_none_or(PgSink::is_closed) {
+            self.sink = Some(PgSink::connect(&self.url, self.job.spec.sink.table()).await?);
+        }
+        let mut moved = 0;
+        if let Some((p, entries)) = self.retry.take() {
+            moved += self.write_batch(p, entries).await?;
+        }
+        let f = self.fleet.clone();
+        let batch = self.job.spec.sink.batch_rows();
+        let own = !self.own_pending_read;
+        let stale = f.visibility.as_millis() as u64;
+        for p in 0..self.job.spec.job.partitions {
+            let entries = match f
+                .store
+                .sink_take(&self.job.name, p, &f.config.consumer, batch, stale, own)
+                .await
+            {
+                Ok(e) => e,
+                Err(e) => {
+                    f.store_error(&e).await;
+                    continue;
+                }
+            };
+            if !entries.is_empty() {
+                moved += self.write_batch(p, entries).await?;
+            }
+        }
+        if own && moved == 0 {
+            // Every partition's own pending entries are written (or there were none).
+            self.own_pending_read = true;
+        }
+        Ok(moved)
+    }
+
+    /// Writes one batch; on a database error keeps it for the next round.
+    async fn write_batch(&mut self, p: u32, entries: Vec<SinkEntry>) -> Result<usize, SinkError> {
+        let f = self.fleet.clone();
+        let job = &self.job.name;
+        let read = match f.store.sink_read(job, p, &entries).await {
+            Ok(r) => r,
+            Err(e) => {
+                f.store_error(&e).await;
+                self.retry = Some((p, entries));
+                return Ok(0);
+            }
+        };
+        let prices = &self.job.spec.prices;
+        let results: Vec<ResultRow> = read.results.iter().map(|r| ResultRow::of(r, prices)).collect();
+        let failures = read.failures;
+        let Some(sink) = self.sink.as_mut() else {
+            self.retry = Some((p, entries));
+            return Ok(0);
+        };
+        let written = match sink.write(job, &results, &failures).await {
+            Ok(n) => n,
+            Err(SinkError::Rejected(first)) => {
+                // One row the database refuses must not hold back the others.
+                let (n, refused) = match sink.write_each(job, &results, &failures).await {
+                    Ok(found) => found,
+                    Err(e) => {
+                        self.retry = Some((p, entries));
+                        return Err(e);
+                    }
+                };
+                f.metrics
+                    .sink_errors
+                    .with_label_values(&[job.as_str(), "rejected"])
+                    .inc_by(refused.len() as u64);
+                tracing::error!(
+                    job = %job,
+                    rejected = refused.len(),
+                    first_record = refused.first().map_or("", |(rid, _)| rid.as_str()),
+                    error = %first,
+                    "the database rejected rows: kept in the failures table as `rejected`, with its message"
+                );
+                n
+            }
+            Err(e) => {
+                self.retry = Some((p, entries));
+                return Err(e);
+            }
+        };
+        f.metrics
+            .sink_written
+            .with_label_values(&[job.as_str()])
+            .inc_by(written);
+        if let Err(e) = f.store.sink_ack(job, p, &entries, written).await {
+            // Written but not acknowledged: the entries are written again
+            // later, and add nothing then.
+            f.store_error(&e).await;
+        }
+        Ok(entries.len())
+    }
+
+    /// Before the worker leaves: writes its own unacknowledged batch and
+    /// what is waiting, until a round finds nothing left for it (entries
+    /// other live writers hold are theirs) or `deadline`; every round is
+    /// bounded by the deadline, connecting included.
+    pub async fn flush(&mut self, deadline: Instant) {
+        self.own_pending_read = false;
+        let deadline = tokio::time::Instant::from_std(deadline);
+        loop {
+            // A round of its own pending entries comes first; an empty one
+            // after it ends the flush.
+            let own_round = !self.own_pending_read;
+            match tokio::time::timeout_at(deadline, self.write_round()).await {
+                Ok(Ok(0)) if !own_round => return,
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    self.failed(e);
+                    if tokio::time::timeout_at(deadline, tokio::time::sleep(self.backoff))
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        tracing::warn!(job = %self.job.name, "drain timeout: some outcomes are not in the sink yet (another worker writes them)");
+    }
+
+    fn failed(&mut self, e: SinkError) {
+        let job = self.job.name.as_str();
+        self.fleet
+            .metrics
+            .sink_errors
+            .with_label_values(&[job, e.cause()])
+            .inc();
+        if matches!(e, SinkError::Unreachable(_)) {
+            self.sink = None;
+        }
+        match &self.failing {
+            Some((first, _)) if *first == e => {
+                tracing::warn!(job, error = %e, retry_in_ms = self.backoff.as_millis() as u64, "sink still failing; outcomes wait in Redis")
+            }
+            _ => {
+                tracing::error!(job, error = %e, cause = e.cause(), "sink failing; outcomes wait in Redis and are written when it recovers");
+                self.failing = Some((e, Instant::now()));
+            }
+        }
+        self.fleet
+            .health
+            .sink_failing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+    }
+
+    fn recovered(&mut self) {
+        if let Some((_, since)) = self.failing.take() {
+            tracing::info!(job = %self.job.name, after_ms = since.elapsed().as_millis() as u64, "sink recovered");
+        }
+        self.fleet
+            .health
+            .sink_failing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
+        self.backoff = Duration::from_millis(200);
+    }
+}
+
+impl Service for SinkWriter {
+    fn name(&self) -> &'static str {
+        "sink"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        match self.write_round().await {
+            Ok(n) => {
+                self.recovered();
+                Some(if n == 0 { IDLE } else { Duration::ZERO })
+            }
+            Err(e) => {
+                self.failed(e);
+                Some(self.backoff)
+            }
+        }
+    }
+}
