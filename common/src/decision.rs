@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::spec::{Jitter, RetryPolicy};
-use crate::validate::FieldError;
+use crate::validate::{ErrorCode, FieldError};
 
 /// What one attempt came to, classified by the provider client and validator.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,7 +95,9 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
             cause: "rate_limited".into(),
             feedback: None,
         },
-        Outcome::Truncated if attempts_left => retry("truncated", None, None),
+        // The retry says why (and shows the cut-off answer): without it the
+        // request would be the one already paid for, byte for byte.
+        Outcome::Truncated if attempts_left => retry("truncated", None, Some(vec![truncated_feedback()])),
         Outcome::Truncated => Decision::Review {
             reason: "truncated".into(),
         },
@@ -123,6 +125,17 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
             cause: cause.clone(),
             feedback: None,
         },
+    }
+}
+
+/// What a retry after a cut-off answer tells the model.
+pub fn truncated_feedback() -> FieldError {
+    FieldError {
+        code: ErrorCode::Truncated,
+        field: String::new(),
+        message: "the answer was cut off at the output token limit; answer again with one complete JSON object, \
+                  every string as short as its field allows"
+            .into(),
     }
 }
 
@@ -244,7 +257,7 @@ mod tests {
     fn truncation_retries_then_reviews_refusals_review_at_once() {
         assert!(matches!(
             decide(1, 1, &Outcome::Truncated, &policy(), 0.5),
-            Decision::Retry { feedback: None, .. }
+            Decision::Retry { feedback: Some(f), .. } if f[0].code == ErrorCode::Truncated
         ));
         assert_eq!(
             decide(3, 3, &Outcome::Truncated, &policy(), 0.5),

@@ -31,6 +31,9 @@ pub enum ErrorCode {
     Range,
     #[serde(rename = "E_LEN")]
     Len,
+    /// The answer was cut off at the output token limit (`finish_reason = length`).
+    #[serde(rename = "E_TRUNCATED")]
+    Truncated,
 }
 
 impl ErrorCode {
@@ -44,6 +47,7 @@ impl ErrorCode {
             ErrorCode::Enum => "E_ENUM",
             ErrorCode::Range => "E_RANGE",
             ErrorCode::Len => "E_LEN",
+            ErrorCode::Truncated => "E_TRUNCATED",
         }
     }
 }

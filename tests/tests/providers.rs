@@ -239,20 +239,25 @@ fn a_refused_form_without_auto_halts_instead_of_burning_attempts() {
 #[test]
 fn no_request_is_sent_twice_for_a_record_and_a_temperature_schedule_varies_retries() {
     let redis = RedisServer::start();
-    // A model at temperature 0: the same request always gets the same (cut off) answer.
-    let sim = LlmSim::start(&["--deterministic", "--faults", "length=1.0"]);
     let dir = TempDir::new("same-request");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 10);
-    let spec = spec_with(&dir, &[("base_delay_ms = 500", "base_delay_ms = 20")]);
+    let fast = ("base_delay_ms = 500", "base_delay_ms = 20");
+
+    // A model that ignores what it is told, at temperature 0: the same wrong
+    // answer every time. The first retry shows it its answer and the errors
+    // (a new request); the next would repeat that one byte for byte.
+    let sim = LlmSim::start(&["--deterministic", "--stubborn", "--faults", "bad_enum=1.0"]);
+    let spec = spec_with(&dir, &[fast]);
     enqueue(&redis, &data, "same", &spec);
     let (exit, log) = Running::spawn(worker_cmd(&redis, "same", &sim, &["--drain"])).finish(Duration::from_secs(60));
     assert!(exit.success(), "{log}");
     assert_eq!(
         sim.stats()["requests"],
-        10,
-        "one call per record: a retry would repeat it byte for byte"
+        20,
+        "two calls per record: a third would repeat the second byte for byte"
     );
+    assert_eq!(sim.stats()["with_feedback"], 10, "{}", sim.stats());
     let (_, s) = status_json(&redis, "same");
     assert_eq!(s["review"], 10, "{s}");
     let list = producer(&[
@@ -271,12 +276,13 @@ fn no_request_is_sent_twice_for_a_record_and_a_temperature_schedule_varies_retri
         harness::stderr(&list)
     );
 
-    // With a schedule, each retry asks at another temperature, until the schedule repeats.
-    let sim = LlmSim::start(&["--deterministic", "--faults", "length=1.0"]);
+    // With a schedule, each retry asks at another temperature, until the
+    // schedule's last one repeats.
+    let sim = LlmSim::start(&["--deterministic", "--stubborn", "--faults", "bad_enum=1.0"]);
     let spec = spec_with(
         &dir,
         &[
-            ("base_delay_ms = 500", "base_delay_ms = 20"),
+            fast,
             ("jitter = \"full\"", "jitter = \"full\"\ntemperatures = [0.0, 0.4, 0.8]"),
         ],
     );
@@ -288,6 +294,21 @@ fn no_request_is_sent_twice_for_a_record_and_a_temperature_schedule_varies_retri
         30,
         "three temperatures, three calls per record"
     );
+    let (_, s) = status_json(&redis, "sched");
+    assert_eq!(s["review"], 10, "{s}");
+
+    // A cut-off answer is retried with what went wrong, so the retry is a
+    // new request (without it, the one already paid for, and the record
+    // would go to review as a repeat); told, the model answers in full.
+    let sim = LlmSim::start(&["--deterministic", "--faults", "length=1.0"]);
+    let spec = spec_with(&dir, &[fast]);
+    enqueue(&redis, &data, "cut", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "cut", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(sim.stats()["requests"], 20, "two calls per record");
+    assert_eq!(sim.stats()["with_feedback"], 10, "{}", sim.stats());
+    let (_, s) = status_json(&redis, "cut");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64()), (Some(10), Some(0)), "{s}");
 }
 
 /// A provider that throttles nine requests in ten (its 429s spelled as

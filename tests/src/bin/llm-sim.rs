@@ -92,6 +92,12 @@ struct Args {
     /// the request, not by the order of arrival).
     #[arg(long)]
     deterministic: bool,
+    /// Like a small model that ignores what it is told: its answer depends
+    /// on the record's own prompt only, not on the validator's feedback or
+    /// its previous answer shown to it (with `--deterministic`, the same
+    /// wrong answer again and again).
+    #[arg(long)]
+    stubborn: bool,
     /// How the rate limits are told: `openai` (`x-ratelimit-*` limit,
     /// remaining and reset on every answer; `retry-after` and
     /// `retry-after-ms` on a 429), `litellm` (LiteLLM's proxy: limit and
@@ -429,8 +435,12 @@ async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
         Admission::RateLimited(refused) => return refused,
     };
     let (fault, latency) = draw_fault_and_latency(sim, body);
-    // Feedback retries get a clean answer: the model "listened".
-    let fault = if chat.with_feedback { None } else { fault };
+    // Feedback retries get a clean answer: the model "listened" (unless stubborn).
+    let fault = if chat.with_feedback && !sim.args.stubborn {
+        None
+    } else {
+        fault
+    };
     if let Some(f) = fault
         && let Ok(mut s) = sim.stats.lock()
     {
@@ -753,7 +763,12 @@ async fn hang(sim: &Sim) -> Response {
 /// a real `usage`, and the tokens reserved at admission but not used given back.
 fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers: HeaderMap) -> Response {
     let response_format = &chat.req["response_format"];
-    let seed_text = format!("{}|{}", sim.args.seed, chat.prompt_text);
+    let asked = if sim.args.stubborn {
+        chat.record_user
+    } else {
+        &chat.prompt_text
+    };
+    let seed_text = format!("{}|{asked}", sim.args.seed);
     let mut object = generate(response_format, chat.record_user, &seed_text);
     let mut echo_whole = false;
     if sim.args.echo_auth {
