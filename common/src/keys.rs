@@ -102,6 +102,15 @@ pub fn sink(job: &str, partition: u32) -> String {
     format!("bf:{}:sink", partition_tag(job, partition))
 }
 
+/// Hash of what has left Redis for the sink, per partition: `written` (rows
+/// that were new in the sink), `done` (results removed from `results` once
+/// the sink held them), the tokens of their calls (`prompt`, `completion`,
+/// `cached`) and their attempts (`a<N>`: results that took N attempts), so
+/// status figures keep counting what is no longer in Redis.
+pub fn sunk(job: &str, partition: u32) -> String {
+    format!("bf:{}:sunk", partition_tag(job, partition))
+}
+
 /// Hash record_id -> review entry JSON: what people drain.
 pub fn review(job: &str, partition: u32) -> String {
     format!("bf:{}:review", partition_tag(job, partition))
@@ -181,6 +190,8 @@ mod tests {
             results("j1", 3),
             review("j1", 3),
             delayed("j1", 3),
+            sink("j1", 3),
+            sunk("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));

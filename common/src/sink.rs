@@ -94,6 +94,10 @@ const RESULT_COLUMNS: &[(&str, &str)] = &[
     ("human", "boolean"),
     ("reviewer", "text"),
     ("committed_at", "timestamp with time zone"),
+    ("usage", "jsonb"),
+    ("repairs", "jsonb"),
+    ("history", "jsonb"),
+    ("worker", "text"),
 ];
 
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
@@ -127,6 +131,10 @@ pub fn ddl(table: &str) -> String {
          \x20   human             boolean NOT NULL,\n\
          \x20   reviewer          text,\n\
          \x20   committed_at      timestamptz NOT NULL,\n\
+         \x20   usage             jsonb,           -- the call that produced the output\n\
+         \x20   repairs           jsonb NOT NULL,\n\
+         \x20   history           jsonb NOT NULL,  -- every call and action, as in Redis before\n\
+         \x20   worker            text,\n\
          \x20   written_at        timestamptz NOT NULL DEFAULT now()\n\
          );\n\
          CREATE INDEX IF NOT EXISTS {index}_job ON {table} (job);\n\
@@ -162,6 +170,10 @@ pub struct ResultRow {
     pub human: bool,
     pub reviewer: Option<String>,
     pub committed_at: String,
+    pub usage: Option<Value>,
+    pub repairs: Value,
+    pub history: Value,
+    pub worker: Option<String>,
 }
 
 impl ResultRow {
@@ -183,6 +195,10 @@ impl ResultRow {
             human: r.human,
             reviewer: r.reviewer.clone(),
             committed_at: r.committed_at.clone(),
+            usage: r.usage.as_ref().and_then(|u| serde_json::to_value(u).ok()),
+            repairs: serde_json::to_value(&r.repairs).unwrap_or(Value::Array(vec![])),
+            history: serde_json::to_value(&r.history).unwrap_or(Value::Array(vec![])),
+            worker: r.worker.clone(),
         }
     }
 }
@@ -381,16 +397,22 @@ impl PgSink {
             let human: Vec<bool> = results.iter().map(|r| r.human).collect();
             let reviewer: Vec<Option<&str>> = results.iter().map(|r| r.reviewer.as_deref()).collect();
             let at: Vec<&str> = results.iter().map(|r| r.committed_at.as_str()).collect();
+            let usage: Vec<Option<&Value>> = results.iter().map(|r| r.usage.as_ref()).collect();
+            let repairs: Vec<&Value> = results.iter().map(|r| &r.repairs).collect();
+            let history: Vec<&Value> = results.iter().map(|r| &r.history).collect();
+            let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
             written = tx
                 .execute(
                     &format!(
                         "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
                          prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
-                         reviewer, committed_at) \
-                         SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz \
+                         reviewer, committed_at, usage, repairs, history, worker) \
+                         SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz, \
+                         u.q, u.r, u.s, u.t \
                          FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
                          $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
-                         $15::text[], $16::text[]) AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p) \
+                         $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[]) \
+                         AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t) \
                          ON CONFLICT (record_id) DO NOTHING",
                         r = self.results
                     ),
@@ -411,6 +433,10 @@ impl PgSink {
                         &human,
                         &reviewer,
                         &at,
+                        &usage,
+                        &repairs,
+                        &history,
+                        &worker,
                     ],
                 )
                 .await
@@ -509,6 +535,34 @@ impl PgSink {
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
+    /// Every result of the job in the results table, as it was committed,
+    /// streamed (one row at a time in memory).
+    pub async fn results(&self, job: &str, mut f: impl FnMut(ResultRecord)) -> Result<u64, SinkError> {
+        use futures_util::StreamExt;
+        let rows = self
+            .client
+            .query_raw(
+                &format!(
+                    "SELECT record_id, business_key, output, attempts, calls, response_id, repairs, usage, history, \
+                     model, versions, human, reviewer, worker, \
+                     to_char(committed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+                     FROM {} WHERE job = $1",
+                    self.results
+                ),
+                [job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        let mut rows = std::pin::pin!(rows);
+        let mut n = 0;
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(|e| self.err(&e))?;
+            f(result_of_row(&row).map_err(|e| SinkError::Schema(format!("table {}: {e}", self.results)))?);
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Open failures of the job by state (`review`, `dropped`, `cancelled`).
     pub async fn open_failures(&self, job: &str) -> Result<BTreeMap<String, u64>, SinkError> {
         let rows = self
@@ -527,6 +581,33 @@ impl PgSink {
             .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1).max(0) as u64))
             .collect())
     }
+}
+
+/// A results table row as the result it was written from.
+fn result_of_row(row: &tokio_postgres::Row) -> Result<ResultRecord, tokio_postgres::Error> {
+    let json = |v: Option<Value>| v.unwrap_or(Value::Null);
+    let output = match row.try_get::<_, Value>(2)? {
+        Value::Object(m) => m,
+        _ => Default::default(),
+    };
+    let usage: Option<Value> = row.try_get(7)?;
+    Ok(ResultRecord {
+        record_id: row.try_get(0)?,
+        key: row.try_get(1)?,
+        output,
+        attempts: u32::try_from(row.try_get::<_, i32>(3)?).unwrap_or(0),
+        calls: u32::try_from(row.try_get::<_, i32>(4)?).unwrap_or(0),
+        response_id: row.try_get(5)?,
+        repairs: serde_json::from_value(json(row.try_get(6)?)).unwrap_or_default(),
+        usage: usage.and_then(|u| serde_json::from_value(u).ok()),
+        history: serde_json::from_value(json(row.try_get(8)?)).unwrap_or_default(),
+        model: row.try_get(9)?,
+        versions: serde_json::from_value(row.try_get(10)?).unwrap_or_default(),
+        human: row.try_get(11)?,
+        reviewer: row.try_get(12)?,
+        worker: row.try_get(13)?,
+        committed_at: row.try_get(14)?,
+    })
 }
 
 /// The password of a database URL (`postgres://u:PASSWORD@...` or

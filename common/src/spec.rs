@@ -60,6 +60,12 @@ pub struct Sink {
     /// Rows per write (one transaction each); default 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_rows: Option<usize>,
+    /// Outcomes committed in Redis and not yet in the sink at which the
+    /// fleet stops claiming (Redis does not grow without bound while the
+    /// sink is down or slow); claims resume as the sink catches up.
+    /// Default 100,000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_backlog: Option<u64>,
 }
 
 /// See [`Sink::kind`].
@@ -87,6 +93,10 @@ impl Sink {
 
     pub fn batch_rows(&self) -> usize {
         self.batch_rows.unwrap_or(500)
+    }
+
+    pub fn max_backlog(&self) -> u64 {
+        self.max_backlog.unwrap_or(100_000)
     }
 }
 
@@ -807,6 +817,9 @@ impl JobSpec {
         }
         if s.batch_rows.is_some_and(|n| !(1..=5000).contains(&n)) {
             p.add("sink.batch_rows", "must be between 1 and 5000");
+        }
+        if s.max_backlog.is_some_and(|n| !(1..=100_000_000).contains(&n)) {
+            p.add("sink.max_backlog", "must be between 1 and 100000000");
         }
     }
 

@@ -50,14 +50,21 @@ struct Seen {
 }
 
 /// Reconciles every partition; anomalies found twice in a row are reported.
-pub async fn reconcile(store: &RedisStore, job: &str, partitions: u32) -> Result<Reconciliation, StoreError> {
+/// With `sink`, a done record's result may have left Redis for the sink
+/// (proved there: `status --require-complete` checks the sink's own data).
+pub async fn reconcile(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    sink: bool,
+) -> Result<Reconciliation, StoreError> {
     let mut out = Reconciliation::default();
     for p in 0..partitions {
-        let first = reconcile_partition(store, job, p).await?;
+        let first = reconcile_partition(store, job, p, sink).await?;
         if first.is_clean() {
             continue;
         }
-        let second = reconcile_partition(store, job, p).await?;
+        let second = reconcile_partition(store, job, p, sink).await?;
         let keep = |a: Vec<Anomaly>, b: &[Anomaly]| a.into_iter().filter(|x| b.contains(x)).collect::<Vec<_>>();
         out.missing.extend(keep(first.missing, &second.missing));
         out.duplicates.extend(keep(first.duplicates, &second.duplicates));
@@ -66,7 +73,7 @@ pub async fn reconcile(store: &RedisStore, job: &str, partitions: u32) -> Result
     Ok(out)
 }
 
-async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Reconciliation, StoreError> {
+async fn reconcile_partition(store: &RedisStore, job: &str, p: u32, sink: bool) -> Result<Reconciliation, StoreError> {
     let mut seen: HashMap<String, Seen> = HashMap::new();
     store
         .record_states(job, p, |rid, state| seen.entry(rid).or_default().state = Some(state))
@@ -125,7 +132,7 @@ async fn reconcile_partition(store: &RedisStore, job: &str, p: u32) -> Result<Re
         let ok = match &state {
             Some(RecordState::Queued) => s.in_stream == 1,
             Some(RecordState::Delayed) => s.delayed == 1,
-            Some(RecordState::Done) => s.result && places == 1,
+            Some(RecordState::Done) => (s.result || sink) && places == u32::from(s.result),
             Some(RecordState::Review) => s.review && places == 1,
             Some(RecordState::Cancelled) => s.cancelled && places == 1,
             Some(RecordState::Dropped(_)) => places == 0,

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use common::spec::{JobSpec, Prices};
-use common::store::{RedisStore, StoreError};
+use common::store::RedisStore;
 use common::task::{self, HistoryItem};
 use serde::Serialize;
 
@@ -94,7 +94,7 @@ pub struct Report {
 }
 
 /// Builds the report of a job by scanning its results and review entries.
-pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Report, StoreError> {
+pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Result<Report> {
     let manifest = store.load_manifest(job).await?;
     let mut r = Report {
         job: job.to_owned(),
@@ -118,29 +118,28 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> Result<Rep
             last_outcome = Some(last_outcome.map_or(at, |l| l.max(at)));
         }
     };
+    crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |res| {
+        if !res.human {
+            see(&res.history, &res.committed_at);
+        }
+        r.count_history(&res.history);
+        *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
+        let usage = Usage::of_history(&res.history, prices);
+        r.done += 1;
+        if res.human {
+            r.human_accepted += 1;
+        }
+        if res.committed_at > last_commit {
+            last_commit = res.committed_at.clone();
+        }
+        if usage.calls <= 1 {
+            r.first_attempt_successes.merge(&usage);
+        } else {
+            r.done_after_retries.merge(&usage);
+        }
+    })
+    .await?;
     for p in 0..spec.job.partitions {
-        store
-            .results(job, p, |res| {
-                if !res.human {
-                    see(&res.history, &res.committed_at);
-                }
-                r.count_history(&res.history);
-                *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
-                let usage = Usage::of_history(&res.history, prices);
-                r.done += 1;
-                if res.human {
-                    r.human_accepted += 1;
-                }
-                if res.committed_at > last_commit {
-                    last_commit = res.committed_at.clone();
-                }
-                if usage.calls <= 1 {
-                    r.first_attempt_successes.merge(&usage);
-                } else {
-                    r.done_after_retries.merge(&usage);
-                }
-            })
-            .await?;
         store
             .review_entries(job, p, |e| {
                 see(&e.history, &e.created_at);

@@ -88,7 +88,10 @@ pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Resu
                 }
             }
         }
-        From::Missing => retry_missing(store, job, spec.job.partitions, &mark, &mut out).await?,
+        From::Missing => {
+            let sink = spec.sink.kind != common::spec::SinkKind::None;
+            retry_missing(store, job, spec.job.partitions, sink, &mut out, &mark).await?
+        }
     }
     Ok(out)
 }
@@ -103,10 +106,11 @@ async fn retry_missing(
     store: &RedisStore,
     job: &str,
     partitions: u32,
-    mark: &Action,
+    sink: bool,
     out: &mut RetrySummary,
+    mark: &Action,
 ) -> Result<(), ReviewError> {
-    let r = reconcile(store, job, partitions).await?;
+    let r = reconcile(store, job, partitions, sink).await?;
     let manifest = store.load_manifest(job).await?;
     let datasets: HashMap<String, (String, String)> = manifest
         .map(|m| {

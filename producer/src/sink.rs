@@ -4,11 +4,12 @@
 //! done records (none missing, none unknown; the primary key makes each one
 //! there once).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use common::sink::PgSink;
 use common::spec::{JobSpec, SinkKind};
 use common::store::RedisStore;
+use common::task::ResultRecord;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -18,6 +19,9 @@ pub struct SinkStatus {
     /// Result rows the workers wrote that were new (a counter; the check
     /// below reads the table itself).
     pub written: u64,
+    /// Results that left Redis once the sink held them (their records
+    /// stay `done` in Redis; the result is read from the sink).
+    pub left_redis: u64,
     /// Outcomes committed in Redis and not yet written (the sink lag).
     pub backlog: u64,
     /// From the table, with `--require-complete` / `--require-done`.
@@ -53,10 +57,12 @@ pub async fn sink_status(
         return Ok(None);
     }
     let partitions = spec.job.partitions;
+    let sunk = store.sunk(job, partitions).await?;
     let mut s = SinkStatus {
         kind: "postgres",
         table: spec.sink.table().to_owned(),
-        written: store.sink_written(job).await?,
+        written: sunk.written,
+        left_redis: sunk.done,
         backlog: store.sink_backlog(job, partitions).await?.unwrap_or(0),
         verified: None,
     };
@@ -107,14 +113,62 @@ pub async fn sink_status(
     Ok(Some(s))
 }
 
+/// Every done result of a job, each once: those still in Redis, then those
+/// only the sink holds (a job with a sink: a result leaves Redis once the
+/// sink has it). A result moving meanwhile is read in Redis and skipped in
+/// the sink. Reading the sink needs its URL (`sink.url_env`); without it,
+/// and with results only there, the error says where they are.
+pub async fn each_result(
+    store: &RedisStore,
+    job: &str,
+    spec: Option<&JobSpec>,
+    partitions: u32,
+    mut f: impl FnMut(ResultRecord),
+) -> anyhow::Result<()> {
+    let sink = spec.filter(|s| s.sink.kind == SinkKind::Postgres);
+    let mut seen = HashSet::new();
+    for p in 0..partitions {
+        store
+            .results(job, p, |r| {
+                if sink.is_some() {
+                    seen.insert(r.record_id.clone());
+                }
+                f(r)
+            })
+            .await?;
+    }
+    let Some(spec) = sink else { return Ok(()) };
+    let left = store.sunk(job, partitions).await?.done;
+    if left == 0 {
+        return Ok(());
+    }
+    let var = spec.sink.url_env.as_deref().unwrap_or_default();
+    let url = std::env::var(var).unwrap_or_default();
+    if url.is_empty() {
+        anyhow::bail!(
+            "{left} results of job `{job}` are only in PostgreSQL, table {}: set {var} (sink.url_env) to the database URL to read them",
+            spec.sink.table()
+        );
+    }
+    let db = PgSink::connect(&url, spec.sink.table()).await?;
+    db.results(job, |r| {
+        if !seen.contains(&r.record_id) {
+            f(r)
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 /// The human lines of a sink status.
 pub fn print(s: &SinkStatus) {
     crate::outln!(
-        "  sink         {} table {}: {} written, {} waiting in Redis",
+        "  sink         {} table {}: {} written, {} waiting in Redis, {} results only in the sink",
         s.kind,
         s.table,
         s.written,
-        s.backlog
+        s.backlog,
+        s.left_redis
     );
     if let Some(v) = &s.verified {
         crate::outln!(

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 
-use common::store::{RedisStore, StoreError};
+use common::spec::SinkKind;
+use common::store::{RedisStore, StoreError, Tokens};
 use common::task::RecordState;
 use serde::Serialize;
 
@@ -54,22 +55,18 @@ pub struct JobStatus {
     pub done_ids: Vec<String>,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Tokens {
-    pub prompt: u64,
-    pub completion: u64,
-    pub cached: u64,
-}
-
 /// Reads the status of a job from Redis, with its reconciliation.
 /// `with_ids` keeps the record ids of every anomaly; `keep_done` the ids of
 /// the done records (in [`JobStatus::done_ids`], read in the same pass).
 pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bool) -> Result<JobStatus, StoreError> {
     let manifest = store.load_manifest(job).await?;
+    let spec = store.job_spec(job).await.ok().flatten();
     let partitions = match &manifest {
         Some(m) => m.partitions,
-        None => store.job_spec(job).await.ok().flatten().map_or(0, |s| s.job.partitions),
+        None => spec.as_ref().map_or(0, |s| s.job.partitions),
     };
+    // With a sink, a done record's result leaves Redis once the sink holds it.
+    let sink = spec.is_some_and(|s| s.sink.kind != SinkKind::None);
     let mut s = JobStatus {
         job: job.to_owned(),
         expected: manifest.map(|m| m.expected_records),
@@ -104,16 +101,22 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         store
             .results(job, p, |r| {
                 *s.attempts_histogram.entry(u64::from(r.attempts)).or_default() += 1;
-                for u in r.history.iter().filter_map(|h| h.as_attempt()?.usage) {
-                    s.tokens.prompt += u.prompt;
-                    s.tokens.completion += u.completion;
-                    s.tokens.cached += u.cached;
-                }
+                let t = Tokens::of(&r);
+                s.tokens.add(t.prompt, t.completion, t.cached);
             })
             .await?;
     }
+    if sink {
+        // What left Redis for the sink still counts.
+        let sunk = store.sunk(job, partitions).await?;
+        s.tokens
+            .add(sunk.tokens.prompt, sunk.tokens.completion, sunk.tokens.cached);
+        for (attempts, n) in sunk.attempts_histogram {
+            *s.attempts_histogram.entry(attempts).or_default() += n;
+        }
+    }
     s.queued = queued_state.saturating_sub(s.in_flight);
-    let r = reconcile(store, job, partitions).await?;
+    let r = reconcile(store, job, partitions, sink).await?;
     s.missing = s.expected.map_or(0, |e| e.saturating_sub(s.known)) + r.missing.len() as u64;
     s.duplicates = r.duplicates.len() as u64;
     s.unknown = r.unknown.len() as u64;
@@ -163,9 +166,13 @@ pub async fn export(
             }
         }
     };
+    if what == ExportSet::Done {
+        let spec = store.job_spec(job).await.ok().flatten();
+        crate::sink::each_result(store, job, spec.as_ref(), partitions, |r| write(r.encode())).await?;
+    }
     for p in 0..partitions {
         match what {
-            ExportSet::Done => store.results(job, p, |r| write(r.encode())).await?,
+            ExportSet::Done => {}
             ExportSet::Review => store.review_entries(job, p, |e| write(e.encode())).await?,
             ExportSet::Dropped => {
                 store

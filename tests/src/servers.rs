@@ -353,7 +353,7 @@ impl PgServer {
         pg
     }
 
-    fn start_again(&mut self) {
+    pub fn start_again(&mut self) {
         let options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             self.port,

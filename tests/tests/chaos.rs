@@ -286,32 +286,52 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let served: BTreeMap<String, String> =
         serde_json::from_value(harness::http_get_json(&sim.addr, "/served")).unwrap();
     let mut conn = redis.conn();
+    // The results, read as a user reads them: those still in Redis and
+    // those that left it for the table.
+    let export = harness::producer_with_env(
+        &[
+            "export",
+            "--job",
+            "chaos",
+            "--redis",
+            &redis.url(),
+            "--what",
+            "done",
+            "--out",
+            "-",
+        ],
+        &[(DB_ENV, db_url.as_str())],
+    );
+    assert!(export.status.success(), "{}", harness::stderr(&export));
+    let done_results: BTreeMap<String, Value> = harness::stdout(&export)
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["record_id"].as_str().unwrap().to_owned(), v)
+        })
+        .collect();
     let mut results = 0;
-    for p in 0..PARTITIONS {
-        let hash: BTreeMap<String, String> = conn.hgetall(keys::results("chaos", p)).unwrap();
-        for (rid, text) in hash {
-            let r: Value = serde_json::from_str(&text).unwrap();
-            if r["human"] == true {
-                continue;
-            }
-            let id = r["response_id"]
-                .as_str()
-                .unwrap_or_else(|| panic!("{rid}: no response id"));
-            let content = served
-                .get(id)
-                .unwrap_or_else(|| panic!("{rid}: response {id} was never served"));
-            let (start, end) = (content.find('{').unwrap(), content.rfind('}').unwrap());
-            let answer: Value = serde_json::from_str(&content[start..=end]).unwrap();
-            assert_eq!(answer["label"], r["output"]["label"], "{rid}: result differs from {id}");
-            // `calls` counts the requests in the history; `attempts` adds the
-            // deliveries lost with their worker, never fewer.
-            let history = r["history"].as_array().unwrap();
-            let calls = history.iter().filter(|h| h.get("call").is_some()).count() as u64;
-            assert_eq!(r["calls"].as_u64(), Some(calls), "{rid}: calls differ from its history");
-            let counted = history.iter().filter(|h| h["outcome"] != "rate_limited").count() as u64;
-            assert!(r["attempts"].as_u64().unwrap() >= counted.min(calls), "{rid}: {r}");
-            results += 1;
+    for (rid, r) in &done_results {
+        if r["human"] == true {
+            continue;
         }
+        let id = r["response_id"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{rid}: no response id"));
+        let content = served
+            .get(id)
+            .unwrap_or_else(|| panic!("{rid}: response {id} was never served"));
+        let (start, end) = (content.find('{').unwrap(), content.rfind('}').unwrap());
+        let answer: Value = serde_json::from_str(&content[start..=end]).unwrap();
+        assert_eq!(answer["label"], r["output"]["label"], "{rid}: result differs from {id}");
+        // `calls` counts the requests in the history; `attempts` adds the
+        // deliveries lost with their worker, never fewer.
+        let history = r["history"].as_array().unwrap();
+        let calls = history.iter().filter(|h| h.get("call").is_some()).count() as u64;
+        assert_eq!(r["calls"].as_u64(), Some(calls), "{rid}: calls differ from its history");
+        let counted = history.iter().filter(|h| h["outcome"] != "rate_limited").count() as u64;
+        assert!(r["attempts"].as_u64().unwrap() >= counted.min(calls), "{rid}: {r}");
+        results += 1;
     }
     assert_eq!(results, counts("done"));
 
@@ -344,21 +364,23 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     // were killed with -9 (their answers died with them) or stopped past the
     // take-over (their late outcomes are refused, by design).
     let mut in_history: BTreeMap<(String, String), u64> = BTreeMap::new();
+    let mut finished: Vec<(String, Value)> = done_results.into_iter().collect();
     for p in 0..PARTITIONS {
-        for key in [keys::results("chaos", p), keys::review("chaos", p)] {
-            let hash: BTreeMap<String, String> = conn.hgetall(&key).unwrap();
-            for (rid, text) in hash {
-                let v: Value = serde_json::from_str(&text).unwrap();
-                for h in v["history"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter(|h| h.get("call").is_some())
-                {
-                    let worker = h["worker"].as_str().unwrap_or("").to_owned();
-                    *in_history.entry((rid.clone(), worker)).or_default() += 1;
-                }
-            }
+        let hash: BTreeMap<String, String> = conn.hgetall(keys::review("chaos", p)).unwrap();
+        finished.extend(
+            hash.into_iter()
+                .map(|(rid, text)| (rid, serde_json::from_str(&text).unwrap())),
+        );
+    }
+    for (rid, v) in finished {
+        for h in v["history"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|h| h.get("call").is_some())
+        {
+            let worker = h["worker"].as_str().unwrap_or("").to_owned();
+            *in_history.entry((rid.clone(), worker)).or_default() += 1;
         }
     }
     let mut sent: BTreeMap<(String, String), u64> = BTreeMap::new();

@@ -145,16 +145,86 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         .query("SELECT count(*) FROM results_failures f JOIN results r USING (record_id) WHERE f.resolved_at IS NULL");
     assert_eq!(orphans.trim(), "0", "no done record is an open failure");
 
-    // A redelivered batch adds nothing: hand 100 done records to the sink again.
+    // The results left Redis once the table held them; their records stay
+    // done there, and every reader finds them in the table.
     let mut c = redis.conn();
-    let ids: Vec<String> = redis::cmd("HKEYS")
-        .arg(keys::results("sink", 0))
-        .query::<Vec<String>>(&mut c)
-        .unwrap()
-        .into_iter()
-        .take(100)
+    for p in 0..4 {
+        let left: u64 = redis::cmd("HLEN").arg(keys::results("sink", p)).query(&mut c).unwrap();
+        assert_eq!(left, 0, "partition {p} still holds results");
+    }
+    assert_eq!(s["sink"]["left_redis"], done, "{s}");
+    let export = |env: &[(&str, &str)]| {
+        harness::producer_with_env(
+            &[
+                "export",
+                "--job",
+                "sink",
+                "--redis",
+                &redis.url(),
+                "--what",
+                "done",
+                "--out",
+                "-",
+            ],
+            env,
+        )
+    };
+    let out = export(&[]);
+    assert!(!out.status.success());
+    assert!(
+        harness::stderr(&out).contains("only in PostgreSQL, table results: set BF_TEST_DATABASE_URL"),
+        "{}",
+        harness::stderr(&out)
+    );
+    let out = export(&[(URL_ENV, &url)]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let lines: Vec<Value> = harness::stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert!(!ids.is_empty());
+    assert_eq!(lines.len() as u64, done, "export reads the table");
+    let sample = &lines[0];
+    let in_table = pg.query(&format!(
+        "SELECT output::text FROM results WHERE record_id = '{}'",
+        sample["record_id"].as_str().unwrap()
+    ));
+    assert_eq!(serde_json::from_str::<Value>(&in_table).unwrap(), sample["output"]);
+    assert!(sample["history"].as_array().is_some_and(|h| !h.is_empty()), "{sample}");
+    let report = harness::producer_with_env(
+        &["report", "--job", "sink", "--redis", &redis.url(), "--json"],
+        &[(URL_ENV, &url)],
+    );
+    assert!(report.status.success(), "{}", harness::stderr(&report));
+    let report: Value = serde_json::from_str(&harness::stdout(&report)).unwrap();
+    assert_eq!(report["done"], done, "report reads the table: {report}");
+    let prompt: u64 = pg
+        .query("SELECT sum((a->'usage'->>'prompt_tokens')::bigint) FROM results, jsonb_array_elements(history) a WHERE job = 'sink'")
+        .parse()
+        .unwrap();
+    assert_eq!(
+        s["tokens"]["prompt"], prompt,
+        "status still counts what left Redis: {s}"
+    );
+
+    // A redelivered batch adds nothing: 100 results of partition 0 as a
+    // writer that died after its transaction and before its acknowledgement
+    // leaves them (still in Redis, handed to the sink again).
+    let ids: Vec<String> = lines
+        .iter()
+        .filter(|l| common::record::partition_of(l["record_id"].as_str().unwrap(), 4) == 0)
+        .take(100)
+        .map(|l| {
+            let rid = l["record_id"].as_str().unwrap().to_owned();
+            let _: () = redis::cmd("HSET")
+                .arg(keys::results("sink", 0))
+                .arg(&rid)
+                .arg(l.to_string())
+                .query(&mut c)
+                .unwrap();
+            rid
+        })
+        .collect();
+    assert!(ids.len() > 10);
     // And a record handed over twice in one batch, as a result and as a
     // failure (review, then rejected): one row each, nothing stuck.
     let reviewed: Vec<String> = redis::cmd("HKEYS").arg(keys::review("sink", 0)).query(&mut c).unwrap();
@@ -182,6 +252,8 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         Running::spawn(worker(&redis, &sim, &url, &[&fast[..], &["--drain"]].concat())).finish(Duration::from_secs(60));
     assert!(exit.success(), "{log}");
     assert_eq!(rows(&pg), done, "the redelivered batch added no row");
+    let left: u64 = redis::cmd("HLEN").arg(keys::results("sink", 0)).query(&mut c).unwrap();
+    assert_eq!(left, 0, "the redelivered results left Redis again");
     let failure_rows = pg.query(&format!(
         "SELECT count(*) FROM results_failures WHERE record_id = '{}'",
         reviewed[0]
@@ -296,4 +368,65 @@ fn a_row_the_database_rejects_is_kept_as_a_failure_with_its_message_and_the_othe
         "a refused row does not hold back the others: {s}"
     );
     assert!(log.contains("the database rejected rows"), "{log}");
+    // A refused row's result stays in Redis (the table does not hold it).
+    let mut c = redis.conn();
+    let kept: u64 = (0..4)
+        .map(|p| {
+            redis::cmd("HLEN")
+                .arg(keys::results("sink", p))
+                .query::<u64>(&mut c)
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(kept, bugs, "only the refused results are still in Redis");
+}
+
+#[test]
+fn claims_stop_at_the_sink_backlog_limit_and_resume_when_the_database_is_back() {
+    let mut pg = PgServer::start();
+    let url = pg.url();
+    pg.kill9();
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "20"]);
+    let dir = TempDir::new("sinkfull");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 60);
+    let spec = spec_with(
+        &dir,
+        &[
+            (
+                "[retry]",
+                &harness::sink_section(URL_ENV, "table = \"results\"\nmax_backlog = 10\n"),
+            ),
+            ("timeout_secs = 30", "timeout_secs = 3"),
+        ],
+    );
+    enqueue(&redis, &data, "sink", &spec);
+    let w = Running::spawn(worker(&redis, &sim, &url, &["--concurrency", "2", "--drain"]));
+    let done = || {
+        let out = producer(&["status", "--job", "sink", "--redis", &redis.url(), "--json"]);
+        serde_json::from_str::<Value>(&harness::stdout(&out)).unwrap()["done"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_for("the backlog limit reached", Duration::from_secs(30), || done() >= 10);
+    std::thread::sleep(Duration::from_secs(3));
+    let held = done();
+    // The limit, plus what was in flight when it was seen (checked 4 times a second).
+    assert!(held < 30, "claims stopped at the backlog limit: {held} done of 60");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(done(), held, "nothing more is claimed while the sink is down");
+
+    // The database is back: the backlog drains, claims resume, the job completes.
+    pg.start_again();
+    let (exit, log) = w.finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    assert!(
+        log.contains("stops claiming the job until the sink catches up"),
+        "{log}"
+    );
+    assert!(log.contains("claiming again"), "{log}");
+    let (code, s) = status(&redis, &url);
+    assert_eq!(code, Some(0), "{s}");
+    assert_eq!(rows(&pg), 60, "{s}");
 }

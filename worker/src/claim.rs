@@ -62,6 +62,10 @@ impl Claimer {
             if f.is_halted(&job.name) || f.is_cancelled(&job.name) {
                 continue;
             }
+            // Redis does not grow without bound while the sink cannot keep up.
+            if job.sink_full.load(Ordering::Relaxed) {
+                continue;
+            }
             // Until the provider answered once, one call at a time.
             let room = job.breaker.room();
             if room == 0 {

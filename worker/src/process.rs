@@ -35,6 +35,9 @@ pub struct JobCtx {
     pub breaker: crate::breaker::Breaker,
     /// The database URL of the job's `postgres` sink (from `sink.url_env`).
     pub sink_url: Option<String>,
+    /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
+    /// for the job until the sink catches up (set by its sink writer).
+    pub sink_full: std::sync::atomic::AtomicBool,
     /// The job's model and versions (renewed with the time for each record).
     pub stamp: Stamp,
 }

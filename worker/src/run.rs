@@ -404,6 +404,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
             Duration::ZERO,
         ),
         sink_url,
+        sink_full: std::sync::atomic::AtomicBool::new(false),
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,

@@ -5,6 +5,8 @@
 //! writer died mid-transaction (rolled back by the database) is claimed over
 //! once pending longer than the visibility timeout, and written again:
 //! `ON CONFLICT (record_id) DO NOTHING` makes the second write add nothing.
+//! The acknowledgement also takes the written results out of Redis: from
+//! then on the sink is where a done record's result is read.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +22,9 @@ use crate::service::Service;
 const IDLE: Duration = Duration::from_millis(200);
 /// The longest wait between attempts while the database fails.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How often the backlog is compared with `sink.max_backlog` (also while
+/// the database fails: a backing-off writer still stops the claims).
+const BACKLOG_CHECK: Duration = Duration::from_millis(250);
 
 pub struct SinkWriter {
     fleet: Arc<Fleet>,
@@ -34,6 +39,10 @@ pub struct SinkWriter {
     /// This consumer's own pending entries are read first (a batch it read
     /// before it was stopped or restarted and never acknowledged).
     own_pending_read: bool,
+    /// When the backlog was last compared with `sink.max_backlog`.
+    backlog_checked: Option<Instant>,
+    /// While failing: when the next attempt is due (the back-off).
+    next_attempt: Option<Instant>,
 }
 
 impl SinkWriter {
@@ -47,6 +56,34 @@ impl SinkWriter {
             backoff: Duration::from_millis(200),
             failing: None,
             own_pending_read: false,
+            backlog_checked: None,
+            next_attempt: None,
+        }
+    }
+
+    /// Stops the job's claims while the outcomes waiting for the sink are
+    /// at `sink.max_backlog` or more, and lets them resume below it.
+    async fn watch_backlog(&mut self) {
+        if self.backlog_checked.is_some_and(|t| t.elapsed() < BACKLOG_CHECK) {
+            return;
+        }
+        self.backlog_checked = Some(Instant::now());
+        let spec = &self.job.spec;
+        let backlog = match self.fleet.store.sink_backlog(&self.job.name, spec.job.partitions).await {
+            Ok(b) => b.unwrap_or(0),
+            Err(e) => {
+                self.fleet.store_error(&e).await;
+                return;
+            }
+        };
+        let limit = spec.sink.max_backlog();
+        let full = backlog >= limit;
+        let was = self.job.sink_full.swap(full, std::sync::atomic::Ordering::Relaxed);
+        if full && !was {
+            tracing::warn!(job = %self.job.name, backlog, max_backlog = limit,
+                "sink backlog at sink.max_backlog: this worker stops claiming the job until the sink catches up");
+        } else if was && !full {
+            tracing::info!(job = %self.job.name, backlog, "sink backlog below sink.max_backlog: claiming again");
         }
     }
 
@@ -106,6 +143,8 @@ impl SinkWriter {
             self.retry = Some((p, entries));
             return Ok(0);
         };
+        // Records the database refused: their results stay in Redis.
+        let mut refused_ids = std::collections::HashSet::new();
         let written = match sink.write(job, &results, &failures).await {
             Ok(n) => n,
             Err(SinkError::Rejected(first)) => {
@@ -128,6 +167,7 @@ impl SinkWriter {
                     error = %first,
                     "the database rejected rows: kept in the failures table as `rejected`, with its message"
                 );
+                refused_ids.extend(refused.into_iter().map(|(rid, _)| rid));
                 n
             }
             Err(e) => {
@@ -139,7 +179,12 @@ impl SinkWriter {
             .sink_written
             .with_label_values(&[job.as_str()])
             .inc_by(written);
-        if let Err(e) = f.store.sink_ack(job, p, &entries, written).await {
+        let sunk: Vec<_> = read
+            .results
+            .iter()
+            .filter(|r| !refused_ids.contains(&r.record_id))
+            .collect();
+        if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk).await {
             // Written but not acknowledged: the entries are written again
             // later, and add nothing then.
             f.store_error(&e).await;
@@ -200,6 +245,7 @@ impl SinkWriter {
             .sink_failing
             .store(true, std::sync::atomic::Ordering::Relaxed);
         self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        self.next_attempt = Some(Instant::now() + self.backoff);
     }
 
     fn recovered(&mut self) {
@@ -211,6 +257,7 @@ impl SinkWriter {
             .sink_failing
             .store(false, std::sync::atomic::Ordering::Relaxed);
         self.backoff = Duration::from_millis(200);
+        self.next_attempt = None;
     }
 }
 
@@ -220,6 +267,14 @@ impl Service for SinkWriter {
     }
 
     async fn run_once(&mut self) -> Option<Duration> {
+        self.watch_backlog().await;
+        // While failing, the next attempt waits for the back-off; the
+        // backlog is still watched in between.
+        if let Some(due) = self.next_attempt
+            && let Some(wait) = due.checked_duration_since(Instant::now())
+        {
+            return Some(BACKLOG_CHECK.min(wait));
+        }
         match self.write_round().await {
             Ok(n) => {
                 self.recovered();
@@ -227,7 +282,7 @@ impl Service for SinkWriter {
             }
             Err(e) => {
                 self.failed(e);
-                Some(self.backoff)
+                Some(BACKLOG_CHECK.min(self.backoff))
             }
         }
     }

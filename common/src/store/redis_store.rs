@@ -107,6 +107,7 @@ pub(super) struct Scripts {
     pub resume_page: Script,
     pub retry_record: Script,
     pub lease: Script,
+    pub sink_ack: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -212,6 +213,7 @@ impl RedisStore {
                 resume_page: Script::new(include_str!("scripts/resume_page.lua")),
                 retry_record: Script::new(include_str!("scripts/retry_record.lua")),
                 lease: Script::new(include_str!("scripts/lease.lua")),
+                sink_ack: Script::new(include_str!("scripts/sink_ack.lua")),
             },
         };
         store.check_permissions().await?;
@@ -235,6 +237,7 @@ impl RedisStore {
             &s.resume_page,
             &s.retry_record,
             &s.lease,
+            &s.sink_ack,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

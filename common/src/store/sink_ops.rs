@@ -2,7 +2,7 @@
 //! entries, or entries a dead writer left pending), read the outcomes they
 //! name, and acknowledge them once the sink's transaction committed.
 
-use redis::{AsyncCommands, Value};
+use redis::Value;
 
 use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
@@ -17,6 +17,43 @@ pub struct SinkEntry {
     pub rid: String,
     /// A committed result (`r`), or a record in review, dropped or cancelled.
     pub result: bool,
+}
+
+/// Tokens of every call a result's history holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Tokens {
+    pub prompt: u64,
+    pub completion: u64,
+    pub cached: u64,
+}
+
+impl Tokens {
+    pub fn of(r: &ResultRecord) -> Tokens {
+        let mut t = Tokens::default();
+        for u in r.history.iter().filter_map(|h| h.as_attempt()?.usage) {
+            t.add(u.prompt, u.completion, u.cached);
+        }
+        t
+    }
+
+    pub fn add(&mut self, prompt: u64, completion: u64, cached: u64) {
+        self.prompt += prompt;
+        self.completion += completion;
+        self.cached += cached;
+    }
+}
+
+/// What has left Redis for a job's sink.
+#[derive(Debug, Clone, Default)]
+pub struct Sunk {
+    /// Rows that were new in the sink.
+    pub written: u64,
+    /// Results removed from Redis once the sink held them.
+    pub done: u64,
+    /// The tokens of their calls.
+    pub tokens: Tokens,
+    /// Attempts -> results removed that took that many.
+    pub attempts_histogram: std::collections::BTreeMap<u64, u64>,
 }
 
 /// What a batch of sink entries names, read from Redis.
@@ -181,42 +218,42 @@ impl RedisStore {
         Ok(batch)
     }
 
-    /// Acknowledges and deletes entries the sink holds durably, and counts
-    /// the rows that were new there (`sink_written` in the job's counters: a
-    /// lower bound, since a batch committed by a writer that stopped before
-    /// this call is written again later and is not new then).
+    /// Acknowledges and deletes entries the sink holds durably, counts the
+    /// rows that were new there (`written`: a lower bound, since a batch
+    /// committed by a writer that stopped before this call is written again
+    /// later and is not new then), and removes the results the sink holds
+    /// from Redis, their figures added to the partition's `sunk` counters.
+    /// Returns the results removed.
     pub async fn sink_ack(
         &self,
         job: &str,
         partition: u32,
         entries: &[SinkEntry],
         written: u64,
-    ) -> Result<(), StoreError> {
+        sunk: &[&ResultRecord],
+    ) -> Result<u64, StoreError> {
         if entries.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
-        let stream = keys::sink(job, partition);
-        let ids: Vec<&str> = entries.iter().map(|e| e.entry_id.as_str()).collect();
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("XACK")
-            .arg(&stream)
+        let mut inv = self.scripts.sink_ack.prepare_invoke();
+        inv.key(keys::sink(job, partition))
+            .key(keys::results(job, partition))
+            .key(keys::sunk(job, partition))
             .arg(keys::SINK_GROUP)
-            .arg(&ids)
-            .ignore()
-            .cmd("XDEL")
-            .arg(&stream)
-            .arg(&ids)
-            .ignore();
-        if written > 0 {
-            pipe.cmd("HINCRBY")
-                .arg(keys::counters(job))
-                .arg("sink_written")
-                .arg(written)
-                .ignore();
+            .arg(written)
+            .arg(entries.len());
+        for e in entries {
+            inv.arg(&e.entry_id);
         }
-        let _: () = pipe.query_async(&mut self.conn.clone()).await?;
-        Ok(())
+        for r in sunk {
+            let t = Tokens::of(r);
+            inv.arg(&r.record_id)
+                .arg(r.attempts)
+                .arg(t.prompt)
+                .arg(t.completion)
+                .arg(t.cached);
+        }
+        Ok(inv.invoke_async(&mut self.conn.clone()).await?)
     }
 
     /// Outcomes not yet in the sink (queued in its streams or being
@@ -237,9 +274,28 @@ impl RedisStore {
         Ok(any.then_some(backlog))
     }
 
-    /// Rows the sink reported new (the job's `sink_written` counter).
-    pub async fn sink_written(&self, job: &str) -> Result<u64, StoreError> {
-        let n: Option<u64> = self.conn.clone().hget(keys::counters(job), "sink_written").await?;
-        Ok(n.unwrap_or(0))
+    /// What has left Redis for the sink, summed over the job's partitions.
+    pub async fn sunk(&self, job: &str, partitions: u32) -> Result<Sunk, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.cmd("HGETALL").arg(keys::sunk(job, p));
+        }
+        let all: Vec<std::collections::HashMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut out = Sunk::default();
+        for (field, n) in all.into_iter().flatten() {
+            match field.as_str() {
+                "written" => out.written += n,
+                "done" => out.done += n,
+                "prompt" => out.tokens.prompt += n,
+                "completion" => out.tokens.completion += n,
+                "cached" => out.tokens.cached += n,
+                a => {
+                    if let Some(attempts) = a.strip_prefix('a').and_then(|k| k.parse().ok()) {
+                        *out.attempts_histogram.entry(attempts).or_default() += n;
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 }
