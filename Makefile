@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status deps lint clean
+.PHONY: demo test chaos build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -28,7 +28,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing
+bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -62,3 +62,8 @@ bench-ratelimit: deps
 bench-status: deps
 	$(CARGO) build --release --workspace --bins
 	scripts/bench-status.sh
+
+## bench-sink: rows/s into PostgreSQL vs a raw COPY of the same rows, Redis bytes per queued and finished record
+bench-sink: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-sink.py
