@@ -26,7 +26,7 @@ redis-cli -p "$REDIS_PORT" flushall >/dev/null
 echo "producer enqueue (release build)"
 t0=$(now)
 /usr/bin/time -f '%M' -o "$work/rss.txt" target/release/producer enqueue "$data" --job bench \
-  --spec examples/job.toml --redis "redis://127.0.0.1:$REDIS_PORT" --json >"$work/summary.json"
+  --spec examples/job.toml --redis "redis://127.0.0.1:$REDIS_PORT" --json --max-backlog 0 >"$work/summary.json"
 t1=$(now)
 ours=$(python3 -c "print($N / ($t1 - $t0))")
 rss_kb=$(cat "$work/rss.txt")

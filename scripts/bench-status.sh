@@ -15,7 +15,7 @@ trap stop_redis EXIT
 url="redis://127.0.0.1:$REDIS_PORT"
 now() { date +%s.%N; }
 t0=$(now)
-target/release/producer enqueue "$data" --job status-bench --spec examples/job.toml --redis "$url" --no-progress >/dev/null
+target/release/producer enqueue "$data" --job status-bench --spec examples/job.toml --redis "$url" --no-progress --max-backlog 0 >/dev/null
 t1=$(now)
 /usr/bin/time -f '%M' -o "$work/status-rss.txt" target/release/producer status --job status-bench --redis "$url" --json >"$work/status.json"
 t2=$(now)

@@ -27,7 +27,7 @@ run() { # run LABEL PRODUCER [ENV...]: one enqueue, prints records/s
   redis-cli -p "$REDIS_PORT" flushall >/dev/null
   local t0 t1
   t0=$(now)
-  env "$@" "$bin" enqueue "$data" --job bench --spec examples/job.toml \
+  env BATCHFLEET_MAX_BACKLOG=0 "$@" "$bin" enqueue "$data" --job bench --spec examples/job.toml \
     --redis "redis://127.0.0.1:$REDIS_PORT" --json --no-progress >"$work/$label.json"
   t1=$(now)
   python3 -c "import json; assert json.load(open('$work/$label.json'))['enqueued'] == $N"

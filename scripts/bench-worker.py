@@ -56,7 +56,7 @@ def unlimited_spec(tmp):
 
 def enqueue(redis_url, path, job, spec):
     subprocess.run([os.path.join(BIN, "producer"), "enqueue", path, "--job", job, "--spec", spec,
-                    "--redis", redis_url, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+                    "--redis", redis_url, "--no-progress", "--max-backlog", "0"], check=True, stdout=subprocess.DEVNULL)
 
 
 def worker(redis_url, job, base_url, concurrency, log):

@@ -45,6 +45,14 @@ pub fn cursor(job: &str) -> String {
     format!("bf:{{{job}}}:cursor")
 }
 
+/// Set (with a short TTL, renewed) while a producer is enqueueing the job
+/// with a bounded backlog: more tasks are coming, so a `--drain` worker
+/// does not take an empty stream for the end of the job. A producer that
+/// died leaves it to expire.
+pub fn enqueuing(job: &str) -> String {
+    format!("bf:{{{job}}}:enqueuing")
+}
+
 /// Hash of dropped dataset lines: `<dataset sha12>:<line>` -> JSON entry.
 pub fn dropped_lines(job: &str) -> String {
     format!("bf:{{{job}}}:dropped_lines")
@@ -203,6 +211,7 @@ mod tests {
             spec("a.b"),
             manifest("a.b"),
             cursor("a.b"),
+            enqueuing("a.b"),
             dropped_lines("a.b"),
             halt("a.b"),
         ] {

@@ -263,6 +263,12 @@ pub struct EnqueueCmd {
     /// Enqueue even when Redis may evict keys (never in production).
     #[arg(long)]
     pub allow_evicting_redis: bool,
+    /// The most tasks the job may hold in Redis (queued, in flight, waiting
+    /// to retry): beyond it enqueue waits for the workers, and goes on as
+    /// they drain them, so Redis holds a bounded part of a large dataset.
+    /// 0: no bound (load a whole job before any worker runs).
+    #[arg(long, env = "BATCHFLEET_MAX_BACKLOG", default_value_t = 100_000)]
+    pub max_backlog: u64,
 }
 
 /// Runs a parsed command line; `main` only sets up the runtime and signals.
@@ -460,6 +466,7 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
         sample: cmd.sample.zip(cmd.seed).map(|(size, seed)| Sample { size, seed }),
         batch_size: cmd.batch_size as usize,
         idem_ttl_secs: cmd.idem_ttl,
+        max_backlog: cmd.max_backlog,
         progress: !cmd.no_progress && !cmd.json,
         allow_evicting_redis: cmd.allow_evicting_redis,
     };

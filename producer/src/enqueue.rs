@@ -42,6 +42,9 @@ pub struct EnqueueArgs {
     pub progress: bool,
     /// Enqueue even into a Redis that may evict keys (tests only).
     pub allow_evicting_redis: bool,
+    /// The most tasks the job may hold in Redis (queued, in flight, waiting
+    /// to retry): enqueue waits for the workers beyond it. 0: no bound.
+    pub max_backlog: u64,
 }
 
 /// What a run did. Counts cover the whole pass over the dataset, including
@@ -68,6 +71,8 @@ pub struct Summary {
     pub interrupted: bool,
     pub elapsed_secs: f64,
     pub lines_per_sec: f64,
+    /// Time this run waited for the workers (`--max-backlog`).
+    pub backlog_wait_secs: f64,
     /// The dataset changed while it was read (grew, or was rewritten): what
     /// was enqueued is the part the manifest's sha256 describes.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -188,7 +193,14 @@ async fn enqueue_traced(
         },
         idem_ttl_secs: args.idem_ttl_secs,
         traces,
+        max_backlog: args.max_backlog,
+        backlog: 0,
+        marked: None,
+        waited: Duration::ZERO,
     };
+    if args.max_backlog > 0 {
+        pass.backlog = store.remaining(&args.job, spec.job.partitions).await?.backlog();
+    }
     let progress = Progress::new(args.progress, bytes, start.offset);
     let interrupted = pass
         .run(
@@ -199,7 +211,11 @@ async fn enqueue_traced(
             &progress,
             &cancel,
         )
-        .await?;
+        .await;
+    if pass.marked.is_some() {
+        store.mark_enqueuing(&args.job, None).await?;
+    }
+    let interrupted = interrupted?;
     progress.finish();
 
     let mut job_records = None;
@@ -234,6 +250,7 @@ async fn enqueue_traced(
         interrupted,
         elapsed_secs: elapsed,
         lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
+        backlog_wait_secs: pass.waited.as_secs_f64(),
         dataset_changed,
     })
 }
@@ -392,7 +409,18 @@ struct Pass<'a> {
     cursor: Cursor,
     idem_ttl_secs: u64,
     traces: &'a Traces,
+    /// See [`EnqueueArgs::max_backlog`].
+    max_backlog: u64,
+    /// The job's tasks in Redis as last read, plus those sent since.
+    backlog: u64,
+    /// When the job's `enqueuing` mark was last renewed.
+    marked: Option<Instant>,
+    /// Time spent waiting for the backlog to drain.
+    waited: Duration,
 }
+
+/// Lifetime of the job's `enqueuing` mark; renewed every third of it.
+const ENQUEUING_TTL_SECS: u64 = 15;
 
 /// Batches sent before the oldest must be confirmed.
 const IN_FLIGHT: usize = 3;
@@ -441,9 +469,10 @@ impl Pass<'_> {
         let mut eof = false;
         loop {
             let mut batch = Batch::default();
-            if !eof && !cancel.is_cancelled() {
+            let take = if eof { 0 } else { self.room(batch_size, cancel).await? };
+            if !eof && !cancel.is_cancelled() && take > 0 {
                 eof = self
-                    .parse_batch(&mut reader, &mut buf, batch_size, sample, &mut batch)
+                    .parse_batch(&mut reader, &mut buf, take, sample, &mut batch)
                     .map_err(|source| EnqueueError::Dataset {
                         path: path.display().to_string(),
                         source,
@@ -457,6 +486,7 @@ impl Pass<'_> {
                     self.idem_ttl_secs,
                     batch.tasks.clone(),
                 );
+                self.backlog += tasks.len() as u64;
                 let handle = tokio::spawn(async move { store.enqueue(&job, ttl, &tasks).await });
                 in_flight.push_back((batch, handle));
             }
@@ -474,6 +504,52 @@ impl Pass<'_> {
                 // End of file, or cancelled with every sent batch confirmed.
                 return Ok(!eof);
             }
+        }
+    }
+
+    /// How many records the next batch may hold: `batch_size`, or with a
+    /// bounded backlog what fits under it, once at least half a batch (or
+    /// half the bound) fits: waits for the workers to drain the job until
+    /// then, keeping the job marked as being enqueued. 0 when cancelled.
+    async fn room(&mut self, batch_size: usize, cancel: &CancellationToken) -> Result<usize, EnqueueError> {
+        let max = self.max_backlog;
+        if max == 0 {
+            return Ok(batch_size);
+        }
+        let want = (batch_size as u64).min(max.div_ceil(2)).max(1);
+        let mut said = false;
+        loop {
+            if self
+                .marked
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(ENQUEUING_TTL_SECS / 3))
+            {
+                self.store.mark_enqueuing(self.job, Some(ENQUEUING_TTL_SECS)).await?;
+                self.marked = Some(Instant::now());
+            }
+            if self.backlog + want > max {
+                // The estimate counts what was sent; workers finished some since.
+                self.backlog = self
+                    .store
+                    .remaining(self.job, self.spec.job.partitions)
+                    .await?
+                    .backlog();
+            }
+            if self.backlog + want <= max {
+                return Ok((max - self.backlog).min(batch_size as u64) as usize);
+            }
+            if !said {
+                said = true;
+                eprintln!(
+                    "enqueue waits: job `{}` holds {} tasks in Redis (--max-backlog {max}); it goes on as the workers drain them",
+                    self.job, self.backlog
+                );
+            }
+            let t = Instant::now();
+            tokio::select! {
+                () = cancel.cancelled() => return Ok(0),
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+            self.waited += t.elapsed();
         }
     }
 

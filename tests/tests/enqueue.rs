@@ -443,3 +443,62 @@ fn unusable_inputs_fail_with_clear_messages() {
     assert!(ok.status.success());
     assert!(stdout(&ok).contains("- label (string, required)"), "{}", stdout(&ok));
 }
+
+/// The job's tasks in Redis: stream entries (queued and in flight) and retries waiting.
+fn backlog(redis: &RedisServer, job: &str) -> u64 {
+    let mut c = redis.conn();
+    (0..PARTITIONS)
+        .map(|p| {
+            let n: u64 = c.xlen(keys::stream(job, p)).unwrap();
+            let z: u64 = c.zcard(keys::delayed(job, p)).unwrap();
+            n + z
+        })
+        .sum()
+}
+
+#[test]
+fn a_bounded_backlog_keeps_the_job_small_in_redis_and_drain_workers_wait_for_the_rest() {
+    let redis = RedisServer::start();
+    let sim = harness::LlmSim::start(&["--latency-ms", "10"]);
+    let dir = TempDir::new("bounded");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 400);
+    let mut cmd = enqueue_cmd(&redis, &data, "bounded", &example_spec());
+    cmd.args(["--max-backlog", "40", "--json", "--no-progress"]);
+    let enqueue = harness::Running::spawn(cmd);
+    // No worker yet: the producer stops at the bound, and waits.
+    harness::wait_for("the first 40 records", Duration::from_secs(20), || {
+        state_count(&redis, "bounded") == 40
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(state_count(&redis, "bounded"), 40, "enqueue waits at --max-backlog");
+
+    // A --drain worker started now finds short moments with nothing queued,
+    // but the job is still being enqueued: it waits for the rest.
+    let worker = harness::Running::spawn(harness::worker_cmd(
+        &redis,
+        "bounded",
+        &sim,
+        &["--concurrency", "4", "--drain"],
+    ));
+    let mut peak = 0;
+    let started = Instant::now();
+    while state_count(&redis, "bounded") < 400 && started.elapsed() < Duration::from_secs(60) {
+        peak = peak.max(backlog(&redis, "bounded"));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (exit, log) = enqueue.finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert!(
+        log.contains("enqueue waits: job `bounded` holds 40 tasks in Redis (--max-backlog 40)"),
+        "{log}"
+    );
+    assert!(peak <= 40, "at most 40 tasks in Redis at once, saw {peak}");
+    let (exit, log) = worker.finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (code, s) = harness::status_json(&redis, "bounded");
+    assert_eq!(code, Some(0), "the job completes: {s}");
+    assert_eq!(s["done"], 400, "{s}");
+    let mark: bool = redis.conn().exists(keys::enqueuing("bounded")).unwrap();
+    assert!(!mark, "the enqueuing mark is gone with the producer");
+}

@@ -56,6 +56,8 @@ pub struct Remaining {
     pub in_streams: u64,
     /// Tasks waiting to retry.
     pub delayed: u64,
+    /// A producer is still enqueueing the job (bounded backlog): more comes.
+    pub enqueuing: bool,
 }
 
 /// One partition's queue, for metrics.
@@ -73,7 +75,12 @@ pub struct QueueStats {
 
 impl Remaining {
     pub fn is_empty(&self) -> bool {
-        self.in_streams == 0 && self.delayed == 0
+        self.in_streams == 0 && self.delayed == 0 && !self.enqueuing
+    }
+
+    /// The tasks a job holds in Redis: queued, in flight and waiting to retry.
+    pub fn backlog(&self) -> u64 {
+        self.in_streams + self.delayed
     }
 }
 
@@ -319,9 +326,13 @@ impl RedisStore {
     /// partitions. Each partition is read in one transaction: a retry
     /// promoted (delayed -> stream) or scheduled (stream -> delayed) between
     /// two separate reads could make a partition look empty.
+    /// Read first: a producer that finished has put every task in a stream.
     pub async fn remaining(&self, job: &str, partitions: u32) -> Result<Remaining, StoreError> {
         let mut c = self.conn.clone();
-        let mut r = Remaining::default();
+        let mut r = Remaining {
+            enqueuing: c.exists(keys::enqueuing(job)).await?,
+            ..Remaining::default()
+        };
         for p in 0..partitions {
             let (n, z): (u64, u64) = redis::pipe()
                 .atomic()
@@ -333,6 +344,26 @@ impl RedisStore {
             r.delayed += z;
         }
         Ok(r)
+    }
+
+    /// Marks the job as being enqueued for `ttl_secs` (renewed by the
+    /// producer while it runs); `None` clears the mark.
+    pub async fn mark_enqueuing(&self, job: &str, ttl_secs: Option<u64>) -> Result<(), StoreError> {
+        let mut c = self.conn.clone();
+        match ttl_secs {
+            // SET ... EX, not SETEX: the documented ACL grants `set`.
+            Some(ttl) => {
+                redis::cmd("SET")
+                    .arg(keys::enqueuing(job))
+                    .arg("1")
+                    .arg("EX")
+                    .arg(ttl)
+                    .query_async::<()>(&mut c)
+                    .await?
+            }
+            None => c.del::<_, ()>(keys::enqueuing(job)).await?,
+        }
+        Ok(())
     }
 
     /// Whether the job is cancelled (workers claim nothing for it).
