@@ -98,6 +98,7 @@ const RESULT_COLUMNS: &[(&str, &str)] = &[
     ("repairs", "jsonb"),
     ("history", "jsonb"),
     ("worker", "text"),
+    ("input", "jsonb"),
 ];
 
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
@@ -135,6 +136,7 @@ pub fn ddl(table: &str) -> String {
          \x20   repairs           jsonb NOT NULL,\n\
          \x20   history           jsonb NOT NULL,  -- every call and action, as in Redis before\n\
          \x20   worker            text,\n\
+         \x20   input             jsonb,           -- the record's input, as enqueued\n\
          \x20   written_at        timestamptz NOT NULL DEFAULT now()\n\
          );\n\
          CREATE INDEX IF NOT EXISTS {index}_job ON {table} (job);\n\
@@ -174,6 +176,7 @@ pub struct ResultRow {
     pub repairs: Value,
     pub history: Value,
     pub worker: Option<String>,
+    pub input: Option<Value>,
 }
 
 impl ResultRow {
@@ -199,6 +202,7 @@ impl ResultRow {
             repairs: serde_json::to_value(&r.repairs).unwrap_or(Value::Array(vec![])),
             history: serde_json::to_value(&r.history).unwrap_or(Value::Array(vec![])),
             worker: r.worker.clone(),
+            input: r.input.as_ref().and_then(|i| serde_json::from_str(i.get()).ok()),
         }
     }
 }
@@ -401,18 +405,19 @@ impl PgSink {
             let repairs: Vec<&Value> = results.iter().map(|r| &r.repairs).collect();
             let history: Vec<&Value> = results.iter().map(|r| &r.history).collect();
             let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
+            let input: Vec<Option<&Value>> = results.iter().map(|r| r.input.as_ref()).collect();
             written = tx
                 .execute(
                     &format!(
                         "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
                          prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
-                         reviewer, committed_at, usage, repairs, history, worker) \
+                         reviewer, committed_at, usage, repairs, history, worker, input) \
                          SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz, \
-                         u.q, u.r, u.s, u.t \
+                         u.q, u.r, u.s, u.t, u.v \
                          FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
                          $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
-                         $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[]) \
-                         AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t) \
+                         $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[], $21::jsonb[]) \
+                         AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, v) \
                          ON CONFLICT (record_id) DO NOTHING",
                         r = self.results
                     ),
@@ -437,6 +442,7 @@ impl PgSink {
                         &repairs,
                         &history,
                         &worker,
+                        &input,
                     ],
                 )
                 .await
@@ -544,7 +550,7 @@ impl PgSink {
             .query_raw(
                 &format!(
                     "SELECT record_id, business_key, output, attempts, calls, response_id, repairs, usage, history, \
-                     model, versions, human, reviewer, worker, \
+                     model, versions, human, reviewer, worker, input, \
                      to_char(committed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
                      FROM {} WHERE job = $1",
                     self.results
@@ -606,7 +612,10 @@ fn result_of_row(row: &tokio_postgres::Row) -> Result<ResultRecord, tokio_postgr
         human: row.try_get(11)?,
         reviewer: row.try_get(12)?,
         worker: row.try_get(13)?,
-        committed_at: row.try_get(14)?,
+        committed_at: row.try_get(15)?,
+        input: row
+            .try_get::<_, Option<Value>>(14)?
+            .and_then(|v| crate::task::Input::parse(&v.to_string()).ok()),
     })
 }
 

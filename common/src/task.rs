@@ -604,6 +604,11 @@ pub struct ResultRecord {
     pub worker: Option<String>,
     #[serde(default)]
     pub committed_at: String,
+    /// The record's input, kept beside the result for a job with a sink:
+    /// written into the results table, and needed to send the record back
+    /// to review when the database refuses the row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<Input>,
 }
 
 /// How a model's valid answer was made, for its result.
@@ -637,6 +642,7 @@ impl ResultRecord {
             reviewer: None,
             worker: Some(worker.to_owned()),
             committed_at: stamp.at.clone(),
+            input: None,
         }
     }
 
@@ -664,6 +670,7 @@ impl ResultRecord {
             reviewer: Some(reviewer.to_owned()),
             worker: None,
             committed_at: stamp.at.clone(),
+            input: None,
         }
     }
 

@@ -34,6 +34,9 @@ pub enum ErrorCode {
     /// The answer was cut off at the output token limit (`finish_reason = length`).
     #[serde(rename = "E_TRUNCATED")]
     Truncated,
+    /// The result sink's database refused the row (a constraint of the user's).
+    #[serde(rename = "E_SINK")]
+    Sink,
 }
 
 impl ErrorCode {
@@ -48,6 +51,7 @@ impl ErrorCode {
             ErrorCode::Range => "E_RANGE",
             ErrorCode::Len => "E_LEN",
             ErrorCode::Truncated => "E_TRUNCATED",
+            ErrorCode::Sink => "E_SINK",
         }
     }
 }

@@ -105,7 +105,10 @@ pub async fn accept(
             ));
         }
     };
-    let result = ResultRecord::from_review(&entry, out, repairs, &Stamp::now(&spec), reviewer);
+    let mut result = ResultRecord::from_review(&entry, out, repairs, &Stamp::now(&spec), reviewer);
+    if !spec.sink.is_none() {
+        result.input = Some(entry.input.clone());
+    }
     let act = Action::new("accept", reviewer);
     apply(store, job, p, &entry, act, &ReviewAction::Accept(Box::new(result))).await?;
     Ok(entry.record_id)

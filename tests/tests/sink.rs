@@ -190,6 +190,10 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
     ));
     assert_eq!(serde_json::from_str::<Value>(&in_table).unwrap(), sample["output"]);
     assert!(sample["history"].as_array().is_some_and(|h| !h.is_empty()), "{sample}");
+    assert!(
+        sample["input"]["message_id"].is_string(),
+        "the input is kept beside the result: {sample}"
+    );
     let report = harness::producer_with_env(
         &["report", "--job", "sink", "--redis", &redis.url(), "--json"],
         &[(URL_ENV, &url)],
@@ -327,7 +331,7 @@ fn a_mistyped_table_a_wrong_password_and_a_stopped_server_each_say_so() {
 }
 
 #[test]
-fn a_row_the_database_rejects_is_kept_as_a_failure_with_its_message_and_the_others_are_written() {
+fn a_row_the_database_rejects_goes_back_to_review_with_its_message_and_the_others_are_written() {
     let pg = PgServer::start();
     // The user's own rule on their table: no record labelled `bug`.
     pg.query(&common::sink::ddl("results"));
@@ -343,32 +347,22 @@ fn a_row_the_database_rejects_is_kept_as_a_failure_with_its_message_and_the_othe
     assert!(exit.success(), "{log}");
     let (code, s) = status(&redis, &url);
     let done = s["done"].as_u64().unwrap();
+    // Each refused record is back in review, with the database's message,
+    // in Redis and in the failures table; its result left the results hash.
     let bugs: u64 = pg
-        .query("SELECT count(*) FROM results_failures WHERE state = 'rejected' AND reason LIKE '%no_bugs_here%'")
+        .query(
+            "SELECT count(*) FROM results_failures WHERE state = 'review' AND reason = 'sink_rejected' \
+             AND errors::text LIKE '%no_bugs_here%' AND resolved_at IS NULL",
+        )
         .parse()
         .unwrap();
     assert!(bugs > 0, "llm-sim labelled some records `bug`: {s}");
-    let sink_lines: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains("sink") || l.contains("database"))
-        .collect();
-    assert_eq!(
-        s["sink"]["backlog"], 0,
-        "a refused row does not hold back the others: {s}\n{sink_lines:#?}"
-    );
-    assert_eq!(rows(&pg) + bugs, done, "every other done record is written: {s}");
-    assert_ne!(
-        code,
-        Some(0),
-        "not complete while done records are not in the table: {s}"
-    );
-    assert_eq!(s["sink"]["verified"]["missing"], bugs, "{s}");
-    assert_eq!(
-        s["sink"]["backlog"], 0,
-        "a refused row does not hold back the others: {s}"
-    );
     assert!(log.contains("the database rejected rows"), "{log}");
-    // A refused row's result stays in Redis (the table does not hold it).
+    assert_eq!(s["review"], bugs, "{s}");
+    assert_eq!(s["done"].as_u64().unwrap() + bugs, 120, "{s}");
+    assert_eq!(code, Some(0), "every record is done (in the table) or in review: {s}");
+    assert_eq!(s["sink"]["verified"]["exact"], true, "{s}");
+    assert_eq!(rows(&pg), done, "every other done record is written: {s}");
     let mut c = redis.conn();
     let kept: u64 = (0..4)
         .map(|p| {
@@ -378,7 +372,42 @@ fn a_row_the_database_rejects_is_kept_as_a_failure_with_its_message_and_the_othe
                 .unwrap()
         })
         .sum();
-    assert_eq!(kept, bugs, "only the refused results are still in Redis");
+    assert_eq!(kept, 0, "no result waits in Redis");
+    let key = pg.query("SELECT business_key FROM results_failures WHERE reason = 'sink_rejected' LIMIT 1");
+    let show = producer(&["review", "--job", "sink", "--redis", &redis.url(), "show", &key]);
+    let entry: Value = serde_json::from_str(&harness::stdout(&show)).unwrap();
+    assert_eq!(entry["errors"][0]["code"], "E_SINK", "{entry}");
+    assert!(
+        entry["errors"][0]["message"].as_str().unwrap().contains("no_bugs_here"),
+        "{entry}"
+    );
+
+    // A person fixes one: accepted, it is done again and written.
+    let mut fixed: Value = serde_json::from_str(entry["last_raw_output"].as_str().unwrap()).unwrap();
+    fixed["label"] = Value::from("other");
+    let file = dir.join("fixed.json");
+    std::fs::write(&file, fixed.to_string()).unwrap();
+    let accept = producer(&[
+        "review",
+        "--job",
+        "sink",
+        "--redis",
+        &redis.url(),
+        "--reviewer",
+        "ann",
+        "accept",
+        &key,
+        "--output",
+        file.to_str().unwrap(),
+    ]);
+    assert!(accept.status.success(), "{}", harness::stderr(&accept));
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(rows(&pg), done + 1, "the fixed record is written");
+    let resolved = pg.query(&format!(
+        "SELECT resolved_at IS NOT NULL FROM results_failures WHERE business_key = '{key}'"
+    ));
+    assert_eq!(resolved, "t", "its failure is resolved");
 }
 
 #[test]

@@ -461,7 +461,10 @@ async fn apply(
                 repairs: reply.repairs.clone(),
                 usage: reply.usage,
             };
-            let result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
+            let mut result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
+            if job.sink_url.is_some() {
+                result.input = Some(d.task.input.clone());
+            }
             settle(
                 store,
                 job,

@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 
 use common::sink::{PgSink, ResultRow, SinkError};
 use common::store::SinkEntry;
+use common::task::{ResultRecord, ReviewEntry};
+use common::validate::{ErrorCode, FieldError};
+use serde_json::Value;
 
 use crate::fleet::Fleet;
 use crate::process::JobCtx;
@@ -165,8 +168,9 @@ impl SinkWriter {
                     rejected = refused.len(),
                     first_record = refused.first().map_or("", |(rid, _)| rid.as_str()),
                     error = %first,
-                    "the database rejected rows: kept in the failures table as `rejected`, with its message"
+                    "the database rejected rows: the records go back to review (`sink_rejected`), with its message"
                 );
+                self.back_to_review(p, &read.results, &refused).await;
                 refused_ids.extend(refused.into_iter().map(|(rid, _)| rid));
                 n
             }
@@ -190,6 +194,46 @@ impl SinkWriter {
             f.store_error(&e).await;
         }
         Ok(entries.len())
+    }
+
+    /// Sends each refused result back to review with the database's
+    /// message, so a person can fix it (accepted again, it is written
+    /// again). A result without its input (committed by an older version)
+    /// stays done, kept as `rejected` in the failures table.
+    async fn back_to_review(&self, p: u32, results: &[ResultRecord], refused: &[(String, String)]) {
+        let f = &self.fleet;
+        for (rid, message) in refused {
+            let Some(r) = results.iter().find(|r| &r.record_id == rid) else {
+                continue;
+            };
+            let Some(input) = r.input.clone() else {
+                continue;
+            };
+            let entry = ReviewEntry {
+                record_id: r.record_id.clone(),
+                key: r.key.clone(),
+                input,
+                prompt: String::new(),
+                last_raw_output: Value::Object(r.output.clone()).to_string(),
+                errors: vec![FieldError {
+                    code: ErrorCode::Sink,
+                    field: String::new(),
+                    message: format!("the database refused the row: {message}"),
+                }],
+                attempts: r.attempts,
+                deliveries: 0,
+                reason: "sink_rejected".into(),
+                history: r.history.clone(),
+                versions: r.versions.clone(),
+                worker: f.config.consumer.clone(),
+                created_at: common::manifest::now_rfc3339(),
+                actions: vec![],
+                seen: String::new(),
+            };
+            if let Err(e) = f.store.sink_refuse(&self.job.name, p, &entry).await {
+                f.store_error(&e).await;
+            }
+        }
     }
 
     /// Before the worker leaves: writes its own unacknowledged batch and

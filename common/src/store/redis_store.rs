@@ -108,6 +108,7 @@ pub(super) struct Scripts {
     pub retry_record: Script,
     pub lease: Script,
     pub sink_ack: Script,
+    pub sink_refuse: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -214,6 +215,7 @@ impl RedisStore {
                 retry_record: Script::new(include_str!("scripts/retry_record.lua")),
                 lease: Script::new(include_str!("scripts/lease.lua")),
                 sink_ack: Script::new(include_str!("scripts/sink_ack.lua")),
+                sink_refuse: Script::new(include_str!("scripts/sink_refuse.lua")),
             },
         };
         store.check_permissions().await?;
@@ -238,6 +240,7 @@ impl RedisStore {
             &s.retry_record,
             &s.lease,
             &s.sink_ack,
+            &s.sink_refuse,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

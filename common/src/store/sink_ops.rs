@@ -274,6 +274,23 @@ impl RedisStore {
         Ok(any.then_some(backlog))
     }
 
+    /// Sends a done record whose row the database refused back to review
+    /// (see `sink_refuse.lua`). Returns whether it moved.
+    pub async fn sink_refuse(&self, job: &str, partition: u32, entry: &ReviewEntry) -> Result<bool, StoreError> {
+        let moved: i64 = self
+            .scripts
+            .sink_refuse
+            .key(keys::state(job, partition))
+            .key(keys::results(job, partition))
+            .key(keys::review(job, partition))
+            .key(keys::sink(job, partition))
+            .arg(&entry.record_id)
+            .arg(entry.encode())
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(moved == 1)
+    }
+
     /// What has left Redis for the sink, summed over the job's partitions.
     pub async fn sunk(&self, job: &str, partitions: u32) -> Result<Sunk, StoreError> {
         let mut pipe = redis::pipe();
