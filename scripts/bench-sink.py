@@ -25,6 +25,7 @@ from benchlib import BIN, ROOT, free_port, start_redis, start_sim
 
 N = int(os.environ.get("N", "50000"))
 BATCH_ROWS = int(os.environ.get("BATCH_ROWS", "500"))
+WRITERS = int(os.environ.get("WRITERS", "4"))
 PASSWORD = "bench-" + os.urandom(6).hex()
 
 
@@ -104,7 +105,7 @@ def main():
                       "output_tokens_per_minute = 500000", "max_concurrent = 64"]:
             spec = spec.replace(limit, "")
         spec = spec.replace("[retry]", '[sink]\nkind = "postgres"\nurl_env = "BENCH_DATABASE_URL"\n'
-                                       f'table = "results"\nmax_backlog = {N * 2}\nbatch_rows = {BATCH_ROWS}\n\n[retry]', 1)
+                                       f'table = "results"\nmax_backlog = {N * 2}\nbatch_rows = {BATCH_ROWS}\nwriters = {WRITERS}\n\n[retry]', 1)
         spec_path = os.path.join(tmp, "job.toml")
         open(spec_path, "w").write(spec)
         env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn", BENCH_DATABASE_URL=db_url)
@@ -173,6 +174,7 @@ def main():
         out = {
             "records": N,
             "batch_rows": BATCH_ROWS,
+            "writers": WRITERS,
             "rows_written": rows,
             "sink_rows_per_sec": round(sink_rate),
             "copy_rows_per_sec": round(copy_rate),

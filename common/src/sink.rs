@@ -344,15 +344,22 @@ impl PgSink {
     /// (`ON CONFLICT (record_id) DO NOTHING`: a redelivered batch adds
     /// nothing), then marks the failures those results resolve. Returns the
     /// result rows that were new.
-    pub async fn write(&mut self, job: &str, results: &[ResultRow], failures: &[FailureRow]) -> Result<u64, SinkError> {
+    pub async fn write(
+        &mut self,
+        job: &str,
+        partition: u32,
+        results: &[ResultRow],
+        failures: &[FailureRow],
+    ) -> Result<u64, SinkError> {
         let scrub = self.scrub.clone();
         let err = |e: tokio_postgres::Error| SinkError::of(&e, &scrub);
         let tx = self.client.transaction().await.map_err(err)?;
-        // One writer of a job at a time: a failure row is then never written
-        // from a state older than a result another writer just committed.
+        // One writer of a job's partition at a time (a record is in one
+        // partition): a failure row is then never written from a state older
+        // than a result another writer just committed.
         tx.execute(
-            "SELECT pg_advisory_xact_lock(hashtext('batchfleet sink ' || $1::text))",
-            &[&job],
+            "SELECT pg_advisory_xact_lock(hashtext('batchfleet sink ' || $1::text || ':' || $2::text))",
+            &[&job, &partition.to_string()],
         )
         .await
         .map_err(err)?;
@@ -471,26 +478,28 @@ impl PgSink {
     pub async fn write_each(
         &mut self,
         job: &str,
+        partition: u32,
         results: &[ResultRow],
         failures: &[FailureRow],
     ) -> Result<(u64, Vec<(String, String)>), SinkError> {
         let mut written = 0;
         let mut refused = Vec::new();
         for f in failures {
-            match self.write(job, &[], std::slice::from_ref(f)).await {
+            match self.write(job, partition, &[], std::slice::from_ref(f)).await {
                 Ok(_) => {}
                 Err(SinkError::Rejected(m)) => {
-                    self.keep_refused(job, &f.record_id, "", &m).await?;
+                    self.keep_refused(job, partition, &f.record_id, "", &m).await?;
                     refused.push((f.record_id.clone(), m));
                 }
                 Err(e) => return Err(e),
             }
         }
         for r in results {
-            match self.write(job, std::slice::from_ref(r), &[]).await {
+            match self.write(job, partition, std::slice::from_ref(r), &[]).await {
                 Ok(n) => written += n,
                 Err(SinkError::Rejected(m)) => {
-                    self.keep_refused(job, &r.record_id, &r.business_key, &m).await?;
+                    self.keep_refused(job, partition, &r.record_id, &r.business_key, &m)
+                        .await?;
                     refused.push((r.record_id.clone(), m));
                 }
                 Err(e) => return Err(e),
@@ -503,7 +512,14 @@ impl PgSink {
     /// database's message (at most 500 bytes); if even that row is refused,
     /// a bare one (the id and a fixed reason). Only a database that refuses
     /// both is an error here (the batch is then retried).
-    async fn keep_refused(&mut self, job: &str, rid: &str, key: &str, message: &str) -> Result<(), SinkError> {
+    async fn keep_refused(
+        &mut self,
+        job: &str,
+        partition: u32,
+        rid: &str,
+        key: &str,
+        message: &str,
+    ) -> Result<(), SinkError> {
         let mut cut = message.len().min(500);
         while !message.is_char_boundary(cut) {
             cut -= 1;
@@ -512,10 +528,11 @@ impl PgSink {
             business_key: key.to_owned(),
             ..FailureRow::of_state(rid, "rejected", reason)
         };
-        match self.write(job, &[], &[row(key, &message[..cut])]).await {
+        match self.write(job, partition, &[], &[row(key, &message[..cut])]).await {
             Err(SinkError::Rejected(_)) => self
                 .write(
                     job,
+                    partition,
                     &[],
                     &[row("", "the database refused this outcome and its message")],
                 )

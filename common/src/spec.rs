@@ -66,6 +66,10 @@ pub struct Sink {
     /// Default 100,000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_backlog: Option<u64>,
+    /// Sink writers per worker (each with its own database connection, for
+    /// its share of the partitions); default 4, at most `job.partitions`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writers: Option<u32>,
 }
 
 /// See [`Sink::kind`].
@@ -97,6 +101,11 @@ impl Sink {
 
     pub fn max_backlog(&self) -> u64 {
         self.max_backlog.unwrap_or(100_000)
+    }
+
+    /// Sink writers per worker for a job of `partitions` partitions.
+    pub fn writers(&self, partitions: u32) -> u32 {
+        self.writers.unwrap_or(4).clamp(1, partitions.max(1))
     }
 }
 
@@ -821,6 +830,9 @@ impl JobSpec {
         if s.max_backlog.is_some_and(|n| !(1..=100_000_000).contains(&n)) {
             p.add("sink.max_backlog", "must be between 1 and 100000000");
         }
+        if s.writers.is_some_and(|n| !(1..=64).contains(&n)) {
+            p.add("sink.writers", "must be between 1 and 64");
+        }
     }
 
     fn provider_problems(&self, p: &mut Problems) {
@@ -1140,6 +1152,10 @@ mod tests {
         let ok = JobSpec::parse(&with("kind = \"postgres\"\nurl_env = \"DATABASE_URL\""), "job.toml").unwrap();
         assert_eq!(ok.sink.table(), "batchfleet_results");
         assert_eq!(ok.sink.batch_rows(), 500);
+        assert_eq!(
+            (ok.sink.max_backlog(), ok.sink.writers(4), ok.sink.writers(2)),
+            (100_000, 4, 2)
+        );
         assert!(
             JobSpec::parse(EXAMPLE, "job.toml").unwrap().sink.is_none(),
             "none by default"
@@ -1157,6 +1173,14 @@ mod tests {
             (
                 "kind = \"postgres\"\nurl_env = \"D\"\nbatch_rows = 0",
                 "sink.batch_rows: must be between 1 and 5000",
+            ),
+            (
+                "kind = \"postgres\"\nurl_env = \"D\"\nwriters = 0",
+                "sink.writers: must be between 1 and 64",
+            ),
+            (
+                "kind = \"postgres\"\nurl_env = \"D\"\nmax_backlog = 0",
+                "sink.max_backlog: must be between 1 and 100000000",
             ),
             (
                 "kind = \"files\"\ndir = \"out\"",

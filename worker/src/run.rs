@@ -150,10 +150,9 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     loops.spawn(service::run(Watcher::new(fleet.clone()), stop.clone()));
     for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
         let url = job.sink_url.clone().unwrap_or_default();
-        loops.spawn(service::run(
-            SinkWriter::new(fleet.clone(), job.clone(), url),
-            stop.clone(),
-        ));
+        for writer in SinkWriter::for_job(&fleet, job, &url) {
+            loops.spawn(service::run(writer, stop.clone()));
+        }
     }
     loops.close();
     stop.cancelled().await;
@@ -178,12 +177,15 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         .is_ok();
     // 3b. What was committed reaches the sink before the worker leaves
     // (within the same deadline; whatever is left another worker writes).
+    let deadline = started_drain + fleet.config.drain_timeout;
+    let mut flushes = tokio::task::JoinSet::new();
     for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
         let url = job.sink_url.clone().unwrap_or_default();
-        SinkWriter::new(fleet.clone(), job.clone(), url)
-            .flush(started_drain + fleet.config.drain_timeout)
-            .await;
+        for mut writer in SinkWriter::for_job(&fleet, job, &url) {
+            flushes.spawn(async move { writer.flush(deadline).await });
+        }
     }
+    while flushes.join_next().await.is_some() {}
     // 4. What the limiters saw.
     let mut summary = fleet.summary.lock().await.clone();
     for job in &fleet.jobs {

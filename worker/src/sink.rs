@@ -33,6 +33,9 @@ pub struct SinkWriter {
     fleet: Arc<Fleet>,
     job: Arc<JobCtx>,
     url: String,
+    /// This writer's share of the partitions: those with `p % lanes == lane`.
+    lane: u32,
+    lanes: u32,
     sink: Option<PgSink>,
     /// A batch whose write failed: written again first, before anything new.
     retry: Option<(u32, Vec<SinkEntry>)>,
@@ -49,11 +52,21 @@ pub struct SinkWriter {
 }
 
 impl SinkWriter {
-    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, url: String) -> SinkWriter {
+    /// The writers of a job for one worker, one per lane (`sink.writers`).
+    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>, url: &str) -> Vec<SinkWriter> {
+        let lanes = job.spec.sink.writers(job.spec.job.partitions);
+        (0..lanes)
+            .map(|lane| SinkWriter::new(fleet.clone(), job.clone(), url.to_owned(), lane, lanes))
+            .collect()
+    }
+
+    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, url: String, lane: u32, lanes: u32) -> SinkWriter {
         SinkWriter {
             fleet,
             job,
             url,
+            lane,
+            lanes,
             sink: None,
             retry: None,
             backoff: Duration::from_millis(200),
@@ -67,7 +80,8 @@ impl SinkWriter {
     /// Stops the job's claims while the outcomes waiting for the sink are
     /// at `sink.max_backlog` or more, and lets them resume below it.
     async fn watch_backlog(&mut self) {
-        if self.backlog_checked.is_some_and(|t| t.elapsed() < BACKLOG_CHECK) {
+        // One lane of the worker watches for all.
+        if self.lane != 0 || self.backlog_checked.is_some_and(|t| t.elapsed() < BACKLOG_CHECK) {
             return;
         }
         self.backlog_checked = Some(Instant::now());
@@ -104,7 +118,8 @@ impl SinkWriter {
         let batch = self.job.spec.sink.batch_rows();
         let own = !self.own_pending_read;
         let stale = f.visibility.as_millis() as u64;
-        for p in 0..self.job.spec.job.partitions {
+        let (lane, lanes) = (self.lane, self.lanes);
+        for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
             let entries = match f
                 .store
                 .sink_take(&self.job.name, p, &f.config.consumer, batch, stale, own)
@@ -148,11 +163,11 @@ impl SinkWriter {
         };
         // Records the database refused: their results stay in Redis.
         let mut refused_ids = std::collections::HashSet::new();
-        let written = match sink.write(job, &results, &failures).await {
+        let written = match sink.write(job, p, &results, &failures).await {
             Ok(n) => n,
             Err(SinkError::Rejected(first)) => {
                 // One row the database refuses must not hold back the others.
-                let (n, refused) = match sink.write_each(job, &results, &failures).await {
+                let (n, refused) = match sink.write_each(job, p, &results, &failures).await {
                     Ok(found) => found,
                     Err(e) => {
                         self.retry = Some((p, entries));
