@@ -153,6 +153,30 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         assert_eq!(left, 0, "partition {p} still holds results");
     }
     assert_eq!(s["sink"]["left_redis"], done, "{s}");
+    // Their idempotency keys left with them; the state entries still keep
+    // the records from being enqueued again.
+    let idem: Vec<String> = redis::cmd("KEYS").arg("bf:{sink:p*}:idem:*").query(&mut c).unwrap();
+    let review = s["review"].as_u64().unwrap();
+    assert_eq!(idem.len() as u64, review, "only records not in the sink keep their key");
+    let again = harness::producer(&[
+        "enqueue",
+        data.to_str().unwrap(),
+        "--job",
+        "sink",
+        "--spec",
+        sink_spec(&dir).to_str().unwrap(),
+        "--redis",
+        &redis.url(),
+        "--json",
+        "--restart",
+    ]);
+    assert!(again.status.success(), "{}", harness::stderr(&again));
+    let again: Value = serde_json::from_str(&harness::stdout(&again)).unwrap();
+    assert_eq!(
+        (again["enqueued"].as_u64(), again["already_present"].as_u64()),
+        (Some(0), Some(2000)),
+        "{again}"
+    );
     let export = |env: &[(&str, &str)]| {
         harness::producer_with_env(
             &[

@@ -246,6 +246,9 @@ impl RedisStore {
             inv.arg(&e.entry_id);
         }
         for r in sunk {
+            inv.key(keys::idem(job, partition, &r.record_id));
+        }
+        for r in sunk {
             let t = Tokens::of(r);
             inv.arg(&r.record_id)
                 .arg(r.attempts)

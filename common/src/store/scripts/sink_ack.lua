@@ -1,11 +1,14 @@
 -- Acknowledges a batch of a partition's sink stream once the sink holds it
--- durably, and takes the results it wrote out of Redis: what stays is the
--- record's state (`done`), and the partition's `sunk` counters keep the
--- figures of what left (each result counted once: only when it is removed).
+-- durably, and takes the results it wrote out of Redis, with their records'
+-- idempotency keys (the state entry, which lives as long as the job, keeps
+-- a re-enqueue from adding them again): what stays is the record's state
+-- (`done`) and origin, and the partition's `sunk` counters keep the figures
+-- of what left (each result counted once: only when it is removed).
 --
 -- KEYS[1]  partition sink stream   bf:{job:pN}:sink
 -- KEYS[2]  partition results hash  bf:{job:pN}:results
 -- KEYS[3]  partition sunk counters bf:{job:pN}:sunk
+-- KEYS[3+i] the idempotency key of the i-th result below  bf:{job:pN}:idem:<record_id>
 -- ARGV[1]  consumer group
 -- ARGV[2]  rows that were new in the sink
 -- ARGV[3]  n, the number of stream entry ids that follow
@@ -22,8 +25,10 @@ local written = tonumber(ARGV[2])
 if written > 0 then
   redis.call('HINCRBY', sunk, 'written', written)
 end
-local removed = 0
+local removed, k = 0, 3
 for i = 4 + n, #ARGV, 5 do
+  k = k + 1
+  redis.call('DEL', KEYS[k])
   if redis.call('HDEL', results, ARGV[i]) == 1 then
     removed = removed + 1
     redis.call('HINCRBY', sunk, 'a' .. ARGV[i + 1], 1)
