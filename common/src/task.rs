@@ -57,8 +57,21 @@ impl RecordState {
         }
     }
 
+    /// A done record whose result the sink holds keeps its origin in its
+    /// state entry (`done@<dataset sha12>:<line>`): the smallest terminal
+    /// marker (its result, idempotency key and origins entry left Redis).
+    pub const SUNK_PREFIX: &'static str = "done@";
+
+    /// The origin a sunk record's state entry holds.
+    pub fn sunk_origin(text: &str) -> Option<&str> {
+        text.strip_prefix(Self::SUNK_PREFIX)
+    }
+
     /// Reads a state hash value; None for a value no version ever wrote.
     pub fn decode(text: &str) -> Option<RecordState> {
+        if text.starts_with(Self::SUNK_PREFIX) {
+            return Some(RecordState::Done);
+        }
         const FIXED: [RecordState; 5] = [
             RecordState::Queued,
             RecordState::Delayed,
@@ -860,6 +873,13 @@ mod tests {
             "dropped:rejected"
         );
         assert_eq!(RecordState::decode("weird"), None);
+        // A sunk record: done, its origin in the entry.
+        assert_eq!(RecordState::decode("done@0123456789ab:42"), Some(RecordState::Done));
+        assert_eq!(
+            RecordState::sunk_origin("done@0123456789ab:42"),
+            Some("0123456789ab:42")
+        );
+        assert_eq!(RecordState::sunk_origin("done"), None);
     }
 
     #[test]

@@ -349,11 +349,26 @@ impl PgServer {
             port: free_port(),
             bin,
         };
+        // A free port can be taken by another test's server before this one
+        // binds it: a new port then, a few times.
+        for _ in 0..3 {
+            if pg.try_start().is_ok() {
+                return pg;
+            }
+            pg.port = free_port();
+        }
         pg.start_again();
         pg
     }
 
+    /// Starts the server on its port (after kill9 too: crash recovery).
     pub fn start_again(&mut self) {
+        if let Err(why) = self.try_start() {
+            panic!("pg_ctl start: {why}");
+        }
+    }
+
+    fn try_start(&mut self) -> Result<(), String> {
         let options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
             self.port,
@@ -367,12 +382,14 @@ impl PgServer {
             .args(["-w", "start"])
             .output()
             .expect("run pg_ctl");
-        assert!(
-            out.status.success(),
-            "pg_ctl start: {}{}",
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(format!(
+            "{}{}",
             stdout(&out),
             std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
-        );
+        ))
     }
 
     /// `postgres://bf:PASSWORD@127.0.0.1:PORT/postgres` (no TLS).

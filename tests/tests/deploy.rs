@@ -108,6 +108,10 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
     assert!(prod.contains("kind: HorizontalPodAutoscaler") && !prod.contains("kind: ScaledObject"));
     assert!(prod.contains("kind: Job") && prod.contains("kind: ConfigMap"));
     assert!(
+        prod.contains("- --max-backlog\n            - \"100000\""),
+        "the producer Job bounds the job's backlog in Redis"
+    );
+    assert!(
         prod.contains("rediss://$(REDIS_USERNAME):$(REDIS_PASSWORD)@"),
         "the ACL user and its password come from the Secret at run time"
     );

@@ -542,3 +542,61 @@ async fn tasks_of_earlier_versions_are_still_delivered() {
     );
     assert_eq!(d.task.input.get(), "{\"id\":\"m1\"}");
 }
+
+#[tokio::test]
+async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_in_the_state() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    store.prepare_job(JOB, "", 1, true).await.unwrap();
+    // More than one Lua chunk (1,000) of everything the script passes on.
+    let n = 2500;
+    let entries: Vec<TaskEntry> = (0..n).map(|i| entry(&format!("r{i}"), "{}")).collect();
+    for chunk in entries.chunks(1000) {
+        store.enqueue(JOB, 3600, chunk).await.unwrap();
+    }
+    let mut results = Vec::new();
+    loop {
+        let batch = claim(&store, "w").await;
+        if batch.is_empty() {
+            break;
+        }
+        for d in batch {
+            let r = result_for(&d);
+            assert_eq!(
+                store.finish(JOB, &d, &Finish::Commit(r.clone())).await.unwrap(),
+                Finished::Moved
+            );
+            results.push(r);
+        }
+    }
+    assert_eq!(results.len(), n);
+    let taken = store.sink_take(JOB, 0, "s", 5000, 60_000, false).await.unwrap();
+    assert_eq!(taken.len(), n, "every commit handed to the sink");
+    let refs: Vec<&ResultRecord> = results.iter().collect();
+    assert_eq!(store.sink_ack(JOB, 0, &taken, n as u64, &refs).await.unwrap(), n as u64);
+    let mut c = redis.conn();
+    let left: u64 = c.hlen(keys::results(JOB, 0)).unwrap();
+    let origins: u64 = c.hlen(keys::origins(JOB, 0)).unwrap();
+    let idem: Vec<String> = c.keys(format!("bf:{{{JOB}:p0}}:idem:*")).unwrap();
+    let stream: u64 = c.xlen(keys::sink(JOB, 0)).unwrap();
+    assert_eq!((left, origins, idem.len(), stream), (0, 0, 0, 0));
+    let st: String = c.hget(keys::state(JOB, 0), "r7").unwrap();
+    assert_eq!(st, "done@ds:r7", "the origin moved into the state entry");
+    assert_eq!(state(&store, "r7").await, Some(RecordState::Done));
+    let sunk = store.sunk(JOB, 1).await.unwrap();
+    assert_eq!(
+        (sunk.written, sunk.done, sunk.attempts_histogram.get(&1)),
+        (n as u64, n as u64, Some(&(n as u64)))
+    );
+    // Acknowledged again (a writer that lost the reply): nothing counted twice.
+    assert_eq!(store.sink_ack(JOB, 0, &taken, 0, &refs).await.unwrap(), 0);
+    assert_eq!(store.sunk(JOB, 1).await.unwrap().done, n as u64);
+    // A re-enqueue adds nothing and names the origin the state entry keeps.
+    let again = store.enqueue(JOB, 3600, &entries[7..8]).await.unwrap();
+    assert_eq!(
+        again,
+        vec![EnqueueOutcome::Present {
+            origin: Some("ds:r7".into())
+        }]
+    );
+}

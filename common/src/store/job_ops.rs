@@ -91,7 +91,8 @@ impl RedisStore {
     }
 
     /// The origin (`<dataset sha12>:<line>`) an enqueue stored for a record
-    /// (for jobs enqueued before origins were kept, while its idempotency key lives).
+    /// (in its state entry once its result is in the sink; for jobs enqueued
+    /// before origins were kept, while its idempotency key lives).
     pub async fn record_origin(
         &self,
         job: &str,
@@ -99,6 +100,10 @@ impl RedisStore {
         record_id: &str,
     ) -> Result<Option<String>, StoreError> {
         let mut c = self.conn.clone();
+        let state: Option<String> = c.hget(keys::state(job, partition), record_id).await?;
+        if let Some(o) = state.as_deref().and_then(crate::task::RecordState::sunk_origin) {
+            return Ok(Some(o.to_owned()));
+        }
         let kept: Option<String> = c.hget(keys::origins(job, partition), record_id).await?;
         match kept {
             Some(o) => Ok(Some(o)),

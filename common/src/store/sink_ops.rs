@@ -239,6 +239,8 @@ impl RedisStore {
         inv.key(keys::sink(job, partition))
             .key(keys::results(job, partition))
             .key(keys::sunk(job, partition))
+            .key(keys::state(job, partition))
+            .key(keys::origins(job, partition))
             .arg(keys::SINK_GROUP)
             .arg(written)
             .arg(entries.len());

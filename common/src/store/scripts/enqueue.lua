@@ -22,7 +22,8 @@
 -- inside the input, and the origin stays in the origins hash and the
 -- idempotency key (small entries enqueue faster).
 -- Returns: an array with, per record i, integer 1 when it was added, else the
---          origin stored by the run that added it (from the origins hash, or
+--          origin stored by the run that added it (from its state entry once
+--          its result is in the sink, else the origins hash, or
 --          for jobs enqueued before it existed the idempotency key; "" when
 --          neither holds it).
 local call = redis.call
@@ -39,7 +40,9 @@ for i = 1, n do
   local b = (i - 1) * 4
   local idem, origin, state = KEYS[3 + i], ARGV[b + 3], ARGV[b + 4]
   if known[i] then
-    out[i] = call('HGET', origins, ids[i]) or call('GET', idem) or ''
+    -- A record whose result is in the sink keeps its origin in its state entry.
+    local sunk = string.match(known[i], '^done@(.*)$')
+    out[i] = sunk or call('HGET', origins, ids[i]) or call('GET', idem) or ''
   elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
     if state == 'queued' then
       call('XADD', stream, '*', 'rid', ids[i], 'task', ARGV[b + 5])
