@@ -144,12 +144,26 @@ impl Fleet {
     /// Up to `want` grants of the job's limiter, and how long to wait when
     /// none was given.
     pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration) {
-        let (grants, wait) = match job.limiter.try_acquire(want).await {
-            Ok(got) => got,
-            Err(e) => {
+        // The acquisition runs on the tracker: a round cancelled while Redis
+        // answers (SIGTERM) must not leave the reservation it made unsettled;
+        // with nobody to take them, the grants go straight back.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let limiter_job = job.clone();
+        self.tracker.spawn(async move {
+            let got = limiter_job.limiter.try_acquire(want).await;
+            if let Err(Ok((grants, _))) = tx.send(got) {
+                for g in grants {
+                    let _ = limiter_job.limiter.release(g).await;
+                }
+            }
+        });
+        let (grants, wait) = match rx.await {
+            Ok(Ok(got)) => got,
+            Ok(Err(e)) => {
                 self.store_error(&e).await;
                 (Vec::new(), Duration::from_millis(200))
             }
+            Err(_) => (Vec::new(), Duration::from_millis(200)),
         };
         let held = HeldGrants {
             job: job.clone(),

@@ -161,7 +161,7 @@ impl SinkWriter {
             self.retry = Some((p, entries));
             return Ok(0);
         };
-        // Records the database refused: their results stay in Redis.
+        // Records the database refused: not in the sink (they go back to review).
         let mut refused_ids = std::collections::HashSet::new();
         let written = match sink.write(job, p, &results, &failures).await {
             Ok(n) => n,
