@@ -80,7 +80,12 @@ if [ -n "${DEMO_DATABASE_URL:-}" ]; then
   echo "== psql -c \"$query\""
   PGPASSWORD="$PG_PASSWORD" psql -h 127.0.0.1 -p "$PG_PORT" -U bf -d postgres -c "$query"
   PGPASSWORD="$PG_PASSWORD" psql -h 127.0.0.1 -p "$PG_PORT" -U bf -d postgres -Atc \
-    "SELECT count(*) || ' rows in results, ' || (SELECT count(*) FROM results_failures WHERE resolved_at IS NULL) || ' open failures' FROM results WHERE job = '$job'"
+    "SELECT j.expected_records || ' expected: ' || r.n || ' rows in results, ' || f.n || ' open failures, '
+            || (j.expected_records - r.n - f.n) || ' unaccounted'
+       FROM results_jobs j,
+            (SELECT count(*) AS n FROM results WHERE job = '$job') r,
+            (SELECT count(*) AS n FROM results_failures WHERE job = '$job' AND resolved_at IS NULL) f
+      WHERE j.job = '$job'"
 fi
 echo "review queue: producer review --job $job list   (then show / accept / requeue / reject)"
 echo "dropped lines: producer dropped --job $job"

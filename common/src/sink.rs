@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 use tokio_postgres::Client;
 
+use crate::manifest::Manifest;
 use crate::secret::Scrubber;
 use crate::spec::Prices;
 use crate::task::{ResultRecord, ReviewEntry};
@@ -101,6 +102,16 @@ const RESULT_COLUMNS: &[(&str, &str)] = &[
     ("input", "jsonb"),
 ];
 
+const JOB_COLUMNS: &[(&str, &str)] = &[
+    ("job", "text"),
+    ("expected_records", "bigint"),
+    ("datasets", "jsonb"),
+    ("versions", "jsonb"),
+    ("spec_sha256", "text"),
+    ("created_at", "timestamp with time zone"),
+    ("updated_at", "timestamp with time zone"),
+];
+
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
     ("record_id", "text"),
     ("job", "text"),
@@ -149,6 +160,15 @@ pub fn ddl(table: &str) -> String {
          \x20   errors       jsonb NOT NULL,\n\
          \x20   at           timestamptz NOT NULL,\n\
          \x20   resolved_at  timestamptz     -- set when the record became done\n\
+         );\n\
+         CREATE TABLE IF NOT EXISTS {table}_jobs (\n\
+         \x20   job              text PRIMARY KEY,\n\
+         \x20   expected_records bigint NOT NULL,  -- each ends in results or failures\n\
+         \x20   datasets         jsonb NOT NULL,   -- path, sha256, bytes, lines of each pass\n\
+         \x20   versions         jsonb NOT NULL,\n\
+         \x20   spec_sha256      text NOT NULL,\n\
+         \x20   created_at       timestamptz NOT NULL,\n\
+         \x20   updated_at       timestamptz NOT NULL\n\
          );\n",
         index = table.replace('.', "_"),
     )
@@ -250,6 +270,7 @@ pub struct PgSink {
     client: Client,
     results: String,
     failures: String,
+    jobs: String,
     scrub: Scrubber,
 }
 
@@ -276,6 +297,7 @@ impl PgSink {
             client,
             results: table.to_owned(),
             failures: format!("{table}_failures"),
+            jobs: format!("{table}_jobs"),
             scrub,
         };
         sink.prepare().await?;
@@ -293,7 +315,11 @@ impl PgSink {
 
     /// Creates the tables when absent; checks an existing one's columns.
     async fn prepare(&self) -> Result<(), SinkError> {
-        for (table, columns) in [(&self.results, RESULT_COLUMNS), (&self.failures, FAILURE_COLUMNS)] {
+        for (table, columns) in [
+            (&self.results, RESULT_COLUMNS),
+            (&self.failures, FAILURE_COLUMNS),
+            (&self.jobs, JOB_COLUMNS),
+        ] {
             let found = self.columns(table).await?;
             if found.is_empty() {
                 self.client
@@ -540,6 +566,37 @@ impl PgSink {
                 .map(|_| ()),
             other => other.map(|_| ()),
         }
+    }
+
+    /// The job's row in the jobs table, from its manifest: what the job
+    /// expects, so reconciliation can run from SQL alone.
+    pub async fn write_job(&self, m: &Manifest) -> Result<(), SinkError> {
+        let datasets = serde_json::to_value(&m.datasets).unwrap_or(Value::Array(vec![]));
+        let versions = serde_json::to_value(&m.versions).unwrap_or(Value::Null);
+        let expected = i64::try_from(m.expected_records).unwrap_or(i64::MAX);
+        self.client
+            .execute(
+                &format!(
+                    "INSERT INTO {j} (job, expected_records, datasets, versions, spec_sha256, created_at, updated_at) \
+                     VALUES ($1, $2, $3, $4, $5, $6::text::timestamptz, $7::text::timestamptz) \
+                     ON CONFLICT (job) DO UPDATE SET expected_records = EXCLUDED.expected_records, \
+                     datasets = EXCLUDED.datasets, versions = EXCLUDED.versions, spec_sha256 = EXCLUDED.spec_sha256, \
+                     updated_at = EXCLUDED.updated_at WHERE EXCLUDED.updated_at >= {j}.updated_at",
+                    j = self.jobs
+                ),
+                &[
+                    &m.job,
+                    &expected,
+                    &datasets,
+                    &versions,
+                    &m.spec_sha256,
+                    &m.created_at,
+                    &m.updated_at,
+                ],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(())
     }
 
     /// Every record id of the job in the results table, sorted.

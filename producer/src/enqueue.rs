@@ -469,6 +469,12 @@ impl Pass<'_> {
         let mut eof = false;
         loop {
             let mut batch = Batch::default();
+            // Before the bounded backlog is read again, what is on its way
+            // is confirmed (so it is in Redis when it is counted).
+            while self.max_backlog > 0 && self.backlog + self.want(batch_size) > self.max_backlog {
+                let Some(front) = in_flight.pop_front() else { break };
+                self.confirm_sent(front, progress).await?;
+            }
             let take = if eof { 0 } else { self.room(batch_size, cancel).await? };
             if !eof && !cancel.is_cancelled() && take > 0 {
                 eof = self
@@ -491,20 +497,36 @@ impl Pass<'_> {
                 in_flight.push_back((batch, handle));
             }
             while in_flight.len() >= IN_FLIGHT || (nothing_read && !in_flight.is_empty()) {
-                let Some((prev, handle)) = in_flight.pop_front() else {
+                let Some(front) = in_flight.pop_front() else {
                     break;
                 };
-                let outcomes = handle
-                    .await
-                    .map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
-                self.confirm(prev, outcomes).await?;
-                progress.set(self.cursor.offset, &self.cursor.counts);
+                self.confirm_sent(front, progress).await?;
             }
             if nothing_read {
                 // End of file, or cancelled with every sent batch confirmed.
                 return Ok(!eof);
             }
         }
+    }
+
+    /// Waits for a sent batch's answer from Redis and confirms it.
+    async fn confirm_sent(
+        &mut self,
+        (batch, handle): (Batch, InFlight),
+        progress: &Progress,
+    ) -> Result<(), EnqueueError> {
+        let outcomes = handle
+            .await
+            .map_err(|e| EnqueueError::Refused(format!("enqueue task failed: {e}")))??;
+        self.confirm(batch, outcomes).await?;
+        progress.set(self.cursor.offset, &self.cursor.counts);
+        Ok(())
+    }
+
+    /// The least room worth a batch under a bounded backlog: half a batch,
+    /// or half the bound.
+    fn want(&self, batch_size: usize) -> u64 {
+        (batch_size as u64).min(self.max_backlog.div_ceil(2)).max(1)
     }
 
     /// How many records the next batch may hold: `batch_size`, or with a
@@ -516,7 +538,7 @@ impl Pass<'_> {
         if max == 0 {
             return Ok(batch_size);
         }
-        let want = (batch_size as u64).min(max.div_ceil(2)).max(1);
+        let want = self.want(batch_size);
         let mut said = false;
         loop {
             if self

@@ -297,6 +297,17 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         Running::spawn(worker(&redis, &sim, &url, &[&fast[..], &["--drain"]].concat())).finish(Duration::from_secs(60));
     assert!(exit.success(), "{log}");
     assert_eq!(rows(&pg), done, "the redelivered batch added no row");
+    // The whole reconciliation from SQL alone: what the job expects (its
+    // jobs row, from the manifest) is in the results or, open, the failures.
+    assert_eq!(
+        pg.query("SELECT expected_records FROM results_jobs WHERE job = 'sink'"),
+        "2000"
+    );
+    let accounted = pg.query(
+        "SELECT (SELECT count(*) FROM results WHERE job = 'sink') \
+         + (SELECT count(*) FROM results_failures WHERE job = 'sink' AND resolved_at IS NULL)",
+    );
+    assert_eq!(accounted, "2000", "every expected record is a row or an open failure");
     let left: u64 = redis::cmd("HLEN").arg(keys::results("sink", 0)).query(&mut c).unwrap();
     assert_eq!(left, 0, "the redelivered results left Redis again");
     let failure_rows = pg.query(&format!(
@@ -382,6 +393,10 @@ fn a_row_the_database_rejects_goes_back_to_review_with_its_message_and_the_other
     let dir = TempDir::new("sinkreject");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 120);
+    // And one record whose input lacks a field the prompt uses: dropped at enqueue.
+    let mut text = std::fs::read_to_string(&data).unwrap();
+    text.push_str("{\"message_id\":\"no-text\",\"channel\":\"chat\",\"task_type\":\"classify\"}\n");
+    std::fs::write(&data, text).unwrap();
     enqueue(&redis, &data, "sink", &sink_spec(&dir));
     let url = pg.url();
     let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(120));
@@ -401,6 +416,19 @@ fn a_row_the_database_rejects_goes_back_to_review_with_its_message_and_the_other
     assert!(log.contains("the database rejected rows"), "{log}");
     assert_eq!(s["review"], bugs, "{s}");
     assert_eq!(s["done"].as_u64().unwrap() + bugs, 120, "{s}");
+    assert_eq!(s["dropped"], 1, "{s}");
+    let dropped =
+        pg.query("SELECT state || ' ' || reason FROM results_failures WHERE business_key = '' AND state = 'dropped'");
+    assert_eq!(
+        dropped, "dropped template_missing:text",
+        "a record dropped at enqueue is a failure row too"
+    );
+    let accounted = pg.query(
+        "SELECT j.expected_records - (SELECT count(*) FROM results r WHERE r.job = j.job) \
+         - (SELECT count(*) FROM results_failures f WHERE f.job = j.job AND f.resolved_at IS NULL) \
+         FROM results_jobs j WHERE j.job = 'sink'",
+    );
+    assert_eq!(accounted, "0", "reconciled from SQL alone");
     assert_eq!(code, Some(0), "every record is done (in the table) or in review: {s}");
     assert_eq!(s["sink"]["verified"]["exact"], true, "{s}");
     assert_eq!(rows(&pg), done, "every other done record is written: {s}");

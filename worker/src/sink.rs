@@ -49,7 +49,13 @@ pub struct SinkWriter {
     backlog_checked: Option<Instant>,
     /// While failing: when the next attempt is due (the back-off).
     next_attempt: Option<Instant>,
+    /// The manifest's `updated_at` last written into the jobs table, and
+    /// when the manifest was last read (lane 0 keeps the job's row).
+    job_row: (Option<String>, Option<Instant>),
 }
+
+/// How often lane 0 reads the job's manifest for the jobs table.
+const JOB_ROW_CHECK: Duration = Duration::from_secs(5);
 
 impl SinkWriter {
     /// The writers of a job for one worker, one per lane (`sink.writers`).
@@ -74,6 +80,7 @@ impl SinkWriter {
             own_pending_read: false,
             backlog_checked: None,
             next_attempt: None,
+            job_row: (None, None),
         }
     }
 
@@ -110,6 +117,7 @@ impl SinkWriter {
         if self.sink.as_ref().is_none_or(PgSink::is_closed) {
             self.sink = Some(PgSink::connect(&self.url, self.job.spec.sink.table()).await?);
         }
+        self.write_job_row().await?;
         let mut moved = 0;
         if let Some((p, entries)) = self.retry.take() {
             moved += self.write_batch(p, entries).await?;
@@ -140,6 +148,31 @@ impl SinkWriter {
             self.own_pending_read = true;
         }
         Ok(moved)
+    }
+
+    /// Keeps the job's row in the jobs table as its manifest says (lane 0;
+    /// read every few seconds, written when it changed).
+    async fn write_job_row(&mut self) -> Result<(), SinkError> {
+        if self.lane != 0 || self.job_row.1.is_some_and(|t| t.elapsed() < JOB_ROW_CHECK) {
+            return Ok(());
+        }
+        self.job_row.1 = Some(Instant::now());
+        let manifest = match self.fleet.store.load_manifest(&self.job.name).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                self.fleet.store_error(&e).await;
+                return Ok(());
+            }
+        };
+        if self.job_row.0.as_deref() == Some(manifest.updated_at.as_str()) {
+            return Ok(());
+        }
+        if let Some(sink) = &self.sink {
+            sink.write_job(&manifest).await?;
+            self.job_row.0 = Some(manifest.updated_at);
+        }
+        Ok(())
     }
 
     /// Writes one batch; on a database error keeps it for the next round.

@@ -314,7 +314,8 @@ impl RedisStore {
             let mut inv = self.scripts.enqueue.prepare_invoke();
             inv.key(keys::stream(job, partition))
                 .key(keys::state(job, partition))
-                .key(keys::origins(job, partition));
+                .key(keys::origins(job, partition))
+                .key(keys::sink(job, partition));
             inv.arg(idem_ttl_secs);
             for &i in &idx {
                 let e = &entries[i];

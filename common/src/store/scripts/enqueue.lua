@@ -10,7 +10,10 @@
 -- KEYS[1]      partition stream            bf:{job:pN}:tasks
 -- KEYS[2]      partition state hash        bf:{job:pN}:state
 -- KEYS[3]      partition origins hash      bf:{job:pN}:origin (record -> origin, no TTL)
--- KEYS[3+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
+-- KEYS[4]      partition sink stream       bf:{job:pN}:sink: when it exists (the job
+--              has a sink), a record dropped for an input error is handed to it
+--              as a failure (`k` f), like every other outcome
+-- KEYS[4+i]    idempotency key of record i bf:{job:pN}:idem:<record_id>
 -- ARGV[1]      idempotency key TTL, seconds
 -- ARGV[1+4(i-1)+1..4] for record i (at most 1000 records a call):
 --              record_id, origin ("<dataset sha12>:<line>"),
@@ -27,8 +30,9 @@
 --          for jobs enqueued before it existed the idempotency key; "" when
 --          neither holds it).
 local call = redis.call
-local stream, states, origins, ttl = KEYS[1], KEYS[2], KEYS[3], ARGV[1]
-local n = #KEYS - 3
+local stream, states, origins, sink, ttl = KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1]
+local n = #KEYS - 4
+local to_sink = call('EXISTS', sink) == 1
 local ids = {}
 for i = 1, n do
   ids[i] = ARGV[(i - 1) * 4 + 2]
@@ -38,7 +42,7 @@ local known = call('HMGET', states, unpack(ids))
 local out, claimed, placed = {}, {}, {}
 for i = 1, n do
   local b = (i - 1) * 4
-  local idem, origin, state = KEYS[3 + i], ARGV[b + 3], ARGV[b + 4]
+  local idem, origin, state = KEYS[4 + i], ARGV[b + 3], ARGV[b + 4]
   if known[i] then
     -- A record whose result is in the sink keeps its origin in its state entry.
     local sunk = string.match(known[i], '^done@(.*)$')
@@ -46,6 +50,8 @@ for i = 1, n do
   elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
     if state == 'queued' then
       call('XADD', stream, '*', 'rid', ids[i], 'task', ARGV[b + 5])
+    elseif to_sink then
+      call('XADD', sink, '*', 'rid', ids[i], 'k', 'f')
     end
     claimed[#claimed + 1] = ids[i]
     claimed[#claimed + 1] = state
