@@ -766,6 +766,36 @@ impl ReviewEntry {
         }
     }
 
+    /// A committed result the sink's database refused to store (a
+    /// constraint of the user's own), back for a person with the database's
+    /// message; None for a result without its input (nothing to review it by).
+    pub fn of_refused(r: &ResultRecord, message: &str, worker: &str) -> Option<Self> {
+        Some(ReviewEntry {
+            record_id: r.record_id.clone(),
+            key: r.key.clone(),
+            input: r.input.clone()?,
+            prompt: String::new(),
+            last_raw_output: Value::Object(r.output.clone()).to_string(),
+            errors: vec![FieldError {
+                code: crate::validate::ErrorCode::Sink,
+                field: String::new(),
+                message: format!("the database refused the row: {message}"),
+            }],
+            attempts: r.attempts,
+            deliveries: 0,
+            reason: Self::SINK_REJECTED.into(),
+            history: r.history.clone(),
+            versions: r.versions.clone(),
+            worker: worker.to_owned(),
+            created_at: crate::manifest::now_rfc3339(),
+            actions: vec![],
+            seen: String::new(),
+        })
+    }
+
+    /// The review reason of a result the sink's database refused.
+    pub const SINK_REJECTED: &'static str = "sink_rejected";
+
     /// A task for a fresh round of attempts (they count on from here), with
     /// `mark` recording who started it.
     pub fn requeue(&self, mark: &Action) -> Task {

@@ -116,3 +116,14 @@ pub fn status_json_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> (Opt
         serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("status is not JSON ({e}): {}", stdout(&out)));
     (out.status.code(), status)
 }
+
+/// `producer export --what done --out -` with environment variables set:
+/// its output (the caller checks the exit status).
+pub fn export_done_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> Output {
+    producer_with_env(
+        &[
+            "export", "--job", job, "--redis", redis_url, "--what", "done", "--out", "-",
+        ],
+        env,
+    )
+}

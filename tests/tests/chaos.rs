@@ -288,20 +288,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let mut conn = redis.conn();
     // The results, read as a user reads them: those still in Redis and
     // those that left it for the table.
-    let export = harness::producer_with_env(
-        &[
-            "export",
-            "--job",
-            "chaos",
-            "--redis",
-            &redis.url(),
-            "--what",
-            "done",
-            "--out",
-            "-",
-        ],
-        &[(DB_ENV, db_url.as_str())],
-    );
+    let export = harness::export_done_env(&redis.url(), "chaos", &[(DB_ENV, db_url.as_str())]);
     assert!(export.status.success(), "{}", harness::stderr(&export));
     let done_results: BTreeMap<String, Value> = harness::stdout(&export)
         .lines()

@@ -194,22 +194,7 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         (Some(0), Some(2000)),
         "{again}"
     );
-    let export = |env: &[(&str, &str)]| {
-        harness::producer_with_env(
-            &[
-                "export",
-                "--job",
-                "sink",
-                "--redis",
-                &redis.url(),
-                "--what",
-                "done",
-                "--out",
-                "-",
-            ],
-            env,
-        )
-    };
+    let export = |env: &[(&str, &str)]| harness::export_done_env(&redis.url(), "sink", env);
     let out = export(&[]);
     assert!(!out.status.success());
     assert!(

@@ -99,7 +99,8 @@ impl Limiter {
     /// The limiter of a job: the spec's limits, when it sets any, are its
     /// ceilings. `base_url` is where requests really go; `consumer` prefixes
     /// grant ids.
-    pub fn for_job(store: &RedisStore, spec: &JobSpec, base_url: &str, consumer: &str, lease: Duration) -> Limiter {
+    /// Its grants' lease is set once the visibility timeout is known ([`Limiter::set_lease`]).
+    pub fn for_job(store: &RedisStore, spec: &JobSpec, base_url: &str, consumer: &str) -> Limiter {
         let l = &spec.limits;
         // The budget belongs to the key and model, not to the job.
         let identity = format!(
@@ -125,7 +126,7 @@ impl Limiter {
                 need_input: 0,
                 need_output: 0,
                 burst_ms: BURST_MS,
-                lease_ms: lease.as_millis() as u64,
+                lease_ms: 0,
             },
             prefix: consumer.to_owned(),
             max_tokens,
@@ -192,7 +193,6 @@ impl Limiter {
             header_limit_tokens: headers.limit_tokens,
             header_remaining_requests: headers.remaining_requests,
             header_remaining_tokens: headers.remaining_tokens,
-            call: CallKind::Other,
             ceiling_requests: self.params.requests,
             ceiling_concurrent: self.params.max_concurrent,
             ..Settlement::default()

@@ -204,14 +204,12 @@ async fn run_attempt(
     limits.metrics.in_flight.inc();
     let (result, headers, elapsed) = job.provider.call(&request, &body).await;
     let answered = matches!(result, CallResult::Message { .. });
-    let timed_out = matches!(&result, CallResult::Failed(e) if e.cause == "timeout");
+    let used = used_of(&result);
+    let timed_out = used.timed_out;
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &result);
     call_span.end();
-    *report = Some(CallReport {
-        used: used_of(&result),
-        headers,
-    });
+    *report = Some(CallReport { used, headers });
     let mut reply = result.into_reply(&job.spec, &before.input, span);
     judge_errors(store, job, &mut reply, form).await;
     if timed_out && reply.usage.is_none() {

@@ -403,7 +403,6 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
             &spec,
             base_url.unwrap_or(&spec.provider.base_url),
             &config.consumer,
-            Duration::ZERO,
         ),
         sink_url,
         sink_full: std::sync::atomic::AtomicBool::new(false),

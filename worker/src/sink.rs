@@ -14,8 +14,6 @@ use std::time::{Duration, Instant};
 use common::sink::{PgSink, ResultRow, SinkError};
 use common::store::SinkEntry;
 use common::task::{ResultRecord, ReviewEntry};
-use common::validate::{ErrorCode, FieldError};
-use serde_json::Value;
 
 use crate::fleet::Fleet;
 use crate::process::JobCtx;
@@ -251,32 +249,12 @@ impl SinkWriter {
     async fn back_to_review(&self, p: u32, results: &[ResultRecord], refused: &[(String, String)]) {
         let f = &self.fleet;
         for (rid, message) in refused {
-            let Some(r) = results.iter().find(|r| &r.record_id == rid) else {
+            let Some(entry) = results
+                .iter()
+                .find(|r| &r.record_id == rid)
+                .and_then(|r| ReviewEntry::of_refused(r, message, &f.config.consumer))
+            else {
                 continue;
-            };
-            let Some(input) = r.input.clone() else {
-                continue;
-            };
-            let entry = ReviewEntry {
-                record_id: r.record_id.clone(),
-                key: r.key.clone(),
-                input,
-                prompt: String::new(),
-                last_raw_output: Value::Object(r.output.clone()).to_string(),
-                errors: vec![FieldError {
-                    code: ErrorCode::Sink,
-                    field: String::new(),
-                    message: format!("the database refused the row: {message}"),
-                }],
-                attempts: r.attempts,
-                deliveries: 0,
-                reason: "sink_rejected".into(),
-                history: r.history.clone(),
-                versions: r.versions.clone(),
-                worker: f.config.consumer.clone(),
-                created_at: common::manifest::now_rfc3339(),
-                actions: vec![],
-                seen: String::new(),
             };
             if let Err(e) = f.store.sink_refuse(&self.job.name, p, &entry).await {
                 f.store_error(&e).await;

@@ -65,6 +65,11 @@ pub struct SinkBatch {
     pub failures: Vec<FailureRow>,
 }
 
+/// The values of `fields` of one hash, in their order.
+async fn hmget(c: &mut super::Conn, key: String, fields: &[&str]) -> Result<Vec<Option<String>>, StoreError> {
+    Ok(redis::cmd("HMGET").arg(key).arg(fields).query_async(c).await?)
+}
+
 impl RedisStore {
     /// Up to `count` entries of a partition's sink stream for `consumer`:
     /// with `own`, the consumer's own pending entries (a batch this worker
@@ -149,11 +154,7 @@ impl RedisStore {
         let mut batch = SinkBatch::default();
         let results: Vec<&str> = entries.iter().filter(|e| e.result).map(|e| e.rid.as_str()).collect();
         if !results.is_empty() {
-            let texts: Vec<Option<String>> = redis::cmd("HMGET")
-                .arg(keys::results(job, partition))
-                .arg(&results)
-                .query_async(&mut c)
-                .await?;
+            let texts = hmget(&mut c, keys::results(job, partition), &results).await?;
             let mut seen = std::collections::HashSet::new();
             for (rid, t) in results.iter().zip(texts) {
                 let Some(t) = t else { continue };
@@ -177,11 +178,7 @@ impl RedisStore {
         failed.sort_unstable();
         failed.dedup();
         if !failed.is_empty() {
-            let states: Vec<Option<String>> = redis::cmd("HMGET")
-                .arg(keys::state(job, partition))
-                .arg(&failed)
-                .query_async(&mut c)
-                .await?;
+            let states = hmget(&mut c, keys::state(job, partition), &failed).await?;
             let states: Vec<Option<RecordState>> = states
                 .into_iter()
                 .map(|t| t.as_deref().and_then(RecordState::decode))
@@ -195,11 +192,7 @@ impl RedisStore {
                 .collect();
             let mut entries = std::collections::HashMap::new();
             if !in_review.is_empty() {
-                let texts: Vec<Option<String>> = redis::cmd("HMGET")
-                    .arg(keys::review(job, partition))
-                    .arg(&in_review)
-                    .query_async(&mut c)
-                    .await?;
+                let texts = hmget(&mut c, keys::review(job, partition), &in_review).await?;
                 entries.extend(in_review.iter().zip(texts).filter_map(|(rid, t)| Some((*rid, t?))));
             }
             for (rid, state) in failed.iter().zip(states) {
