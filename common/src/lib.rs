@@ -14,6 +14,7 @@
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
 //! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
 //!   what providers send back; unusable API keys refused.
+//! - [`sink`], [`sink_files`]: the result sinks (PostgreSQL, JSONL segments).
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 
 pub mod decision;
@@ -24,6 +25,7 @@ pub mod otel;
 pub mod record;
 pub mod secret;
 pub mod sink;
+pub mod sink_files;
 pub mod spec;
 pub mod store;
 pub mod task;

@@ -33,6 +33,9 @@ pub enum SinkError {
     /// The database refused the rows (a constraint the user added...).
     #[error("the database rejected a batch: {0}")]
     Rejected(String),
+    /// The files sink cannot write its directory (full, read-only, gone...).
+    #[error("the sink directory failed: {0}")]
+    Disk(String),
 }
 
 impl SinkError {
@@ -43,6 +46,7 @@ impl SinkError {
             SinkError::Refused(_) => "refused",
             SinkError::Schema(_) => "schema",
             SinkError::Rejected(_) => "rejected",
+            SinkError::Disk(_) => "disk",
         }
     }
 
@@ -174,8 +178,8 @@ pub fn ddl(table: &str) -> String {
     )
 }
 
-/// One committed result as a row.
-#[derive(Debug, Clone)]
+/// One committed result as a row (and, as JSON, a line of the files sink).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ResultRow {
     pub record_id: String,
     pub business_key: String,
@@ -225,10 +229,35 @@ impl ResultRow {
             input: r.input.as_ref().and_then(|i| serde_json::from_str(i.get()).ok()),
         }
     }
+
+    /// The result this row was written from.
+    pub fn into_record(self) -> ResultRecord {
+        ResultRecord {
+            record_id: self.record_id,
+            key: self.business_key,
+            output: match self.output {
+                Value::Object(m) => m,
+                _ => Default::default(),
+            },
+            attempts: u32::try_from(self.attempts).unwrap_or(0),
+            calls: u32::try_from(self.calls).unwrap_or(0),
+            response_id: self.response_id,
+            repairs: serde_json::from_value(self.repairs).unwrap_or_default(),
+            usage: self.usage.and_then(|u| serde_json::from_value(u).ok()),
+            history: serde_json::from_value(self.history).unwrap_or_default(),
+            model: self.model,
+            versions: serde_json::from_value(self.versions).unwrap_or_default(),
+            human: self.human,
+            reviewer: self.reviewer,
+            worker: self.worker,
+            committed_at: self.committed_at,
+            input: self.input.and_then(|v| crate::task::Input::parse(&v.to_string()).ok()),
+        }
+    }
 }
 
 /// A record that did not become done (yet): in review, dropped or cancelled.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FailureRow {
     pub record_id: String,
     pub business_key: String,

@@ -70,6 +70,16 @@ pub struct Sink {
     /// its share of the partitions); default 4, at most `job.partitions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writers: Option<u32>,
+    /// `files`: a segment is finished at this many lines (default 10,000)...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_records: Option<usize>,
+    /// ...or this many bytes (default 64 MiB)...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_bytes: Option<u64>,
+    /// ...or this many seconds after its first line (default 5): results
+    /// are acknowledged, and leave Redis, when their segment is finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub segment_secs: Option<u64>,
 }
 
 /// See [`Sink::kind`].
@@ -106,6 +116,15 @@ impl Sink {
     /// Sink writers per worker for a job of `partitions` partitions.
     pub fn writers(&self, partitions: u32) -> u32 {
         self.writers.unwrap_or(4).clamp(1, partitions.max(1))
+    }
+
+    /// When a files sink finishes a segment.
+    pub fn segment_limits(&self) -> crate::sink_files::SegmentLimits {
+        crate::sink_files::SegmentLimits {
+            records: self.segment_records.unwrap_or(10_000),
+            bytes: self.segment_bytes.unwrap_or(64 << 20),
+            age: std::time::Duration::from_secs(self.segment_secs.unwrap_or(5)),
+        }
     }
 }
 
@@ -783,14 +802,24 @@ impl JobSpec {
                     ("sink.dir", s.dir.is_some()),
                 ] {
                     if set {
-                        p.add(key, "is set but sink.kind is \"none\" (set kind = \"postgres\")");
+                        p.add(
+                            key,
+                            "is set but sink.kind is \"none\" (set kind = \"postgres\" or \"files\")",
+                        );
                     }
                 }
             }
-            SinkKind::Files => p.add(
-                "sink.kind",
-                "\"files\" is not available in this version: use \"postgres\", or \"none\" to keep results in Redis",
-            ),
+            SinkKind::Files => {
+                match s.dir.as_deref() {
+                    None | Some("") => p.add("sink.dir", "is required: the directory of the JSONL segments"),
+                    Some(_) => {}
+                }
+                for (key, set) in [("sink.url_env", s.url_env.is_some()), ("sink.table", s.table.is_some())] {
+                    if set {
+                        p.add(key, "applies to kind = \"postgres\"");
+                    }
+                }
+            }
             SinkKind::Postgres => {
                 match &s.url_env {
                     None => p.add(
@@ -832,6 +861,27 @@ impl JobSpec {
         }
         if s.writers.is_some_and(|n| !(1..=64).contains(&n)) {
             p.add("sink.writers", "must be between 1 and 64");
+        }
+        if s.segment_records.is_some_and(|n| !(1..=1_000_000).contains(&n)) {
+            p.add("sink.segment_records", "must be between 1 and 1000000");
+        }
+        if s.segment_bytes.is_some_and(|n| !(4096..=(4 << 30)).contains(&n)) {
+            p.add("sink.segment_bytes", "must be between 4096 and 4294967296");
+        }
+        if s.segment_secs.is_some_and(|n| !(1..=3600).contains(&n)) {
+            p.add("sink.segment_secs", "must be between 1 and 3600");
+        }
+        let files_only = [
+            ("sink.segment_records", s.segment_records.is_some()),
+            ("sink.segment_bytes", s.segment_bytes.is_some()),
+            ("sink.segment_secs", s.segment_secs.is_some()),
+        ];
+        if s.kind != SinkKind::Files {
+            for (key, set) in files_only {
+                if set {
+                    p.add(key, "applies to kind = \"files\"");
+                }
+            }
         }
     }
 
@@ -1152,6 +1202,9 @@ mod tests {
         let ok = JobSpec::parse(&with("kind = \"postgres\"\nurl_env = \"DATABASE_URL\""), "job.toml").unwrap();
         assert_eq!(ok.sink.table(), "batchfleet_results");
         assert_eq!(ok.sink.batch_rows(), 500);
+        let files = JobSpec::parse(&with("kind = \"files\"\ndir = \"out\"\nsegment_secs = 2"), "job.toml").unwrap();
+        let l = files.sink.segment_limits();
+        assert_eq!((l.records, l.bytes, l.age.as_secs()), (10_000, 64 << 20, 2));
         assert_eq!(
             (ok.sink.max_backlog(), ok.sink.writers(4), ok.sink.writers(2)),
             (100_000, 4, 2)
@@ -1182,9 +1235,18 @@ mod tests {
                 "kind = \"postgres\"\nurl_env = \"D\"\nmax_backlog = 0",
                 "sink.max_backlog: must be between 1 and 100000000",
             ),
+            ("kind = \"files\"", "sink.dir: is required"),
             (
-                "kind = \"files\"\ndir = \"out\"",
-                "sink.kind: \"files\" is not available",
+                "kind = \"files\"\ndir = \"out\"\ntable = \"t\"",
+                "sink.table: applies to kind = \"postgres\"",
+            ),
+            (
+                "kind = \"files\"\ndir = \"out\"\nsegment_records = 0",
+                "sink.segment_records: must be between 1 and 1000000",
+            ),
+            (
+                "kind = \"postgres\"\nurl_env = \"D\"\nsegment_secs = 5",
+                "sink.segment_secs: applies to kind = \"files\"",
             ),
             ("url_env = \"D\"", "sink.url_env: is set but sink.kind is \"none\""),
             ("kind = \"mysql\"", "unknown variant `mysql`"),

@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use common::sink::PgSink;
+use common::sink_files;
 use common::spec::{JobSpec, SinkKind};
 use common::store::RedisStore;
 use common::task::ResultRecord;
@@ -15,6 +16,7 @@ use serde::Serialize;
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct SinkStatus {
     pub kind: &'static str,
+    /// The results table, or the files sink's directory.
     pub table: String,
     /// Result rows the workers wrote that were new (a counter; the check
     /// below reads the table itself).
@@ -41,6 +43,17 @@ pub struct SinkVerified {
     pub unknown_ids: Vec<String>,
     /// Unresolved rows of the failures table, by state.
     pub open_failures: BTreeMap<String, u64>,
+    /// Files: segments the manifest lists, those whose line count or
+    /// sha256 differ from it, and finished ones it does not list.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub segments: Option<u64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub damaged: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unlisted: Vec<String>,
+    /// Record ids with more than one result line (files; a table's primary
+    /// key rules them out).
+    pub duplicates: u64,
     /// Every done record has its row and nothing else is there.
     pub exact: bool,
 }
@@ -53,20 +66,42 @@ pub async fn sink_status(
     spec: &JobSpec,
     verify: Option<Vec<String>>,
 ) -> anyhow::Result<Option<SinkStatus>> {
-    if spec.sink.kind != SinkKind::Postgres {
-        return Ok(None);
-    }
+    let (kind, table) = match spec.sink.kind {
+        SinkKind::None => return Ok(None),
+        SinkKind::Postgres => ("postgres", spec.sink.table().to_owned()),
+        SinkKind::Files => ("files", files_dir(spec, job)?.display().to_string()),
+    };
     let partitions = spec.job.partitions;
     let sunk = store.sunk(job, partitions).await?;
     let mut s = SinkStatus {
-        kind: "postgres",
-        table: spec.sink.table().to_owned(),
+        kind,
+        table,
         written: sunk.written,
         left_redis: sunk.done,
         backlog: store.sink_backlog(job, partitions).await?.unwrap_or(0),
         verified: None,
     };
     if let Some(mut done) = verify {
+        done.sort_unstable();
+        if spec.sink.kind == SinkKind::Files {
+            let c = sink_files::check(std::path::Path::new(spec.sink.dir.as_deref().unwrap_or_default()), job)?;
+            let mut v = SinkVerified {
+                rows: c.result_ids.len() as u64,
+                open_failures: c.open_failures,
+                segments: Some(c.segments),
+                damaged: c.damaged,
+                unlisted: c.unlisted,
+                ..SinkVerified::default()
+            };
+            let mut ids = c.result_ids;
+            let before = ids.len();
+            ids.dedup();
+            v.duplicates = (before - ids.len()) as u64;
+            compare(&done, &ids, &mut v);
+            v.exact = v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty();
+            s.verified = Some(v);
+            return Ok(Some(s));
+        }
         let var = spec.sink.url_env.as_deref().unwrap_or_default();
         let url = std::env::var(var).unwrap_or_default();
         if url.is_empty() {
@@ -75,14 +110,30 @@ pub async fn sink_status(
             );
         }
         let db = PgSink::connect(&url, spec.sink.table()).await?;
-        done.sort_unstable();
         let rows = db.result_ids(job).await?;
         let mut v = SinkVerified {
             rows: rows.len() as u64,
             open_failures: db.open_failures(job).await?,
             ..SinkVerified::default()
         };
-        // Both sorted (the table by byte order): one merge finds the differences.
+        compare(&done, &rows, &mut v);
+        s.verified = Some(v);
+    }
+    Ok(Some(s))
+}
+
+/// The files sink's directory of a job.
+fn files_dir(spec: &JobSpec, job: &str) -> anyhow::Result<std::path::PathBuf> {
+    Ok(sink_files::job_dir(
+        std::path::Path::new(spec.sink.dir.as_deref().unwrap_or_default()),
+        job,
+    )?)
+}
+
+/// The done records against the sink's ids, both sorted (the table by byte
+/// order, the segments' ids deduplicated): one merge finds the differences.
+fn compare(done: &[String], rows: &[String], v: &mut SinkVerified) {
+    {
         let (mut i, mut j) = (0, 0);
         while i < done.len() || j < rows.len() {
             match (done.get(i), rows.get(j)) {
@@ -108,9 +159,7 @@ pub async fn sink_status(
             }
         }
         v.exact = v.missing == 0 && v.unknown == 0;
-        s.verified = Some(v);
     }
-    Ok(Some(s))
 }
 
 /// Every done result of a job, each once: those still in Redis, then those
@@ -125,7 +174,7 @@ pub async fn each_result(
     partitions: u32,
     mut f: impl FnMut(ResultRecord),
 ) -> anyhow::Result<()> {
-    let sink = spec.filter(|s| s.sink.kind == SinkKind::Postgres);
+    let sink = spec.filter(|s| s.sink.kind != SinkKind::None);
     let mut seen = HashSet::new();
     for p in 0..partitions {
         store
@@ -140,6 +189,16 @@ pub async fn each_result(
     let Some(spec) = sink else { return Ok(()) };
     let left = store.sunk(job, partitions).await?.done;
     if left == 0 {
+        return Ok(());
+    }
+    if spec.sink.kind == SinkKind::Files {
+        let dir = spec.sink.dir.as_deref().unwrap_or_default();
+        sink_files::results(std::path::Path::new(dir), job, |r| {
+            if !seen.contains(&r.record_id) {
+                f(r)
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("{left} results of job `{job}` are only in the files sink ({dir}): {e}"))?;
         return Ok(());
     }
     let var = spec.sink.url_env.as_deref().unwrap_or_default();
@@ -172,12 +231,22 @@ pub fn print(s: &SinkStatus) {
     );
     if let Some(v) = &s.verified {
         crate::outln!(
-            "    checked    {} rows: {} done records missing, {} unknown rows{}",
+            "    checked    {} rows: {} done records missing, {} unknown rows{}{}",
             v.rows,
             v.missing,
             v.unknown,
+            match v.segments {
+                Some(n) => format!(", {} duplicated, {n} segments", v.duplicates),
+                None => String::new(),
+            },
             if v.exact { " (exact)" } else { "" }
         );
+        for file in &v.damaged {
+            crate::outln!("      damaged  {file} (its lines or sha256 differ from manifest.json)");
+        }
+        for file in &v.unlisted {
+            crate::outln!("      unlisted {file} (not in manifest.json)");
+        }
         for id in &v.missing_ids {
             crate::outln!("      missing {id}");
         }

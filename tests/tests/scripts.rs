@@ -7,7 +7,8 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    EnqueueOutcome, Finish, Finished, IdleEntry, RecordSet, RedisStore, ReviewAction, ReviewOutcome, TaskEntry,
+    EnqueueOutcome, Finish, Finished, IdleEntry, RecordSet, RedisStore, ReviewAction, ReviewOutcome, SunkResult,
+    TaskEntry,
 };
 use common::task::{
     Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
@@ -572,7 +573,7 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
     assert_eq!(results.len(), n);
     let taken = store.sink_take(JOB, 0, "s", 5000, 60_000, false).await.unwrap();
     assert_eq!(taken.len(), n, "every commit handed to the sink");
-    let refs: Vec<&ResultRecord> = results.iter().collect();
+    let refs: Vec<SunkResult> = results.iter().map(SunkResult::of).collect();
     assert_eq!(store.sink_ack(JOB, 0, &taken, n as u64, &refs).await.unwrap(), n as u64);
     let mut c = redis.conn();
     let left: u64 = c.hlen(keys::results(JOB, 0)).unwrap();

@@ -33,8 +33,8 @@ pub struct JobCtx {
     pub limiter: Limiter,
     /// Halts the job on systematic provider errors.
     pub breaker: crate::breaker::Breaker,
-    /// The database URL of the job's `postgres` sink (from `sink.url_env`).
-    pub sink_url: Option<String>,
+    /// Where the job's results go after Redis (None: they stay there).
+    pub sink: Option<crate::sink::SinkTarget>,
     /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
     /// for the job until the sink catches up (set by its sink writer).
     pub sink_full: std::sync::atomic::AtomicBool,
@@ -460,7 +460,7 @@ async fn apply(
                 usage: reply.usage,
             };
             let mut result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
-            if job.sink_url.is_some() {
+            if job.sink.is_some() {
                 result.input = Some(d.task.input.clone());
             }
             settle(

@@ -148,9 +148,8 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Promoter::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Watcher::new(fleet.clone()), stop.clone()));
-    for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
-        let url = job.sink_url.clone().unwrap_or_default();
-        for writer in SinkWriter::for_job(&fleet, job, &url) {
+    for job in &fleet.jobs {
+        for writer in SinkWriter::for_job(&fleet, job) {
             loops.spawn(service::run(writer, stop.clone()));
         }
     }
@@ -179,9 +178,8 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     // (within the same deadline; whatever is left another worker writes).
     let deadline = started_drain + fleet.config.drain_timeout;
     let mut flushes = tokio::task::JoinSet::new();
-    for job in fleet.jobs.iter().filter(|j| j.sink_url.is_some()) {
-        let url = job.sink_url.clone().unwrap_or_default();
-        for mut writer in SinkWriter::for_job(&fleet, job, &url) {
+    for job in &fleet.jobs {
+        for mut writer in SinkWriter::for_job(&fleet, job) {
             flushes.spawn(async move { writer.flush(deadline).await });
         }
     }
@@ -240,7 +238,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     for name in names {
         let (job, key) = load_job(&store, &name, &config).await?;
         secrets.push(key);
-        if let Some(url) = &job.sink_url {
+        if let Some(crate::sink::SinkTarget::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
         jobs.push(job);
@@ -372,9 +370,16 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         )));
     }
     common::secret::check_api_key(var, &api_key).map_err(|e| RunError::Refused(format!("job `{name}`: {e}")))?;
-    let sink_url = match (spec.sink.kind, spec.sink.url_env.as_deref()) {
+    let sink = match (spec.sink.kind, spec.sink.url_env.as_deref()) {
+        (common::spec::SinkKind::Files, _) => {
+            let dir = std::path::PathBuf::from(spec.sink.dir.clone().unwrap_or_default());
+            // Refused now, not at the first batch: a directory it cannot create or write.
+            common::sink_files::FileSink::open(&dir, name, spec.sink.segment_limits())
+                .map_err(|e| RunError::Refused(format!("job `{name}`: sink.dir: {e}")))?;
+            Some(crate::sink::SinkTarget::Files(dir))
+        }
         (common::spec::SinkKind::Postgres, Some(var)) => match std::env::var(var) {
-            Ok(url) if !url.is_empty() => Some(url),
+            Ok(url) if !url.is_empty() => Some(crate::sink::SinkTarget::Postgres(url)),
             _ => {
                 return Err(RunError::Refused(format!(
                     "job `{name}`: the environment variable {var} (sink.url_env) is not set: it holds the database URL results are written to"
@@ -404,7 +409,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
             base_url.unwrap_or(&spec.provider.base_url),
             &config.consumer,
         ),
-        sink_url,
+        sink,
         sink_full: std::sync::atomic::AtomicBool::new(false),
         name: name.to_owned(),
         system: system_prompt(&spec),

@@ -7,12 +7,21 @@
 //! `ON CONFLICT (record_id) DO NOTHING` makes the second write add nothing.
 //! The acknowledgement also takes the written results out of Redis: from
 //! then on the sink is where a done record's result is read.
+//!
+//! The files sink takes the same path into JSONL segments: a writer holds
+//! each of its partitions alone (a lock file), appends batches to the
+//! partition's open segment and acknowledges them when the segment is
+//! finished (renamed into place); see `common::sink_files`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+use std::path::PathBuf;
+
 use common::sink::{PgSink, ResultRow, SinkError};
-use common::store::SinkEntry;
+use common::sink_files::{FileSink, Take};
+use common::store::{SinkEntry, SunkResult};
 use common::task::{ResultRecord, ReviewEntry};
 
 use crate::fleet::Fleet;
@@ -27,14 +36,42 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// the database fails: a backing-off writer still stops the claims).
 const BACKLOG_CHECK: Duration = Duration::from_millis(250);
 
+/// Where a job's results go after Redis.
+#[derive(Debug, Clone)]
+pub enum SinkTarget {
+    /// The database URL (from `sink.url_env`).
+    Postgres(String),
+    /// `sink.dir`.
+    Files(PathBuf),
+}
+
+enum Backend {
+    Pg(PgSink),
+    Files(FileSink),
+}
+
+/// Sink stream entries acknowledged per call.
+const ACK_CHUNK: usize = 1000;
+
 pub struct SinkWriter {
     fleet: Arc<Fleet>,
     job: Arc<JobCtx>,
-    url: String,
+    target: SinkTarget,
     /// This writer's share of the partitions: those with `p % lanes == lane`.
     lane: u32,
     lanes: u32,
-    sink: Option<PgSink>,
+    sink: Option<Backend>,
+    /// Files: entries taken and not appended yet (Redis failed reading
+    /// what they name), by partition.
+    held: HashMap<u32, Vec<SinkEntry>>,
+    /// Files: chunks of a partition's pending batch already acknowledged.
+    acked_chunks: HashMap<u32, usize>,
+    /// Files: finish every open segment now (the worker is leaving).
+    flushing: bool,
+    /// Fault injection for tests (`BATCHFLEET_FAULT=sink_exit_after_rename`):
+    /// the process exits at once after its first segment is renamed into
+    /// place and before it is acknowledged, as if killed there.
+    exit_after_rename: bool,
     /// A batch whose write failed: written again first, before anything new.
     retry: Option<(u32, Vec<SinkEntry>)>,
     backoff: Duration,
@@ -56,22 +93,28 @@ pub struct SinkWriter {
 const JOB_ROW_CHECK: Duration = Duration::from_secs(5);
 
 impl SinkWriter {
-    /// The writers of a job for one worker, one per lane (`sink.writers`).
-    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>, url: &str) -> Vec<SinkWriter> {
+    /// The writers of a job for one worker, one per lane (`sink.writers`);
+    /// none for a job without a sink.
+    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Vec<SinkWriter> {
+        let Some(target) = &job.sink else { return Vec::new() };
         let lanes = job.spec.sink.writers(job.spec.job.partitions);
         (0..lanes)
-            .map(|lane| SinkWriter::new(fleet.clone(), job.clone(), url.to_owned(), lane, lanes))
+            .map(|lane| SinkWriter::new(fleet.clone(), job.clone(), target.clone(), lane, lanes))
             .collect()
     }
 
-    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, url: String, lane: u32, lanes: u32) -> SinkWriter {
+    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, target: SinkTarget, lane: u32, lanes: u32) -> SinkWriter {
         SinkWriter {
             fleet,
             job,
-            url,
+            target,
             lane,
             lanes,
             sink: None,
+            held: HashMap::new(),
+            acked_chunks: HashMap::new(),
+            flushing: false,
+            exit_after_rename: std::env::var("BATCHFLEET_FAULT").as_deref() == Ok("sink_exit_after_rename"),
             retry: None,
             backoff: Duration::from_millis(200),
             failing: None,
@@ -112,10 +155,25 @@ impl SinkWriter {
     /// One pass over every partition: at most one batch each. Returns the
     /// outcomes written (acknowledged), or the error that stopped the pass.
     pub async fn write_round(&mut self) -> Result<usize, SinkError> {
-        if self.sink.as_ref().is_none_or(PgSink::is_closed) {
-            self.sink = Some(PgSink::connect(&self.url, self.job.spec.sink.table()).await?);
+        let closed = match &self.sink {
+            None => true,
+            Some(Backend::Pg(s)) => s.is_closed(),
+            Some(Backend::Files(_)) => false,
+        };
+        if closed {
+            self.sink = Some(match &self.target {
+                SinkTarget::Postgres(url) => Backend::Pg(PgSink::connect(url, self.job.spec.sink.table()).await?),
+                SinkTarget::Files(dir) => Backend::Files(FileSink::open(
+                    dir,
+                    &self.job.name,
+                    self.job.spec.sink.segment_limits(),
+                )?),
+            });
         }
         self.write_job_row().await?;
+        if matches!(self.sink, Some(Backend::Files(_))) {
+            return self.files_round().await;
+        }
         let mut moved = 0;
         if let Some((p, entries)) = self.retry.take() {
             moved += self.write_batch(p, entries).await?;
@@ -166,11 +224,147 @@ impl SinkWriter {
         if self.job_row.0.as_deref() == Some(manifest.updated_at.as_str()) {
             return Ok(());
         }
-        if let Some(sink) = &self.sink {
-            sink.write_job(&manifest).await?;
-            self.job_row.0 = Some(manifest.updated_at);
+        match &self.sink {
+            Some(Backend::Pg(sink)) => sink.write_job(&manifest).await?,
+            Some(Backend::Files(sink)) => blocking(|| sink.write_job(&manifest))?,
+            None => return Ok(()),
         }
+        self.job_row.0 = Some(manifest.updated_at);
         Ok(())
+    }
+
+    /// Files: one pass over this writer's partitions.
+    async fn files_round(&mut self) -> Result<usize, SinkError> {
+        // Entries pending for this writer are taken over with the partition
+        // (see `files_partition`), not read separately.
+        self.own_pending_read = true;
+        let mut moved = 0;
+        let (lane, lanes) = (self.lane, self.lanes);
+        for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
+            match self.files_partition(p).await {
+                Ok(n) => moved += n,
+                Err(e) => {
+                    // What the open segment held is written again by whoever
+                    // takes the partition next (this writer, after the back-off).
+                    if let Some(Backend::Files(sink)) = self.sink.as_mut() {
+                        sink.release(p);
+                    }
+                    self.held.remove(&p);
+                    self.acked_chunks.remove(&p);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Files: takes the partition (unless another writer holds it),
+    /// acknowledges a finished batch first, appends the next batch to the
+    /// open segment, and finishes the segment when it is due. Returns the
+    /// entries taken.
+    async fn files_partition(&mut self, p: u32) -> Result<usize, SinkError> {
+        let f = self.fleet.clone();
+        let job = self.job.name.clone();
+        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
+            return Ok(0);
+        };
+        if let Take::Busy = blocking(|| sink.take(p))? {
+            return Ok(0);
+        }
+        if !self.ack_pending(p).await? {
+            return Ok(0);
+        }
+        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
+            return Ok(0);
+        };
+        let entries = match self.held.remove(&p) {
+            Some(e) => e,
+            None => {
+                let cursor = sink.orphans(p).map(str::to_owned);
+                let batch = self.job.spec.sink.batch_rows();
+                match f
+                    .store
+                    .sink_take_held(&job, p, &f.config.consumer, batch, cursor.as_deref())
+                    .await
+                {
+                    Ok((entries, next)) => {
+                        if cursor.is_some() {
+                            sink.set_orphans(p, next);
+                        }
+                        entries
+                    }
+                    Err(e) => {
+                        f.store_error(&e).await;
+                        return Ok(0);
+                    }
+                }
+            }
+        };
+        let taken = entries.len();
+        if !entries.is_empty() {
+            let read = match f.store.sink_read(&job, p, &entries).await {
+                Ok(r) => r,
+                Err(e) => {
+                    f.store_error(&e).await;
+                    self.held.insert(p, entries);
+                    return Ok(0);
+                }
+            };
+            let prices = &self.job.spec.prices;
+            let rows: Vec<ResultRow> = read.results.iter().map(|r| ResultRow::of(r, prices)).collect();
+            blocking(|| sink.append(p, &entries, &read.results, &rows, &read.failures))?;
+        }
+        if sink.is_open(p) && (self.flushing || sink.due(p)) {
+            blocking(|| sink.finish(p))?;
+            self.ack_pending(p).await?;
+        }
+        Ok(taken)
+    }
+
+    /// Files: acknowledges the partition's finished batch in Redis (its
+    /// results leave Redis), in chunks, then removes its pending file.
+    /// Returns false when Redis failed (tried again next round).
+    async fn ack_pending(&mut self, p: u32) -> Result<bool, SinkError> {
+        let f = self.fleet.clone();
+        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
+            return Ok(true);
+        };
+        let Some(pending) = sink.pending(p) else {
+            return Ok(true);
+        };
+        if self.exit_after_rename && !pending.recovered {
+            tracing::error!(segment = ?pending.segments.first().map(|s| &s.file), "BATCHFLEET_FAULT: exiting before the acknowledgement");
+            std::process::exit(137);
+        }
+        let entries: Vec<&[SinkEntry]> = pending.entries.chunks(ACK_CHUNK).collect();
+        let sunk: Vec<&[SunkResult]> = pending.sunk.chunks(ACK_CHUNK).collect();
+        let chunks = entries.len().max(sunk.len());
+        let done = self.acked_chunks.get(&p).copied().unwrap_or(0);
+        for i in done..chunks {
+            // The rows that were new are counted with the last chunk (and
+            // not at all for a batch a previous writer finished: a lower bound).
+            let written = if i + 1 == chunks && !pending.recovered {
+                pending.written
+            } else {
+                0
+            };
+            let (e, s) = (
+                entries.get(i).copied().unwrap_or(&[]),
+                sunk.get(i).copied().unwrap_or(&[]),
+            );
+            if let Err(err) = f.store.sink_ack(&self.job.name, p, e, written, s).await {
+                f.store_error(&err).await;
+                self.acked_chunks.insert(p, i);
+                return Ok(false);
+            }
+        }
+        f.metrics
+            .sink_written
+            .with_label_values(&[self.job.name.as_str()])
+            .inc_by(pending.written);
+        self.acked_chunks.remove(&p);
+        blocking(|| sink.acknowledged(p))?;
+        Ok(true)
     }
 
     /// Writes one batch; on a database error keeps it for the next round.
@@ -188,7 +382,7 @@ impl SinkWriter {
         let prices = &self.job.spec.prices;
         let results: Vec<ResultRow> = read.results.iter().map(|r| ResultRow::of(r, prices)).collect();
         let failures = read.failures;
-        let Some(sink) = self.sink.as_mut() else {
+        let Some(Backend::Pg(sink)) = self.sink.as_mut() else {
             self.retry = Some((p, entries));
             return Ok(0);
         };
@@ -229,10 +423,11 @@ impl SinkWriter {
             .sink_written
             .with_label_values(&[job.as_str()])
             .inc_by(written);
-        let sunk: Vec<_> = read
+        let sunk: Vec<SunkResult> = read
             .results
             .iter()
             .filter(|r| !refused_ids.contains(&r.record_id))
+            .map(SunkResult::of)
             .collect();
         if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk).await {
             // Written but not acknowledged: the entries are written again
@@ -268,6 +463,7 @@ impl SinkWriter {
     /// bounded by the deadline, connecting included.
     pub async fn flush(&mut self, deadline: Instant) {
         self.own_pending_read = false;
+        self.flushing = true;
         let deadline = tokio::time::Instant::from_std(deadline);
         loop {
             // A round of its own pending entries comes first; an empty one
@@ -299,6 +495,11 @@ impl SinkWriter {
             .with_label_values(&[job, e.cause()])
             .inc();
         if matches!(e, SinkError::Unreachable(_)) {
+            self.sink = None;
+        }
+        if let (Some(Backend::Files(_)), SinkError::Disk(_)) = (&self.sink, &e) {
+            // Every partition is taken again after the back-off (open
+            // segments are discarded and their entries written again).
             self.sink = None;
         }
         match &self.failing {
@@ -355,5 +556,13 @@ impl Service for SinkWriter {
                 Some(BACKLOG_CHECK.min(self.backoff))
             }
         }
+    }
+}
+
+/// Runs file work off the async threads when the runtime has others.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }

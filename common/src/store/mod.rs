@@ -18,7 +18,7 @@ pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 
 pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
-pub use sink_ops::{SinkBatch, SinkEntry, Sunk, Tokens};
+pub use sink_ops::{SinkBatch, SinkEntry, Sunk, SunkResult, Tokens};
 pub use worker_ops::{Finish, Finished, IdleEntry, QueueStats, Remaining};
 
 pub use crate::keys::{BadJobName, valid_job_name};

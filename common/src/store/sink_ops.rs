@@ -11,7 +11,7 @@ use crate::sink::FailureRow;
 use crate::task::{RecordState, ResultRecord, ReviewEntry};
 
 /// One entry of a sink stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SinkEntry {
     pub entry_id: String,
     pub rid: String,
@@ -20,7 +20,7 @@ pub struct SinkEntry {
 }
 
 /// Tokens of every call a result's history holds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Tokens {
     pub prompt: u64,
     pub completion: u64,
@@ -40,6 +40,25 @@ impl Tokens {
         self.prompt += prompt;
         self.completion += completion;
         self.cached += cached;
+    }
+}
+
+/// The figures of a result the sink holds, kept in Redis's `sunk`
+/// counters once the result leaves Redis.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SunkResult {
+    pub rid: String,
+    pub attempts: u32,
+    pub tokens: Tokens,
+}
+
+impl SunkResult {
+    pub fn of(r: &ResultRecord) -> SunkResult {
+        SunkResult {
+            rid: r.record_id.clone(),
+            attempts: r.attempts,
+            tokens: Tokens::of(r),
+        }
     }
 }
 
@@ -63,6 +82,27 @@ pub struct SinkBatch {
     /// Records whose state is review, dropped or cancelled now, and results
     /// that cannot be read (kept as `rejected`).
     pub failures: Vec<FailureRow>,
+}
+
+/// The entries of a stream reply (`[[id, [field, value...]]...]`).
+fn sink_entries(reply: &Value) -> Vec<SinkEntry> {
+    let mut out = Vec::new();
+    for entry in as_array(reply) {
+        let parts = as_array(entry);
+        let (Some(id), Some(fields)) = (parts.first().and_then(as_string), parts.get(1)) else {
+            continue;
+        };
+        let fields: Vec<String> = as_array(fields).iter().filter_map(as_string).collect();
+        let get = |k: &str| fields.chunks(2).find(|kv| kv[0] == k).and_then(|kv| kv.get(1)).cloned();
+        if let Some(rid) = get("rid") {
+            out.push(SinkEntry {
+                entry_id: id,
+                rid,
+                result: get("k").as_deref() == Some("r"),
+            });
+        }
+    }
+    out
 }
 
 /// The values of `fields` of one hash, in their order.
@@ -127,23 +167,74 @@ impl RedisStore {
         };
         let mut out = Vec::new();
         for s in as_array(&reply) {
-            for entry in as_array(as_array(s).get(1).unwrap_or(&Value::Nil)) {
-                let parts = as_array(entry);
-                let (Some(id), Some(fields)) = (parts.first().and_then(as_string), parts.get(1)) else {
-                    continue;
-                };
-                let fields: Vec<String> = as_array(fields).iter().filter_map(as_string).collect();
-                let get = |k: &str| fields.chunks(2).find(|kv| kv[0] == k).and_then(|kv| kv.get(1)).cloned();
-                if let Some(rid) = get("rid") {
-                    out.push(SinkEntry {
-                        entry_id: id,
-                        rid,
-                        result: get("k").as_deref() == Some("r"),
-                    });
-                }
-            }
+            out.extend(sink_entries(as_array(s).get(1).unwrap_or(&Value::Nil)));
         }
         Ok(out)
+    }
+
+    /// For the files sink, whose writer holds the partition alone: with a
+    /// `cursor`, the next entries still pending from before it took the
+    /// partition (any consumer's: a previous writer's, or its own earlier
+    /// life's), claimed, and the cursor to go on from (None when every one
+    /// was taken); without, new entries.
+    pub async fn sink_take_held(
+        &self,
+        job: &str,
+        partition: u32,
+        consumer: &str,
+        count: usize,
+        cursor: Option<&str>,
+    ) -> Result<(Vec<SinkEntry>, Option<String>), StoreError> {
+        let stream = keys::sink(job, partition);
+        let mut c = self.conn.clone();
+        let Some(cursor) = cursor else {
+            let reply: Value = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(keys::SINK_GROUP)
+                .arg(consumer)
+                .arg("COUNT")
+                .arg(count.max(1))
+                .arg("STREAMS")
+                .arg(&stream)
+                .arg(">")
+                .query_async(&mut c)
+                .await?;
+            let mut out = Vec::new();
+            for s in as_array(&reply) {
+                out.extend(sink_entries(as_array(s).get(1).unwrap_or(&Value::Nil)));
+            }
+            return Ok((out, None));
+        };
+        // XPENDING from the cursor, then XCLAIM of what it lists (the
+        // commands the worker's ACL already has).
+        let start = if cursor == "0-0" {
+            "-".to_owned()
+        } else {
+            format!("({cursor}")
+        };
+        let listed: Value = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg(keys::SINK_GROUP)
+            .arg(&start)
+            .arg("+")
+            .arg(count.max(1))
+            .query_async(&mut c)
+            .await?;
+        let ids: Vec<String> = as_array(&listed)
+            .iter()
+            .filter_map(|e| as_string(as_array(e).first()?))
+            .collect();
+        let next = (ids.len() >= count.max(1)).then(|| ids.last().cloned()).flatten();
+        if ids.is_empty() {
+            return Ok((Vec::new(), None));
+        }
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(&stream).arg(keys::SINK_GROUP).arg(consumer).arg(0);
+        for id in &ids {
+            cmd.arg(id);
+        }
+        let claimed: Value = cmd.query_async(&mut c).await?;
+        Ok((sink_entries(&claimed), next))
     }
 
     /// The results and failures a batch names, as Redis holds them now: a
@@ -223,9 +314,9 @@ impl RedisStore {
         partition: u32,
         entries: &[SinkEntry],
         written: u64,
-        sunk: &[&ResultRecord],
+        sunk: &[SunkResult],
     ) -> Result<u64, StoreError> {
-        if entries.is_empty() {
+        if entries.is_empty() && sunk.is_empty() {
             return Ok(0);
         }
         let mut inv = self.scripts.sink_ack.prepare_invoke();
@@ -241,11 +332,11 @@ impl RedisStore {
             inv.arg(&e.entry_id);
         }
         for r in sunk {
-            inv.key(keys::idem(job, partition, &r.record_id));
+            inv.key(keys::idem(job, partition, &r.rid));
         }
         for r in sunk {
-            let t = Tokens::of(r);
-            inv.arg(&r.record_id)
+            let t = r.tokens;
+            inv.arg(&r.rid)
                 .arg(r.attempts)
                 .arg(t.prompt)
                 .arg(t.completion)

@@ -1,0 +1,886 @@
+//! The files result sink: JSONL segments in a directory, one set for
+//! results and one for failures, each segment fsync'd and renamed into place
+//! whole, and a manifest listing every finished segment with its record
+//! count and sha256.
+//!
+//! Layout of `sink.dir` for job J:
+//!
+//! ```text
+//! J/manifest.json                 the job (expected records...) and every finished segment
+//! J/results/p003-00000017.jsonl   one line per done record (the results table's columns)
+//! J/failures/p003-00000017.jsonl  review, dropped, cancelled records (a log: the last line of a record wins)
+//! J/.open/                        segments being written, and a finished batch's pending acknowledgement
+//! J/.locks/                       one lock file per partition, and one for the manifest
+//! ```
+//!
+//! One writer holds a partition at a time (an exclusive `flock` on its lock
+//! file, held while the writer lives and released by the kernel when its
+//! process dies). Finishing a segment: fsync the open files, write the
+//! pending acknowledgement (the segments and the sink stream entries they
+//! hold), rename the segments into place, add them to the manifest, then
+//! acknowledge the entries in Redis and remove the pending file. Whoever
+//! takes the partition next rolls a pending file forward (the renamed
+//! segments stay, the acknowledgement is repeated) and deletes open segments
+//! that never got one: their entries are still pending in Redis and are
+//! written again. A line is never counted unless its segment was renamed
+//! whole, and the ids of the partition's last segments are kept to skip a
+//! record that Redis hands over again (an acknowledgement an AOF restart
+//! lost), so each record has exactly one line over all segments.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::manifest::Manifest;
+use crate::sink::{FailureRow, ResultRow, SinkError};
+use crate::store::{SinkEntry, SunkResult};
+use crate::task::ResultRecord;
+
+/// How many finished results segments of a partition the writer remembers
+/// the ids of, to skip a record handed over again after Redis lost an
+/// acknowledgement (at most the last second of them with `appendfsync
+/// everysec`, long since inside this window).
+const RECENT_SEGMENTS: usize = 4;
+
+/// When a segment is finished: whichever comes first.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentLimits {
+    pub records: usize,
+    pub bytes: u64,
+    pub age: Duration,
+}
+
+/// One finished segment, as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    /// `results` or `failures`.
+    pub kind: String,
+    /// Relative to the job's directory.
+    pub file: String,
+    pub partition: u32,
+    pub seq: u64,
+    pub records: u64,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+/// `manifest.json`: what the job expects (from its manifest in Redis) and
+/// every finished segment.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct FilesManifest {
+    pub job: String,
+    #[serde(default)]
+    pub expected_records: u64,
+    #[serde(default)]
+    pub datasets: serde_json::Value,
+    #[serde(default)]
+    pub versions: serde_json::Value,
+    #[serde(default)]
+    pub spec_sha256: String,
+    #[serde(default)]
+    pub updated_at: String,
+    #[serde(default)]
+    pub segments: Vec<Segment>,
+}
+
+/// A finished batch whose entries are not acknowledged yet
+/// (`.open/pNNN.pending`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pending {
+    pub partition: u32,
+    pub seq: u64,
+    pub segments: Vec<Segment>,
+    /// The sink stream entries the segments hold (or skipped as already there).
+    pub entries: Vec<SinkEntry>,
+    /// The results whose lines the sink holds: they leave Redis at the acknowledgement.
+    pub sunk: Vec<SunkResult>,
+    /// Result lines that were new.
+    pub written: u64,
+    /// Found by the writer that took the partition over (its rows are not
+    /// counted as written again).
+    #[serde(skip)]
+    pub recovered: bool,
+}
+
+/// The outcome of taking a partition.
+pub enum Take {
+    /// Another writer (another process) holds it.
+    Busy,
+    /// This writer holds it.
+    Held,
+}
+
+/// A job's files sink, as one writer sees it.
+pub struct FileSink {
+    root: PathBuf,
+    job: String,
+    limits: SegmentLimits,
+    parts: HashMap<u32, Part>,
+}
+
+struct Part {
+    /// The partition's lock file, locked while this is alive.
+    _lock: File,
+    next_seq: u64,
+    open: Option<Open>,
+    /// A finished batch waiting for its acknowledgement.
+    pending: Option<Pending>,
+    /// While Some: the entries pending in Redis when the partition was
+    /// taken (a previous writer's) are being taken over, from this cursor.
+    pub orphans: Option<String>,
+    recent: VecDeque<Vec<String>>,
+    recent_ids: HashSet<String>,
+}
+
+struct Open {
+    seq: u64,
+    started: Instant,
+    results: SegWriter,
+    failures: SegWriter,
+    entries: Vec<SinkEntry>,
+    sunk: Vec<SunkResult>,
+    ids: HashSet<String>,
+}
+
+struct SegWriter {
+    kind: &'static str,
+    tmp: PathBuf,
+    file: Option<BufWriter<File>>,
+    lines: u64,
+    bytes: u64,
+    sha: Sha256,
+}
+
+fn disk(what: &str, path: &Path, e: std::io::Error) -> SinkError {
+    SinkError::Disk(format!("{what} {}: {e}", path.display()))
+}
+
+fn segment_name(partition: u32, seq: u64) -> String {
+    format!("p{partition:03}-{seq:08}.jsonl")
+}
+
+/// The job's directory under `dir`.
+pub fn job_dir(dir: &Path, job: &str) -> Result<PathBuf, SinkError> {
+    if job.is_empty() || job.starts_with('.') {
+        return Err(SinkError::Schema(format!(
+            "job name `{job}` cannot name a directory of the files sink (it starts with `.`)"
+        )));
+    }
+    Ok(dir.join(job))
+}
+
+/// fsyncs a directory, so a rename in it survives a crash.
+fn sync_dir(dir: &Path) -> Result<(), SinkError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| disk("cannot sync directory", dir, e))
+}
+
+/// Writes `bytes` to `path` whole: a temporary file, fsync'd, renamed over it.
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(|e| disk("cannot create", &tmp, e))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| disk("cannot write", &tmp, e))?;
+    fs::rename(&tmp, path).map_err(|e| disk("cannot rename into place", path, e))?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+impl SegWriter {
+    fn new(kind: &'static str, tmp: PathBuf) -> SegWriter {
+        SegWriter {
+            kind,
+            tmp,
+            file: None,
+            lines: 0,
+            bytes: 0,
+            sha: Sha256::new(),
+        }
+    }
+
+    fn append(&mut self, line: &[u8]) -> Result<(), SinkError> {
+        if self.file.is_none() {
+            let f = File::create(&self.tmp).map_err(|e| disk("cannot create", &self.tmp, e))?;
+            self.file = Some(BufWriter::with_capacity(1 << 20, f));
+        }
+        let f = self.file.as_mut().expect("opened above");
+        f.write_all(line)
+            .and_then(|_| f.write_all(b"\n"))
+            .map_err(|e| disk("cannot write", &self.tmp, e))?;
+        self.sha.update(line);
+        self.sha.update(b"\n");
+        self.lines += 1;
+        self.bytes += line.len() as u64 + 1;
+        Ok(())
+    }
+
+    /// Flushes and fsyncs; the segment as the manifest will list it.
+    fn seal(&mut self, partition: u32, seq: u64) -> Result<Option<Segment>, SinkError> {
+        let Some(f) = self.file.take() else { return Ok(None) };
+        let f = f
+            .into_inner()
+            .map_err(|e| disk("cannot write", &self.tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| disk("cannot sync", &self.tmp, e))?;
+        Ok(Some(Segment {
+            kind: self.kind.to_owned(),
+            file: format!("{}/{}", self.kind, segment_name(partition, seq)),
+            partition,
+            seq,
+            records: self.lines,
+            bytes: self.bytes,
+            sha256: hex::encode(std::mem::take(&mut self.sha).finalize()),
+        }))
+    }
+}
+
+impl FileSink {
+    /// The sink of `job` in `dir` (created when absent).
+    pub fn open(dir: &Path, job: &str, limits: SegmentLimits) -> Result<FileSink, SinkError> {
+        let root = job_dir(dir, job)?;
+        for sub in ["results", "failures", ".open", ".locks"] {
+            let d = root.join(sub);
+            fs::create_dir_all(&d).map_err(|e| disk("cannot create directory", &d, e))?;
+        }
+        Ok(FileSink {
+            root,
+            job: job.to_owned(),
+            limits,
+            parts: HashMap::new(),
+        })
+    }
+
+    /// Takes partition `p` for this writer unless another holds it. Taking
+    /// it rolls forward what a previous writer left: a pending
+    /// acknowledgement is returned through [`FileSink::pending`], open
+    /// segments without one are deleted.
+    pub fn take(&mut self, p: u32) -> Result<Take, SinkError> {
+        if self.parts.contains_key(&p) {
+            return Ok(Take::Held);
+        }
+        let path = self.root.join(".locks").join(format!("p{p:03}.lock"));
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| disk("cannot open", &path, e))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => return Ok(Take::Busy),
+            Err(fs::TryLockError::Error(e)) => return Err(disk("cannot lock", &path, e)),
+        }
+        let pending = self.roll_forward(p)?;
+        let next_seq = self.last_seq(p)? + 1;
+        let (recent, recent_ids) = self.recent_ids(p)?;
+        self.parts.insert(
+            p,
+            Part {
+                _lock: lock,
+                next_seq,
+                open: None,
+                pending,
+                orphans: Some("0-0".into()),
+                recent,
+                recent_ids,
+            },
+        );
+        Ok(Take::Held)
+    }
+
+    /// Completes what the partition's previous writer left behind.
+    fn roll_forward(&self, p: u32) -> Result<Option<Pending>, SinkError> {
+        let open = self.root.join(".open");
+        let pending_path = open.join(format!("p{p:03}.pending"));
+        let pending: Option<Pending> = match fs::read(&pending_path) {
+            Ok(bytes) => Some(Pending {
+                recovered: true,
+                ..serde_json::from_slice(&bytes)
+                    .map_err(|e| SinkError::Disk(format!("{} cannot be read: {e}", pending_path.display())))?
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(disk("cannot read", &pending_path, e)),
+        };
+        if let Some(pend) = &pending {
+            for s in &pend.segments {
+                let tmp = open.join(format!("{}-{}.tmp", s.kind, segment_name(p, s.seq)));
+                let dest = self.root.join(&s.file);
+                if tmp.exists() {
+                    fs::rename(&tmp, &dest).map_err(|e| disk("cannot rename into place", &dest, e))?;
+                }
+            }
+            for d in ["results", "failures"] {
+                sync_dir(&self.root.join(d))?;
+            }
+            self.add_to_manifest(&pend.segments)?;
+        }
+        // Open segments that got no pending file: never counted, their
+        // entries are still pending in Redis.
+        let prefix = format!("-p{p:03}-");
+        for entry in fs::read_dir(&open).map_err(|e| disk("cannot read directory", &open, e))? {
+            let entry = entry.map_err(|e| disk("cannot read directory", &open, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".tmp") && name.contains(&prefix) {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
+        Ok(pending)
+    }
+
+    /// The highest segment number of the partition on disk (0 when none).
+    fn last_seq(&self, p: u32) -> Result<u64, SinkError> {
+        let mut last = 0;
+        for d in ["results", "failures"] {
+            for (part, seq, _) in list_segments(&self.root.join(d))? {
+                if part == p {
+                    last = last.max(seq);
+                }
+            }
+        }
+        Ok(last)
+    }
+
+    /// The record ids of the partition's last results segments.
+    fn recent_ids(&self, p: u32) -> Result<(VecDeque<Vec<String>>, HashSet<String>), SinkError> {
+        let mut segs: Vec<(u64, PathBuf)> = list_segments(&self.root.join("results"))?
+            .into_iter()
+            .filter(|(part, _, _)| *part == p)
+            .map(|(_, seq, path)| (seq, path))
+            .collect();
+        segs.sort();
+        let mut recent = VecDeque::new();
+        let mut ids = HashSet::new();
+        for (_, path) in segs.iter().rev().take(RECENT_SEGMENTS).rev() {
+            let mut these = Vec::new();
+            each_line(path, |line| {
+                if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
+                    these.push(id.record_id);
+                }
+            })?;
+            ids.extend(these.iter().cloned());
+            recent.push_back(these);
+        }
+        Ok((recent, ids))
+    }
+
+    /// Lets go of a partition (after a failure): its open segment is
+    /// discarded, and whoever takes it next writes its entries again.
+    pub fn release(&mut self, p: u32) {
+        self.parts.remove(&p);
+    }
+
+    /// A finished batch of the partition still to be acknowledged in Redis.
+    pub fn pending(&self, p: u32) -> Option<&Pending> {
+        self.parts.get(&p)?.pending.as_ref()
+    }
+
+    /// The acknowledgement of the pending batch is done: its file goes.
+    pub fn acknowledged(&mut self, p: u32) -> Result<(), SinkError> {
+        if let Some(part) = self.parts.get_mut(&p) {
+            part.pending = None;
+        }
+        let path = self.root.join(".open").join(format!("p{p:03}.pending"));
+        match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(disk("cannot remove", &path, e)),
+        }
+    }
+
+    /// The cursor of the take-over of a previous writer's entries (None
+    /// once every one was taken).
+    pub fn orphans(&self, p: u32) -> Option<&str> {
+        self.parts.get(&p)?.orphans.as_deref()
+    }
+
+    pub fn set_orphans(&mut self, p: u32, cursor: Option<String>) {
+        if let Some(part) = self.parts.get_mut(&p) {
+            part.orphans = cursor;
+        }
+    }
+
+    /// Appends a batch to the partition's open segments (opened when none
+    /// is). A result already in the sink (in this segment or the recent
+    /// ones) gets no second line; it still leaves Redis with the rest.
+    pub fn append(
+        &mut self,
+        p: u32,
+        entries: &[SinkEntry],
+        results: &[ResultRecord],
+        rows: &[ResultRow],
+        failures: &[FailureRow],
+    ) -> Result<(), SinkError> {
+        let open_dir = self.root.join(".open");
+        let part = self
+            .parts
+            .get_mut(&p)
+            .ok_or_else(|| SinkError::Disk(format!("partition {p} is not held")))?;
+        if part.open.is_none() {
+            let seq = part.next_seq;
+            part.next_seq += 1;
+            let tmp = |kind: &str| open_dir.join(format!("{kind}-{}.tmp", segment_name(p, seq)));
+            part.open = Some(Open {
+                seq,
+                started: Instant::now(),
+                results: SegWriter::new("results", tmp("results")),
+                failures: SegWriter::new("failures", tmp("failures")),
+                entries: Vec::new(),
+                sunk: Vec::new(),
+                ids: HashSet::new(),
+            });
+        }
+        let Some(open) = part.open.as_mut() else { return Ok(()) };
+        for f in failures {
+            open.failures.append(&serde_json::to_vec(f).unwrap_or_default())?;
+        }
+        for (r, row) in results.iter().zip(rows) {
+            if !part.recent_ids.contains(&r.record_id) && open.ids.insert(r.record_id.clone()) {
+                open.results.append(&serde_json::to_vec(row).unwrap_or_default())?;
+            }
+            open.sunk.push(SunkResult::of(r));
+        }
+        open.entries.extend_from_slice(entries);
+        Ok(())
+    }
+
+    /// Whether the partition's open segment is due to be finished.
+    pub fn due(&self, p: u32) -> bool {
+        let Some(open) = self.parts.get(&p).and_then(|part| part.open.as_ref()) else {
+            return false;
+        };
+        let l = &self.limits;
+        open.results.lines as usize + open.failures.lines as usize >= l.records
+            || open.results.bytes + open.failures.bytes >= l.bytes
+            || open.started.elapsed() >= l.age
+    }
+
+    /// Whether the partition has an open segment.
+    pub fn is_open(&self, p: u32) -> bool {
+        self.parts.get(&p).is_some_and(|part| part.open.is_some())
+    }
+
+    /// Finishes the partition's open segment: fsync'd, its pending
+    /// acknowledgement written, renamed into place, added to the manifest.
+    /// The batch is then [`FileSink::pending`] until acknowledged.
+    pub fn finish(&mut self, p: u32) -> Result<(), SinkError> {
+        let root = self.root.clone();
+        let Some(part) = self.parts.get_mut(&p) else {
+            return Ok(());
+        };
+        let Some(mut open) = part.open.take() else {
+            return Ok(());
+        };
+        let mut segments = Vec::new();
+        let mut tmps = Vec::new();
+        for w in [&mut open.results, &mut open.failures] {
+            if let Some(s) = w.seal(p, open.seq)? {
+                tmps.push((w.tmp.clone(), root.join(&s.file)));
+                segments.push(s);
+            }
+        }
+        let pending = Pending {
+            partition: p,
+            seq: open.seq,
+            written: open.results.lines,
+            segments,
+            entries: open.entries,
+            sunk: open.sunk,
+            recovered: false,
+        };
+        let bytes = serde_json::to_vec(&pending).unwrap_or_default();
+        write_atomic(&root.join(".open").join(format!("p{p:03}.pending")), &bytes)?;
+        for (tmp, dest) in &tmps {
+            fs::rename(tmp, dest).map_err(|e| disk("cannot rename into place", dest, e))?;
+        }
+        for d in ["results", "failures"] {
+            sync_dir(&root.join(d))?;
+        }
+        let ids: Vec<String> = open.ids.into_iter().collect();
+        if !ids.is_empty() {
+            part.recent_ids.extend(ids.iter().cloned());
+            part.recent.push_back(ids);
+            while part.recent.len() > RECENT_SEGMENTS {
+                for id in part.recent.pop_front().unwrap_or_default() {
+                    part.recent_ids.remove(&id);
+                }
+            }
+        }
+        part.pending = Some(pending);
+        let segments = part.pending.as_ref().map(|p| p.segments.clone()).unwrap_or_default();
+        self.add_to_manifest(&segments)
+    }
+
+    /// Adds segments to `manifest.json` (each once), under the manifest's lock.
+    fn add_to_manifest(&self, segments: &[Segment]) -> Result<(), SinkError> {
+        if segments.is_empty() {
+            return Ok(());
+        }
+        self.edit_manifest(|m| {
+            for s in segments {
+                if !m.segments.iter().any(|have| have.file == s.file) {
+                    m.segments.push(s.clone());
+                }
+            }
+        })
+    }
+
+    /// Keeps the job's part of `manifest.json` as its manifest in Redis says.
+    pub fn write_job(&self, job: &Manifest) -> Result<(), SinkError> {
+        self.edit_manifest(|m| {
+            m.expected_records = job.expected_records;
+            m.datasets = serde_json::to_value(&job.datasets).unwrap_or_default();
+            m.versions = serde_json::to_value(&job.versions).unwrap_or_default();
+            m.spec_sha256 = job.spec_sha256.clone();
+        })
+    }
+
+    fn edit_manifest(&self, edit: impl FnOnce(&mut FilesManifest)) -> Result<(), SinkError> {
+        let lock_path = self.root.join(".locks").join("manifest.lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| disk("cannot open", &lock_path, e))?;
+        lock.lock().map_err(|e| disk("cannot lock", &lock_path, e))?;
+        let path = self.root.join("manifest.json");
+        let mut m = read_manifest(&self.root)?.unwrap_or_else(|| FilesManifest {
+            job: self.job.clone(),
+            ..FilesManifest::default()
+        });
+        edit(&mut m);
+        m.segments
+            .sort_by(|a, b| (&a.kind, a.partition, a.seq).cmp(&(&b.kind, b.partition, b.seq)));
+        m.updated_at = crate::manifest::now_rfc3339();
+        let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
+        write_atomic(&path, &bytes)
+    }
+}
+
+#[derive(Deserialize)]
+struct IdOnly {
+    record_id: String,
+}
+
+/// `(partition, seq, path)` of every finished segment in `dir`.
+fn list_segments(dir: &Path) -> Result<Vec<(u32, u64, PathBuf)>, SinkError> {
+    let mut out = Vec::new();
+    let rd = match fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(disk("cannot read directory", dir, e)),
+    };
+    for entry in rd {
+        let entry = entry.map_err(|e| disk("cannot read directory", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let parsed = name
+            .strip_prefix('p')
+            .and_then(|n| n.strip_suffix(".jsonl"))
+            .and_then(|n| n.split_once('-'))
+            .and_then(|(p, s)| Some((p.parse().ok()?, s.parse().ok()?)));
+        if let Some((p, seq)) = parsed {
+            out.push((p, seq, entry.path()));
+        }
+    }
+    Ok(out)
+}
+
+fn each_line(path: &Path, mut f: impl FnMut(&str)) -> Result<(), SinkError> {
+    let file = File::open(path).map_err(|e| disk("cannot read", path, e))?;
+    for line in BufReader::new(file).lines() {
+        f(&line.map_err(|e| disk("cannot read", path, e))?);
+    }
+    Ok(())
+}
+
+/// The job's `manifest.json` (None before the first segment).
+pub fn read_manifest(root: &Path) -> Result<Option<FilesManifest>, SinkError> {
+    let path = root.join("manifest.json");
+    match fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| SinkError::Disk(format!("{} cannot be read: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(disk("cannot read", &path, e)),
+    }
+}
+
+/// What the segments on disk hold, checked against the manifest.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FilesCheck {
+    /// Every record id of the results segments, sorted (a record twice is
+    /// there twice).
+    #[serde(skip)]
+    pub result_ids: Vec<String>,
+    /// Segments the manifest lists.
+    pub segments: u64,
+    /// Listed segments whose line count or sha256 differ, or that are gone.
+    pub damaged: Vec<String>,
+    /// Finished segments on disk the manifest does not list (a writer died
+    /// between the rename and the manifest; the next one lists them).
+    pub unlisted: Vec<String>,
+    /// Unresolved failures by state: the last line of each record in the
+    /// failures segments, unless it has a result line.
+    pub open_failures: BTreeMap<String, u64>,
+}
+
+/// Reads and checks every segment of `job` in `dir`.
+pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
+    let root = job_dir(dir, job)?;
+    let manifest = read_manifest(&root)?.unwrap_or_default();
+    let mut c = FilesCheck {
+        segments: manifest.segments.len() as u64,
+        ..FilesCheck::default()
+    };
+    let listed: HashSet<&str> = manifest.segments.iter().map(|s| s.file.as_str()).collect();
+    for d in ["results", "failures"] {
+        for (_, _, path) in list_segments(&root.join(d))? {
+            let rel = format!("{d}/{}", path.file_name().unwrap_or_default().to_string_lossy());
+            if !listed.contains(rel.as_str()) {
+                c.unlisted.push(rel);
+            }
+        }
+    }
+    c.unlisted.sort();
+    // Failures in order (partition, then segment number: a record's lines
+    // are in its partition, oldest first): the last line of a record wins.
+    let mut last: HashMap<String, String> = HashMap::new();
+    for s in &manifest.segments {
+        let path = root.join(&s.file);
+        let mut sha = Sha256::new();
+        let mut lines = 0u64;
+        let read = each_line(&path, |line| {
+            sha.update(line.as_bytes());
+            sha.update(b"\n");
+            lines += 1;
+            if s.kind == "results" {
+                if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
+                    c.result_ids.push(id.record_id);
+                }
+            } else if let Ok(f) = serde_json::from_str::<FailureRow>(line) {
+                last.insert(f.record_id, f.state);
+            }
+        });
+        if read.is_err() || lines != s.records || hex::encode(sha.finalize()) != s.sha256 {
+            c.damaged.push(s.file.clone());
+        }
+    }
+    c.result_ids.sort_unstable();
+    for (rid, state) in last {
+        if c.result_ids.binary_search(&rid).is_err() {
+            *c.open_failures.entry(state).or_default() += 1;
+        }
+    }
+    Ok(c)
+}
+
+/// Every result line of `job` in `dir`, as the result it was written from,
+/// one at a time.
+pub fn results(dir: &Path, job: &str, mut f: impl FnMut(ResultRecord)) -> Result<u64, SinkError> {
+    let root = job_dir(dir, job)?;
+    let manifest = read_manifest(&root)?.unwrap_or_default();
+    let mut n = 0;
+    for s in manifest.segments.iter().filter(|s| s.kind == "results") {
+        let path = root.join(&s.file);
+        let mut bad = None;
+        each_line(&path, |line| match serde_json::from_str::<ResultRow>(line) {
+            Ok(row) => {
+                f(row.into_record());
+                n += 1;
+            }
+            Err(e) => bad = Some(e.to_string()),
+        })?;
+        if let Some(e) = bad {
+            return Err(SinkError::Disk(format!(
+                "{} holds a line that is no result: {e}",
+                path.display()
+            )));
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory of its own, removed at the end of the test.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tempdir() -> TempDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("bf-files-{}-{n}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+
+    fn limits() -> SegmentLimits {
+        SegmentLimits {
+            records: 1000,
+            bytes: 1 << 30,
+            age: Duration::from_secs(3600),
+        }
+    }
+
+    fn result(rid: &str) -> ResultRecord {
+        ResultRecord {
+            record_id: rid.into(),
+            key: format!("k-{rid}"),
+            output: serde_json::from_str(r#"{"label":"a"}"#).unwrap(),
+            attempts: 1,
+            calls: 1,
+            response_id: None,
+            repairs: vec![],
+            usage: None,
+            history: vec![],
+            model: "m".into(),
+            versions: BTreeMap::new(),
+            human: false,
+            reviewer: None,
+            worker: None,
+            committed_at: "2026-01-01T00:00:00Z".into(),
+            input: None,
+        }
+    }
+
+    fn entry(n: u32, rid: &str) -> SinkEntry {
+        SinkEntry {
+            entry_id: format!("{n}-0"),
+            rid: rid.into(),
+            result: true,
+        }
+    }
+
+    fn append(sink: &mut FileSink, rids: &[&str]) {
+        let results: Vec<ResultRecord> = rids.iter().map(|r| result(r)).collect();
+        let rows: Vec<ResultRow> = results.iter().map(|r| ResultRow::of(r, &Default::default())).collect();
+        let entries: Vec<SinkEntry> = rids.iter().enumerate().map(|(i, r)| entry(i as u32, r)).collect();
+        sink.append(0, &entries, &results, &rows, &[]).unwrap();
+    }
+
+    #[test]
+    fn a_finished_segment_is_listed_checked_and_read_back() {
+        let dir = tempdir();
+        let mut sink = FileSink::open(dir.path(), "j", limits()).unwrap();
+        assert!(matches!(sink.take(0).unwrap(), Take::Held));
+        append(&mut sink, &["a", "b"]);
+        // A record handed over twice in the open segment: one line.
+        append(&mut sink, &["b", "c"]);
+        sink.finish(0).unwrap();
+        let pending = sink.pending(0).unwrap();
+        assert_eq!((pending.written, pending.entries.len(), pending.sunk.len()), (3, 4, 4));
+        sink.acknowledged(0).unwrap();
+        let c = check(dir.path(), "j").unwrap();
+        assert_eq!(c.result_ids, ["a", "b", "c"]);
+        assert!(c.damaged.is_empty() && c.unlisted.is_empty(), "{c:?}");
+        let mut read = Vec::new();
+        results(dir.path(), "j", |r| read.push((r.record_id, r.key))).unwrap();
+        assert_eq!(read[0], ("a".to_owned(), "k-a".to_owned()));
+        // Handed over again after a lost acknowledgement: no second line.
+        append(&mut sink, &["c", "d"]);
+        sink.finish(0).unwrap();
+        assert_eq!(check(dir.path(), "j").unwrap().result_ids, ["a", "b", "c", "d"]);
+    }
+
+    #[test]
+    fn another_writer_finds_the_partition_busy_until_the_first_is_gone() {
+        let dir = tempdir();
+        let mut one = FileSink::open(dir.path(), "j", limits()).unwrap();
+        let mut two = FileSink::open(dir.path(), "j", limits()).unwrap();
+        assert!(matches!(one.take(0).unwrap(), Take::Held));
+        assert!(matches!(two.take(0).unwrap(), Take::Busy));
+        assert!(matches!(two.take(1).unwrap(), Take::Held));
+        drop(one);
+        assert!(matches!(two.take(0).unwrap(), Take::Held));
+    }
+
+    #[test]
+    fn a_writer_that_died_mid_segment_leaves_no_line_and_one_that_died_after_the_rename_is_rolled_forward() {
+        let dir = tempdir();
+        let mut one = FileSink::open(dir.path(), "j", limits()).unwrap();
+        one.take(0).unwrap();
+        append(&mut one, &["a"]);
+        one.finish(0).unwrap();
+        // Died before acknowledging: the next writer gets the pending batch.
+        append(&mut one, &["b"]);
+        drop(one); // and died mid-segment with `b`
+        let mut two = FileSink::open(dir.path(), "j", limits()).unwrap();
+        two.take(0).unwrap();
+        let pending = two.pending(0).expect("rolled forward");
+        assert_eq!(pending.entries.len(), 1);
+        assert!(
+            fs::read_dir(dir.path().join("j/.open"))
+                .unwrap()
+                .all(|e| { !e.unwrap().file_name().to_string_lossy().ends_with(".tmp") })
+        );
+        two.acknowledged(0).unwrap();
+        let c = check(dir.path(), "j").unwrap();
+        assert_eq!(c.result_ids, ["a"]);
+        // The next segment number follows the finished one.
+        append(&mut two, &["b"]);
+        two.finish(0).unwrap();
+        let m = read_manifest(&dir.path().join("j")).unwrap().unwrap();
+        assert_eq!(m.segments.iter().map(|s| s.seq).collect::<Vec<_>>(), [1, 2]);
+    }
+
+    #[test]
+    fn a_rename_the_writer_did_not_reach_is_done_by_the_next() {
+        let dir = tempdir();
+        let mut one = FileSink::open(dir.path(), "j", limits()).unwrap();
+        one.take(0).unwrap();
+        append(&mut one, &["a"]);
+        one.finish(0).unwrap();
+        // As if the writer died between the pending file and the rename.
+        let seg = dir.path().join("j/results").join(segment_name(0, 1));
+        let tmp = dir
+            .path()
+            .join("j/.open")
+            .join(format!("results-{}.tmp", segment_name(0, 1)));
+        fs::rename(&seg, &tmp).unwrap();
+        drop(one);
+        let mut two = FileSink::open(dir.path(), "j", limits()).unwrap();
+        two.take(0).unwrap();
+        assert!(seg.exists());
+        assert_eq!(check(dir.path(), "j").unwrap().result_ids, ["a"]);
+    }
+
+    #[test]
+    fn a_damaged_segment_and_an_unlisted_one_are_found() {
+        let dir = tempdir();
+        let mut one = FileSink::open(dir.path(), "j", limits()).unwrap();
+        one.take(0).unwrap();
+        append(&mut one, &["a"]);
+        one.finish(0).unwrap();
+        let seg = dir.path().join("j/results").join(segment_name(0, 1));
+        fs::write(&seg, "{\"record_id\":\"z\"}\n").unwrap();
+        fs::write(dir.path().join("j/results").join(segment_name(0, 9)), "").unwrap();
+        let c = check(dir.path(), "j").unwrap();
+        assert_eq!(c.damaged, ["results/p000-00000001.jsonl"]);
+        assert_eq!(c.unlisted, ["results/p000-00000009.jsonl"]);
+    }
+
+    #[test]
+    fn a_job_name_cannot_climb_out_of_the_directory() {
+        let dir = tempdir();
+        assert!(FileSink::open(dir.path(), "..", limits()).is_err());
+    }
+}

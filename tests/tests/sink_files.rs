@@ -1,0 +1,208 @@
+//! The files result sink: exactly one line per done record over all
+//! segments through a writer that exits between a segment's rename and its
+//! acknowledgement, a writer killed -9 mid-segment, and Redis killed -9 and
+//! restarted from its AOF (`appendfsync everysec`: the last second of
+//! acknowledgements can be lost and their records handed over again); the
+//! manifest lists every segment with its line count and sha256, and
+//! `status --require-complete` proves the job from the segments.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, wait_for, worker_cmd, write_records,
+};
+use serde_json::Value;
+
+const JOB: &str = "files";
+
+fn files_spec(dir: &TempDir, out: &Path) -> PathBuf {
+    spec_with(
+        dir,
+        &[
+            (
+                "[retry]",
+                &format!(
+                    "[sink]\nkind = \"files\"\ndir = \"{}\"\nbatch_rows = 50\nsegment_records = 200\nsegment_secs = 1\n\n[retry]",
+                    out.display()
+                ),
+            ),
+            ("timeout_secs = 30", "timeout_secs = 3"),
+        ],
+    )
+}
+
+/// Every line of every finished results segment: record id -> lines.
+fn result_lines(job_dir: &Path) -> HashMap<String, u32> {
+    let mut ids = HashMap::new();
+    let Ok(rd) = std::fs::read_dir(job_dir.join("results")) else {
+        return ids;
+    };
+    for entry in rd {
+        let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        assert!(
+            text.is_empty() || text.ends_with('\n'),
+            "a segment ends with a whole line"
+        );
+        for line in text.lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("a partial line {line:?}: {e}"));
+            *ids.entry(v["record_id"].as_str().unwrap().to_owned()).or_default() += 1;
+        }
+    }
+    ids
+}
+
+fn open_files(job_dir: &Path, suffix: &str) -> Vec<String> {
+    std::fs::read_dir(job_dir.join(".open"))
+        .map(|rd| {
+            rd.filter_map(|e| {
+                let name = e.ok()?.file_name().to_string_lossy().into_owned();
+                name.ends_with(suffix).then_some(name)
+            })
+            .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_done_record_is_one_line_through_kills_of_the_writer_and_redis() {
+    let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]);
+    let sim = LlmSim::start(&["--latency-ms", "20", "--faults", "bad_enum=0.05", "--seed", "5"]);
+    let dir = TempDir::new("sink-files");
+    let out = dir.join("out");
+    let job_dir = out.join(JOB);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 1500);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
+    let fast = [
+        "--concurrency",
+        "8",
+        "--visibility-timeout-ms",
+        "4000",
+        "--drain-timeout-secs",
+        "5",
+    ];
+
+    // A: exits right after its first segment is renamed into place, before
+    // acknowledging it: the segment is listed, its entries are not acknowledged.
+    let mut a = worker_cmd(&redis, JOB, &sim, &fast);
+    a.env("BATCHFLEET_FAULT", "sink_exit_after_rename");
+    let (exit, log) = Running::spawn(a).finish(Duration::from_secs(60));
+    assert_eq!(exit.code(), Some(137), "{log}");
+    assert_eq!(
+        open_files(&job_dir, ".pending").len(),
+        1,
+        "its acknowledgement is pending"
+    );
+    let first = result_lines(&job_dir);
+    assert!(!first.is_empty());
+
+    // B rolls that forward, writes more, and is killed -9 mid-segment.
+    let b = Running::spawn(worker_cmd(&redis, JOB, &sim, &fast));
+    wait_for("more lines", Duration::from_secs(60), || {
+        result_lines(&job_dir).len() > first.len() + 300
+    });
+    wait_for("an open segment", Duration::from_secs(30), || {
+        !open_files(&job_dir, ".tmp").is_empty()
+    });
+    harness::signal(b.pid(), "KILL");
+    let _ = b.finish(Duration::from_secs(10));
+    assert!(!open_files(&job_dir, ".tmp").is_empty(), "B died with a segment open");
+
+    // Redis dies too, and replays its AOF.
+    redis.kill9_and_restart();
+
+    // C drains the job and the sink.
+    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &[&fast[..], &["--drain"]].concat()))
+        .finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+
+    let (code, s) = harness::status_json(&redis, JOB);
+    assert_eq!(code, Some(0), "complete, proven from the segments: {s}");
+    let v = &s["sink"]["verified"];
+    assert_eq!(v["exact"], true, "{s}");
+    assert_eq!(v["duplicates"], 0, "{s}");
+    assert_eq!(s["sink"]["backlog"], 0, "{s}");
+    let done = s["done"].as_u64().unwrap();
+    assert!(done > 1300, "{s}");
+    let lines = result_lines(&job_dir);
+    assert_eq!(lines.len() as u64, done, "one record per done record: {s}");
+    assert!(lines.values().all(|n| *n == 1), "no record twice");
+    for id in first.keys() {
+        assert_eq!(lines.get(id), Some(&1), "A's segment stays, once");
+    }
+    assert!(open_files(&job_dir, ".tmp").is_empty(), "no open segment left");
+    assert!(open_files(&job_dir, ".pending").is_empty(), "every batch acknowledged");
+
+    // The manifest lists every segment with its lines and sha256.
+    let m: Value = serde_json::from_str(&std::fs::read_to_string(job_dir.join("manifest.json")).unwrap()).unwrap();
+    let listed: u64 = m["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] == "results")
+        .map(|s| s["records"].as_u64().unwrap())
+        .sum();
+    assert_eq!(listed, done);
+    assert_eq!(m["expected_records"], 1500, "{m}");
+    // What is in review is in the failures segments.
+    let review = s["review"].as_u64().unwrap();
+    assert_eq!(v["open_failures"]["review"].as_u64().unwrap_or(0), review, "{s}");
+
+    // Export reads the results back from the segments, each once.
+    let export = producer(&[
+        "export",
+        "--job",
+        JOB,
+        "--redis",
+        &redis.url(),
+        "--what",
+        "done",
+        "--out",
+        "-",
+    ]);
+    assert!(export.status.success(), "{}", harness::stderr(&export));
+    let exported: Vec<Value> = String::from_utf8_lossy(&export.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(exported.len() as u64, done);
+}
+
+#[test]
+fn a_segment_changed_on_disk_makes_the_check_fail() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "0"]);
+    let dir = TempDir::new("sink-files-damage");
+    let out = dir.join("out");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 100);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (code, s) = harness::status_json(&redis, JOB);
+    assert_eq!(
+        (code, &s["sink"]["verified"]["exact"]),
+        (Some(0), &Value::Bool(true)),
+        "{s}\n{log}"
+    );
+    // A line removed from a segment: the manifest's count and sha256 disagree.
+    let seg = std::fs::read_dir(out.join(JOB).join("results"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let text = std::fs::read_to_string(&seg).unwrap();
+    let cut: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&seg, cut).unwrap();
+    let (code, s) = harness::status_json(&redis, JOB);
+    assert_ne!(code, Some(0), "{s}");
+    let v = &s["sink"]["verified"];
+    assert_eq!(v["exact"], false, "{s}");
+    assert_eq!(v["missing"], 1, "{s}");
+    assert_eq!(v["damaged"].as_array().map(Vec::len), Some(1), "{s}");
+}
