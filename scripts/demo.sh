@@ -5,7 +5,9 @@
 # then that endpoint is used), enqueues examples/dataset.jsonl, runs two
 # workers until the job is drained, writing the results into a throwaway
 # PostgreSQL (when its server binaries are installed; `make demo` installs
-# them), and prints the job status, a psql query and its first rows.
+# them), and prints the job status, a psql query and its first rows; where
+# PostgreSQL cannot be installed, into the files sink (JSONL segments in
+# .demo/sink), and says so.
 # Everything it starts binds to 127.0.0.1 and is stopped at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,13 +44,16 @@ else
 fi
 
 spec=examples/job.toml
-if start_postgres; then
+# DEMO_SINK=files: the files sink even where PostgreSQL is installed.
+if [ "${DEMO_SINK:-}" != files ] && start_postgres; then
   export DEMO_DATABASE_URL="$PG_URL"
   spec="$work/job.toml"
   sed 's/^\[retry\]$/[sink]\nkind = "postgres"\nurl_env = "DEMO_DATABASE_URL"\ntable = "results"\n\n[retry]/' examples/job.toml >"$spec"
   echo "started a throwaway PostgreSQL on 127.0.0.1:$PG_PORT: results go to its table \`results\` ($spec adds [sink])"
 else
-  echo "PostgreSQL's server binaries are not installed: results stay in Redis (export them with producer export)"
+  spec="$work/job.toml"
+  sed "s|^\[retry\]\$|[sink]\nkind = \"files\"\ndir = \"$PWD/$work/sink\"\n\n[retry]|" examples/job.toml >"$spec"
+  echo "PostgreSQL's server binaries are not installed (or DEMO_SINK=files): results go to the files sink instead, JSONL segments in $work/sink ($spec adds [sink])"
 fi
 
 job=demo-$(date +%Y%m%d-%H%M%S)
@@ -86,6 +91,27 @@ if [ -n "${DEMO_DATABASE_URL:-}" ]; then
             (SELECT count(*) AS n FROM results WHERE job = '$job') r,
             (SELECT count(*) AS n FROM results_failures WHERE job = '$job' AND resolved_at IS NULL) f
       WHERE j.job = '$job'"
+else
+  echo
+  echo "== $work/sink/$job: segments and manifest.json"
+  ls "$work/sink/$job/results" | head -5
+  python3 - "$work/sink/$job" <<'PY'
+import json, sys
+root = sys.argv[1]
+m = json.load(open(root + "/manifest.json"))
+done, last = set(), {}
+for seg in m["segments"]:  # a record's failure lines oldest first: the last one wins
+    for line in open(f"{root}/{seg['file']}"):
+        r = json.loads(line)
+        if seg["kind"] == "results":
+            done.add(r["record_id"])
+        else:
+            last[r["record_id"]] = r["state"]
+open_failures = sum(1 for rid in last if rid not in done)
+n = m["expected_records"]
+print(f"{n} expected: {len(done)} result lines, {open_failures} open failures, {n - len(done) - open_failures} unaccounted "
+      f"({len(m['segments'])} segments in manifest.json)")
+PY
 fi
 echo "review queue: producer review --job $job list   (then show / accept / requeue / reject)"
 echo "dropped lines: producer dropped --job $job"

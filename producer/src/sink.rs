@@ -222,8 +222,9 @@ pub async fn each_result(
 /// The human lines of a sink status.
 pub fn print(s: &SinkStatus) {
     crate::outln!(
-        "  sink         {} table {}: {} written, {} waiting in Redis, {} results only in the sink",
+        "  sink         {} {} {}: {} written, {} waiting in Redis, {} results only in the sink",
         s.kind,
+        if s.kind == "files" { "dir" } else { "table" },
         s.table,
         s.written,
         s.backlog,

@@ -206,3 +206,41 @@ fn a_segment_changed_on_disk_makes_the_check_fail() {
     assert_eq!(v["missing"], 1, "{s}");
     assert_eq!(v["damaged"].as_array().map(Vec::len), Some(1), "{s}");
 }
+
+#[test]
+fn a_directory_that_cannot_be_written_pauses_the_sink_and_loses_nothing() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "20"]);
+    let dir = TempDir::new("sink-files-disk");
+    let out = dir.join("out");
+    let job_dir = out.join(JOB);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 3000);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
+    let w = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--concurrency", "8", "--drain"]));
+    wait_for("a first segment", Duration::from_secs(60), || {
+        !result_lines(&job_dir).is_empty()
+    });
+    // `results/` becomes a file: no segment can be renamed into it.
+    let results = job_dir.join("results");
+    std::fs::rename(&results, dir.join("results-aside")).unwrap();
+    std::fs::write(&results, "not a directory").unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    std::fs::remove_file(&results).unwrap();
+    std::fs::rename(dir.join("results-aside"), &results).unwrap();
+    let (exit, log) = w.finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    assert!(
+        log.contains("sink failing") && log.contains("\"cause\":\"disk\""),
+        "the failure is logged with its cause: {log}"
+    );
+    // Whatever the first worker could not write in its drain, a second writes.
+    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (code, s) = harness::status_json(&redis, JOB);
+    assert_eq!(code, Some(0), "{s}");
+    assert_eq!(s["sink"]["verified"]["exact"], true, "{s}");
+    let lines = result_lines(&job_dir);
+    assert_eq!(lines.len() as u64, s["done"].as_u64().unwrap(), "{s}");
+    assert!(lines.values().all(|n| *n == 1), "no record twice");
+}
