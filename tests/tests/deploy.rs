@@ -63,7 +63,8 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
     assert!(ok, "{text}");
     let (ok, text) = helm(&[&["lint", "--strict", CHART][..], PROD].concat());
     assert!(ok, "{text}");
-    for (name, extra) in [("default", &[][..]), ("production", PROD)] {
+    let files: Vec<&str> = [PROD, &["--set", "sinkFiles.claimName=results"]].concat();
+    for (name, extra) in [("default", &[][..]), ("production", PROD), ("files sink", &files[..])] {
         let (ok, rendered) = helm(&[&["template", "bf", CHART][..], extra].concat());
         assert!(ok, "{name}: {rendered}");
         let dir = harness::TempDir::new("chart");
@@ -96,6 +97,14 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
             assert!(rendered.contains(must), "{name}: rendered chart lacks {must}");
         }
     }
+    // The files sink's volume beside the Redis CA's, at the spec's sink.dir.
+    let (_, with_files) = helm(&[&["template", "bf", CHART][..], &files].concat());
+    assert!(
+        with_files.contains("claimName: results")
+            && with_files.contains("mountPath: /var/lib/batchfleet/results")
+            && with_files.contains("secretName: redis-ca"),
+        "{with_files}"
+    );
     let (_, default) = helm(&["template", "bf", CHART]);
     assert!(default.contains("kind: ScaledObject") && default.contains("type: redis-streams"));
     assert_eq!(
