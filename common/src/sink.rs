@@ -116,6 +116,17 @@ const JOB_COLUMNS: &[(&str, &str)] = &[
     ("updated_at", "timestamp with time zone"),
 ];
 
+const REVISION_COLUMNS: &[(&str, &str)] = &[
+    ("record_id", "text"),
+    ("revision", "integer"),
+    ("job", "text"),
+    ("previous", "jsonb"),
+    ("output", "jsonb"),
+    ("reviewer", "text"),
+    ("note", "text"),
+    ("revised_at", "timestamp with time zone"),
+];
+
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
     ("record_id", "text"),
     ("job", "text"),
@@ -173,6 +184,17 @@ pub fn ddl(table: &str) -> String {
          \x20   spec_sha256      text NOT NULL,\n\
          \x20   created_at       timestamptz NOT NULL,\n\
          \x20   updated_at       timestamptz NOT NULL\n\
+         );\n\
+         CREATE TABLE IF NOT EXISTS {table}_revisions (\n\
+         \x20   record_id  text NOT NULL,\n\
+         \x20   revision   integer NOT NULL,  -- 1 for a result's first edit\n\
+         \x20   job        text NOT NULL,\n\
+         \x20   previous   jsonb NOT NULL,    -- the output it replaced, kept\n\
+         \x20   output     jsonb NOT NULL,    -- the output it set (the results row holds the latest)\n\
+         \x20   reviewer   text NOT NULL,\n\
+         \x20   note       text,\n\
+         \x20   revised_at timestamptz NOT NULL,\n\
+         \x20   PRIMARY KEY (record_id, revision)\n\
          );\n",
         index = table.replace('.', "_"),
     )
@@ -252,6 +274,7 @@ impl ResultRow {
             worker: self.worker,
             committed_at: self.committed_at,
             input: self.input.and_then(|v| crate::task::Input::parse(&v.to_string()).ok()),
+            revisions: Vec::new(),
         }
     }
 }
@@ -294,12 +317,54 @@ impl FailureRow {
     }
 }
 
+/// A person's edit of a written result, as a row of `<table>_revisions`
+/// (and, as JSON, a line of the files sink's revisions).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RevisionRow {
+    pub record_id: String,
+    pub revision: i32,
+    pub job: String,
+    pub previous: Value,
+    pub output: Value,
+    pub reviewer: String,
+    pub note: Option<String>,
+    pub revised_at: String,
+}
+
+impl RevisionRow {
+    pub fn revision(&self) -> crate::task::Revision {
+        let map = |v: &Value| v.as_object().cloned().unwrap_or_default();
+        crate::task::Revision {
+            revision: u32::try_from(self.revision).unwrap_or(0),
+            previous: map(&self.previous),
+            output: map(&self.output),
+            by: self.reviewer.clone(),
+            at: self.revised_at.clone(),
+            note: self.note.clone(),
+        }
+    }
+}
+
+/// A result with its revisions, oldest first: the latest one's output is
+/// the result's output.
+pub fn with_revisions(mut r: ResultRecord, revisions: &[RevisionRow]) -> ResultRecord {
+    for row in revisions {
+        let v = row.revision();
+        r.output = v.output.clone();
+        r.human = true;
+        r.reviewer = Some(v.by.clone());
+        r.revisions.push(v);
+    }
+    r
+}
+
 /// A connected sink: its client and table names.
 pub struct PgSink {
     client: Client,
     results: String,
     failures: String,
     jobs: String,
+    revisions: String,
     scrub: Scrubber,
 }
 
@@ -327,6 +392,7 @@ impl PgSink {
             results: table.to_owned(),
             failures: format!("{table}_failures"),
             jobs: format!("{table}_jobs"),
+            revisions: format!("{table}_revisions"),
             scrub,
         };
         sink.prepare().await?;
@@ -348,6 +414,7 @@ impl PgSink {
             (&self.results, RESULT_COLUMNS),
             (&self.failures, FAILURE_COLUMNS),
             (&self.jobs, JOB_COLUMNS),
+            (&self.revisions, REVISION_COLUMNS),
         ] {
             let found = self.columns(table).await?;
             if found.is_empty() {
@@ -648,6 +715,7 @@ impl PgSink {
     /// streamed (one row at a time in memory).
     pub async fn results(&self, job: &str, mut f: impl FnMut(ResultRecord)) -> Result<u64, SinkError> {
         use futures_util::StreamExt;
+        let revisions = self.revisions(job).await?;
         let rows = self
             .client
             .query_raw(
@@ -666,10 +734,113 @@ impl PgSink {
         let mut n = 0;
         while let Some(row) = rows.next().await {
             let row = row.map_err(|e| self.err(&e))?;
-            f(result_of_row(&row).map_err(|e| SinkError::Schema(format!("table {}: {e}", self.results)))?);
+            let r = result_of_row(&row).map_err(|e| SinkError::Schema(format!("table {}: {e}", self.results)))?;
+            f(match revisions.get(&r.record_id) {
+                Some(v) => with_revisions(r, v),
+                None => r,
+            });
             n += 1;
         }
         Ok(n)
+    }
+
+    /// A person's edit of a written result, in one transaction: the row
+    /// locked, the output it replaces kept as the next revision in
+    /// `<table>_revisions`, then the row's output, human flag, reviewer and
+    /// history set. Returns the revision number, or None when the job has
+    /// no row for the record.
+    pub async fn revise(
+        &mut self,
+        job: &str,
+        rid: &str,
+        output: &Value,
+        reviewer: &str,
+        note: Option<&str>,
+    ) -> Result<Option<i32>, SinkError> {
+        let scrub = self.scrub.clone();
+        let err = |e: tokio_postgres::Error| SinkError::of(&e, &scrub);
+        let tx = self.client.transaction().await.map_err(err)?;
+        let Some(row) = tx
+            .query_opt(
+                &format!(
+                    "SELECT output FROM {} WHERE record_id = $1 AND job = $2 FOR UPDATE",
+                    self.results
+                ),
+                &[&rid, &job],
+            )
+            .await
+            .map_err(err)?
+        else {
+            return Ok(None);
+        };
+        let previous: Value = row.get(0);
+        let revision: i32 = tx
+            .query_one(
+                &format!(
+                    "SELECT (COALESCE(max(revision), 0) + 1)::int4 FROM {} WHERE record_id = $1",
+                    self.revisions
+                ),
+                &[&rid],
+            )
+            .await
+            .map_err(err)?
+            .get(0);
+        tx.execute(
+            &format!(
+                "INSERT INTO {} (record_id, revision, job, previous, output, reviewer, note, revised_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, now())",
+                self.revisions
+            ),
+            &[&rid, &revision, &job, &previous, output, &reviewer, &note],
+        )
+        .await
+        .map_err(err)?;
+        let mut action = crate::task::Action::new("revise", reviewer);
+        action.note = note.map(str::to_owned);
+        let action = serde_json::to_value([action]).unwrap_or(Value::Array(vec![]));
+        tx.execute(
+            &format!(
+                "UPDATE {} SET output = $2, human = true, reviewer = $3, history = history || $4 WHERE record_id = $1",
+                self.results
+            ),
+            &[&rid, output, &reviewer, &action],
+        )
+        .await
+        .map_err(err)?;
+        tx.commit().await.map_err(err)?;
+        Ok(Some(revision))
+    }
+
+    /// Every revision of the job's results, by record, oldest first.
+    pub async fn revisions(&self, job: &str) -> Result<std::collections::HashMap<String, Vec<RevisionRow>>, SinkError> {
+        let rows = self
+            .client
+            .query(
+                &format!(
+                    "SELECT record_id, revision, previous, output, reviewer, note, \
+                     to_char(revised_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+                     FROM {} WHERE job = $1 ORDER BY record_id, revision",
+                    self.revisions
+                ),
+                &[&job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        let mut out: std::collections::HashMap<String, Vec<RevisionRow>> = std::collections::HashMap::new();
+        for r in rows {
+            let row = RevisionRow {
+                record_id: r.get(0),
+                revision: r.get(1),
+                job: job.to_owned(),
+                previous: r.get(2),
+                output: r.get(3),
+                reviewer: r.get(4),
+                note: r.get(5),
+                revised_at: r.get(6),
+            };
+            out.entry(row.record_id.clone()).or_default().push(row);
+        }
+        Ok(out)
     }
 
     /// Open failures of the job by state (`review`, `dropped`, `cancelled`).
@@ -719,6 +890,7 @@ fn result_of_row(row: &tokio_postgres::Row) -> Result<ResultRecord, tokio_postgr
         input: row
             .try_get::<_, Option<Value>>(14)?
             .and_then(|v| crate::task::Input::parse(&v.to_string()).ok()),
+        revisions: Vec::new(),
     })
 }
 
@@ -775,9 +947,18 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_shows_the_ddl_as_it_is() {
+        let readme = include_str!("../../README.md");
+        assert!(
+            readme.contains(&ddl("results")),
+            "README's DDL block differs from sink::ddl(\"results\")"
+        );
+    }
+
+    #[test]
     fn the_ddl_names_every_column_it_checks() {
         let ddl = ddl("s.results");
-        for (name, _) in RESULT_COLUMNS.iter().chain(FAILURE_COLUMNS) {
+        for (name, _) in RESULT_COLUMNS.iter().chain(FAILURE_COLUMNS).chain(REVISION_COLUMNS) {
             assert!(ddl.contains(&format!("    {name} ")), "{name}");
         }
         assert!(ddl.contains("CREATE TABLE IF NOT EXISTS s.results_failures"));

@@ -9,6 +9,7 @@
 //! J/manifest.json                 the job (expected records...) and every finished segment
 //! J/results/p003-00000017.jsonl   one line per done record (the results table's columns)
 //! J/failures/p003-00000017.jsonl  review, dropped, cancelled records (a log: the last line of a record wins)
+//! J/revisions/<record id>-000001.jsonl  a person's edit of a written result (the output it replaced kept)
 //! J/.open/                        segments being written, and a finished batch's pending acknowledgement
 //! J/.locks/                       one lock file per partition, and one for the manifest
 //! ```
@@ -37,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::manifest::Manifest;
-use crate::sink::{FailureRow, ResultRow, SinkError};
+use crate::sink::{FailureRow, ResultRow, RevisionRow, SinkError};
 use crate::store::{SinkEntry, SunkResult};
 use crate::task::ResultRecord;
 
@@ -540,26 +541,122 @@ impl FileSink {
     }
 
     fn edit_manifest(&self, edit: impl FnOnce(&mut FilesManifest)) -> Result<(), SinkError> {
-        let lock_path = self.root.join(".locks").join("manifest.lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|e| disk("cannot open", &lock_path, e))?;
-        lock.lock().map_err(|e| disk("cannot lock", &lock_path, e))?;
-        let path = self.root.join("manifest.json");
-        let mut m = read_manifest(&self.root)?.unwrap_or_else(|| FilesManifest {
-            job: self.job.clone(),
-            ..FilesManifest::default()
-        });
-        edit(&mut m);
-        m.segments
-            .sort_by(|a, b| (&a.kind, a.partition, a.seq).cmp(&(&b.kind, b.partition, b.seq)));
-        m.updated_at = crate::manifest::now_rfc3339();
-        let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
-        write_atomic(&path, &bytes)
+        let _lock = lock_manifest(&self.root)?;
+        edit_manifest_locked(&self.root, &self.job, edit)
     }
+}
+
+/// The manifest's lock, held until the file is dropped.
+fn lock_manifest(root: &Path) -> Result<File, SinkError> {
+    let lock_path = root.join(".locks").join("manifest.lock");
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| disk("cannot open", &lock_path, e))?;
+    lock.lock().map_err(|e| disk("cannot lock", &lock_path, e))?;
+    Ok(lock)
+}
+
+/// Rewrites `manifest.json` whole (the caller holds its lock).
+fn edit_manifest_locked(root: &Path, job: &str, edit: impl FnOnce(&mut FilesManifest)) -> Result<(), SinkError> {
+    let path = root.join("manifest.json");
+    let mut m = read_manifest(root)?.unwrap_or_else(|| FilesManifest {
+        job: job.to_owned(),
+        ..FilesManifest::default()
+    });
+    edit(&mut m);
+    m.segments
+        .sort_by(|a, b| (&a.kind, a.partition, a.seq, &a.file).cmp(&(&b.kind, b.partition, b.seq, &b.file)));
+    m.updated_at = crate::manifest::now_rfc3339();
+    let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
+    write_atomic(&path, &bytes)
+}
+
+/// Every revision in the manifest, by record, oldest first.
+fn revisions_of(root: &Path, m: &FilesManifest) -> Result<HashMap<String, Vec<RevisionRow>>, SinkError> {
+    let mut out: HashMap<String, Vec<RevisionRow>> = HashMap::new();
+    for s in m.segments.iter().filter(|s| s.kind == "revisions") {
+        let path = root.join(&s.file);
+        each_line(&path, |line| {
+            if let Ok(r) = serde_json::from_str::<RevisionRow>(line) {
+                out.entry(r.record_id.clone()).or_default().push(r);
+            }
+        })?;
+    }
+    for v in out.values_mut() {
+        v.sort_by_key(|r| r.revision);
+    }
+    Ok(out)
+}
+
+/// A person's edit of a result the segments hold, as an explicit revision:
+/// a file of its own (`revisions/<record id>-NNNNNN.jsonl`, written whole)
+/// with the output it replaces, listed in the manifest; the result's line
+/// is never rewritten. Returns the revision number, or None when no
+/// segment holds a result for the record.
+pub fn revise(
+    dir: &Path,
+    job: &str,
+    rid: &str,
+    output: &serde_json::Value,
+    reviewer: &str,
+    note: Option<&str>,
+) -> Result<Option<u32>, SinkError> {
+    let root = job_dir(dir, job)?;
+    if rid.is_empty() || !rid.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Ok(None);
+    }
+    let _lock = lock_manifest(&root)?;
+    let m = read_manifest(&root)?.unwrap_or_default();
+    let mut current = None;
+    for s in m.segments.iter().filter(|s| s.kind == "results") {
+        each_line(&root.join(&s.file), |line| {
+            if current.is_none()
+                && serde_json::from_str::<IdOnly>(line).is_ok_and(|id| id.record_id == rid)
+                && let Ok(row) = serde_json::from_str::<ResultRow>(line)
+            {
+                current = Some(row.output);
+            }
+        })?;
+        if current.is_some() {
+            break;
+        }
+    }
+    let Some(mut previous) = current else { return Ok(None) };
+    let before = revisions_of(&root, &m)?.remove(rid).unwrap_or_default();
+    if let Some(last) = before.last() {
+        previous = last.output.clone();
+    }
+    let revision = before.last().map_or(0, |r| r.revision) + 1;
+    let row = RevisionRow {
+        record_id: rid.to_owned(),
+        revision,
+        job: job.to_owned(),
+        previous,
+        output: output.clone(),
+        reviewer: reviewer.to_owned(),
+        note: note.map(str::to_owned),
+        revised_at: crate::manifest::now_rfc3339(),
+    };
+    let mut line = serde_json::to_vec(&row).unwrap_or_default();
+    line.push(b'\n');
+    let revisions = root.join("revisions");
+    fs::create_dir_all(&revisions).map_err(|e| disk("cannot create directory", &revisions, e))?;
+    let file = format!("revisions/{rid}-{revision:06}.jsonl");
+    write_atomic(&root.join(&file), &line)?;
+    let segment = Segment {
+        kind: "revisions".into(),
+        file,
+        partition: 0,
+        seq: u64::try_from(revision).unwrap_or(0),
+        records: 1,
+        bytes: line.len() as u64,
+        sha256: hex::encode(Sha256::digest(&line)),
+    };
+    edit_manifest_locked(&root, job, |m| m.segments.push(segment))?;
+    Ok(u32::try_from(revision).ok())
 }
 
 #[derive(Deserialize)]
@@ -662,7 +759,9 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
                 if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
                     c.result_ids.push(id.record_id);
                 }
-            } else if let Ok(f) = serde_json::from_str::<FailureRow>(line) {
+            } else if s.kind == "failures"
+                && let Ok(f) = serde_json::from_str::<FailureRow>(line)
+            {
                 last.insert(f.record_id, f.state);
             }
         });
@@ -679,18 +778,23 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
     Ok(c)
 }
 
-/// Every result line of `job` in `dir`, as the result it was written from,
-/// one at a time.
+/// Every result line of `job` in `dir`, as the result it was written from
+/// with its revisions (the latest one's output is its output), one at a time.
 pub fn results(dir: &Path, job: &str, mut f: impl FnMut(ResultRecord)) -> Result<u64, SinkError> {
     let root = job_dir(dir, job)?;
     let manifest = read_manifest(&root)?.unwrap_or_default();
+    let revisions = revisions_of(&root, &manifest)?;
     let mut n = 0;
     for s in manifest.segments.iter().filter(|s| s.kind == "results") {
         let path = root.join(&s.file);
         let mut bad = None;
         each_line(&path, |line| match serde_json::from_str::<ResultRow>(line) {
             Ok(row) => {
-                f(row.into_record());
+                let r = row.into_record();
+                f(match revisions.get(&r.record_id) {
+                    Some(v) => crate::sink::with_revisions(r, v),
+                    None => r,
+                });
                 n += 1;
             }
             Err(e) => bad = Some(e.to_string()),
@@ -759,6 +863,7 @@ mod tests {
             worker: None,
             committed_at: "2026-01-01T00:00:00Z".into(),
             input: None,
+            revisions: Vec::new(),
         }
     }
 
@@ -876,6 +981,47 @@ mod tests {
         let c = check(dir.path(), "j").unwrap();
         assert_eq!(c.damaged, ["results/p000-00000001.jsonl"]);
         assert_eq!(c.unlisted, ["results/p000-00000009.jsonl"]);
+    }
+
+    #[test]
+    fn a_revision_is_a_file_of_its_own_and_keeps_what_it_replaced() {
+        let dir = tempdir();
+        let mut sink = FileSink::open(dir.path(), "j", limits()).unwrap();
+        sink.take(0).unwrap();
+        append(&mut sink, &["aa", "bb"]);
+        sink.finish(0).unwrap();
+        let first = serde_json::json!({"label": "b"});
+        assert_eq!(
+            revise(dir.path(), "j", "aa", &first, "ann", Some("typo")).unwrap(),
+            Some(1)
+        );
+        let second = serde_json::json!({"label": "c"});
+        assert_eq!(revise(dir.path(), "j", "aa", &second, "bob", None).unwrap(), Some(2));
+        assert_eq!(
+            revise(dir.path(), "j", "cc", &second, "bob", None).unwrap(),
+            None,
+            "no such result"
+        );
+        let mut read = HashMap::new();
+        results(dir.path(), "j", |r| {
+            read.insert(r.record_id.clone(), r);
+        })
+        .unwrap();
+        let a = &read["aa"];
+        assert_eq!(
+            (a.output["label"].as_str(), a.reviewer.as_deref(), a.human),
+            (Some("c"), Some("bob"), true)
+        );
+        let kept: Vec<_> = a
+            .revisions
+            .iter()
+            .map(|v| (v.revision, v.previous["label"].clone()))
+            .collect();
+        assert_eq!(kept, [(1, "a".into()), (2, "b".into())]);
+        assert!(read["bb"].revisions.is_empty());
+        let c = check(dir.path(), "j").unwrap();
+        assert_eq!(c.result_ids, ["aa", "bb"], "a revision is no second result");
+        assert!(c.damaged.is_empty() && c.unlisted.is_empty(), "{c:?}");
     }
 
     #[test]

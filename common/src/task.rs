@@ -577,7 +577,7 @@ impl Stamp {
     }
 
     /// The output with its system fields: the record id and the model.
-    fn output(&self, mut output: Map<String, Value>, record_id: &str) -> Map<String, Value> {
+    pub fn output(&self, mut output: Map<String, Value>, record_id: &str) -> Map<String, Value> {
         output.insert("record_id".into(), Value::String(record_id.to_owned()));
         output.insert("_model".into(), Value::String(self.model.clone()));
         output
@@ -622,6 +622,26 @@ pub struct ResultRecord {
     /// to review when the database refuses the row.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<Input>,
+    /// People's edits after the commit, oldest first: each keeps the output
+    /// it replaced (`output` is the latest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub revisions: Vec<Revision>,
+}
+
+/// A person's edit of a committed result: an explicit revision, never a
+/// silent overwrite.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Revision {
+    /// 1 for the first edit of a result.
+    pub revision: u32,
+    /// The output it replaced, kept.
+    pub previous: Map<String, Value>,
+    /// The output it set.
+    pub output: Map<String, Value>,
+    pub by: String,
+    pub at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// How a model's valid answer was made, for its result.
@@ -656,7 +676,32 @@ impl ResultRecord {
             worker: Some(worker.to_owned()),
             committed_at: stamp.at.clone(),
             input: None,
+            revisions: Vec::new(),
         }
+    }
+
+    /// This result with a person's revision of its output (already
+    /// validated) as the latest; the output it replaces is kept in the
+    /// revision, and the history records who and why.
+    pub fn revised(&self, output: Map<String, Value>, by: &str, note: Option<&str>) -> ResultRecord {
+        let mut r = self.clone();
+        let revision = Revision {
+            revision: self.revisions.last().map_or(0, |v| v.revision) + 1,
+            previous: self.output.clone(),
+            output: output.clone(),
+            by: by.to_owned(),
+            at: crate::manifest::now_rfc3339(),
+            note: note.map(str::to_owned),
+        };
+        r.history.push(HistoryItem::Action(Action {
+            note: revision.note.clone(),
+            ..Action::new("revise", by)
+        }));
+        r.revisions.push(revision);
+        r.output = output;
+        r.human = true;
+        r.reviewer = Some(by.to_owned());
+        r
     }
 
     /// A person's output (already validated) for a record in review.
@@ -684,6 +729,7 @@ impl ResultRecord {
             worker: None,
             committed_at: stamp.at.clone(),
             input: None,
+            revisions: Vec::new(),
         }
     }
 

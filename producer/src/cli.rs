@@ -182,6 +182,18 @@ pub enum ReviewCmd {
         #[arg(long)]
         edit: bool,
     },
+    /// Revise a done record's result (by record id or business key): the
+    /// output (validated like a model output) becomes its latest revision;
+    /// the one it replaces is kept, in Redis or the sink.
+    Revise {
+        id: String,
+        /// A file with the revised output JSON object.
+        #[arg(long)]
+        output: PathBuf,
+        /// Why (recorded with the revision).
+        #[arg(long)]
+        note: Option<String>,
+    },
     /// Put the record back for a fresh round of attempts.
     Requeue {
         id: String,
@@ -632,6 +644,12 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
                 Err(e) => Err(e),
             }
         }
+        ReviewCmd::Revise { id, output, note } => match std::fs::read_to_string(&output) {
+            Ok(text) => review::revise(&store, job, &id, &text, note.as_deref(), who)
+                .await
+                .map(|(rid, n, place)| crate::outln!("revised {rid}: revision {n}, {place}")),
+            Err(e) => Err(ReviewError::Io(format!("cannot read {}: {e}", output.display()))),
+        },
         ReviewCmd::Requeue { id, note } => review::requeue(&store, job, &id, note.as_deref(), who)
             .await
             .map(|rid| crate::outln!("requeued {rid}")),

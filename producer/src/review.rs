@@ -114,6 +114,124 @@ pub async fn accept(
     Ok(entry.record_id)
 }
 
+/// Revises a done record's result: the output, validated like a model
+/// output, becomes the result's latest revision and the one it replaces is
+/// kept (never a silent overwrite). Where the result is: in Redis for a job
+/// without a sink (`revise.lua`: only if nobody revised it since it was
+/// read); in the sink once it left Redis (a row of `<table>_revisions` and
+/// the results row updated in one transaction, or a revision file the
+/// manifest lists). A result still on its way to the sink is refused for the
+/// moment: it is written as committed, then revised there. Returns the
+/// record id, the revision number and where it was kept.
+pub async fn revise(
+    store: &RedisStore,
+    job: &str,
+    id: &str,
+    output: &str,
+    note: Option<&str>,
+    reviewer: &str,
+) -> Result<(String, u32, String), ReviewError> {
+    use common::spec::SinkKind;
+    use common::task::RecordState;
+    let spec = job_spec(store, job).await?;
+    let partitions = spec.job.partitions;
+    // A record id, or the business key it is made from.
+    let rid = if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
+        id.to_owned()
+    } else {
+        common::record::IdContext::new(job, &spec).record_id(id)
+    };
+    let p = common::record::partition_of(&rid, partitions);
+    match store.record_state(job, p, &rid).await? {
+        Some(RecordState::Done) => {}
+        Some(other) => {
+            return Err(ReviewError::NotFound(format!(
+                "record {rid} is {}, not done: only a committed result is revised (a record in review is accepted)",
+                other.encode()
+            )));
+        }
+        None => return Err(ReviewError::NotFound(format!("job `{job}` has no record `{id}`"))),
+    }
+    let read = store.result_text(job, p, &rid).await?;
+    let current = read
+        .as_deref()
+        .map(ResultRecord::decode)
+        .transpose()
+        .map_err(|e| ReviewError::Io(e.to_string()))?;
+    let input = current.as_ref().and_then(|r| r.input.as_ref()).map(|i| i.object());
+    let out = match validate_record(&spec, output, input.as_ref()) {
+        Validation::Valid { output, .. } => output,
+        Validation::Invalid { errors, .. } => {
+            return Err(ReviewError::Invalid(
+                errors.iter().map(|e| format!("  - {e}")).collect(),
+            ));
+        }
+    };
+    let out = Stamp::now(&spec).output(out, &rid);
+    match (spec.sink.kind, current, read) {
+        (SinkKind::None, Some(current), Some(read)) => {
+            let revised = current.revised(out, reviewer, note);
+            let n = revised.revisions.last().map_or(0, |v| v.revision);
+            match store.revise_result(job, p, &rid, &read, &revised).await? {
+                1 => Ok((
+                    rid,
+                    n,
+                    "in Redis (the output it replaced is kept in the result's revisions)".into(),
+                )),
+                0 => Err(ReviewError::Lost(rid)),
+                _ => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
+            }
+        }
+        (SinkKind::None, _, _) => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
+        (_, Some(_), _) => Err(ReviewError::Io(format!(
+            "record {rid}'s result is on its way to the sink: revise it once it is written (a few seconds; `producer status` shows the sink's backlog)"
+        ))),
+        (SinkKind::Files, None, _) => {
+            let dir = spec.sink.dir.clone().unwrap_or_default();
+            let value = serde_json::Value::Object(out);
+            match common::sink_files::revise(Path::new(&dir), job, &rid, &value, reviewer, note)
+                .map_err(|e| ReviewError::Io(e.to_string()))?
+            {
+                Some(n) => Ok((rid, n, format!("in the files sink ({dir}, revisions/)"))),
+                None => Err(ReviewError::NotFound(format!(
+                    "no segment in {dir} holds a result of record {rid}"
+                ))),
+            }
+        }
+        (SinkKind::Postgres, None, _) => {
+            let var = spec.sink.url_env.as_deref().unwrap_or_default();
+            let url = std::env::var(var).unwrap_or_default();
+            if url.is_empty() {
+                return Err(ReviewError::Io(format!(
+                    "record {rid}'s result is in PostgreSQL: set {var} (sink.url_env) to the database URL to revise it"
+                )));
+            }
+            let mut db = common::sink::PgSink::connect(&url, spec.sink.table())
+                .await
+                .map_err(|e| ReviewError::Io(e.to_string()))?;
+            let value = serde_json::Value::Object(out);
+            match db
+                .revise(job, &rid, &value, reviewer, note)
+                .await
+                .map_err(|e| ReviewError::Io(e.to_string()))?
+            {
+                Some(n) => Ok((
+                    rid,
+                    u32::try_from(n).unwrap_or(0),
+                    format!(
+                        "in PostgreSQL (the output it replaced is in {}_revisions)",
+                        spec.sink.table()
+                    ),
+                )),
+                None => Err(ReviewError::NotFound(format!(
+                    "table {} has no row of record {rid}",
+                    spec.sink.table()
+                ))),
+            }
+        }
+    }
+}
+
 /// Puts a record back on the stream for a fresh round of attempts (the
 /// attempt count goes on); the note and the earlier attempts stay in its history.
 pub async fn requeue(

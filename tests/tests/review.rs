@@ -357,3 +357,94 @@ fn the_queue_round_trips_through_a_spreadsheet_and_a_terminal() {
         "{s:?}"
     );
 }
+
+/// `producer review ... revise KEY --output FILE [--note N]` as `who`.
+fn revise(
+    redis: &RedisServer,
+    dir: &TempDir,
+    who: &str,
+    key: &str,
+    output: &str,
+    note: Option<&str>,
+) -> std::process::Output {
+    let file = dir.join(&format!("revise-{who}.json"));
+    std::fs::write(&file, output).unwrap();
+    let path = file.display().to_string();
+    let mut args = vec!["revise", key, "--output", &path];
+    if let Some(n) = note {
+        args.extend(["--note", n]);
+    }
+    Command::new(bin("producer"))
+        .args(review_args(redis, who, &args))
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_revision_of_a_done_result_keeps_what_it_replaced_and_is_validated() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("revise");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "rv", &example_spec());
+    let sim = LlmSim::start(&[]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    let rid = states(&redis).into_keys().min().unwrap();
+    let before = hash_entry(&redis, keys::results, &rid).unwrap();
+    let key = before["key"].as_str().unwrap().to_owned();
+
+    // Invalid: refused, naming the field; nothing changes.
+    let bad = revise(&redis, &dir, "alice", &key, r#"{"label": "nonsense"}"#, None);
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("label"), "{}", stderr(&bad));
+    assert_eq!(hash_entry(&redis, keys::results, &rid).unwrap(), before);
+
+    // By business key: revision 1, the model's output kept in it.
+    let out = revise(&redis, &dir, "alice", &key, GOOD, Some("wrong label"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("revision 1"), "{}", stdout(&out));
+    // By record id, by another reviewer: revision 2.
+    let other = GOOD.replace("billing", "account");
+    let out = revise(&redis, &dir, "bob", &rid, &other, None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let after = hash_entry(&redis, keys::results, &rid).unwrap();
+    assert_eq!(after["output"]["label"], "account");
+    assert_eq!(after["output"]["record_id"], rid.as_str());
+    assert_eq!(
+        (&after["human"], &after["reviewer"]),
+        (&Value::Bool(true), &Value::from("bob"))
+    );
+    let revisions = after["revisions"].as_array().unwrap();
+    assert_eq!(revisions.len(), 2);
+    assert_eq!(revisions[0]["previous"], before["output"], "the model's output is kept");
+    assert_eq!(
+        (
+            &revisions[0]["by"],
+            &revisions[0]["note"],
+            &revisions[1]["previous"]["label"]
+        ),
+        (
+            &Value::from("alice"),
+            &Value::from("wrong label"),
+            &Value::from("billing")
+        )
+    );
+    let actions: Vec<&Value> = after["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|h| h["action"] == "revise")
+        .collect();
+    assert_eq!(actions.len(), 2, "each revision is in the history");
+    // Still one result per record.
+    let (code, s) = harness::status_json(&redis, "rv");
+    assert_eq!((code, &s["done"]), (Some(0), &Value::from(5)), "{s}");
+    // A record the job does not have.
+    let none = revise(&redis, &dir, "alice", "msg-999", GOOD, None);
+    assert!(
+        !none.status.success() && stderr(&none).contains("has no record"),
+        "{}",
+        stderr(&none)
+    );
+}

@@ -514,3 +514,77 @@ fn claims_stop_at_the_sink_backlog_limit_and_resume_when_the_database_is_back() 
     assert_eq!(code, Some(0), "{s}");
     assert_eq!(rows(&pg), 60, "{s}");
 }
+
+#[test]
+fn a_revision_of_a_written_row_keeps_the_previous_output_in_the_revisions_table() {
+    let pg = PgServer::start();
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("sinkrevise");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    enqueue(&redis, &data, "sink", &sink_spec(&dir));
+    let url = pg.url();
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let old = pg.query("SELECT output->>'label' FROM results WHERE business_key = 'msg-4'");
+    let file = dir.join("revised.json");
+    let label = if old == "account" { "billing" } else { "account" };
+    std::fs::write(
+        &file,
+        format!(r#"{{"label": "{label}", "reason": "checked", "confidence": 1.0, "task_type": "classify"}}"#),
+    )
+    .unwrap();
+    let path = file.display().to_string();
+    let args = [
+        "review",
+        "--job",
+        "sink",
+        "--redis",
+        &redis.url(),
+        "--reviewer",
+        "dave",
+        "revise",
+        "msg-4",
+        "--output",
+        &path,
+    ];
+    let without = producer(&args);
+    assert!(
+        !without.status.success() && harness::stderr(&without).contains(URL_ENV),
+        "the database URL is needed: {}",
+        harness::stderr(&without)
+    );
+    for n in 1..=2 {
+        let r = harness::producer_with_env(&args, &[(URL_ENV, &url)]);
+        assert!(r.status.success(), "{}", harness::stderr(&r));
+        assert!(
+            harness::stdout(&r).contains(&format!("revision {n}")),
+            "{}",
+            harness::stdout(&r)
+        );
+    }
+    assert_eq!(rows(&pg), 20, "a revision adds no row");
+    assert_eq!(
+        pg.query(
+            "SELECT output->>'label' || ' ' || human || ' ' || reviewer FROM results WHERE business_key = 'msg-4'"
+        ),
+        format!("{label} true dave")
+    );
+    assert_eq!(
+        pg.query(
+            "SELECT string_agg(revision || ':' || (v.previous->>'label') || '>' || (v.output->>'label'), ',' ORDER BY v.revision) \
+             FROM results_revisions v JOIN results r USING (record_id) WHERE r.business_key = 'msg-4'"
+        ),
+        format!("1:{old}>{label},2:{label}>{label}"),
+        "every revision keeps the output it replaced"
+    );
+    let export = harness::export_done_env(&redis.url(), "sink", &[(URL_ENV, &url)]);
+    let r4: Value = String::from_utf8_lossy(&export.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .find(|r| r["key"] == "msg-4")
+        .unwrap();
+    assert_eq!(r4["output"]["label"], label);
+    assert_eq!(r4["revisions"].as_array().map(Vec::len), Some(2), "{r4}");
+}

@@ -244,3 +244,74 @@ fn a_directory_that_cannot_be_written_pauses_the_sink_and_loses_nothing() {
     assert_eq!(lines.len() as u64, s["done"].as_u64().unwrap(), "{s}");
     assert!(lines.values().all(|n| *n == 1), "no record twice");
 }
+
+#[test]
+fn a_revision_of_a_written_result_is_a_file_of_its_own_and_export_shows_it() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "0"]);
+    let dir = TempDir::new("sink-files-revise");
+    let out = dir.join("out");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let revised = dir.join("revised.json");
+    std::fs::write(
+        &revised,
+        r#"{"label": "account", "reason": "checked by a person", "confidence": 1.0, "task_type": "classify"}"#,
+    )
+    .unwrap();
+    let before = result_lines(&out.join(JOB));
+    let r = producer(&[
+        "review",
+        "--job",
+        JOB,
+        "--redis",
+        &redis.url(),
+        "--reviewer",
+        "carol",
+        "revise",
+        "msg-3",
+        "--output",
+        &revised.display().to_string(),
+        "--note",
+        "spot check",
+    ]);
+    assert!(r.status.success(), "{}", harness::stderr(&r));
+    assert!(harness::stdout(&r).contains("revision 1"), "{}", harness::stdout(&r));
+    assert_eq!(
+        result_lines(&out.join(JOB)),
+        before,
+        "no result line is rewritten or added"
+    );
+    let export = producer(&[
+        "export",
+        "--job",
+        JOB,
+        "--redis",
+        &redis.url(),
+        "--what",
+        "done",
+        "--out",
+        "-",
+    ]);
+    let rows: Vec<Value> = String::from_utf8_lossy(&export.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 20);
+    let r3 = rows.iter().find(|r| r["key"] == "msg-3").unwrap();
+    assert_eq!(
+        (&r3["output"]["label"], &r3["reviewer"]),
+        (&Value::from("account"), &Value::from("carol"))
+    );
+    assert_eq!(r3["revisions"][0]["note"], "spot check");
+    assert!(r3["revisions"][0]["previous"]["label"].is_string(), "{r3}");
+    let (code, s) = harness::status_json(&redis, JOB);
+    assert_eq!(
+        (code, &s["sink"]["verified"]["exact"]),
+        (Some(0), &Value::Bool(true)),
+        "{s}"
+    );
+}

@@ -109,6 +109,7 @@ pub(super) struct Scripts {
     pub lease: Script,
     pub sink_ack: Script,
     pub sink_refuse: Script,
+    pub revise: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -216,6 +217,7 @@ impl RedisStore {
                 lease: Script::new(include_str!("scripts/lease.lua")),
                 sink_ack: Script::new(include_str!("scripts/sink_ack.lua")),
                 sink_refuse: Script::new(include_str!("scripts/sink_refuse.lua")),
+                revise: Script::new(include_str!("scripts/revise.lua")),
             },
         };
         store.check_permissions().await?;
@@ -241,6 +243,7 @@ impl RedisStore {
             &s.lease,
             &s.sink_ack,
             &s.sink_refuse,
+            &s.revise,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

@@ -322,6 +322,34 @@ impl RedisStore {
         Ok(text.as_deref().and_then(RecordState::decode))
     }
 
+    /// The record's result as Redis holds it (its encoding), if it does.
+    pub async fn result_text(&self, job: &str, partition: u32, record_id: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.clone().hget(keys::results(job, partition), record_id).await?)
+    }
+
+    /// Replaces a done record's result with its revision, if the result is
+    /// still `read` (see `revise.lua`): 1 revised, 0 changed meanwhile, -1
+    /// not a done record with its result in Redis.
+    pub async fn revise_result(
+        &self,
+        job: &str,
+        partition: u32,
+        record_id: &str,
+        read: &str,
+        revised: &crate::task::ResultRecord,
+    ) -> Result<i64, StoreError> {
+        Ok(self
+            .scripts
+            .revise
+            .key(keys::state(job, partition))
+            .key(keys::results(job, partition))
+            .arg(record_id)
+            .arg(read)
+            .arg(revised.encode())
+            .invoke_async(&mut self.conn.clone())
+            .await?)
+    }
+
     /// Work left in a job: stream entries and delayed retries over all
     /// partitions. Each partition is read in one transaction: a retry
     /// promoted (delayed -> stream) or scheduled (stream -> delayed) between
