@@ -10,6 +10,12 @@
 2. Redis bytes per record (INFO used_memory deltas): queued (after enqueue),
    finished with its result still in Redis (before the sink wrote it), and
    finished once the sink caught up (the result left Redis).
+3. Peak Redis memory of a PEAK_RECORDS-record job (default 1,000,000) with the
+   default backlog (`enqueue --max-backlog` and `sink.max_backlog` left at
+   their defaults), enqueued while two workers drain it into PostgreSQL
+   (`used_memory` sampled every 0.2 s), and the projection for 10,000,000
+   records: the peak plus the remaining records at the bytes each finished
+   record keeps.
 
 Everything binds to 127.0.0.1 (a throwaway redis-server, llm-sim, and a
 PostgreSQL initdb'd into a temp dir) and is stopped at the end. Release build.
@@ -24,6 +30,7 @@ import time
 from benchlib import BIN, ROOT, free_port, start_redis, start_sim
 
 N = int(os.environ.get("N", "50000"))
+PEAK_RECORDS = int(os.environ.get("PEAK_RECORDS", "1000000"))
 BATCH_ROWS = int(os.environ.get("BATCH_ROWS", "500"))
 WRITERS = int(os.environ.get("WRITERS", "4"))
 PASSWORD = "bench-" + os.urandom(6).hex()
@@ -171,6 +178,37 @@ def main():
         copied = int(psql(pg_port, "SELECT count(*) FROM copy_target"))
 
         sink_rate, copy_rate = rows / sink_secs, copied / copy_secs
+        per_finished = (sunk - base) / N
+
+        # 3. A large job with the default backlog, enqueued while it drains.
+        for p in procs:
+            p.terminate()
+            p.wait()
+        procs.clear()
+        peak_spec = spec.replace(f"max_backlog = {N * 2}\n", "")
+        peak_spec_path = os.path.join(tmp, "peak.toml")
+        open(peak_spec_path, "w").write(peak_spec)
+        big = os.path.join(tmp, "big.jsonl")
+        write(big, PEAK_RECORDS, "b")
+        before = used_memory(url)
+        producer = subprocess.Popen([os.path.join(BIN, "producer"), "enqueue", big, "--job", "peak", "--spec",
+                                     peak_spec_path, "--redis", url, "--no-progress"], env=env,
+                                    stdout=subprocess.DEVNULL)
+        procs.append(producer)
+        while redis_int(url, "EXISTS", "bf:{peak}:spec") == 0:
+            time.sleep(0.05)
+        procs.extend([worker("peak"), worker("peak")])
+        sunk_done = lambda: sum(redis_int(url, "HGET", f"bf:{{peak:p{p}}}:sunk", "done") for p in range(4))
+        peak = 0
+        t0 = time.time()
+        while sunk_done() < PEAK_RECORDS:
+            peak = max(peak, used_memory(url) - before)
+            if time.time() - t0 > 3600:
+                raise SystemExit("the large job did not finish within an hour")
+            time.sleep(0.2)
+        producer.wait()
+        after = used_memory(url) - before
+        peak = max(peak, after)
         out = {
             "records": N,
             "batch_rows": BATCH_ROWS,
@@ -181,7 +219,11 @@ def main():
             "sink_vs_copy": round(sink_rate / copy_rate, 3),
             "redis_bytes_per_queued_record": round((queued - base) / N),
             "redis_bytes_per_finished_record_result_in_redis": round((finished_in_redis - base) / N),
-            "redis_bytes_per_finished_record_after_sink": round((sunk - base) / N),
+            "redis_bytes_per_finished_record_after_sink": round(per_finished),
+            "large_job_records": PEAK_RECORDS,
+            "large_job_peak_redis_mib": round(peak / 2**20, 1),
+            "large_job_redis_mib_at_the_end": round(after / 2**20, 1),
+            "projected_peak_redis_gib_10m_records": round((peak + (10_000_000 - PEAK_RECORDS) * per_finished) / 2**30, 2),
         }
         print(json.dumps(out, indent=2))
     finally:

@@ -53,6 +53,11 @@ pub fn enqueuing(job: &str) -> String {
     format!("bf:{{{job}}}:enqueuing")
 }
 
+/// Hash of the job's dataset tags: sha256 -> tag (see `dataset_tag.lua`).
+pub fn datasets(job: &str) -> String {
+    format!("bf:{{{job}}}:datasets")
+}
+
 /// Hash of dropped dataset lines: `<dataset sha12>:<line>` -> JSON entry.
 pub fn dropped_lines(job: &str) -> String {
     format!("bf:{{{job}}}:dropped_lines")
@@ -213,6 +218,7 @@ mod tests {
             cursor("a.b"),
             enqueuing("a.b"),
             dropped_lines("a.b"),
+            datasets("a.b"),
             halt("a.b"),
         ] {
             assert_eq!(tag(&k), "a.b");

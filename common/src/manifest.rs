@@ -128,6 +128,9 @@ pub struct Cursor {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DatasetPass {
     pub dataset: Dataset,
+    /// The job's tag of the dataset: its records' origins are `<tag>:<line>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<u64>,
     pub lines: u64,
     pub blank_lines: u64,
     /// Distinct records of this dataset (tasks and template drops).

@@ -14,7 +14,7 @@ use tokio_postgres::Client;
 
 use crate::manifest::Manifest;
 use crate::secret::Scrubber;
-use crate::spec::Prices;
+use crate::spec::{FieldType, JobSpec, Prices};
 use crate::task::{ResultRecord, ReviewEntry};
 
 /// Why the sink could not do its work; every message is scrubbed of the
@@ -200,6 +200,82 @@ pub fn ddl(table: &str) -> String {
     )
 }
 
+/// The column of an output field with `sink.typed_columns`: `out_` and the
+/// field's name in lowercase, anything but letters, digits and `_` as `_`.
+pub fn column_name(field: &str) -> String {
+    let mut c = String::from("out_");
+    c.extend(field.chars().map(|ch| match ch.to_ascii_lowercase() {
+        ch @ ('a'..='z' | '0'..='9' | '_') => ch,
+        _ => '_',
+    }));
+    c.truncate(63);
+    c
+}
+
+/// A top-level output field as a typed column of the results table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TypedColumn {
+    pub column: String,
+    pub field: String,
+    pub kind: FieldType,
+}
+
+impl TypedColumn {
+    /// Its type in the DDL, and as `information_schema.columns` names it.
+    pub fn sql_type(&self) -> &'static str {
+        match self.kind {
+            FieldType::String => "text",
+            FieldType::Integer => "bigint",
+            FieldType::Number => "double precision",
+            FieldType::Boolean => "boolean",
+            FieldType::Array | FieldType::Object => "jsonb",
+        }
+    }
+
+    /// Its value taken from the output, a jsonb expression (the validator
+    /// made sure of the type; an absent or null field is NULL).
+    fn value_sql(&self, output: &str) -> String {
+        let f = self.field.replace('\'', "''");
+        match self.kind {
+            FieldType::String => format!("({output}->>'{f}')"),
+            FieldType::Integer => format!("({output}->>'{f}')::bigint"),
+            FieldType::Number => format!("({output}->>'{f}')::float8"),
+            FieldType::Boolean => format!("({output}->>'{f}')::boolean"),
+            FieldType::Array | FieldType::Object => format!("NULLIF({output}->'{f}', 'null'::jsonb)"),
+        }
+    }
+}
+
+/// The typed columns of a job's results table (none unless `sink.typed_columns`).
+pub fn typed_columns(spec: &JobSpec) -> Vec<TypedColumn> {
+    if !spec.sink.typed_columns {
+        return Vec::new();
+    }
+    spec.output
+        .fields
+        .iter()
+        .map(|(name, f)| TypedColumn {
+            column: column_name(name),
+            field: name.clone(),
+            kind: f.kind,
+        })
+        .collect()
+}
+
+/// The DDL of a results table's typed columns (added to a table batchfleet creates).
+pub fn typed_ddl(table: &str, typed: &[TypedColumn]) -> String {
+    typed
+        .iter()
+        .map(|t| {
+            format!(
+                "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {} {};\n",
+                t.column,
+                t.sql_type()
+            )
+        })
+        .collect()
+}
+
 /// One committed result as a row (and, as JSON, a line of the files sink).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ResultRow {
@@ -365,13 +441,20 @@ pub struct PgSink {
     failures: String,
     jobs: String,
     revisions: String,
+    typed: Vec<TypedColumn>,
     scrub: Scrubber,
 }
 
 impl PgSink {
     /// Connects (TLS when the URL's `sslmode` asks for it or the server
-    /// offers it), then creates the tables when absent or checks them.
-    pub async fn connect(url: &str, table: &str) -> Result<PgSink, SinkError> {
+    /// offers it) to the job's sink, then creates the tables when absent or
+    /// checks them.
+    pub async fn connect(url: &str, spec: &JobSpec) -> Result<PgSink, SinkError> {
+        Self::connect_table(url, spec.sink.table(), typed_columns(spec)).await
+    }
+
+    /// [`PgSink::connect`] to a table with these typed columns.
+    pub async fn connect_table(url: &str, table: &str, typed: Vec<TypedColumn>) -> Result<PgSink, SinkError> {
         let scrub = Scrubber::new(db_passwords(url));
         let mut config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
             SinkError::Refused(format!("the database URL is invalid: {}", scrub.scrub(&error_text(&e))))
@@ -393,6 +476,7 @@ impl PgSink {
             failures: format!("{table}_failures"),
             jobs: format!("{table}_jobs"),
             revisions: format!("{table}_revisions"),
+            typed,
             scrub,
         };
         sink.prepare().await?;
@@ -418,11 +502,38 @@ impl PgSink {
         ] {
             let found = self.columns(table).await?;
             if found.is_empty() {
-                self.client
-                    .batch_execute(&ddl(&self.results))
-                    .await
-                    .map_err(|e| self.err(&e))?;
+                let mut sql = ddl(&self.results);
+                if *table == self.results {
+                    sql.push_str(&typed_ddl(&self.results, &self.typed));
+                }
+                self.client.batch_execute(&sql).await.map_err(|e| self.err(&e))?;
                 continue;
+            }
+            if *table == self.results {
+                for t in &self.typed {
+                    match found.get(&t.column) {
+                        None => {
+                            return Err(SinkError::Schema(format!(
+                                "table {table} has no column `{}` ({}) for output field `{}` (sink.typed_columns): \
+                                 add it (ALTER TABLE {table} ADD COLUMN {} {})",
+                                t.column,
+                                t.sql_type(),
+                                t.field,
+                                t.column,
+                                t.sql_type()
+                            )));
+                        }
+                        Some(ty) if ty != t.sql_type() => {
+                            return Err(SinkError::Schema(format!(
+                                "table {table}: column `{}` is {ty}, output field `{}` is written as {}",
+                                t.column,
+                                t.field,
+                                t.sql_type()
+                            )));
+                        }
+                        Some(_) => {}
+                    }
+                }
             }
             for (name, ty) in columns {
                 match found.get(*name) {
@@ -535,14 +646,16 @@ impl PgSink {
             let history: Vec<&Value> = results.iter().map(|r| &r.history).collect();
             let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
             let input: Vec<Option<&Value>> = results.iter().map(|r| r.input.as_ref()).collect();
+            let typed_names: String = self.typed.iter().map(|t| format!(", {}", t.column)).collect();
+            let typed_values: String = self.typed.iter().map(|t| format!(", {}", t.value_sql("u.e"))).collect();
             written = tx
                 .execute(
                     &format!(
                         "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
                          prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
-                         reviewer, committed_at, usage, repairs, history, worker, input) \
+                         reviewer, committed_at, usage, repairs, history, worker, input{typed_names}) \
                          SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz, \
-                         u.q, u.r, u.s, u.t, u.v \
+                         u.q, u.r, u.s, u.t, u.v{typed_values} \
                          FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
                          $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
                          $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[], $21::jsonb[]) \
@@ -798,9 +911,14 @@ impl PgSink {
         let mut action = crate::task::Action::new("revise", reviewer);
         action.note = note.map(str::to_owned);
         let action = serde_json::to_value([action]).unwrap_or(Value::Array(vec![]));
+        let typed: String = self
+            .typed
+            .iter()
+            .map(|t| format!(", {} = {}", t.column, t.value_sql("$2::jsonb")))
+            .collect();
         tx.execute(
             &format!(
-                "UPDATE {} SET output = $2, human = true, reviewer = $3, history = history || $4 WHERE record_id = $1",
+                "UPDATE {} SET output = $2, human = true, reviewer = $3, history = history || $4{typed} WHERE record_id = $1",
                 self.results
             ),
             &[&rid, output, &reviewer, &action],

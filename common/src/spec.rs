@@ -70,6 +70,11 @@ pub struct Sink {
     /// its share of the partitions); default 4, at most `job.partitions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writers: Option<u32>,
+    /// `postgres`: each top-level output field also as a column of its own,
+    /// typed from the field spec (`out_<field>`: text, bigint, double
+    /// precision, boolean, jsonb), beside the `output` jsonb.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub typed_columns: bool,
     /// `files`: a segment is finished at this many lines (default 10,000)...
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub segment_records: Option<usize>,
@@ -871,6 +876,21 @@ impl JobSpec {
         if s.segment_secs.is_some_and(|n| !(1..=3600).contains(&n)) {
             p.add("sink.segment_secs", "must be between 1 and 3600");
         }
+        if s.typed_columns {
+            if s.kind != SinkKind::Postgres {
+                p.add("sink.typed_columns", "applies to kind = \"postgres\"");
+            }
+            let mut seen: BTreeMap<String, &str> = BTreeMap::new();
+            for (name, _) in self.output.fields.iter() {
+                let column = crate::sink::column_name(name);
+                if let Some(other) = seen.insert(column.clone(), name) {
+                    p.add(
+                        "sink.typed_columns",
+                        format!("output fields `{other}` and `{name}` would both be column {column}: rename one"),
+                    );
+                }
+            }
+        }
         let files_only = [
             ("sink.segment_records", s.segment_records.is_some()),
             ("sink.segment_bytes", s.segment_bytes.is_some()),
@@ -1236,6 +1256,10 @@ mod tests {
                 "sink.max_backlog: must be between 1 and 100000000",
             ),
             ("kind = \"files\"", "sink.dir: is required"),
+            (
+                "kind = \"files\"\ndir = \"out\"\ntyped_columns = true",
+                "sink.typed_columns: applies to kind = \"postgres\"",
+            ),
             (
                 "kind = \"files\"\ndir = \"out\"\ntable = \"t\"",
                 "sink.table: applies to kind = \"postgres\"",

@@ -58,18 +58,22 @@ impl RecordState {
     }
 
     /// A done record whose result the sink holds keeps its origin in its
-    /// state entry (`done@<dataset sha12>:<line>`): the smallest terminal
-    /// marker (its result, idempotency key and origins entry left Redis).
-    pub const SUNK_PREFIX: &'static str = "done@";
+    /// state entry (`d@<dataset tag>:<line>`): the smallest terminal marker
+    /// (its result, idempotency key and origins entry left Redis), at most
+    /// 14 bytes so that Redis keeps it in its smallest string allocation.
+    pub const SUNK_PREFIX: &'static str = "d@";
+    /// The same marker as an earlier version wrote it.
+    const SUNK_PREFIX_V1: &'static str = "done@";
 
     /// The origin a sunk record's state entry holds.
     pub fn sunk_origin(text: &str) -> Option<&str> {
         text.strip_prefix(Self::SUNK_PREFIX)
+            .or_else(|| text.strip_prefix(Self::SUNK_PREFIX_V1))
     }
 
     /// Reads a state hash value; None for a value no version ever wrote.
     pub fn decode(text: &str) -> Option<RecordState> {
-        if text.starts_with(Self::SUNK_PREFIX) {
+        if Self::sunk_origin(text).is_some() {
             return Some(RecordState::Done);
         }
         const FIXED: [RecordState; 5] = [
@@ -949,12 +953,17 @@ mod tests {
             "dropped:rejected"
         );
         assert_eq!(RecordState::decode("weird"), None);
-        // A sunk record: done, its origin in the entry.
+        // A sunk record: done, its origin in the entry (and as an earlier version wrote it).
+        assert_eq!(RecordState::decode("d@3:42"), Some(RecordState::Done));
+        assert_eq!(RecordState::sunk_origin("d@3:42"), Some("3:42"));
         assert_eq!(RecordState::decode("done@0123456789ab:42"), Some(RecordState::Done));
         assert_eq!(
             RecordState::sunk_origin("done@0123456789ab:42"),
             Some("0123456789ab:42")
         );
+        // Small enough for Redis's 16-byte allocation (1-byte header, NUL):
+        // a thousand datasets of a hundred million lines.
+        assert!(format!("{}999:99999999", RecordState::SUNK_PREFIX).len() <= 14);
         assert_eq!(RecordState::sunk_origin("done"), None);
     }
 

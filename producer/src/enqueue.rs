@@ -182,6 +182,7 @@ async fn enqueue_traced(
             EnqueueError::Refused(format!("prompt.user: {e}")) // unreachable after validation
         })?,
         ids: IdContext::new(&args.job, &spec),
+        origin_tag: store.dataset_tag(&args.job, &identity.dataset.sha256).await?,
         origin_prefix: identity.dataset.short().to_owned(),
         cursor: Cursor {
             job_key: job_key.clone(),
@@ -222,7 +223,7 @@ async fn enqueue_traced(
     if !interrupted {
         pass.cursor.complete = true;
         store.save_cursor(&args.job, &pass.cursor).await?;
-        let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor).await?;
+        let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor, pass.origin_tag).await?;
         job_records = Some(manifest.expected_records);
     }
     let dataset_changed = if interrupted {
@@ -405,7 +406,10 @@ struct Pass<'a> {
     spec: &'a JobSpec,
     user: Template,
     ids: IdContext,
+    /// Dropped lines are keyed `<dataset sha12>:<line>`.
     origin_prefix: String,
+    /// A record's origin is `<tag>:<line>` (see `dataset_tag.lua`).
+    origin_tag: u64,
     cursor: Cursor,
     idem_ttl_secs: u64,
     traces: &'a Traces,
@@ -598,7 +602,7 @@ impl Pass<'_> {
                 continue;
             }
             batch.counts.lines += 1;
-            let origin = format!("{}:{}", self.origin_prefix, pos.number);
+            let origin = format!("{}:{}", self.origin_tag, pos.number);
             match parse_line(buf, pos.oversize, self.spec, &self.user, &self.ids) {
                 Line::Blank => batch.counts.blank += 1,
                 Line::Dropped { key, reason } => {
@@ -647,7 +651,7 @@ impl Pass<'_> {
             end_offset,
             end_line,
         } = batch;
-        let this_dataset = format!("{}:", self.origin_prefix);
+        let this_dataset = format!("{}:", self.origin_tag);
         let mut spans = spans.into_iter();
         for ((task, &line), outcome) in tasks.iter().zip(&task_lines).zip(outcomes) {
             if task.task.as_ref().is_ok_and(|t| !t.tp.is_empty())
@@ -715,11 +719,13 @@ async fn write_manifest(
     job: &str,
     spec: &JobSpec,
     cursor: &Cursor,
+    tag: u64,
 ) -> Result<Manifest, EnqueueError> {
     let previous = store.load_manifest(job).await?;
     let c = &cursor.counts;
     let this_pass = DatasetPass {
         dataset: cursor.identity.dataset.clone(),
+        tag: Some(tag),
         lines: c.lines,
         blank_lines: c.blank,
         records: c.expected_records(),

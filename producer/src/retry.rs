@@ -100,7 +100,8 @@ pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Resu
 type Wanted = (String, u32, RecordState);
 
 /// Missing records: their task is gone, so their input is read back from the
-/// dataset line their idempotency key points at (`<sha12>:<line>`), after
+/// dataset line their origin points at (`<dataset tag>:<line>`, or
+/// `<sha12>:<line>` from an earlier version), after
 /// checking the file still has the sha256 the manifest recorded.
 async fn retry_missing(
     store: &RedisStore,

@@ -206,7 +206,7 @@ pub async fn revise(
                     "record {rid}'s result is in PostgreSQL: set {var} (sink.url_env) to the database URL to revise it"
                 )));
             }
-            let mut db = common::sink::PgSink::connect(&url, spec.sink.table())
+            let mut db = common::sink::PgSink::connect(&url, &spec)
                 .await
                 .map_err(|e| ReviewError::Io(e.to_string()))?;
             let value = serde_json::Value::Object(out);

@@ -109,7 +109,7 @@ pub async fn sink_status(
                 "job `{job}` writes to PostgreSQL: set {var} (sink.url_env) to the database URL to check the sink"
             );
         }
-        let db = PgSink::connect(&url, spec.sink.table()).await?;
+        let db = PgSink::connect(&url, spec).await?;
         let rows = db.result_ids(job).await?;
         let mut v = SinkVerified {
             rows: rows.len() as u64,
@@ -209,7 +209,7 @@ pub async fn each_result(
             spec.sink.table()
         );
     }
-    let db = PgSink::connect(&url, spec.sink.table()).await?;
+    let db = PgSink::connect(&url, spec).await?;
     db.results(job, |r| {
         if !seen.contains(&r.record_id) {
             f(r)

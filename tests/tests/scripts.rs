@@ -582,7 +582,7 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
     let stream: u64 = c.xlen(keys::sink(JOB, 0)).unwrap();
     assert_eq!((left, origins, idem.len(), stream), (0, 0, 0, 0));
     let st: String = c.hget(keys::state(JOB, 0), "r7").unwrap();
-    assert_eq!(st, "done@ds:r7", "the origin moved into the state entry");
+    assert_eq!(st, "d@ds:r7", "the origin moved into the state entry");
     assert_eq!(state(&store, "r7").await, Some(RecordState::Done));
     let sunk = store.sunk(JOB, 1).await.unwrap();
     assert_eq!(

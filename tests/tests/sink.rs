@@ -158,7 +158,7 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
     let idem: Vec<String> = redis::cmd("KEYS").arg("bf:{sink:p*}:idem:*").query(&mut c).unwrap();
     let review = s["review"].as_u64().unwrap();
     assert_eq!(idem.len() as u64, review, "only records not in the sink keep their key");
-    // Their origins moved into their state entries: `done@<dataset sha12>:<line>`.
+    // Their origins moved into their state entries: `d@<dataset tag>:<line>`.
     let origins: u64 = (0..4)
         .map(|p| {
             redis::cmd("HLEN")
@@ -170,10 +170,10 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
     assert_eq!(origins, review, "only records not in the sink keep an origins entry");
     let states: std::collections::HashMap<String, String> =
         redis::cmd("HGETALL").arg(keys::state("sink", 0)).query(&mut c).unwrap();
-    let sunk: Vec<&String> = states.values().filter(|v| v.starts_with("done@")).collect();
+    let sunk: Vec<&String> = states.values().filter(|v| v.starts_with("d@")).collect();
     assert!(
-        !sunk.is_empty() && sunk.iter().all(|v| v.len() > 18 && v.contains(':')),
-        "{sunk:?}"
+        !sunk.is_empty() && sunk.iter().all(|v| v.starts_with("d@1:") && v.len() <= 14),
+        "the dataset's tag and the line, in at most 14 bytes: {sunk:?}"
     );
     let again = harness::producer(&[
         "enqueue",
@@ -587,4 +587,65 @@ fn a_revision_of_a_written_row_keeps_the_previous_output_in_the_revisions_table(
         .unwrap();
     assert_eq!(r4["output"]["label"], label);
     assert_eq!(r4["revisions"].as_array().map(Vec::len), Some(2), "{r4}");
+}
+
+#[test]
+fn typed_columns_hold_each_output_field_with_its_type_and_a_table_without_one_says_so() {
+    let pg = PgServer::start();
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "9"]);
+    let dir = TempDir::new("sinktyped");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    let spec = spec_with(
+        &dir,
+        &[(
+            "[retry]",
+            &harness::sink_section(URL_ENV, "table = \"typed\"\ntyped_columns = true\n"),
+        )],
+    );
+    enqueue(&redis, &data, "sink", &spec);
+    let url = pg.url();
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(
+        pg.query(
+            "SELECT string_agg(column_name || ' ' || data_type, ', ' ORDER BY column_name) FROM information_schema.columns \
+             WHERE table_name = 'typed' AND column_name LIKE 'out\\_%'"
+        ),
+        "out_confidence double precision, out_items jsonb, out_label text, out_reason text, out_task_type text"
+    );
+    let done: u64 = pg.query("SELECT count(*) FROM typed").parse().unwrap();
+    assert!(done >= 30, "{done}");
+    assert_eq!(
+        pg.query(
+            "SELECT count(*) FROM typed WHERE out_label IS DISTINCT FROM output->>'label' \
+             OR out_confidence IS DISTINCT FROM (output->>'confidence')::float8 \
+             OR out_task_type IS DISTINCT FROM output->>'task_type' \
+             OR out_items IS DISTINCT FROM NULLIF(output->'items', 'null'::jsonb)"
+        ),
+        "0",
+        "each typed column holds its field"
+    );
+    assert_ne!(pg.query("SELECT count(*) FROM typed WHERE out_label IS NOT NULL"), "0");
+
+    // A table of the user's without one of the columns: the error names it.
+    pg.query(&common::sink::ddl("typed2"));
+    let spec2 = spec_with(
+        &dir,
+        &[(
+            "[retry]",
+            &harness::sink_section(URL_ENV, "table = \"typed2\"\ntyped_columns = true\n"),
+        )],
+    );
+    let redis2 = RedisServer::start();
+    enqueue(&redis2, &data, "sink", &spec2);
+    let w = Running::spawn(worker(&redis2, &sim, &url, &[]));
+    std::thread::sleep(Duration::from_secs(3));
+    harness::signal(w.pid(), "TERM");
+    let (_, log) = w.finish(Duration::from_secs(30));
+    assert!(
+        log.contains("table typed2 has no column `out_label` (text) for output field `label` (sink.typed_columns)"),
+        "{log}"
+    );
 }

@@ -162,7 +162,7 @@ impl SinkWriter {
         };
         if closed {
             self.sink = Some(match &self.target {
-                SinkTarget::Postgres(url) => Backend::Pg(PgSink::connect(url, self.job.spec.sink.table()).await?),
+                SinkTarget::Postgres(url) => Backend::Pg(PgSink::connect(url, &self.job.spec).await?),
                 SinkTarget::Files(dir) => Backend::Files(FileSink::open(
                     dir,
                     &self.job.name,
@@ -358,10 +358,12 @@ impl SinkWriter {
                 return Ok(false);
             }
         }
-        f.metrics
-            .sink_written
-            .with_label_values(&[self.job.name.as_str()])
-            .inc_by(pending.written);
+        if !pending.recovered {
+            f.metrics
+                .sink_written
+                .with_label_values(&[self.job.name.as_str()])
+                .inc_by(pending.written);
+        }
         self.acked_chunks.remove(&p);
         blocking(|| sink.acknowledged(p))?;
         Ok(true)

@@ -90,7 +90,20 @@ impl RedisStore {
         Ok(n == 1)
     }
 
-    /// The origin (`<dataset sha12>:<line>`) an enqueue stored for a record
+    /// The job's tag of a dataset (see `dataset_tag.lua`): the same for
+    /// every pass of the same file, another for each other file.
+    pub async fn dataset_tag(&self, job: &str, sha256: &str) -> Result<u64, StoreError> {
+        Ok(self
+            .scripts
+            .dataset_tag
+            .key(keys::datasets(job))
+            .arg(sha256)
+            .invoke_async(&mut self.conn.clone())
+            .await?)
+    }
+
+    /// The origin (`<dataset tag>:<line>`, or `<dataset sha12>:<line>` for a
+    /// record enqueued by an earlier version) an enqueue stored for a record
     /// (in its state entry once its result is in the sink; for jobs enqueued
     /// before origins were kept, while its idempotency key lives).
     pub async fn record_origin(

@@ -110,6 +110,7 @@ pub(super) struct Scripts {
     pub sink_ack: Script,
     pub sink_refuse: Script,
     pub revise: Script,
+    pub dataset_tag: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -218,6 +219,7 @@ impl RedisStore {
                 sink_ack: Script::new(include_str!("scripts/sink_ack.lua")),
                 sink_refuse: Script::new(include_str!("scripts/sink_refuse.lua")),
                 revise: Script::new(include_str!("scripts/revise.lua")),
+                dataset_tag: Script::new(include_str!("scripts/dataset_tag.lua")),
             },
         };
         store.check_permissions().await?;
@@ -244,6 +246,7 @@ impl RedisStore {
             &s.sink_ack,
             &s.sink_refuse,
             &s.revise,
+            &s.dataset_tag,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

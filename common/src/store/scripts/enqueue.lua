@@ -45,7 +45,7 @@ for i = 1, n do
   local idem, origin, state = KEYS[4 + i], ARGV[b + 3], ARGV[b + 4]
   if known[i] then
     -- A record whose result is in the sink keeps its origin in its state entry.
-    local sunk = string.match(known[i], '^done@(.*)$')
+    local sunk = string.match(known[i], '^d@(.*)$') or string.match(known[i], '^done@(.*)$')
     out[i] = sunk or call('HGET', origins, ids[i]) or call('GET', idem) or ''
   elseif call('SET', idem, origin, 'NX', 'EX', ttl) then
     if state == 'queued' then

@@ -2,7 +2,7 @@
 -- durably, and takes the results it wrote out of Redis, with their records'
 -- idempotency keys (the state entry, which lives as long as the job, keeps
 -- a re-enqueue from adding them again) and origins entries: what stays is
--- the record's state entry, `done@<origin>`, and the partition's `sunk`
+-- the record's state entry, `d@<origin>`, and the partition's `sunk`
 -- counters keep the figures of what left (each result counted once: only
 -- when it is removed).
 --
@@ -68,7 +68,7 @@ local removed, prompt, completion, cached, by_attempts = 0, 0, 0, 0, {}
 for j, rid in ipairs(rids) do
   if st[j] == 'done' and og[j] then
     marked[#marked + 1] = rid
-    marked[#marked + 1] = 'done@' .. og[j]
+    marked[#marked + 1] = 'd@' .. og[j]
     gone[#gone + 1] = rid
   end
   if call('HDEL', results, rid) == 1 then
