@@ -93,6 +93,29 @@ def redis_int(url, *cmd):
     return int(subprocess.run(["redis-cli", "-p", port, *cmd], capture_output=True, text=True).stdout.strip() or 0)
 
 
+def cpu_secs(pids):
+    """User + system CPU seconds of these processes so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def postgres_pids(pg_dir):
+    """The postmaster (from its pid file) and its children."""
+    try:
+        master = int(open(f"{pg_dir}/data/postmaster.pid").readline())
+    except (OSError, ValueError):
+        return []
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(master)], capture_output=True, text=True).stdout
+    return [master] + [int(p) for p in out.split()]
+
+
 def status(url, env):
     out = subprocess.run([os.path.join(BIN, "producer"), "status", "--job", "bench", "--redis", url, "--json"],
                          capture_output=True, text=True, env=env).stdout
@@ -158,12 +181,16 @@ def main():
         finished_in_redis = used_memory(url)
         psql(pg_port, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(3600)%' "
                       "AND pid <> pg_backend_pid()")
+        busy = {"worker": [procs[0].pid], "redis": [redis.pid], "postgres": postgres_pids(pg_dir)}
+        cpu0 = {k: cpu_secs(v) for k, v in busy.items()}
         t0 = time.time()
         lock.wait()
         backlog = lambda: sum(redis_int(url, "XLEN", f"bf:{{bench:p{p}}}:sink") for p in range(4))
         while backlog() > 0:
             time.sleep(0.05)
         sink_secs = time.time() - t0
+        busy["postgres"] = postgres_pids(pg_dir)
+        sink_cpu = {k: round((cpu_secs(v) - cpu0[k]) / sink_secs, 2) for k, v in busy.items()}
         time.sleep(1)
         sunk = used_memory(url)
         rows = int(psql(pg_port, "SELECT count(*) FROM results WHERE job = 'bench'"))
@@ -217,6 +244,7 @@ def main():
             "sink_rows_per_sec": round(sink_rate),
             "copy_rows_per_sec": round(copy_rate),
             "sink_vs_copy": round(sink_rate / copy_rate, 3),
+            "sink_cpu_cores_busy": sink_cpu,
             "redis_bytes_per_queued_record": round((queued - base) / N),
             "redis_bytes_per_finished_record_result_in_redis": round((finished_in_redis - base) / N),
             "redis_bytes_per_finished_record_after_sink": round(per_finished),

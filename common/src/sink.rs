@@ -10,12 +10,15 @@
 use std::collections::BTreeMap;
 
 use serde_json::Value;
+use serde_json::value::RawValue;
 use tokio_postgres::Client;
+use tokio_postgres::types::Json;
 
 use crate::manifest::Manifest;
 use crate::secret::Scrubber;
 use crate::spec::{FieldType, JobSpec, Prices};
-use crate::task::{ResultRecord, ReviewEntry};
+use crate::store::{SunkResult, Tokens};
+use crate::task::{ResultRecord, ReviewEntry, Usage};
 
 /// Why the sink could not do its work; every message is scrubbed of the
 /// database URL's password.
@@ -277,12 +280,15 @@ pub fn typed_ddl(table: &str, typed: &[TypedColumn]) -> String {
 }
 
 /// One committed result as a row (and, as JSON, a line of the files sink).
+/// Its large JSON parts are kept as text: read from Redis, they reach the
+/// database (or the file) as they were, never parsed into values and
+/// written again.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ResultRow {
     pub record_id: String,
     pub business_key: String,
-    pub versions: Value,
-    pub output: Value,
+    pub versions: Box<RawValue>,
+    pub output: Box<RawValue>,
     pub attempts: i32,
     pub calls: i32,
     pub prompt_tokens: Option<i64>,
@@ -294,21 +300,72 @@ pub struct ResultRow {
     pub human: bool,
     pub reviewer: Option<String>,
     pub committed_at: String,
-    pub usage: Option<Value>,
-    pub repairs: Value,
-    pub history: Value,
+    pub usage: Option<Box<RawValue>>,
+    pub repairs: Box<RawValue>,
+    pub history: Box<RawValue>,
     pub worker: Option<String>,
-    pub input: Option<Value>,
+    pub input: Option<Box<RawValue>>,
+}
+
+/// A result's encoding as the sink reads it: the scalars, and the JSON
+/// parts as text.
+#[derive(serde::Deserialize)]
+struct LeanResult {
+    record_id: String,
+    #[serde(default)]
+    key: String,
+    output: Box<RawValue>,
+    #[serde(default)]
+    attempts: u32,
+    #[serde(default)]
+    calls: u32,
+    #[serde(default)]
+    response_id: Option<String>,
+    #[serde(default)]
+    repairs: Option<Box<RawValue>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    history: Option<Box<RawValue>>,
+    #[serde(default)]
+    model: String,
+    #[serde(default)]
+    versions: Option<Box<RawValue>>,
+    #[serde(default)]
+    human: bool,
+    #[serde(default)]
+    reviewer: Option<String>,
+    #[serde(default)]
+    worker: Option<String>,
+    #[serde(default)]
+    committed_at: String,
+    #[serde(default)]
+    input: Option<Box<RawValue>>,
+}
+
+/// Of a history item, only what the sunk counters need.
+#[derive(serde::Deserialize)]
+struct UsageOnly {
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+fn raw(text: &str) -> Box<RawValue> {
+    RawValue::from_string(text.to_owned())
+        .unwrap_or_else(|_| RawValue::from_string("null".into()).expect("null is JSON"))
+}
+
+fn to_raw(v: &impl serde::Serialize, empty: &str) -> Box<RawValue> {
+    serde_json::value::to_raw_value(v).unwrap_or_else(|_| raw(empty))
 }
 
 impl ResultRow {
     pub fn of(r: &ResultRecord, prices: &Prices) -> ResultRow {
-        let versions: BTreeMap<&String, &String> = r.versions.iter().collect();
         ResultRow {
             record_id: r.record_id.clone(),
             business_key: r.key.clone(),
-            versions: serde_json::to_value(versions).unwrap_or(Value::Null),
-            output: Value::Object(r.output.clone()),
+            versions: to_raw(&r.versions, "{}"),
+            output: to_raw(&r.output, "{}"),
             attempts: i32::try_from(r.attempts).unwrap_or(i32::MAX),
             calls: i32::try_from(r.calls).unwrap_or(i32::MAX),
             prompt_tokens: r.usage.map(|u| u.prompt as i64),
@@ -320,12 +377,55 @@ impl ResultRow {
             human: r.human,
             reviewer: r.reviewer.clone(),
             committed_at: r.committed_at.clone(),
-            usage: r.usage.as_ref().and_then(|u| serde_json::to_value(u).ok()),
-            repairs: serde_json::to_value(&r.repairs).unwrap_or(Value::Array(vec![])),
-            history: serde_json::to_value(&r.history).unwrap_or(Value::Array(vec![])),
+            usage: r.usage.as_ref().map(|u| to_raw(u, "null")),
+            repairs: to_raw(&r.repairs, "[]"),
+            history: to_raw(&r.history, "[]"),
             worker: r.worker.clone(),
-            input: r.input.as_ref().and_then(|i| serde_json::from_str(i.get()).ok()),
+            input: r.input.as_ref().map(|i| raw(i.get())),
         }
+    }
+
+    /// A result's encoding in Redis as its row, and the figures the sunk
+    /// counters keep of it, without decoding its history and input.
+    pub fn parse(text: &str, prices: &Prices) -> Result<(ResultRow, SunkResult), String> {
+        let r: LeanResult = serde_json::from_str(text).map_err(|e| format!("result: {e}"))?;
+        let history = r.history.unwrap_or_else(|| raw("[]"));
+        let mut tokens = Tokens::default();
+        for u in serde_json::from_str::<Vec<UsageOnly>>(history.get())
+            .map_err(|e| format!("result history: {e}"))?
+            .into_iter()
+            .filter_map(|h| h.usage)
+        {
+            tokens.add(u.prompt, u.completion, u.cached);
+        }
+        let sunk = SunkResult {
+            rid: r.record_id.clone(),
+            attempts: r.attempts,
+            tokens,
+        };
+        let row = ResultRow {
+            record_id: r.record_id,
+            business_key: r.key,
+            versions: r.versions.unwrap_or_else(|| raw("{}")),
+            output: r.output,
+            attempts: i32::try_from(r.attempts).unwrap_or(i32::MAX),
+            calls: i32::try_from(r.calls).unwrap_or(i32::MAX),
+            prompt_tokens: r.usage.map(|u| u.prompt as i64),
+            cached_tokens: r.usage.map(|u| u.cached as i64),
+            completion_tokens: r.usage.map(|u| u.completion as i64),
+            cost_usd: r.usage.map(|u| u.cost(prices)),
+            model: r.model,
+            response_id: r.response_id,
+            human: r.human,
+            reviewer: r.reviewer,
+            committed_at: r.committed_at,
+            usage: r.usage.as_ref().map(|u| to_raw(u, "null")),
+            repairs: r.repairs.unwrap_or_else(|| raw("[]")),
+            history,
+            worker: r.worker,
+            input: r.input,
+        };
+        Ok((row, sunk))
     }
 
     /// The result this row was written from.
@@ -333,23 +433,20 @@ impl ResultRow {
         ResultRecord {
             record_id: self.record_id,
             key: self.business_key,
-            output: match self.output {
-                Value::Object(m) => m,
-                _ => Default::default(),
-            },
+            output: serde_json::from_str(self.output.get()).unwrap_or_default(),
             attempts: u32::try_from(self.attempts).unwrap_or(0),
             calls: u32::try_from(self.calls).unwrap_or(0),
             response_id: self.response_id,
-            repairs: serde_json::from_value(self.repairs).unwrap_or_default(),
-            usage: self.usage.and_then(|u| serde_json::from_value(u).ok()),
-            history: serde_json::from_value(self.history).unwrap_or_default(),
+            repairs: serde_json::from_str(self.repairs.get()).unwrap_or_default(),
+            usage: self.usage.and_then(|u| serde_json::from_str(u.get()).ok()),
+            history: serde_json::from_str(self.history.get()).unwrap_or_default(),
             model: self.model,
-            versions: serde_json::from_value(self.versions).unwrap_or_default(),
+            versions: serde_json::from_str(self.versions.get()).unwrap_or_default(),
             human: self.human,
             reviewer: self.reviewer,
             worker: self.worker,
             committed_at: self.committed_at,
-            input: self.input.and_then(|v| crate::task::Input::parse(&v.to_string()).ok()),
+            input: self.input.and_then(|v| crate::task::Input::parse(v.get()).ok()),
             revisions: Vec::new(),
         }
     }
@@ -628,8 +725,8 @@ impl PgSink {
         if !results.is_empty() {
             let ids: Vec<&str> = results.iter().map(|r| r.record_id.as_str()).collect();
             let keys: Vec<&str> = results.iter().map(|r| r.business_key.as_str()).collect();
-            let versions: Vec<&Value> = results.iter().map(|r| &r.versions).collect();
-            let outputs: Vec<&Value> = results.iter().map(|r| &r.output).collect();
+            let versions: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.versions)).collect();
+            let outputs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.output)).collect();
             let attempts: Vec<i32> = results.iter().map(|r| r.attempts).collect();
             let calls: Vec<i32> = results.iter().map(|r| r.calls).collect();
             let prompt: Vec<Option<i64>> = results.iter().map(|r| r.prompt_tokens).collect();
@@ -641,11 +738,11 @@ impl PgSink {
             let human: Vec<bool> = results.iter().map(|r| r.human).collect();
             let reviewer: Vec<Option<&str>> = results.iter().map(|r| r.reviewer.as_deref()).collect();
             let at: Vec<&str> = results.iter().map(|r| r.committed_at.as_str()).collect();
-            let usage: Vec<Option<&Value>> = results.iter().map(|r| r.usage.as_ref()).collect();
-            let repairs: Vec<&Value> = results.iter().map(|r| &r.repairs).collect();
-            let history: Vec<&Value> = results.iter().map(|r| &r.history).collect();
+            let usage: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.usage.as_deref().map(Json)).collect();
+            let repairs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.repairs)).collect();
+            let history: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.history)).collect();
             let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
-            let input: Vec<Option<&Value>> = results.iter().map(|r| r.input.as_ref()).collect();
+            let input: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.input.as_deref().map(Json)).collect();
             let typed_names: String = self.typed.iter().map(|t| format!(", {}", t.column)).collect();
             let typed_values: String = self.typed.iter().map(|t| format!(", {}", t.value_sql("u.e"))).collect();
             written = tx
@@ -1062,6 +1159,37 @@ mod tests {
         assert!(db_passwords("postgres://bf:s3cr%3At-pw@127.0.0.1:5432/db").contains(&"s3cr:t-pw".to_owned()));
         assert!(db_passwords("host=127.0.0.1 user=bf password=hunter2hunter2").contains(&"hunter2hunter2".to_owned()));
         assert!(db_passwords("postgres://127.0.0.1/db").is_empty());
+    }
+
+    #[test]
+    fn a_row_read_lean_from_redis_is_the_row_of_the_decoded_result() {
+        let text = r#"{"record_id":"r1","key":"k1","output":{"label":"billing","n":12345678901234567890},
+            "attempts":2,"calls":3,"response_id":"resp-1","repairs":[],
+            "usage":{"prompt_tokens":100,"completion_tokens":20,"total_tokens":120,"prompt_tokens_details":{"cached_tokens":40}},
+            "history":[{"attempt":1,"call":1,"outcome":"invalid_output","usage":{"prompt_tokens":90,"completion_tokens":10}},
+                       {"action":"requeue","by":"ann","at":"2026-01-01T00:00:00Z"},
+                       {"attempt":2,"call":3,"outcome":"valid","usage":{"prompt_tokens":100,"completion_tokens":20,
+                        "prompt_tokens_details":{"cached_tokens":40}}}],
+            "model":"m","versions":{"source":"1","prompt":"2"},"human":false,"worker":"w1",
+            "committed_at":"2026-01-01T00:00:01Z","input":{"id":"k1","big":1.000000000000000000001}}"#;
+        let prices = Prices::default();
+        let (lean, sunk) = ResultRow::parse(text, &prices).unwrap();
+        let decoded = ResultRecord::decode(text).unwrap();
+        let full = ResultRow::of(&decoded, &prices);
+        // The same row (the lean one keeps the JSON parts as Redis wrote them).
+        assert_eq!(lean.clone().into_record(), full.clone().into_record());
+        assert_eq!((lean.cached_tokens, lean.cost_usd), (full.cached_tokens, full.cost_usd));
+        assert_eq!(sunk, SunkResult::of(&decoded));
+        assert_eq!(
+            (sunk.tokens.prompt, sunk.tokens.completion, sunk.tokens.cached),
+            (190, 30, 40)
+        );
+        assert!(
+            lean.input.as_ref().unwrap().get().contains("1.000000000000000000001"),
+            "numbers kept as written"
+        );
+        assert_eq!(lean.into_record(), decoded, "and back to the result it was");
+        assert!(ResultRow::parse("{\"record_id\": 1}", &prices).is_err());
     }
 
     #[test]

@@ -412,8 +412,8 @@ impl FileSink {
         &mut self,
         p: u32,
         entries: &[SinkEntry],
-        results: &[ResultRecord],
         rows: &[ResultRow],
+        sunk: &[SunkResult],
         failures: &[FailureRow],
     ) -> Result<(), SinkError> {
         let open_dir = self.root.join(".open");
@@ -439,11 +439,11 @@ impl FileSink {
         for f in failures {
             open.failures.append(&serde_json::to_vec(f).unwrap_or_default())?;
         }
-        for (r, row) in results.iter().zip(rows) {
-            if !part.recent_ids.contains(&r.record_id) && open.ids.insert(r.record_id.clone()) {
+        for (row, s) in rows.iter().zip(sunk) {
+            if !part.recent_ids.contains(&row.record_id) && open.ids.insert(row.record_id.clone()) {
                 open.results.append(&serde_json::to_vec(row).unwrap_or_default())?;
             }
-            open.sunk.push(SunkResult::of(r));
+            open.sunk.push(s.clone());
         }
         open.entries.extend_from_slice(entries);
         Ok(())
@@ -617,7 +617,7 @@ pub fn revise(
                 && serde_json::from_str::<IdOnly>(line).is_ok_and(|id| id.record_id == rid)
                 && let Ok(row) = serde_json::from_str::<ResultRow>(line)
             {
-                current = Some(row.output);
+                current = serde_json::from_str::<serde_json::Value>(row.output.get()).ok();
             }
         })?;
         if current.is_some() {
@@ -876,10 +876,12 @@ mod tests {
     }
 
     fn append(sink: &mut FileSink, rids: &[&str]) {
-        let results: Vec<ResultRecord> = rids.iter().map(|r| result(r)).collect();
-        let rows: Vec<ResultRow> = results.iter().map(|r| ResultRow::of(r, &Default::default())).collect();
+        let (rows, sunk): (Vec<ResultRow>, Vec<SunkResult>) = rids
+            .iter()
+            .map(|r| ResultRow::parse(&result(r).encode(), &Default::default()).unwrap())
+            .unzip();
         let entries: Vec<SinkEntry> = rids.iter().enumerate().map(|(i, r)| entry(i as u32, r)).collect();
-        sink.append(0, &entries, &results, &rows, &[]).unwrap();
+        sink.append(0, &entries, &rows, &sunk, &[]).unwrap();
     }
 
     #[test]

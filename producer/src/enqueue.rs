@@ -198,6 +198,7 @@ async fn enqueue_traced(
         backlog: 0,
         marked: None,
         waited: Duration::ZERO,
+        said_waiting: false,
     };
     if args.max_backlog > 0 {
         pass.backlog = store.remaining(&args.job, spec.job.partitions).await?.backlog();
@@ -421,6 +422,8 @@ struct Pass<'a> {
     marked: Option<Instant>,
     /// Time spent waiting for the backlog to drain.
     waited: Duration,
+    /// Whether the wait for the backlog was said already (once a run).
+    said_waiting: bool,
 }
 
 /// Lifetime of the job's `enqueuing` mark; renewed every third of it.
@@ -543,7 +546,6 @@ impl Pass<'_> {
             return Ok(batch_size);
         }
         let want = self.want(batch_size);
-        let mut said = false;
         loop {
             if self
                 .marked
@@ -563,8 +565,8 @@ impl Pass<'_> {
             if self.backlog + want <= max {
                 return Ok((max - self.backlog).min(batch_size as u64) as usize);
             }
-            if !said {
-                said = true;
+            if !self.said_waiting {
+                self.said_waiting = true;
                 eprintln!(
                     "enqueue waits: job `{}` holds {} tasks in Redis (--max-backlog {max}); it goes on as the workers drain them",
                     self.job, self.backlog

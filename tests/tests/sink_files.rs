@@ -67,6 +67,20 @@ fn open_files(job_dir: &Path, suffix: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A job of `n` records drained by one worker into the files sink in
+/// `<dir>/out`: its Redis, its directory and the worker's log.
+fn drained(name: &str, n: u64) -> (RedisServer, TempDir, String) {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "0"]);
+    let dir = TempDir::new(name);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &dir.join("out")));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    (redis, dir, log)
+}
+
 #[test]
 fn every_done_record_is_one_line_through_kills_of_the_writer_and_redis() {
     let mut redis = RedisServer::start_with(&["--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]);
@@ -174,15 +188,8 @@ fn every_done_record_is_one_line_through_kills_of_the_writer_and_redis() {
 
 #[test]
 fn a_segment_changed_on_disk_makes_the_check_fail() {
-    let redis = RedisServer::start();
-    let sim = LlmSim::start(&["--latency-ms", "0"]);
-    let dir = TempDir::new("sink-files-damage");
+    let (redis, dir, log) = drained("sink-files-damage", 100);
     let out = dir.join("out");
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, 100);
-    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
-    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
-    assert!(exit.success(), "{log}");
     let (code, s) = harness::status_json(&redis, JOB);
     assert_eq!(
         (code, &s["sink"]["verified"]["exact"]),
@@ -247,15 +254,8 @@ fn a_directory_that_cannot_be_written_pauses_the_sink_and_loses_nothing() {
 
 #[test]
 fn a_revision_of_a_written_result_is_a_file_of_its_own_and_export_shows_it() {
-    let redis = RedisServer::start();
-    let sim = LlmSim::start(&["--latency-ms", "0"]);
-    let dir = TempDir::new("sink-files-revise");
+    let (redis, dir, _) = drained("sink-files-revise", 20);
     let out = dir.join("out");
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, 20);
-    enqueue(&redis, &data, JOB, &files_spec(&dir, &out));
-    let (exit, log) = Running::spawn(worker_cmd(&redis, JOB, &sim, &["--drain"])).finish(Duration::from_secs(60));
-    assert!(exit.success(), "{log}");
     let revised = dir.join("revised.json");
     std::fs::write(
         &revised,

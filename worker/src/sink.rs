@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use common::sink::{PgSink, ResultRow, SinkError};
+use common::sink::{PgSink, SinkError};
 use common::sink_files::{FileSink, Take};
-use common::store::{SinkEntry, SunkResult};
+use common::store::{SinkBatch, SinkEntry, SunkResult};
 use common::task::{ResultRecord, ReviewEntry};
 
 use crate::fleet::Fleet;
@@ -302,7 +302,7 @@ impl SinkWriter {
         };
         let taken = entries.len();
         if !entries.is_empty() {
-            let read = match f.store.sink_read(&job, p, &entries).await {
+            let read = match f.store.sink_read(&job, p, &entries, &self.job.spec.prices).await {
                 Ok(r) => r,
                 Err(e) => {
                     f.store_error(&e).await;
@@ -310,9 +310,7 @@ impl SinkWriter {
                     return Ok(0);
                 }
             };
-            let prices = &self.job.spec.prices;
-            let rows: Vec<ResultRow> = read.results.iter().map(|r| ResultRow::of(r, prices)).collect();
-            blocking(|| sink.append(p, &entries, &read.results, &rows, &read.failures))?;
+            blocking(|| sink.append(p, &entries, &read.results, &read.sunk, &read.failures))?;
         }
         if sink.is_open(p) && (self.flushing || sink.due(p)) {
             blocking(|| sink.finish(p))?;
@@ -373,7 +371,7 @@ impl SinkWriter {
     async fn write_batch(&mut self, p: u32, entries: Vec<SinkEntry>) -> Result<usize, SinkError> {
         let f = self.fleet.clone();
         let job = &self.job.name;
-        let read = match f.store.sink_read(job, p, &entries).await {
+        let read = match f.store.sink_read(job, p, &entries, &self.job.spec.prices).await {
             Ok(r) => r,
             Err(e) => {
                 f.store_error(&e).await;
@@ -381,20 +379,18 @@ impl SinkWriter {
                 return Ok(0);
             }
         };
-        let prices = &self.job.spec.prices;
-        let results: Vec<ResultRow> = read.results.iter().map(|r| ResultRow::of(r, prices)).collect();
-        let failures = read.failures;
+        let (results, failures) = (&read.results, &read.failures);
         let Some(Backend::Pg(sink)) = self.sink.as_mut() else {
             self.retry = Some((p, entries));
             return Ok(0);
         };
         // Records the database refused: not in the sink (they go back to review).
         let mut refused_ids = std::collections::HashSet::new();
-        let written = match sink.write(job, p, &results, &failures).await {
+        let written = match sink.write(job, p, results, failures).await {
             Ok(n) => n,
             Err(SinkError::Rejected(first)) => {
                 // One row the database refuses must not hold back the others.
-                let (n, refused) = match sink.write_each(job, p, &results, &failures).await {
+                let (n, refused) = match sink.write_each(job, p, results, failures).await {
                     Ok(found) => found,
                     Err(e) => {
                         self.retry = Some((p, entries));
@@ -412,7 +408,7 @@ impl SinkWriter {
                     error = %first,
                     "the database rejected rows: the records go back to review (`sink_rejected`), with its message"
                 );
-                self.back_to_review(p, &read.results, &refused).await;
+                self.back_to_review(p, &read, &refused).await;
                 refused_ids.extend(refused.into_iter().map(|(rid, _)| rid));
                 n
             }
@@ -426,10 +422,9 @@ impl SinkWriter {
             .with_label_values(&[job.as_str()])
             .inc_by(written);
         let sunk: Vec<SunkResult> = read
-            .results
-            .iter()
-            .filter(|r| !refused_ids.contains(&r.record_id))
-            .map(SunkResult::of)
+            .sunk
+            .into_iter()
+            .filter(|s| !refused_ids.contains(&s.rid))
             .collect();
         if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk).await {
             // Written but not acknowledged: the entries are written again
@@ -443,13 +438,16 @@ impl SinkWriter {
     /// message, so a person can fix it (accepted again, it is written
     /// again). A result without its input (committed by an older version)
     /// stays done, kept as `rejected` in the failures table.
-    async fn back_to_review(&self, p: u32, results: &[ResultRecord], refused: &[(String, String)]) {
+    async fn back_to_review(&self, p: u32, read: &SinkBatch, refused: &[(String, String)]) {
         let f = &self.fleet;
         for (rid, message) in refused {
-            let Some(entry) = results
+            // Only a refused result is decoded whole.
+            let Some(entry) = read
+                .results
                 .iter()
-                .find(|r| &r.record_id == rid)
-                .and_then(|r| ReviewEntry::of_refused(r, message, &f.config.consumer))
+                .position(|r| &r.record_id == rid)
+                .and_then(|i| ResultRecord::decode(&read.texts[i]).ok())
+                .and_then(|r| ReviewEntry::of_refused(&r, message, &f.config.consumer))
             else {
                 continue;
             };

@@ -7,7 +7,8 @@ use redis::Value;
 use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
 use crate::keys;
-use crate::sink::FailureRow;
+use crate::sink::{FailureRow, ResultRow};
+use crate::spec::Prices;
 use crate::task::{RecordState, ResultRecord, ReviewEntry};
 
 /// One entry of a sink stream.
@@ -78,7 +79,13 @@ pub struct Sunk {
 /// What a batch of sink entries names, read from Redis.
 #[derive(Debug, Default)]
 pub struct SinkBatch {
-    pub results: Vec<ResultRecord>,
+    /// The committed results as rows (their large JSON parts as Redis holds
+    /// them, unparsed), ...
+    pub results: Vec<ResultRow>,
+    /// ... the figures each keeps in the `sunk` counters once it leaves Redis, ...
+    pub sunk: Vec<SunkResult>,
+    /// ... and each one's encoding in Redis (decoded only when needed).
+    pub texts: Vec<String>,
     /// Records whose state is review, dropped or cancelled now, and results
     /// that cannot be read (kept as `rejected`).
     pub failures: Vec<FailureRow>,
@@ -105,6 +112,71 @@ fn sink_entries(reply: &Value) -> Vec<SinkEntry> {
     out
 }
 
+/// Up to `count` ids pending in a sink stream's group from `start` (an id,
+/// `(id` after it, or `-`), only those idle at least `idle_ms` when given.
+async fn pending_ids(
+    c: &mut super::Conn,
+    stream: &str,
+    idle_ms: Option<u64>,
+    start: &str,
+    count: usize,
+) -> Result<Vec<String>, StoreError> {
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg(stream).arg(keys::SINK_GROUP);
+    if let Some(idle) = idle_ms {
+        cmd.arg("IDLE").arg(idle);
+    }
+    let listed: Value = cmd.arg(start).arg("+").arg(count.max(1)).query_async(c).await?;
+    Ok(as_array(&listed)
+        .iter()
+        .filter_map(|e| as_string(as_array(e).first()?))
+        .collect())
+}
+
+/// `XCLAIM`s sink entries for `consumer` (the commands the worker's ACL has).
+async fn claim(
+    c: &mut super::Conn,
+    stream: &str,
+    consumer: &str,
+    min_idle_ms: u64,
+    ids: &[String],
+) -> Result<Vec<SinkEntry>, StoreError> {
+    let mut cmd = redis::cmd("XCLAIM");
+    cmd.arg(stream).arg(keys::SINK_GROUP).arg(consumer).arg(min_idle_ms);
+    for id in ids {
+        cmd.arg(id);
+    }
+    let claimed: Value = cmd.query_async(c).await?;
+    Ok(sink_entries(&claimed))
+}
+
+/// `XREADGROUP` of a sink stream from `id` (`>`: new entries; `0`: the
+/// consumer's own pending ones).
+async fn read_group(
+    c: &mut super::Conn,
+    stream: &str,
+    consumer: &str,
+    count: usize,
+    id: &str,
+) -> Result<Vec<SinkEntry>, StoreError> {
+    let reply: Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(keys::SINK_GROUP)
+        .arg(consumer)
+        .arg("COUNT")
+        .arg(count.max(1))
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(id)
+        .query_async(c)
+        .await?;
+    let mut out = Vec::new();
+    for s in as_array(&reply) {
+        out.extend(sink_entries(as_array(s).get(1).unwrap_or(&Value::Nil)));
+    }
+    Ok(out)
+}
+
 /// The values of `fields` of one hash, in their order.
 async fn hmget(c: &mut super::Conn, key: String, fields: &[&str]) -> Result<Vec<Option<String>>, StoreError> {
     Ok(redis::cmd("HMGET").arg(key).arg(fields).query_async(c).await?)
@@ -127,49 +199,12 @@ impl RedisStore {
     ) -> Result<Vec<SinkEntry>, StoreError> {
         let stream = keys::sink(job, partition);
         let mut c = self.conn.clone();
-        let idle: Value = redis::cmd("XPENDING")
-            .arg(&stream)
-            .arg(keys::SINK_GROUP)
-            .arg("IDLE")
-            .arg(stale_ms)
-            .arg("-")
-            .arg("+")
-            .arg(count.max(1))
-            .query_async(&mut c)
-            .await?;
-        let ids: Vec<String> = as_array(&idle)
-            .iter()
-            .filter_map(|e| as_string(as_array(e).first()?))
-            .collect();
-        let reply: Value = if own || ids.is_empty() {
-            redis::cmd("XREADGROUP")
-                .arg("GROUP")
-                .arg(keys::SINK_GROUP)
-                .arg(consumer)
-                .arg("COUNT")
-                .arg(count.max(1))
-                .arg("STREAMS")
-                .arg(&stream)
-                .arg(if own { "0" } else { ">" })
-                .query_async(&mut c)
-                .await?
+        let ids = pending_ids(&mut c, &stream, Some(stale_ms), "-", count).await?;
+        if own || ids.is_empty() {
+            read_group(&mut c, &stream, consumer, count, if own { "0" } else { ">" }).await
         } else {
-            let mut cmd = redis::cmd("XCLAIM");
-            cmd.arg(&stream).arg(keys::SINK_GROUP).arg(consumer).arg(stale_ms);
-            for id in &ids {
-                cmd.arg(id);
-            }
-            // Shaped as XREADGROUP's reply, so one parser reads both.
-            Value::Array(vec![Value::Array(vec![
-                Value::BulkString(stream.clone().into_bytes()),
-                cmd.query_async(&mut c).await?,
-            ])])
-        };
-        let mut out = Vec::new();
-        for s in as_array(&reply) {
-            out.extend(sink_entries(as_array(s).get(1).unwrap_or(&Value::Nil)));
+            claim(&mut c, &stream, consumer, stale_ms, &ids).await
         }
-        Ok(out)
     }
 
     /// For the files sink, whose writer holds the partition alone: with a
@@ -188,59 +223,31 @@ impl RedisStore {
         let stream = keys::sink(job, partition);
         let mut c = self.conn.clone();
         let Some(cursor) = cursor else {
-            let reply: Value = redis::cmd("XREADGROUP")
-                .arg("GROUP")
-                .arg(keys::SINK_GROUP)
-                .arg(consumer)
-                .arg("COUNT")
-                .arg(count.max(1))
-                .arg("STREAMS")
-                .arg(&stream)
-                .arg(">")
-                .query_async(&mut c)
-                .await?;
-            let mut out = Vec::new();
-            for s in as_array(&reply) {
-                out.extend(sink_entries(as_array(s).get(1).unwrap_or(&Value::Nil)));
-            }
-            return Ok((out, None));
+            return Ok((read_group(&mut c, &stream, consumer, count, ">").await?, None));
         };
-        // XPENDING from the cursor, then XCLAIM of what it lists (the
-        // commands the worker's ACL already has).
         let start = if cursor == "0-0" {
             "-".to_owned()
         } else {
             format!("({cursor}")
         };
-        let listed: Value = redis::cmd("XPENDING")
-            .arg(&stream)
-            .arg(keys::SINK_GROUP)
-            .arg(&start)
-            .arg("+")
-            .arg(count.max(1))
-            .query_async(&mut c)
-            .await?;
-        let ids: Vec<String> = as_array(&listed)
-            .iter()
-            .filter_map(|e| as_string(as_array(e).first()?))
-            .collect();
+        let ids = pending_ids(&mut c, &stream, None, &start, count).await?;
         let next = (ids.len() >= count.max(1)).then(|| ids.last().cloned()).flatten();
         if ids.is_empty() {
             return Ok((Vec::new(), None));
         }
-        let mut cmd = redis::cmd("XCLAIM");
-        cmd.arg(&stream).arg(keys::SINK_GROUP).arg(consumer).arg(0);
-        for id in &ids {
-            cmd.arg(id);
-        }
-        let claimed: Value = cmd.query_async(&mut c).await?;
-        Ok((sink_entries(&claimed), next))
+        Ok((claim(&mut c, &stream, consumer, 0, &ids).await?, next))
     }
 
     /// The results and failures a batch names, as Redis holds them now: a
     /// failure entry whose record has become done since is skipped (its
     /// result entry follows), and so is a result that is no longer there.
-    pub async fn sink_read(&self, job: &str, partition: u32, entries: &[SinkEntry]) -> Result<SinkBatch, StoreError> {
+    pub async fn sink_read(
+        &self,
+        job: &str,
+        partition: u32,
+        entries: &[SinkEntry],
+        prices: &Prices,
+    ) -> Result<SinkBatch, StoreError> {
         let mut c = self.conn.clone();
         let mut batch = SinkBatch::default();
         let results: Vec<&str> = entries.iter().filter(|e| e.result).map(|e| e.rid.as_str()).collect();
@@ -252,8 +259,12 @@ impl RedisStore {
                 if !seen.insert(*rid) {
                     continue; // handed over twice in one batch: one row
                 }
-                match ResultRecord::decode(&t) {
-                    Ok(r) => batch.results.push(r),
+                match ResultRow::parse(&t, prices) {
+                    Ok((row, sunk)) => {
+                        batch.results.push(row);
+                        batch.sunk.push(sunk);
+                        batch.texts.push(t);
+                    }
                     // Kept as a failure, so the rest of the batch is written.
                     Err(e) => batch.failures.push(FailureRow::of_state(
                         rid,
