@@ -241,7 +241,8 @@ impl TypedColumn {
         let f = self.field.replace('\'', "''");
         match self.kind {
             FieldType::String => format!("({output}->>'{f}')"),
-            FieldType::Integer => format!("({output}->>'{f}')::bigint"),
+            // Through numeric: `3.0` and `1e3` are integers to the validator.
+            FieldType::Integer => format!("({output}->>'{f}')::numeric::bigint"),
             FieldType::Number => format!("({output}->>'{f}')::float8"),
             FieldType::Boolean => format!("({output}->>'{f}')::boolean"),
             FieldType::Array | FieldType::Object => format!("NULLIF({output}->'{f}', 'null'::jsonb)"),
@@ -1024,6 +1025,19 @@ impl PgSink {
         .map_err(err)?;
         tx.commit().await.map_err(err)?;
         Ok(Some(revision))
+    }
+
+    /// The output of the job's row of a record, as it is now (its latest revision's).
+    pub async fn output(&self, job: &str, rid: &str) -> Result<Option<Value>, SinkError> {
+        let row = self
+            .client
+            .query_opt(
+                &format!("SELECT output FROM {} WHERE record_id = $1 AND job = $2", self.results),
+                &[&rid, &job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(row.map(|r| r.get(0)))
     }
 
     /// Every revision of the job's results, by record, oldest first.

@@ -45,8 +45,16 @@ use crate::task::ResultRecord;
 /// How many finished results segments of a partition the writer remembers
 /// the ids of, to skip a record handed over again after Redis lost an
 /// acknowledgement (at most the last second of them with `appendfsync
-/// everysec`, long since inside this window).
+/// everysec`): such entries are pending again, and the writer looks for
+/// pending entries after every segment it finishes and every
+/// [`RESCAN`] while idle, so they are taken while their first lines are
+/// still in this window (the window only moves when segments are written).
 const RECENT_SEGMENTS: usize = 4;
+
+/// How often a writer holding a partition with no open segment looks for
+/// entries pending in Redis that it holds no segment for (a lost reply, an
+/// acknowledgement Redis lost in a restart).
+pub const RESCAN: Duration = Duration::from_secs(10);
 
 /// When a segment is finished: whichever comes first.
 #[derive(Debug, Clone, Copy)]
@@ -131,9 +139,13 @@ struct Part {
     open: Option<Open>,
     /// A finished batch waiting for its acknowledgement.
     pending: Option<Pending>,
-    /// While Some: the entries pending in Redis when the partition was
-    /// taken (a previous writer's) are being taken over, from this cursor.
-    pub orphans: Option<String>,
+    /// While Some: the entries pending in Redis that no segment holds (a
+    /// previous writer's, a lost reply...) are being taken over, from this
+    /// cursor; set when the partition is taken, after each finished segment
+    /// and every [`RESCAN`] while nothing is open.
+    orphans: Option<String>,
+    /// When the last take-over pass started.
+    scanned: Instant,
     recent: VecDeque<Vec<String>>,
     recent_ids: HashSet<String>,
 }
@@ -182,9 +194,12 @@ fn sync_dir(dir: &Path) -> Result<(), SinkError> {
         .map_err(|e| disk("cannot sync directory", dir, e))
 }
 
-/// Writes `bytes` to `path` whole: a temporary file, fsync'd, renamed over it.
+/// Writes `bytes` to `path` whole: a temporary file of this process's own,
+/// fsync'd, renamed over it.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
-    let tmp = path.with_extension("tmp");
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));
     let mut f = File::create(&tmp).map_err(|e| disk("cannot create", &tmp, e))?;
     f.write_all(bytes)
         .and_then(|_| f.sync_all())
@@ -287,6 +302,7 @@ impl FileSink {
                 open: None,
                 pending,
                 orphans: Some("0-0".into()),
+                scanned: Instant::now(),
                 recent,
                 recent_ids,
             },
@@ -320,13 +336,14 @@ impl FileSink {
             }
             self.add_to_manifest(&pend.segments)?;
         }
-        // Open segments that got no pending file: never counted, their
-        // entries are still pending in Redis.
-        let prefix = format!("-p{p:03}-");
+        // Open segments that got no pending file (never counted, their
+        // entries are still pending in Redis), and a pending file that was
+        // not written whole.
+        let (segment, pending_tmp) = (format!("-p{p:03}-"), format!("p{p:03}."));
         for entry in fs::read_dir(&open).map_err(|e| disk("cannot read directory", &open, e))? {
             let entry = entry.map_err(|e| disk("cannot read directory", &open, e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.ends_with(".tmp") && name.contains(&prefix) {
+            if name.ends_with(".tmp") && (name.contains(&segment) || name.starts_with(&pending_tmp)) {
                 let _ = fs::remove_file(entry.path());
             }
         }
@@ -393,10 +410,16 @@ impl FileSink {
         }
     }
 
-    /// The cursor of the take-over of a previous writer's entries (None
-    /// once every one was taken).
-    pub fn orphans(&self, p: u32) -> Option<&str> {
-        self.parts.get(&p)?.orphans.as_deref()
+    /// The cursor of the take-over of pending entries no segment holds
+    /// (None once every one was taken). With no segment open, a new pass
+    /// starts every [`RESCAN`].
+    pub fn orphans(&mut self, p: u32) -> Option<&str> {
+        let part = self.parts.get_mut(&p)?;
+        if part.orphans.is_none() && part.open.is_none() && part.scanned.elapsed() >= RESCAN {
+            part.orphans = Some("0-0".into());
+            part.scanned = Instant::now();
+        }
+        part.orphans.as_deref()
     }
 
     pub fn set_orphans(&mut self, p: u32, cursor: Option<String>) {
@@ -512,6 +535,10 @@ impl FileSink {
             }
         }
         part.pending = Some(pending);
+        // Whatever is still pending once this batch is acknowledged, no
+        // segment holds: the next rounds take it over.
+        part.orphans = Some("0-0".into());
+        part.scanned = Instant::now();
         let segments = part.pending.as_ref().map(|p| p.segments.clone()).unwrap_or_default();
         self.add_to_manifest(&segments)
     }
@@ -546,8 +573,23 @@ impl FileSink {
     }
 }
 
-/// The manifest's lock, held until the file is dropped.
-fn lock_manifest(root: &Path) -> Result<File, SinkError> {
+/// How long a writer waits for the manifest's lock before it gives up
+/// (and retries the batch later): a process stopped while holding it must
+/// not stop every writer for good.
+const MANIFEST_LOCK_WAIT: Duration = Duration::from_secs(30);
+
+/// The manifest's lock, held until it is dropped: within this process a
+/// mutex (where `flock` is emulated with per-process locks, as on NFS, the
+/// file lock alone would not keep this process's writers apart), across
+/// processes the lock file.
+struct ManifestLock {
+    _file: File,
+    _guard: std::sync::MutexGuard<'static, ()>,
+}
+
+fn lock_manifest(root: &Path) -> Result<ManifestLock, SinkError> {
+    static IN_PROCESS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = IN_PROCESS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let lock_path = root.join(".locks").join("manifest.lock");
     let lock = OpenOptions::new()
         .create(true)
@@ -555,8 +597,27 @@ fn lock_manifest(root: &Path) -> Result<File, SinkError> {
         .write(true)
         .open(&lock_path)
         .map_err(|e| disk("cannot open", &lock_path, e))?;
-    lock.lock().map_err(|e| disk("cannot lock", &lock_path, e))?;
-    Ok(lock)
+    let since = Instant::now();
+    loop {
+        match lock.try_lock() {
+            Ok(()) => break,
+            Err(fs::TryLockError::WouldBlock) if since.elapsed() < MANIFEST_LOCK_WAIT => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(fs::TryLockError::WouldBlock) => {
+                return Err(SinkError::Disk(format!(
+                    "{} is held by another process for {}s: is a worker stopped?",
+                    lock_path.display(),
+                    MANIFEST_LOCK_WAIT.as_secs()
+                )));
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(disk("cannot lock", &lock_path, e)),
+        }
+    }
+    Ok(ManifestLock {
+        _file: lock,
+        _guard: guard,
+    })
 }
 
 /// Rewrites `manifest.json` whole (the caller holds its lock).
@@ -605,30 +666,14 @@ pub fn revise(
     note: Option<&str>,
 ) -> Result<Option<u32>, SinkError> {
     let root = job_dir(dir, job)?;
-    if rid.is_empty() || !rid.chars().all(|c| c.is_ascii_alphanumeric()) {
+    // Listed segments never change: the result is found without the lock.
+    let Some(written) = written_output(&root, rid)? else {
         return Ok(None);
-    }
+    };
     let _lock = lock_manifest(&root)?;
     let m = read_manifest(&root)?.unwrap_or_default();
-    let mut current = None;
-    for s in m.segments.iter().filter(|s| s.kind == "results") {
-        each_line(&root.join(&s.file), |line| {
-            if current.is_none()
-                && serde_json::from_str::<IdOnly>(line).is_ok_and(|id| id.record_id == rid)
-                && let Ok(row) = serde_json::from_str::<ResultRow>(line)
-            {
-                current = serde_json::from_str::<serde_json::Value>(row.output.get()).ok();
-            }
-        })?;
-        if current.is_some() {
-            break;
-        }
-    }
-    let Some(mut previous) = current else { return Ok(None) };
     let before = revisions_of(&root, &m)?.remove(rid).unwrap_or_default();
-    if let Some(last) = before.last() {
-        previous = last.output.clone();
-    }
+    let previous = before.last().map_or(written, |last| last.output.clone());
     let revision = before.last().map_or(0, |r| r.revision) + 1;
     let row = RevisionRow {
         record_id: rid.to_owned(),
@@ -657,6 +702,43 @@ pub fn revise(
     };
     edit_manifest_locked(&root, job, |m| m.segments.push(segment))?;
     Ok(u32::try_from(revision).ok())
+}
+
+/// The output of a record as the segments hold it now: its result line's,
+/// or its latest revision's (None when no segment holds its result).
+pub fn current_output(dir: &Path, job: &str, rid: &str) -> Result<Option<serde_json::Value>, SinkError> {
+    let root = job_dir(dir, job)?;
+    let Some(written) = written_output(&root, rid)? else {
+        return Ok(None);
+    };
+    let m = read_manifest(&root)?.unwrap_or_default();
+    let latest = revisions_of(&root, &m)?
+        .remove(rid)
+        .and_then(|v| v.last().map(|r| r.output.clone()));
+    Ok(Some(latest.unwrap_or(written)))
+}
+
+/// The output a record's result line holds.
+fn written_output(root: &Path, rid: &str) -> Result<Option<serde_json::Value>, SinkError> {
+    if rid.is_empty() || !rid.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Ok(None);
+    }
+    let m = read_manifest(root)?.unwrap_or_default();
+    let mut found = None;
+    for s in m.segments.iter().filter(|s| s.kind == "results") {
+        each_line(&root.join(&s.file), |line| {
+            if found.is_none()
+                && serde_json::from_str::<IdOnly>(line).is_ok_and(|id| id.record_id == rid)
+                && let Ok(row) = serde_json::from_str::<ResultRow>(line)
+            {
+                found = serde_json::from_str::<serde_json::Value>(row.output.get()).ok();
+            }
+        })?;
+        if found.is_some() {
+            break;
+        }
+    }
+    Ok(found)
 }
 
 #[derive(Deserialize)]

@@ -844,13 +844,13 @@ impl JobSpec {
                             t.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
                                 && t.chars()
                                     .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                                && t.len() <= 54
+                                && t.len() <= 53
                         })
                 };
                 if !table_ok {
                     p.add(
                         "sink.table",
-                        "must be `name` or `schema.name`: lowercase letters, digits and `_`, at most 54 each",
+                        "must be `name` or `schema.name`: lowercase letters, digits and `_`, at most 53 each (`_revisions` is added for a table of its own, within PostgreSQL's 63)",
                     );
                 }
                 if s.dir.is_some() {

@@ -113,15 +113,15 @@ async fn retry_missing(
 ) -> Result<(), ReviewError> {
     let r = reconcile(store, job, partitions, sink).await?;
     let manifest = store.load_manifest(job).await?;
+    // Each dataset by its tag and by its sha12 (origins of earlier versions).
     let datasets: HashMap<String, (String, String)> = manifest
         .map(|m| {
             m.datasets
                 .into_iter()
-                .map(|d| {
-                    (
-                        d.dataset.short().to_owned(),
-                        (d.dataset.path.clone(), d.dataset.sha256.clone()),
-                    )
+                .flat_map(|d| {
+                    let file = (d.dataset.path.clone(), d.dataset.sha256.clone());
+                    let by_tag = d.tag.map(|t| (t.to_string(), file.clone()));
+                    std::iter::once((d.dataset.short().to_owned(), file)).chain(by_tag)
                 })
                 .collect()
         })

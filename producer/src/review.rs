@@ -152,14 +152,53 @@ pub async fn revise(
         }
         None => return Err(ReviewError::NotFound(format!("job `{job}` has no record `{id}`"))),
     }
+    let io = |e: common::sink::SinkError| ReviewError::Io(e.to_string());
     let read = store.result_text(job, p, &rid).await?;
     let current = read
         .as_deref()
         .map(ResultRecord::decode)
         .transpose()
         .map_err(|e| ReviewError::Io(e.to_string()))?;
-    let input = current.as_ref().and_then(|r| r.input.as_ref()).map(|i| i.object());
-    let out = match validate_record(&spec, output, input.as_ref()) {
+    if current.is_some() && spec.sink.kind != SinkKind::None {
+        return Err(ReviewError::Io(format!(
+            "record {rid}'s result is on its way to the sink: revise it once it is written (a few seconds; `producer status` shows the sink's backlog)"
+        )));
+    }
+    // The output as it is now, wherever the result is.
+    let dir = spec.sink.dir.clone().unwrap_or_default();
+    let mut db = None;
+    let now: Option<Value> = match (spec.sink.kind, &current) {
+        (_, Some(r)) => Some(Value::Object(r.output.clone())),
+        (SinkKind::None, None) => None,
+        (SinkKind::Files, None) => common::sink_files::current_output(Path::new(&dir), job, &rid).map_err(io)?,
+        (SinkKind::Postgres, None) => {
+            let var = spec.sink.url_env.as_deref().unwrap_or_default();
+            let url = std::env::var(var).unwrap_or_default();
+            if url.is_empty() {
+                return Err(ReviewError::Io(format!(
+                    "record {rid}'s result is in PostgreSQL: set {var} (sink.url_env) to the database URL to revise it"
+                )));
+            }
+            let sink = common::sink::PgSink::connect(&url, &spec).await.map_err(io)?;
+            let now = sink.output(job, &rid).await.map_err(io)?;
+            db = Some(sink);
+            now
+        }
+    };
+    let Some(Value::Object(now)) = now else {
+        return Err(ReviewError::NotFound(format!("record {rid} has no result to revise")));
+    };
+    // Fields filled from the input keep what the input gave them.
+    let mut given: Value = serde_json::from_str(output)
+        .map_err(|e| ReviewError::Invalid(vec![format!("  - the output is not JSON: {e}")]))?;
+    if let Value::Object(o) = &mut given {
+        for (name, f) in spec.output.fields.iter() {
+            if let (Some(_), Some(v)) = (&f.from_input, now.get(name.as_str())) {
+                o.insert(name.clone(), v.clone());
+            }
+        }
+    }
+    let out = match validate_record(&spec, &given.to_string(), None) {
         Validation::Valid { output, .. } => output,
         Validation::Invalid { errors, .. } => {
             return Err(ReviewError::Invalid(
@@ -168,67 +207,41 @@ pub async fn revise(
         }
     };
     let out = Stamp::now(&spec).output(out, &rid);
-    match (spec.sink.kind, current, read) {
-        (SinkKind::None, Some(current), Some(read)) => {
-            let revised = current.revised(out, reviewer, note);
-            let n = revised.revisions.last().map_or(0, |v| v.revision);
-            match store.revise_result(job, p, &rid, &read, &revised).await? {
-                1 => Ok((
-                    rid,
-                    n,
-                    "in Redis (the output it replaced is kept in the result's revisions)".into(),
-                )),
-                0 => Err(ReviewError::Lost(rid)),
-                _ => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
-            }
-        }
-        (SinkKind::None, _, _) => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
-        (_, Some(_), _) => Err(ReviewError::Io(format!(
-            "record {rid}'s result is on its way to the sink: revise it once it is written (a few seconds; `producer status` shows the sink's backlog)"
-        ))),
-        (SinkKind::Files, None, _) => {
-            let dir = spec.sink.dir.clone().unwrap_or_default();
-            let value = serde_json::Value::Object(out);
-            match common::sink_files::revise(Path::new(&dir), job, &rid, &value, reviewer, note)
-                .map_err(|e| ReviewError::Io(e.to_string()))?
-            {
-                Some(n) => Ok((rid, n, format!("in the files sink ({dir}, revisions/)"))),
-                None => Err(ReviewError::NotFound(format!(
-                    "no segment in {dir} holds a result of record {rid}"
-                ))),
-            }
-        }
-        (SinkKind::Postgres, None, _) => {
-            let var = spec.sink.url_env.as_deref().unwrap_or_default();
-            let url = std::env::var(var).unwrap_or_default();
-            if url.is_empty() {
-                return Err(ReviewError::Io(format!(
-                    "record {rid}'s result is in PostgreSQL: set {var} (sink.url_env) to the database URL to revise it"
-                )));
-            }
-            let mut db = common::sink::PgSink::connect(&url, &spec)
-                .await
-                .map_err(|e| ReviewError::Io(e.to_string()))?;
-            let value = serde_json::Value::Object(out);
-            match db
-                .revise(job, &rid, &value, reviewer, note)
-                .await
-                .map_err(|e| ReviewError::Io(e.to_string()))?
-            {
-                Some(n) => Ok((
-                    rid,
-                    u32::try_from(n).unwrap_or(0),
-                    format!(
-                        "in PostgreSQL (the output it replaced is in {}_revisions)",
-                        spec.sink.table()
-                    ),
-                )),
-                None => Err(ReviewError::NotFound(format!(
-                    "table {} has no row of record {rid}",
+    if let (Some(current), Some(read)) = (current, read) {
+        let revised = current.revised(out, reviewer, note);
+        let n = revised.revisions.last().map_or(0, |v| v.revision);
+        return match store.revise_result(job, p, &rid, &read, &revised).await? {
+            1 => Ok((
+                rid,
+                n,
+                "in Redis (the output it replaced is kept in the result's revisions)".into(),
+            )),
+            0 => Err(ReviewError::Lost(rid)),
+            _ => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
+        };
+    }
+    let value = Value::Object(out);
+    if let Some(mut db) = db {
+        return match db.revise(job, &rid, &value, reviewer, note).await.map_err(io)? {
+            Some(n) => Ok((
+                rid,
+                u32::try_from(n).unwrap_or(0),
+                format!(
+                    "in PostgreSQL (the output it replaced is in {}_revisions)",
                     spec.sink.table()
-                ))),
-            }
-        }
+                ),
+            )),
+            None => Err(ReviewError::NotFound(format!(
+                "table {} has no row of record {rid}",
+                spec.sink.table()
+            ))),
+        };
+    }
+    match common::sink_files::revise(Path::new(&dir), job, &rid, &value, reviewer, note).map_err(io)? {
+        Some(n) => Ok((rid, n, format!("in the files sink ({dir}, revisions/)"))),
+        None => Err(ReviewError::NotFound(format!(
+            "no segment in {dir} holds a result of record {rid}"
+        ))),
     }
 }
 

@@ -386,7 +386,15 @@ fn a_revision_of_a_done_result_keeps_what_it_replaced_and_is_validated() {
     let dir = TempDir::new("revise");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 5);
-    enqueue(&redis, &data, "rv", &example_spec());
+    // `task_type` is filled from the input: a revision cannot change it.
+    let spec = harness::spec_with(
+        &dir,
+        &[(
+            "description = \"copy the task type from the input\"",
+            "description = \"copy the task type from the input\"\nfrom_input = \"task_type\"",
+        )],
+    );
+    enqueue(&redis, &data, "rv", &spec);
     let sim = LlmSim::start(&[]);
     let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
     assert!(status.success(), "{err}");
@@ -404,12 +412,16 @@ fn a_revision_of_a_done_result_keeps_what_it_replaced_and_is_validated() {
     let out = revise(&redis, &dir, "alice", &key, GOOD, Some("wrong label"));
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("revision 1"), "{}", stdout(&out));
-    // By record id, by another reviewer: revision 2.
-    let other = GOOD.replace("billing", "account");
+    // By record id, by another reviewer: revision 2 (its task_type is the input's).
+    let other = GOOD.replace("billing", "account").replace("classify", "extract");
     let out = revise(&redis, &dir, "bob", &rid, &other, None);
     assert!(out.status.success(), "{}", stderr(&out));
     let after = hash_entry(&redis, keys::results, &rid).unwrap();
     assert_eq!(after["output"]["label"], "account");
+    assert_eq!(
+        after["output"]["task_type"], "classify",
+        "from the input, not the reviewer"
+    );
     assert_eq!(after["output"]["record_id"], rid.as_str());
     assert_eq!(
         (&after["human"], &after["reviewer"]),

@@ -66,6 +66,9 @@ pub struct SinkWriter {
     held: HashMap<u32, Vec<SinkEntry>>,
     /// Files: chunks of a partition's pending batch already acknowledged.
     acked_chunks: HashMap<u32, usize>,
+    /// Files: partitions whose last round failed, with when the next try is
+    /// due and the back-off (the others go on meanwhile).
+    part_wait: HashMap<u32, (Instant, Duration)>,
     /// Files: finish every open segment now (the worker is leaving).
     flushing: bool,
     /// Fault injection for tests (`BATCHFLEET_FAULT=sink_exit_after_rename`):
@@ -113,6 +116,7 @@ impl SinkWriter {
             sink: None,
             held: HashMap::new(),
             acked_chunks: HashMap::new(),
+            part_wait: HashMap::new(),
             flushing: false,
             exit_after_rename: std::env::var("BATCHFLEET_FAULT").as_deref() == Ok("sink_exit_after_rename"),
             retry: None,
@@ -239,23 +243,39 @@ impl SinkWriter {
         // (see `files_partition`), not read separately.
         self.own_pending_read = true;
         let mut moved = 0;
+        let mut first_error = None;
         let (lane, lanes) = (self.lane, self.lanes);
         for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
+            if self.part_wait.get(&p).is_some_and(|(due, _)| *due > Instant::now()) {
+                continue;
+            }
             match self.files_partition(p).await {
-                Ok(n) => moved += n,
+                Ok(n) => {
+                    moved += n;
+                    self.part_wait.remove(&p);
+                }
                 Err(e) => {
                     // What the open segment held is written again by whoever
-                    // takes the partition next (this writer, after the back-off).
+                    // takes the partition next (this writer, after the
+                    // partition's back-off); the other partitions go on.
                     if let Some(Backend::Files(sink)) = self.sink.as_mut() {
                         sink.release(p);
                     }
                     self.held.remove(&p);
                     self.acked_chunks.remove(&p);
-                    return Err(e);
+                    let backoff = self
+                        .part_wait
+                        .get(&p)
+                        .map_or(Duration::from_millis(200), |(_, b)| (*b * 2).min(MAX_BACKOFF));
+                    self.part_wait.insert(p, (Instant::now() + backoff, backoff));
+                    first_error.get_or_insert(e);
                 }
             }
         }
-        Ok(moved)
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(moved),
+        }
     }
 
     /// Files: takes the partition (unless another writer holds it),
@@ -497,11 +517,7 @@ impl SinkWriter {
         if matches!(e, SinkError::Unreachable(_)) {
             self.sink = None;
         }
-        if let (Some(Backend::Files(_)), SinkError::Disk(_)) = (&self.sink, &e) {
-            // Every partition is taken again after the back-off (open
-            // segments are discarded and their entries written again).
-            self.sink = None;
-        }
+        let files = matches!(self.sink, Some(Backend::Files(_)));
         match &self.failing {
             Some((first, _)) if *first == e => {
                 tracing::warn!(job, error = %e, retry_in_ms = self.backoff.as_millis() as u64, "sink still failing; outcomes wait in Redis")
@@ -515,8 +531,13 @@ impl SinkWriter {
             .health
             .sink_failing
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
-        self.next_attempt = Some(Instant::now() + self.backoff);
+        if files {
+            // Each failing partition waits for its own back-off.
+            self.next_attempt = Some(Instant::now() + IDLE);
+        } else {
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+            self.next_attempt = Some(Instant::now() + self.backoff);
+        }
     }
 
     fn recovered(&mut self) {
@@ -548,7 +569,10 @@ impl Service for SinkWriter {
         }
         match self.write_round().await {
             Ok(n) => {
-                self.recovered();
+                // Recovered once no partition waits for a retry.
+                if self.part_wait.is_empty() {
+                    self.recovered();
+                }
                 Some(if n == 0 { IDLE } else { Duration::ZERO })
             }
             Err(e) => {

@@ -211,7 +211,7 @@ impl RedisStore {
     /// `cursor`, the next entries still pending from before it took the
     /// partition (any consumer's: a previous writer's, or its own earlier
     /// life's), claimed, and the cursor to go on from (None when every one
-    /// was taken); without, new entries.
+    /// was taken); without, or when none is left, new entries.
     pub async fn sink_take_held(
         &self,
         job: &str,
@@ -233,7 +233,8 @@ impl RedisStore {
         let ids = pending_ids(&mut c, &stream, None, &start, count).await?;
         let next = (ids.len() >= count.max(1)).then(|| ids.last().cloned()).flatten();
         if ids.is_empty() {
-            return Ok((Vec::new(), None));
+            // Nothing (left) to take over: new entries, in the same call.
+            return Ok((read_group(&mut c, &stream, consumer, count, ">").await?, None));
         }
         Ok((claim(&mut c, &stream, consumer, 0, &ids).await?, next))
     }
