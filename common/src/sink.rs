@@ -361,31 +361,6 @@ fn to_raw(v: &impl serde::Serialize, empty: &str) -> Box<RawValue> {
 }
 
 impl ResultRow {
-    pub fn of(r: &ResultRecord, prices: &Prices) -> ResultRow {
-        ResultRow {
-            record_id: r.record_id.clone(),
-            business_key: r.key.clone(),
-            versions: to_raw(&r.versions, "{}"),
-            output: to_raw(&r.output, "{}"),
-            attempts: i32::try_from(r.attempts).unwrap_or(i32::MAX),
-            calls: i32::try_from(r.calls).unwrap_or(i32::MAX),
-            prompt_tokens: r.usage.map(|u| u.prompt as i64),
-            cached_tokens: r.usage.map(|u| u.cached as i64),
-            completion_tokens: r.usage.map(|u| u.completion as i64),
-            cost_usd: r.usage.map(|u| u.cost(prices)),
-            model: r.model.clone(),
-            response_id: r.response_id.clone(),
-            human: r.human,
-            reviewer: r.reviewer.clone(),
-            committed_at: r.committed_at.clone(),
-            usage: r.usage.as_ref().map(|u| to_raw(u, "null")),
-            repairs: to_raw(&r.repairs, "[]"),
-            history: to_raw(&r.history, "[]"),
-            worker: r.worker.clone(),
-            input: r.input.as_ref().map(|i| raw(i.get())),
-        }
-    }
-
     /// A result's encoding in Redis as its row, and the figures the sunk
     /// counters keep of it, without decoding its history and input.
     pub fn parse(text: &str, prices: &Prices) -> Result<(ResultRow, SunkResult), String> {
@@ -1189,10 +1164,13 @@ mod tests {
         let prices = Prices::default();
         let (lean, sunk) = ResultRow::parse(text, &prices).unwrap();
         let decoded = ResultRecord::decode(text).unwrap();
-        let full = ResultRow::of(&decoded, &prices);
-        // The same row (the lean one keeps the JSON parts as Redis wrote them).
+        // The row of the decoded result, encoded again (its history with every default).
+        let (full, _) = ResultRow::parse(&decoded.encode(), &prices).unwrap();
         assert_eq!(lean.clone().into_record(), full.clone().into_record());
-        assert_eq!((lean.cached_tokens, lean.cost_usd), (full.cached_tokens, full.cost_usd));
+        assert_eq!(
+            (lean.cached_tokens, lean.cost_usd, lean.prompt_tokens),
+            (full.cached_tokens, full.cost_usd, Some(100))
+        );
         assert_eq!(sunk, SunkResult::of(&decoded));
         assert_eq!(
             (sunk.tokens.prompt, sunk.tokens.completion, sunk.tokens.cached),
