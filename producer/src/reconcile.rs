@@ -37,16 +37,105 @@ impl Reconciliation {
     }
 }
 
-/// Where one record was found, within one partition.
-#[derive(Default)]
+/// Where one record was found, within one partition: 6 bytes, so that a
+/// partition of a million records is held in a few tens of MiB.
+#[derive(Default, Clone, Copy)]
 struct Seen {
-    /// None: not in the job's records; Some(None): a state value no version writes.
-    state: Option<Option<RecordState>>,
-    in_stream: u32,
-    delayed: u32,
+    state: Known,
+    in_stream: u8,
+    delayed: u8,
     result: bool,
     review: bool,
     cancelled: bool,
+}
+
+/// A record's state as the reconciliation needs it.
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum Known {
+    /// Not in the job's records.
+    #[default]
+    No,
+    /// A state value no version writes.
+    Unreadable,
+    Queued,
+    Delayed,
+    Done,
+    Review,
+    Cancelled,
+    Dropped,
+}
+
+impl Known {
+    fn of(state: &Option<RecordState>) -> Known {
+        match state {
+            None => Known::Unreadable,
+            Some(RecordState::Queued) => Known::Queued,
+            Some(RecordState::Delayed) => Known::Delayed,
+            Some(RecordState::Done) => Known::Done,
+            Some(RecordState::Review) => Known::Review,
+            Some(RecordState::Cancelled) => Known::Cancelled,
+            Some(RecordState::Dropped(_)) => Known::Dropped,
+        }
+    }
+}
+
+/// A partition's records by id: 32 bytes for the 64 hex digits every record
+/// id is, the text for anything else found in Redis.
+#[derive(Default)]
+struct Partition {
+    ids: HashMap<[u8; 32], Seen>,
+    other: HashMap<String, Seen>,
+}
+
+impl Partition {
+    fn at(&mut self, rid: String) -> &mut Seen {
+        let mut b = [0u8; 32];
+        if rid.len() == 64 && !rid.bytes().any(|c| c.is_ascii_uppercase()) && hex::decode_to_slice(&rid, &mut b).is_ok()
+        {
+            self.ids.entry(b).or_default()
+        } else {
+            self.other.entry(rid).or_default()
+        }
+    }
+}
+
+/// What the records' states add up to, counted in the reconciliation's own
+/// pass over them (`status` reads them once).
+#[derive(Debug, Clone, Default)]
+pub struct Tally {
+    pub known: u64,
+    pub queued: u64,
+    pub delayed: u64,
+    pub done: u64,
+    pub review: u64,
+    pub cancelled: u64,
+    pub dropped: u64,
+    pub dropped_by_reason: std::collections::BTreeMap<String, u64>,
+    /// The done records' ids, when asked for.
+    pub done_ids: Option<Vec<String>>,
+}
+
+impl Tally {
+    fn add(&mut self, rid: &str, state: &Option<RecordState>) {
+        self.known += 1;
+        match state {
+            Some(RecordState::Queued) => self.queued += 1,
+            Some(RecordState::Delayed) => self.delayed += 1,
+            Some(RecordState::Done) => {
+                self.done += 1;
+                if let Some(ids) = &mut self.done_ids {
+                    ids.push(rid.to_owned());
+                }
+            }
+            Some(RecordState::Review) => self.review += 1,
+            Some(RecordState::Cancelled) => self.cancelled += 1,
+            Some(RecordState::Dropped(reason)) => {
+                self.dropped += 1;
+                *self.dropped_by_reason.entry(reason.clone()).or_default() += 1;
+            }
+            None => {}
+        }
+    }
 }
 
 /// Reconciles every partition; anomalies found twice in a row are reported.
@@ -58,13 +147,24 @@ pub async fn reconcile(
     partitions: u32,
     sink: bool,
 ) -> Result<Reconciliation, StoreError> {
+    reconcile_counting(store, job, partitions, sink, None).await
+}
+
+/// [`reconcile`], counting the states into `tally` on the way.
+pub async fn reconcile_counting(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    sink: bool,
+    mut tally: Option<&mut Tally>,
+) -> Result<Reconciliation, StoreError> {
     let mut out = Reconciliation::default();
     for p in 0..partitions {
-        let first = reconcile_partition(store, job, p, sink).await?;
+        let first = reconcile_partition(store, job, p, sink, tally.as_deref_mut()).await?;
         if first.is_clean() {
             continue;
         }
-        let second = reconcile_partition(store, job, p, sink).await?;
+        let second = reconcile_partition(store, job, p, sink, None).await?;
         let keep = |a: Vec<Anomaly>, b: &[Anomaly]| a.into_iter().filter(|x| b.contains(x)).collect::<Vec<_>>();
         out.missing.extend(keep(first.missing, &second.missing));
         out.duplicates.extend(keep(first.duplicates, &second.duplicates));
@@ -73,85 +173,124 @@ pub async fn reconcile(
     Ok(out)
 }
 
-async fn reconcile_partition(store: &RedisStore, job: &str, p: u32, sink: bool) -> Result<Reconciliation, StoreError> {
-    let mut seen: HashMap<String, Seen> = HashMap::new();
+async fn reconcile_partition(
+    store: &RedisStore,
+    job: &str,
+    p: u32,
+    sink: bool,
+    mut tally: Option<&mut Tally>,
+) -> Result<Reconciliation, StoreError> {
+    let mut seen = Partition::default();
+    let states = store.record_count(job, p).await?;
+    seen.ids.reserve(usize::try_from(states).unwrap_or(0));
     store
-        .record_states(job, p, |rid, state| seen.entry(rid).or_default().state = Some(state))
+        .record_states(job, p, |rid, state| {
+            if let Some(t) = tally.as_deref_mut() {
+                t.add(&rid, &state);
+            }
+            seen.at(rid).state = Known::of(&state);
+        })
         .await?;
     store
-        .scan_stream_rids(job, p, |rid| seen.entry(rid).or_default().in_stream += 1)
+        .scan_stream_rids(job, p, |rid| {
+            let s = seen.at(rid);
+            s.in_stream = s.in_stream.saturating_add(1);
+        })
         .await?;
     store
         .record_ids(job, p, RecordSet::Delayed, |rid| {
-            seen.entry(rid).or_default().delayed += 1
+            let s = seen.at(rid);
+            s.delayed = s.delayed.saturating_add(1);
         })
         .await?;
     store
-        .record_ids(job, p, RecordSet::Results, |rid| {
-            seen.entry(rid).or_default().result = true
-        })
+        .record_ids(job, p, RecordSet::Results, |rid| seen.at(rid).result = true)
         .await?;
     store
-        .record_ids(job, p, RecordSet::Review, |rid| {
-            seen.entry(rid).or_default().review = true
-        })
+        .record_ids(job, p, RecordSet::Review, |rid| seen.at(rid).review = true)
         .await?;
     store
-        .record_ids(job, p, RecordSet::Cancelled, |rid| {
-            seen.entry(rid).or_default().cancelled = true
-        })
+        .record_ids(job, p, RecordSet::Cancelled, |rid| seen.at(rid).cancelled = true)
         .await?;
 
+    let mut found: Vec<(String, Seen, Finding)> = Vec::new();
+    let all = seen.ids.into_iter().map(|(b, s)| (hex::encode(b), s)).chain(seen.other);
+    for (rid, s) in all {
+        if let Some(f) = finding(&s, sink) {
+            found.push((rid, s, f));
+        }
+    }
+    // Only the few records found wrong are described, their state read again.
     let mut out = Reconciliation::default();
-    for (rid, s) in seen {
-        let known = s.state.clone().flatten();
-        let report = |list: &mut Vec<Anomaly>, what: &str| {
-            list.push(Anomaly {
-                record_id: rid.clone(),
-                partition: p,
-                what: what.to_owned(),
-                state: known.clone(),
-            })
+    for (rid, s, f) in found {
+        let state = match s.state {
+            Known::No => None,
+            _ => store.record_state(job, p, &rid).await?,
         };
-        let places = u32::from(s.in_stream > 0)
-            + u32::from(s.delayed > 0)
-            + u32::from(s.result)
-            + u32::from(s.review)
-            + u32::from(s.cancelled);
-        let Some(state) = s.state.clone() else {
-            report(
+        let shown = state
+            .as_ref()
+            .map_or_else(|| "?".to_owned(), |st| st.encode().into_owned());
+        let (list, what) = match f {
+            Finding::Unknown => (
                 &mut out.unknown,
-                "not in the job's records, but has a task, retry, result or review entry",
-            );
-            continue;
+                "not in the job's records, but has a task, retry, result or review entry".to_owned(),
+            ),
+            Finding::Twice => (&mut out.duplicates, describe(&s)),
+            Finding::Missing => (&mut out.missing, format!("state `{shown}` but {}", describe(&s))),
+            Finding::Misplaced => (&mut out.duplicates, format!("state `{shown}` but {}", describe(&s))),
         };
-        if s.in_stream > 1 || s.delayed > 1 || places > 1 {
-            report(&mut out.duplicates, &describe(&s));
-            continue;
-        }
-        let ok = match &state {
-            Some(RecordState::Queued) => s.in_stream == 1,
-            Some(RecordState::Delayed) => s.delayed == 1,
-            Some(RecordState::Done) => (s.result || sink) && places == u32::from(s.result),
-            Some(RecordState::Review) => s.review && places == 1,
-            Some(RecordState::Cancelled) => s.cancelled && places == 1,
-            Some(RecordState::Dropped(_)) => places == 0,
-            None => false,
-        };
-        let state = state.map_or_else(|| "?".to_owned(), |st| st.encode().into_owned());
-        if ok {
-            continue;
-        }
-        if places == 0 {
-            report(&mut out.missing, &format!("state `{state}` but {}", describe(&s)));
-        } else {
-            report(&mut out.duplicates, &format!("state `{state}` but {}", describe(&s)));
-        }
+        list.push(Anomaly {
+            record_id: rid,
+            partition: p,
+            what,
+            state,
+        });
     }
     out.missing.sort();
     out.duplicates.sort();
     out.unknown.sort();
     Ok(out)
+}
+
+/// What is wrong with a record, if anything.
+#[derive(Clone, Copy)]
+enum Finding {
+    /// Not in the job's records, but somewhere.
+    Unknown,
+    /// In two places, or twice in one.
+    Twice,
+    /// Its state says where it should be, and it is nowhere.
+    Missing,
+    /// Somewhere its state does not say.
+    Misplaced,
+}
+
+fn finding(s: &Seen, sink: bool) -> Option<Finding> {
+    let places = u32::from(s.in_stream > 0)
+        + u32::from(s.delayed > 0)
+        + u32::from(s.result)
+        + u32::from(s.review)
+        + u32::from(s.cancelled);
+    if s.state == Known::No {
+        return Some(Finding::Unknown);
+    }
+    if s.in_stream > 1 || s.delayed > 1 || places > 1 {
+        return Some(Finding::Twice);
+    }
+    let ok = match s.state {
+        Known::Queued => s.in_stream == 1,
+        Known::Delayed => s.delayed == 1,
+        Known::Done => (s.result || sink) && places == u32::from(s.result),
+        Known::Review => s.review && places == 1,
+        Known::Cancelled => s.cancelled && places == 1,
+        Known::Dropped => places == 0,
+        Known::Unreadable | Known::No => false,
+    };
+    match (ok, places) {
+        (true, _) => None,
+        (false, 0) => Some(Finding::Missing),
+        (false, _) => Some(Finding::Misplaced),
+    }
 }
 
 fn describe(s: &Seen) -> String {

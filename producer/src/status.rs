@@ -9,7 +9,7 @@ use common::store::{RedisStore, StoreError, Tokens};
 use common::task::RecordState;
 use serde::Serialize;
 
-use crate::reconcile::{Reconciliation, reconcile};
+use crate::reconcile::{Reconciliation, Tally, reconcile_counting};
 
 /// Where a job's records are.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -73,30 +73,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         halted: store.halted(job).await?,
         ..JobStatus::default()
     };
-    let mut queued_state = 0u64;
     for p in 0..partitions {
-        store
-            .record_states(job, p, |rid, state| {
-                s.known += 1;
-                match state {
-                    Some(RecordState::Queued) => queued_state += 1,
-                    Some(RecordState::Delayed) => s.delayed += 1,
-                    Some(RecordState::Done) => {
-                        s.done += 1;
-                        if keep_done {
-                            s.done_ids.push(rid);
-                        }
-                    }
-                    Some(RecordState::Review) => s.review += 1,
-                    Some(RecordState::Cancelled) => s.cancelled += 1,
-                    Some(RecordState::Dropped(reason)) => {
-                        s.dropped += 1;
-                        *s.dropped_by_reason.entry(reason).or_default() += 1;
-                    }
-                    None => {}
-                }
-            })
-            .await?;
         s.in_flight += store.pending_count(job, p).await?;
         store
             .results(job, p, |r| {
@@ -115,8 +92,21 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
             *s.attempts_histogram.entry(attempts).or_default() += n;
         }
     }
-    s.queued = queued_state.saturating_sub(s.in_flight);
-    let r = reconcile(store, job, partitions, sink).await?;
+    // The states are counted in the reconciliation's own pass over them.
+    let mut t = Tally {
+        done_ids: keep_done.then(Vec::new),
+        ..Default::default()
+    };
+    let r = reconcile_counting(store, job, partitions, sink, Some(&mut t)).await?;
+    s.known = t.known;
+    s.delayed = t.delayed;
+    s.done = t.done;
+    s.review = t.review;
+    s.cancelled = t.cancelled;
+    s.dropped = t.dropped;
+    s.dropped_by_reason = t.dropped_by_reason;
+    s.done_ids = t.done_ids.unwrap_or_default();
+    s.queued = t.queued.saturating_sub(s.in_flight);
     s.missing = s.expected.map_or(0, |e| e.saturating_sub(s.known)) + r.missing.len() as u64;
     s.duplicates = r.duplicates.len() as u64;
     s.unknown = r.unknown.len() as u64;

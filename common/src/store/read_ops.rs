@@ -96,9 +96,9 @@ impl RedisStore {
                 })
                 .await
             }
-            RecordSet::Results => self.scan_hash(&keys::results(job, partition), |rid, _| f(rid)).await,
-            RecordSet::Review => self.scan_hash(&keys::review(job, partition), |rid, _| f(rid)).await,
-            RecordSet::Cancelled => self.scan_hash(&keys::cancelled(job, partition), |rid, _| f(rid)).await,
+            RecordSet::Results => self.hash_fields(&keys::results(job, partition), f).await,
+            RecordSet::Review => self.hash_fields(&keys::review(job, partition), f).await,
+            RecordSet::Cancelled => self.hash_fields(&keys::cancelled(job, partition), f).await,
         }
     }
 

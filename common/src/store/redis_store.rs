@@ -111,6 +111,7 @@ pub(super) struct Scripts {
     pub sink_refuse: Script,
     pub revise: Script,
     pub dataset_tag: Script,
+    pub ids_page: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -220,6 +221,7 @@ impl RedisStore {
                 sink_refuse: Script::new(include_str!("scripts/sink_refuse.lua")),
                 revise: Script::new(include_str!("scripts/revise.lua")),
                 dataset_tag: Script::new(include_str!("scripts/dataset_tag.lua")),
+                ids_page: Script::new(include_str!("scripts/ids_page.lua")),
             },
         };
         store.check_permissions().await?;
@@ -247,6 +249,7 @@ impl RedisStore {
             &s.sink_refuse,
             &s.revise,
             &s.dataset_tag,
+            &s.ids_page,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }
@@ -425,6 +428,11 @@ impl RedisStore {
     }
 
     /// Distinct records the job holds: the sum of its state hashes' sizes.
+    /// Records a partition's state hash holds.
+    pub async fn record_count(&self, job: &str, partition: u32) -> Result<u64, StoreError> {
+        Ok(redis::AsyncCommands::hlen(&mut self.conn.clone(), keys::state(job, partition)).await?)
+    }
+
     pub async fn count_records(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
         let mut c = self.conn.clone();
         let mut total = 0u64;
@@ -470,32 +478,39 @@ impl RedisStore {
     }
 
     /// Calls `f` with the record id of every entry in a partition stream,
-    /// paging through it (XRANGE): flat memory.
-    pub async fn scan_stream_rids(
-        &self,
-        job: &str,
-        partition: u32,
-        mut f: impl FnMut(String),
-    ) -> Result<(), StoreError> {
+    /// paging through it (`ids_page.lua`: the tasks stay in Redis, only the
+    /// ids cross the wire): flat memory.
+    pub async fn scan_stream_rids(&self, job: &str, partition: u32, f: impl FnMut(String)) -> Result<(), StoreError> {
+        self.ids_pages(&keys::stream(job, partition), "stream", "-", f).await
+    }
+
+    /// Calls `f` with every record id a hash holds (its fields), without
+    /// reading the values: flat memory, and only the ids cross the wire.
+    pub(super) async fn hash_fields(&self, key: &str, f: impl FnMut(String)) -> Result<(), StoreError> {
+        self.ids_pages(key, "hash", "0", f).await
+    }
+
+    /// The pages of `ids_page.lua` from `first` until the end.
+    async fn ids_pages(&self, key: &str, kind: &str, first: &str, mut f: impl FnMut(String)) -> Result<(), StoreError> {
         let mut c = self.conn.clone();
-        let key = keys::stream(job, partition);
-        let mut start = "-".to_owned();
+        let mut from = first.to_owned();
         loop {
-            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-                .arg(&key)
-                .arg(&start)
-                .arg("+")
-                .arg("COUNT")
+            let page: Vec<String> = self
+                .scripts
+                .ids_page
+                .key(key)
+                .arg(kind)
+                .arg(&from)
                 .arg(1000)
-                .query_async(&mut c)
+                .invoke_async(&mut c)
                 .await?;
-            let Some(last) = page.ids.last().map(|e| e.id.clone()) else {
+            let mut page = page.into_iter();
+            let next = page.next().unwrap_or_default();
+            page.for_each(&mut f);
+            if next.is_empty() || next == "0" {
                 return Ok(());
-            };
-            for entry in &page.ids {
-                f(entry.get::<String>("rid").unwrap_or_default());
             }
-            start = format!("({last}");
+            from = next;
         }
     }
 
