@@ -177,6 +177,11 @@ fn segment_name(partition: u32, seq: u64) -> String {
     format!("p{partition:03}-{seq:08}.jsonl")
 }
 
+/// Where a segment is written before it is renamed into place.
+fn open_path(open_dir: &Path, kind: &str, partition: u32, seq: u64) -> PathBuf {
+    open_dir.join(format!("{kind}-{}.tmp", segment_name(partition, seq)))
+}
+
 /// The job's directory under `dir`.
 pub fn job_dir(dir: &Path, job: &str) -> Result<PathBuf, SinkError> {
     if job.is_empty() || job.starts_with('.') {
@@ -325,7 +330,7 @@ impl FileSink {
         };
         if let Some(pend) = &pending {
             for s in &pend.segments {
-                let tmp = open.join(format!("{}-{}.tmp", s.kind, segment_name(p, s.seq)));
+                let tmp = open_path(&open, &s.kind, p, s.seq);
                 let dest = self.root.join(&s.file);
                 if tmp.exists() {
                     fs::rename(&tmp, &dest).map_err(|e| disk("cannot rename into place", &dest, e))?;
@@ -447,7 +452,7 @@ impl FileSink {
         if part.open.is_none() {
             let seq = part.next_seq;
             part.next_seq += 1;
-            let tmp = |kind: &str| open_dir.join(format!("{kind}-{}.tmp", segment_name(p, seq)));
+            let tmp = |kind: &str| open_path(&open_dir, kind, p, seq);
             part.open = Some(Open {
                 seq,
                 started: Instant::now(),
@@ -1040,10 +1045,7 @@ mod tests {
         one.finish(0).unwrap();
         // As if the writer died between the pending file and the rename.
         let seg = dir.path().join("j/results").join(segment_name(0, 1));
-        let tmp = dir
-            .path()
-            .join("j/.open")
-            .join(format!("results-{}.tmp", segment_name(0, 1)));
+        let tmp = open_path(&dir.path().join("j/.open"), "results", 0, 1);
         fs::rename(&seg, &tmp).unwrap();
         drop(one);
         let mut two = FileSink::open(dir.path(), "j", limits()).unwrap();

@@ -571,7 +571,7 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
         }
     }
     assert_eq!(results.len(), n);
-    let taken = store.sink_take(JOB, 0, "s", 5000, 60_000, false).await.unwrap();
+    let taken = store.sink_take(JOB, 0, "s", 5000, Some(60_000), false).await.unwrap();
     assert_eq!(taken.len(), n, "every commit handed to the sink");
     let refs: Vec<SunkResult> = results.iter().map(SunkResult::of).collect();
     assert_eq!(store.sink_ack(JOB, 0, &taken, n as u64, &refs).await.unwrap(), n as u64);

@@ -172,17 +172,7 @@ fn every_done_record_is_one_line_through_kills_of_the_writer_and_redis() {
     assert_eq!(v["open_failures"]["review"].as_u64().unwrap_or(0), review, "{s}");
 
     // Export reads the results back from the segments, each once.
-    let export = producer(&[
-        "export",
-        "--job",
-        JOB,
-        "--redis",
-        &redis.url(),
-        "--what",
-        "done",
-        "--out",
-        "-",
-    ]);
+    let export = harness::export_done_env(&redis.url(), JOB, &[]);
     assert!(export.status.success(), "{}", harness::stderr(&export));
     let exported: Vec<Value> = String::from_utf8_lossy(&export.stdout)
         .lines()
@@ -290,17 +280,7 @@ fn a_revision_of_a_written_result_is_a_file_of_its_own_and_export_shows_it() {
         before,
         "no result line is rewritten or added"
     );
-    let export = producer(&[
-        "export",
-        "--job",
-        JOB,
-        "--redis",
-        &redis.url(),
-        "--what",
-        "done",
-        "--out",
-        "-",
-    ]);
+    let export = harness::export_done_env(&redis.url(), JOB, &[]);
     let rows: Vec<Value> = String::from_utf8_lossy(&export.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())

@@ -83,6 +83,8 @@ pub struct SinkWriter {
     /// This consumer's own pending entries are read first (a batch it read
     /// before it was stopped or restarted and never acknowledged).
     own_pending_read: bool,
+    /// When entries a dead writer left pending were last looked for.
+    stale_checked: Option<Instant>,
     /// When the backlog was last compared with `sink.max_backlog`.
     backlog_checked: Option<Instant>,
     /// While failing: when the next attempt is due (the back-off).
@@ -124,6 +126,7 @@ impl SinkWriter {
             failing: None,
             own_pending_read: false,
             backlog_checked: None,
+            stale_checked: None,
             next_attempt: None,
             job_row: (None, None),
         }
@@ -185,7 +188,15 @@ impl SinkWriter {
         let f = self.fleet.clone();
         let batch = self.job.spec.sink.batch_rows();
         let own = !self.own_pending_read;
-        let stale = f.visibility.as_millis() as u64;
+        // Entries a dead writer left pending are looked for four times per
+        // visibility timeout, not every round (one call less per partition).
+        let stale = self
+            .stale_checked
+            .is_none_or(|t| t.elapsed() >= f.visibility / 4)
+            .then(|| f.visibility.as_millis() as u64);
+        if stale.is_some() {
+            self.stale_checked = Some(Instant::now());
+        }
         let (lane, lanes) = (self.lane, self.lanes);
         for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
             let entries = match f

@@ -186,25 +186,29 @@ impl RedisStore {
     /// Up to `count` entries of a partition's sink stream for `consumer`:
     /// with `own`, the consumer's own pending entries (a batch this worker
     /// read and did not acknowledge before it stopped or was cancelled);
-    /// else first those pending longer than `stale_ms` (their writer died or
-    /// hung mid-batch; claimed over), else new ones.
+    /// else, with `stale_ms`, first those pending longer than that (their
+    /// writer died or hung mid-batch; claimed over), else new ones.
     pub async fn sink_take(
         &self,
         job: &str,
         partition: u32,
         consumer: &str,
         count: usize,
-        stale_ms: u64,
+        stale_ms: Option<u64>,
         own: bool,
     ) -> Result<Vec<SinkEntry>, StoreError> {
         let stream = keys::sink(job, partition);
         let mut c = self.conn.clone();
-        let ids = pending_ids(&mut c, &stream, Some(stale_ms), "-", count).await?;
-        if own || ids.is_empty() {
-            read_group(&mut c, &stream, consumer, count, if own { "0" } else { ">" }).await
-        } else {
-            claim(&mut c, &stream, consumer, stale_ms, &ids).await
+        if own {
+            return read_group(&mut c, &stream, consumer, count, "0").await;
         }
+        if let Some(stale_ms) = stale_ms {
+            let ids = pending_ids(&mut c, &stream, Some(stale_ms), "-", count).await?;
+            if !ids.is_empty() {
+                return claim(&mut c, &stream, consumer, stale_ms, &ids).await;
+            }
+        }
+        read_group(&mut c, &stream, consumer, count, ">").await
     }
 
     /// For the files sink, whose writer holds the partition alone: with a
