@@ -665,20 +665,19 @@ fn revisions_of(root: &Path, m: &FilesManifest) -> Result<HashMap<String, Vec<Re
 pub fn revise(
     dir: &Path,
     job: &str,
-    rid: &str,
+    written: &Written,
     output: &serde_json::Value,
     reviewer: &str,
     note: Option<&str>,
-) -> Result<Option<u32>, SinkError> {
+) -> Result<u32, SinkError> {
     let root = job_dir(dir, job)?;
-    // Listed segments never change: the result is found without the lock.
-    let Some(written) = written_output(&root, rid)? else {
-        return Ok(None);
-    };
+    let rid = written.rid.as_str();
     let _lock = lock_manifest(&root)?;
     let m = read_manifest(&root)?.unwrap_or_default();
     let before = revisions_of(&root, &m)?.remove(rid).unwrap_or_default();
-    let previous = before.last().map_or(written, |last| last.output.clone());
+    let previous = before
+        .last()
+        .map_or_else(|| written.output.clone(), |last| last.output.clone());
     let revision = before.last().map_or(0, |r| r.revision) + 1;
     let row = RevisionRow {
         record_id: rid.to_owned(),
@@ -706,21 +705,35 @@ pub fn revise(
         sha256: hex::encode(Sha256::digest(&line)),
     };
     edit_manifest_locked(&root, job, |m| m.segments.push(segment))?;
-    Ok(u32::try_from(revision).ok())
+    Ok(u32::try_from(revision).unwrap_or(0))
 }
 
-/// The output of a record as the segments hold it now: its result line's,
-/// or its latest revision's (None when no segment holds its result).
-pub fn current_output(dir: &Path, job: &str, rid: &str) -> Result<Option<serde_json::Value>, SinkError> {
+/// A record's result as its line in the segments holds it (found once:
+/// listed segments never change, so no lock is needed to read them).
+pub struct Written {
+    rid: String,
+    output: serde_json::Value,
+}
+
+impl Written {
+    /// The output as it is now: the latest revision's, else the line's.
+    pub fn current(&self, dir: &Path, job: &str) -> Result<serde_json::Value, SinkError> {
+        let root = job_dir(dir, job)?;
+        let m = read_manifest(&root)?.unwrap_or_default();
+        let latest = revisions_of(&root, &m)?
+            .remove(&self.rid)
+            .and_then(|v| v.last().map(|r| r.output.clone()));
+        Ok(latest.unwrap_or_else(|| self.output.clone()))
+    }
+}
+
+/// The result line of a record (None when no segment holds one).
+pub fn find_written(dir: &Path, job: &str, rid: &str) -> Result<Option<Written>, SinkError> {
     let root = job_dir(dir, job)?;
-    let Some(written) = written_output(&root, rid)? else {
-        return Ok(None);
-    };
-    let m = read_manifest(&root)?.unwrap_or_default();
-    let latest = revisions_of(&root, &m)?
-        .remove(rid)
-        .and_then(|v| v.last().map(|r| r.output.clone()));
-    Ok(Some(latest.unwrap_or(written)))
+    Ok(written_output(&root, rid)?.map(|output| Written {
+        rid: rid.to_owned(),
+        output,
+    }))
 }
 
 /// The output a record's result line holds.
@@ -1076,18 +1089,17 @@ mod tests {
         sink.take(0).unwrap();
         append(&mut sink, &["aa", "bb"]);
         sink.finish(0).unwrap();
+        let aa = find_written(dir.path(), "j", "aa").unwrap().unwrap();
+        assert!(find_written(dir.path(), "j", "cc").unwrap().is_none(), "no such result");
         let first = serde_json::json!({"label": "b"});
+        assert_eq!(revise(dir.path(), "j", &aa, &first, "ann", Some("typo")).unwrap(), 1);
         assert_eq!(
-            revise(dir.path(), "j", "aa", &first, "ann", Some("typo")).unwrap(),
-            Some(1)
+            aa.current(dir.path(), "j").unwrap(),
+            first,
+            "the latest revision's output"
         );
         let second = serde_json::json!({"label": "c"});
-        assert_eq!(revise(dir.path(), "j", "aa", &second, "bob", None).unwrap(), Some(2));
-        assert_eq!(
-            revise(dir.path(), "j", "cc", &second, "bob", None).unwrap(),
-            None,
-            "no such result"
-        );
+        assert_eq!(revise(dir.path(), "j", &aa, &second, "bob", None).unwrap(), 2);
         let mut read = HashMap::new();
         results(dir.path(), "j", |r| {
             read.insert(r.record_id.clone(), r);

@@ -167,10 +167,18 @@ pub async fn revise(
     // The output as it is now, wherever the result is.
     let dir = spec.sink.dir.clone().unwrap_or_default();
     let mut db = None;
+    let mut written = None;
     let now: Option<Value> = match (spec.sink.kind, &current) {
         (_, Some(r)) => Some(Value::Object(r.output.clone())),
         (SinkKind::None, None) => None,
-        (SinkKind::Files, None) => common::sink_files::current_output(Path::new(&dir), job, &rid).map_err(io)?,
+        (SinkKind::Files, None) => {
+            written = common::sink_files::find_written(Path::new(&dir), job, &rid).map_err(io)?;
+            written
+                .as_ref()
+                .map(|w| w.current(Path::new(&dir), job))
+                .transpose()
+                .map_err(io)?
+        }
         (SinkKind::Postgres, None) => {
             let var = spec.sink.url_env.as_deref().unwrap_or_default();
             let url = std::env::var(var).unwrap_or_default();
@@ -237,12 +245,13 @@ pub async fn revise(
             ))),
         };
     }
-    match common::sink_files::revise(Path::new(&dir), job, &rid, &value, reviewer, note).map_err(io)? {
-        Some(n) => Ok((rid, n, format!("in the files sink ({dir}, revisions/)"))),
-        None => Err(ReviewError::NotFound(format!(
+    let Some(written) = written else {
+        return Err(ReviewError::NotFound(format!(
             "no segment in {dir} holds a result of record {rid}"
-        ))),
-    }
+        )));
+    };
+    let n = common::sink_files::revise(Path::new(&dir), job, &written, &value, reviewer, note).map_err(io)?;
+    Ok((rid, n, format!("in the files sink ({dir}, revisions/)")))
 }
 
 /// Puts a record back on the stream for a fresh round of attempts (the
