@@ -180,14 +180,10 @@ pub async fn revise(
                 .map_err(io)?
         }
         (SinkKind::Postgres, None) => {
-            let var = spec.sink.url_env.as_deref().unwrap_or_default();
-            let url = std::env::var(var).unwrap_or_default();
-            if url.is_empty() {
-                return Err(ReviewError::Io(format!(
-                    "record {rid}'s result is in PostgreSQL: set {var} (sink.url_env) to the database URL to revise it"
-                )));
-            }
-            let sink = common::sink::PgSink::connect(&url, &spec).await.map_err(io)?;
+            let context = format!("record {rid}'s result is in PostgreSQL");
+            let sink = crate::sink::connect(&spec, &context, "to revise it")
+                .await
+                .map_err(|e| ReviewError::Io(e.to_string()))?;
             let now = sink.output(job, &rid).await.map_err(io)?;
             db = Some(sink);
             now

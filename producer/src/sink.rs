@@ -102,14 +102,7 @@ pub async fn sink_status(
             s.verified = Some(v);
             return Ok(Some(s));
         }
-        let var = spec.sink.url_env.as_deref().unwrap_or_default();
-        let url = std::env::var(var).unwrap_or_default();
-        if url.is_empty() {
-            anyhow::bail!(
-                "job `{job}` writes to PostgreSQL: set {var} (sink.url_env) to the database URL to check the sink"
-            );
-        }
-        let db = PgSink::connect(&url, spec).await?;
+        let db = connect(spec, &format!("job `{job}` writes to PostgreSQL"), "to check the sink").await?;
         let rows = db.result_ids(job).await?;
         let mut v = SinkVerified {
             rows: rows.len() as u64,
@@ -201,15 +194,11 @@ pub async fn each_result(
         .map_err(|e| anyhow::anyhow!("{left} results of job `{job}` are only in the files sink ({dir}): {e}"))?;
         return Ok(());
     }
-    let var = spec.sink.url_env.as_deref().unwrap_or_default();
-    let url = std::env::var(var).unwrap_or_default();
-    if url.is_empty() {
-        anyhow::bail!(
-            "{left} results of job `{job}` are only in PostgreSQL, table {}: set {var} (sink.url_env) to the database URL to read them",
-            spec.sink.table()
-        );
-    }
-    let db = PgSink::connect(&url, spec).await?;
+    let context = format!(
+        "{left} results of job `{job}` are only in PostgreSQL, table {}",
+        spec.sink.table()
+    );
+    let db = connect(spec, &context, "to read them").await?;
     db.results(job, |r| {
         if !seen.contains(&r.record_id) {
             f(r)
@@ -217,6 +206,18 @@ pub async fn each_result(
     })
     .await?;
     Ok(())
+}
+
+/// The job's PostgreSQL sink, at the URL in the variable `sink.url_env`
+/// names; without it, the error says what it is needed for
+/// (`<context>: set DATABASE_URL (sink.url_env) to the database URL <why>`).
+pub async fn connect(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<PgSink> {
+    let var = spec.sink.url_env.as_deref().unwrap_or_default();
+    let url = std::env::var(var).unwrap_or_default();
+    if url.is_empty() {
+        anyhow::bail!("{context}: set {var} (sink.url_env) to the database URL {why}");
+    }
+    Ok(PgSink::connect(&url, spec).await?)
 }
 
 /// The human lines of a sink status.
