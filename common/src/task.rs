@@ -547,6 +547,10 @@ pub struct Delivery {
     /// visibility timeout, or another worker takes the task over.
     pub claimed_at: std::time::Instant,
     pub task: Task,
+    /// The record's state as the claim read it, in the same atomic step
+    /// (None: not read with the claim; Some(None): the job does not know the
+    /// record). Fresh, it spares the check before the call its round trip.
+    pub state_at_claim: Option<Option<RecordState>>,
 }
 
 /// The system fields of everything written for a record: the model, the
@@ -1082,6 +1086,7 @@ mod tests {
             consumer: "w1".into(),
             claimed_at: std::time::Instant::now(),
             task: task.clone(),
+            state_at_claim: None,
         };
         let mut out = Map::new();
         out.insert("label".into(), Value::from("billing"));

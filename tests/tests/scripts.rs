@@ -7,8 +7,8 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    EnqueueOutcome, Finish, Finished, IdleEntry, RecordSet, RedisStore, ReviewAction, ReviewOutcome, SunkResult,
-    TaskEntry,
+    CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, RecordSet, RedisStore, ReviewAction,
+    ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
     Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
@@ -599,5 +599,155 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
         vec![EnqueueOutcome::Present {
             origin: Some("ds:r7".into())
         }]
+    );
+}
+
+#[tokio::test]
+async fn outcomes_finished_together_are_each_decided_as_if_alone() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let entries: Vec<TaskEntry> = ["a", "b", "c", "d"].iter().map(|r| entry(r, "{}")).collect();
+    store.enqueue(JOB, 60, &entries).await.unwrap();
+    let ds = claim(&store, "w1").await;
+    assert_eq!(ds.len(), 4);
+    // Claimed fresh: the state came with the claim.
+    assert!(ds.iter().all(|d| d.state_at_claim == Some(Some(RecordState::Queued))));
+    let (a, b, c, d) = (&ds[0], &ds[1], &ds[2], &ds[3]);
+    let stranger = Delivery {
+        consumer: "w9".into(),
+        ..b.clone()
+    };
+    let retry = Finish::Retry {
+        due_ms: 1,
+        task: c.task.next(1, 1, vec![], vec![]),
+    };
+    let items = [
+        Finishing::new(a, &Finish::Commit(result_for(a))),
+        Finishing::new(&stranger, &Finish::Commit(result_for(&stranger))),
+        Finishing::new(c, &retry),
+        // The same delivery again in the same call: acknowledged by the first.
+        Finishing::new(a, &Finish::Commit(result_for(a))),
+        Finishing::new(d, &Finish::Drop { reason: "bad".into() }),
+        // A retry after the drop of the same record: the drop stands.
+        Finishing::new(
+            d,
+            &Finish::Retry {
+                due_ms: 1,
+                task: d.task.next(1, 1, vec![], vec![]),
+            },
+        ),
+    ];
+    let done = store.finish_many(JOB, &items).await.unwrap();
+    assert_eq!(
+        done,
+        [
+            Finished::Moved,
+            Finished::Stale,
+            Finished::Moved,
+            Finished::Stale,
+            Finished::Moved,
+            Finished::Stale
+        ]
+    );
+    assert_eq!(state(&store, "a").await, Some(RecordState::Done));
+    assert_eq!(
+        state(&store, "b").await,
+        Some(RecordState::Queued),
+        "a stale delivery moves nothing"
+    );
+    assert_eq!(state(&store, "c").await, Some(RecordState::Delayed));
+    assert_eq!(state(&store, "d").await, Some(RecordState::Dropped("bad".into())));
+    assert_eq!(pending(&redis), 1, "only b's entry is left, still pending for w1");
+    assert_eq!(stream_len(&redis), 1);
+    // Claimed again after a record moved, the claim reads the new state.
+    store.enqueue(JOB, 60, &[entry("e", "{}")]).await.unwrap();
+    let e = claim(&store, "w1").await.remove(0);
+    assert_eq!(e.state_at_claim, Some(Some(RecordState::Queued)));
+}
+
+/// The bucket hash of limiter `id` after settling `grants` of it, one call
+/// each or all in one call.
+async fn settled_buckets(
+    store: &RedisStore,
+    redis: &RedisServer,
+    id: &str,
+    grants: &[(String, Settlement)],
+    together: bool,
+) -> std::collections::BTreeMap<String, String> {
+    let mut c = redis.conn();
+    let buckets = keys::limit_buckets(id);
+    let _: () = c
+        .hset_multiple(
+            &buckets,
+            &[
+                ("r", "50"),
+                ("t", "9000"),
+                ("i", "5000"),
+                ("o", "4000"),
+                ("ac", "8"),
+                ("cb", "99999999999999"),
+                ("pr", "600"),
+                ("wn", "0"),
+                ("seq", "20"),
+            ],
+        )
+        .unwrap();
+    for (g, _) in grants {
+        let _: () = c.zadd(keys::limit_inflight(id), g, 99_999_999_999_999_u64).unwrap();
+    }
+    if together {
+        let held = store.limit_settle_many(id, grants).await.unwrap();
+        assert_eq!(held, vec![true; grants.len()]);
+    } else {
+        for (g, s) in grants {
+            assert!(store.limit_settle(id, g, s).await.unwrap());
+        }
+    }
+    let mut h: std::collections::BTreeMap<String, String> = c.hgetall(&buckets).unwrap();
+    // When things happened (the server's clock) differs between the two runs.
+    for field in ["bt", "hat", "ws"] {
+        h.remove(field);
+    }
+    h
+}
+
+#[tokio::test]
+async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let s = |call, tokens_back, remaining_tokens| Settlement {
+        tokens_back,
+        input_back: tokens_back / 2,
+        output_back: tokens_back / 2,
+        header_limit_tokens: Some(90_000),
+        header_remaining_tokens: remaining_tokens,
+        call,
+        ceiling_concurrent: 9,
+        ..Settlement::default()
+    };
+    let grants = |prefix: &str| {
+        vec![
+            (format!("{prefix}:11:300"), s(CallKind::Answered, 120, None)),
+            (format!("{prefix}:12:300"), s(CallKind::RateLimited, 300, None)),
+            (format!("{prefix}:13:300"), s(CallKind::Answered, -40, Some(7000))),
+            (format!("{prefix}:14:300"), s(CallKind::RateLimited, 300, None)),
+            (format!("{prefix}:21:300"), s(CallKind::RateLimited, 300, None)),
+            (format!("{prefix}:22:300"), s(CallKind::Other, 300, None)),
+            (format!("{prefix}:23:300"), s(CallKind::Answered, 10, Some(100))),
+        ]
+    };
+    let alone = settled_buckets(&store, &redis, "one", &grants("w"), false).await;
+    let together = settled_buckets(&store, &redis, "two", &grants("w"), true).await;
+    assert_eq!(alone, together);
+    // The calls did what they say: tokens came back, the 429s cut the learned limits.
+    assert_eq!(alone.get("settled").map(String::as_str), Some("2100"));
+    assert!(
+        alone.contains_key("ar") && alone.get("dseq").map(String::as_str) == Some("20"),
+        "{alone:?}"
+    );
+    assert_eq!(
+        alone.get("t").map(String::as_str),
+        Some("100"),
+        "the lowest remaining the headers told"
     );
 }

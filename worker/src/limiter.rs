@@ -13,6 +13,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use common::batch::GroupCommit;
 use common::spec::JobSpec;
 use common::store::{CallKind, LimitParams, RedisStore, Settlement, StoreError};
 use reqwest::header::HeaderMap;
@@ -22,6 +23,9 @@ use sha2::{Digest, Sha256};
 const BURST_MS: u64 = 2_000;
 /// Longest fleet pause a provider's reset hint may cause.
 const MAX_PAUSE_MS: u64 = 60_000;
+/// Settlements stored together while the last call is on its way (at most
+/// this many a call; each still applied as if alone, see `limit_settle.lua`).
+const SETTLE_BATCH: usize = 128;
 
 /// One reservation: a request, its tokens and a concurrency slot.
 #[derive(Debug, Clone)]
@@ -44,6 +48,7 @@ pub struct Limiter {
     /// Running estimate of a request's prompt tokens (before the task is known).
     prompt_estimate: AtomicU64,
     stats: LimiterStats,
+    settler: GroupCommit<(String, Settlement), Result<bool, StoreError>>,
 }
 
 /// This worker's view of the shared budget, for metrics and the run summary.
@@ -113,7 +118,18 @@ impl Limiter {
         id.truncate(16);
         let max_tokens = u64::from(spec.provider.max_tokens);
         let system = estimate_tokens(&common::template::system_prompt(spec));
+        let (settle_store, settle_id) = (store.clone(), id.clone());
+        let settler = GroupCommit::new(SETTLE_BATCH, move |grants: Vec<(String, Settlement)>| {
+            let (store, id) = (settle_store.clone(), settle_id.clone());
+            async move {
+                match store.limit_settle_many(&id, &grants).await {
+                    Ok(held) => held.into_iter().map(Ok).collect(),
+                    Err(e) => grants.iter().map(|_| Err(e.clone())).collect(),
+                }
+            }
+        });
         Limiter {
+            settler,
             store: store.clone(),
             id,
             params: LimitParams {
@@ -181,7 +197,7 @@ impl Limiter {
             output_back: g.output as i64,
             ..Settlement::default()
         };
-        self.store.limit_settle(&self.id, &g.id, &s).await.map(|_| ())
+        self.settle_batched(g.id, s).await
     }
 
     /// Settles a grant after its call: the difference between reserved and
@@ -237,7 +253,16 @@ impl Limiter {
         self.stats
             .tokens_returned
             .fetch_add(s.tokens_back.max(0) as u64, Ordering::Relaxed);
-        self.store.limit_settle(&self.id, &g.id, &s).await.map(|_| ())
+        self.settle_batched(g.id, s).await
+    }
+
+    /// One settlement, stored with the others of the moment.
+    async fn settle_batched(&self, grant: String, s: Settlement) -> Result<(), StoreError> {
+        self.settler
+            .call((grant, s))
+            .await
+            .unwrap_or(Err(StoreError::ShuttingDown))
+            .map(|_| ())
     }
 
     /// Counters of this worker and the shared buckets' current levels.

@@ -3,10 +3,11 @@
 //! The decision itself is [`common::decision::decide`]; this module gathers
 //! its inputs and applies its answer with one atomic store call.
 
+use common::batch::GroupCommit;
 use common::decision::{Decision, Outcome, decide};
 use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
-use common::store::{Finish, Finished, RedisStore, StoreError};
+use common::store::{Finish, Finished, Finishing, RedisStore, StoreError};
 use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
 };
@@ -40,6 +41,39 @@ pub struct JobCtx {
     pub sink_full: std::sync::atomic::AtomicBool,
     /// The job's model and versions (renewed with the time for each record).
     pub stamp: Stamp,
+    /// Outcomes of the job's tasks, batched (see [`finisher`]).
+    pub finisher: GroupCommit<Finishing, Result<Finished, StoreError>>,
+}
+
+/// Outcomes stored together while the last call is on its way: one script
+/// call per partition serves every task that finished meanwhile (at most
+/// this many a call).
+const FINISH_BATCH: usize = 64;
+
+/// The job's batched outcome store: each outcome still atomic and
+/// first-writer-wins on its own (see `finish.lua`).
+pub fn finisher(store: &RedisStore, job: &str) -> GroupCommit<Finishing, Result<Finished, StoreError>> {
+    let (store, job) = (store.clone(), job.to_owned());
+    GroupCommit::new(FINISH_BATCH, move |items: Vec<Finishing>| {
+        let (store, job) = (store.clone(), job.clone());
+        async move {
+            match store.finish_many(&job, &items).await {
+                Ok(done) => done.into_iter().map(Ok).collect(),
+                Err(e) => items.iter().map(|_| Err(e.clone())).collect(),
+            }
+        }
+    })
+}
+
+impl JobCtx {
+    /// Stores a task's outcome (with its ack), batched with the job's other
+    /// outcomes of the moment.
+    pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
+        self.finisher
+            .call(Finishing::new(d, how))
+            .await
+            .unwrap_or(Err(StoreError::ShuttingDown))
+    }
 }
 
 /// What a call used and what the provider said about limits, for settlement.
@@ -143,7 +177,12 @@ async fn run_attempt(
     report: &mut Option<CallReport>,
     span: &Span,
 ) -> Result<Settled, StoreError> {
-    let (state, live) = store.check_delivery(&job.name, &d).await?;
+    // Read with the claim, moments ago: still the live delivery (the commit
+    // checks again), no round trip of its own.
+    let (state, live) = match &d.state_at_claim {
+        Some(state) if d.claimed_at.elapsed() < limits.visibility / 4 => (state.clone(), true),
+        _ => store.check_delivery(&job.name, &d).await?,
+    };
     if state.as_ref().is_some_and(RecordState::is_terminal) {
         store.ack(&job.name, &d).await?;
         return Ok(Settled::AlreadySettled);
@@ -463,17 +502,7 @@ async fn apply(
             if job.sink.is_some() {
                 result.input = Some(d.task.input.clone());
             }
-            settle(
-                store,
-                job,
-                d,
-                Finish::Commit(result),
-                Settled::Committed,
-                span,
-                limits,
-                true,
-            )
-            .await
+            settle(job, d, Finish::Commit(result), Settled::Committed, span, limits, true).await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
             let calls = answer.as_ref().map_or(d.task.calls, |a| a.calls);
@@ -490,7 +519,6 @@ async fn apply(
             let due_ms = now_ms() + delay_ms;
             let paid = answer.is_some();
             settle(
-                store,
                 job,
                 d,
                 Finish::Retry { due_ms, task },
@@ -512,30 +540,10 @@ async fn apply(
             };
             let entry = ReviewEntry::new(d, review, history, stamp, &limits.worker);
             let paid = answer.is_some();
-            settle(
-                store,
-                job,
-                d,
-                Finish::Review(entry),
-                Settled::Reviewed,
-                span,
-                limits,
-                paid,
-            )
-            .await
+            settle(job, d, Finish::Review(entry), Settled::Reviewed, span, limits, paid).await
         }
         Decision::Drop { reason } => {
-            settle(
-                store,
-                job,
-                d,
-                Finish::Drop { reason },
-                Settled::Dropped,
-                span,
-                limits,
-                false,
-            )
-            .await
+            settle(job, d, Finish::Drop { reason }, Settled::Dropped, span, limits, false).await
         }
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
@@ -579,7 +587,6 @@ fn used_of(result: &CallResult) -> Used {
 /// another worker.
 #[allow(clippy::too_many_arguments)]
 async fn settle(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     how: Finish,
@@ -593,7 +600,7 @@ async fn settle(
     let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
     let mut pause = std::time::Duration::from_millis(50);
     let finished = loop {
-        match store.finish(&job.name, d, &how).await {
+        match job.finish(d, &how).await {
             Ok(f) => break f,
             Err(e) if paid && d.claimed_at.elapsed() + pause < deadline => {
                 limits.metrics.store_errors.inc();

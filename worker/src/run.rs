@@ -411,6 +411,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         ),
         sink,
         sink_full: std::sync::atomic::AtomicBool::new(false),
+        finisher: crate::process::finisher(store, name),
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,

@@ -119,28 +119,44 @@ impl RedisStore {
 
     /// Settles one grant. Returns false when it had already expired.
     pub async fn limit_settle(&self, limiter: &str, grant_id: &str, s: &Settlement) -> Result<bool, StoreError> {
+        let held = self.limit_settle_many(limiter, &[(grant_id.to_owned(), *s)]).await?;
+        Ok(held.first().copied().unwrap_or(false))
+    }
+
+    /// Settles grants in one script call, each exactly as
+    /// [`RedisStore::limit_settle`] would alone, in the order given; for
+    /// each, whether it was still held.
+    pub async fn limit_settle_many(
+        &self,
+        limiter: &str,
+        grants: &[(String, Settlement)],
+    ) -> Result<Vec<bool>, StoreError> {
         let opt = |v: Option<u64>| v.map_or(-1, |n| n as i64);
-        let held: i64 = self
-            .scripts
-            .limit_settle
-            .key(keys::limit_buckets(limiter))
-            .key(keys::limit_inflight(limiter))
-            .arg(grant_id)
-            .arg(s.tokens_back)
-            .arg(s.input_back)
-            .arg(s.output_back)
-            .arg(opt(s.header_limit_requests))
-            .arg(opt(s.header_limit_tokens))
-            .arg(opt(s.header_remaining_requests))
-            .arg(opt(s.header_remaining_tokens))
-            .arg(s.pause_ms)
-            .arg(s.call.name())
-            .arg(s.hold_ms)
-            .arg(s.ceiling_requests)
-            .arg(s.ceiling_concurrent)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(held == 1)
+        let mut inv = self.scripts.limit_settle.prepare_invoke();
+        inv.key(keys::limit_buckets(limiter)).key(keys::limit_inflight(limiter));
+        for (grant_id, s) in grants {
+            inv.arg(grant_id)
+                .arg(s.tokens_back)
+                .arg(s.input_back)
+                .arg(s.output_back)
+                .arg(opt(s.header_limit_requests))
+                .arg(opt(s.header_limit_tokens))
+                .arg(opt(s.header_remaining_requests))
+                .arg(opt(s.header_remaining_tokens))
+                .arg(s.pause_ms)
+                .arg(s.call.name())
+                .arg(s.hold_ms)
+                .arg(s.ceiling_requests)
+                .arg(s.ceiling_concurrent);
+        }
+        let held: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
+        if held.len() != grants.len() {
+            return Err(StoreError::Corrupt {
+                key: keys::limit_buckets(limiter),
+                reason: format!("limit_settle.lua answered {} of {} grants", held.len(), grants.len()),
+            });
+        }
+        Ok(held.into_iter().map(|h| h == 1).collect())
     }
 
     /// Current levels of a limiter's buckets (`r`, `t`, `i`, `o`) and the

@@ -19,17 +19,20 @@ pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use sink_ops::{SinkBatch, SinkEntry, Sunk, SunkResult, Tokens};
-pub use worker_ops::{Finish, Finished, IdleEntry, QueueStats, Remaining};
+pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining};
 
 pub use crate::keys::{BadJobName, valid_job_name};
 
 /// A store operation that failed. Messages never contain credentials.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot reach Redis at {url}: {reason}")]
     Unreachable { url: String, reason: String },
     #[error("Redis error: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The worker is stopping: its batched Redis calls no longer run.
+    #[error("shutting down: the Redis call was not made")]
+    ShuttingDown,
     #[error("corrupt value at {key}: {reason}")]
     Corrupt { key: String, reason: String },
     #[error(

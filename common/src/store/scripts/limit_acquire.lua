@@ -85,8 +85,8 @@ if ac and (maxc == 0 or math.floor(ac) < maxc) then
   learned_conc = true
 end
 local granted, wait = 0, 0
-local ids = {}
 local bound = {}
+local in_flight = maxc > 0 and redis.call('ZCARD', inflight) or 0
 while granted < want do
   local ok = true
   for k = 1, 4 do
@@ -96,7 +96,7 @@ while granted < want do
       wait = math.max(wait, math.ceil((math.min(need[k], cap[k]) - level[k]) * 60000 / limits[k]))
     end
   end
-  if ok and maxc > 0 and redis.call('ZCARD', inflight) >= maxc then
+  if ok and maxc > 0 and in_flight + granted >= maxc then
     ok = false
     bound[5] = true
     wait = math.max(wait, 20)
@@ -105,12 +105,20 @@ while granted < want do
   for k = 1, 4 do
     if limits[k] > 0 then level[k] = level[k] - need[k] end
   end
-  local id = ARGV[12] .. ':' .. redis.call('HINCRBY', b, 'seq', 1) .. ':' .. need[2]
-  redis.call('ZADD', inflight, now + lease, id)
   granted = granted + 1
-  ids[#ids + 1] = id
 end
+-- One sequence step and one ZADD for all of them.
+local ids = {}
 if granted > 0 then
+  local last = redis.call('HINCRBY', b, 'seq', granted)
+  local members = {}
+  for seq = last - granted + 1, last do
+    local id = ARGV[12] .. ':' .. seq .. ':' .. need[2]
+    ids[#ids + 1] = id
+    members[#members + 1] = now + lease
+    members[#members + 1] = id
+  end
+  redis.call('ZADD', inflight, unpack(members))
   redis.call('HINCRBY', b, 'reserved', granted * need[2])
 end
 local fields = {'at', now}

@@ -1,4 +1,6 @@
--- limit_settle.lua: settle one grant with what really happened, atomically.
+-- limit_settle.lua: settle grants with what really happened, atomically: each
+-- exactly as if it were settled alone, in the order given (one call settles
+-- the grants of many calls; the hash is read once and written once).
 --
 -- Frees the grant's concurrency slot; returns to the token buckets what was
 -- reserved but not used (or takes more, when the estimate was low); learns
@@ -20,100 +22,127 @@
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight
--- ARGV[1]  grant id (prefix:seq:reserved_tokens; the reserved tokens are
---          added to the `settled` counter)
--- ARGV[2..4]  reserved minus used: total, input, output tokens (may be negative)
--- ARGV[5]  header limit of requests/min (-1 = unknown)
--- ARGV[6]  header limit of tokens/min (-1 = unknown)
--- ARGV[7]  header remaining requests (-1 = unknown)
--- ARGV[8]  header remaining tokens (-1 = unknown)
--- ARGV[9]  pause the fleet for this many ms (0 = no pause)
--- ARGV[10] what the call did: `ok` (answered), `limited` (bare 429),
---          `hinted` (429 with a retry hint), `timeout`
---          (no answer in time; the server may still be working on it), or
---          `other`
--- ARGV[11] after a timeout, keep the concurrency slot this many ms more
--- ARGV[12] the spec's requests/min ceiling (0 = none)
--- ARGV[13] the spec's concurrency ceiling (0 = none)
--- Returns: 1 if the grant was still held, 0 if it had expired or was settled already.
+-- ARGV, 13 per grant:
+--   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
+--     the `settled` counter),
+--   reserved minus used: total, input, output tokens (may be negative),
+--   header limit of requests/min, of tokens/min (-1 = unknown),
+--   header remaining requests, remaining tokens (-1 = unknown),
+--   pause the fleet for this many ms (0 = no pause),
+--   what the call did: `ok` (answered), `limited` (bare 429), `hinted` (429
+--     with a retry hint), `timeout` (no answer in time; the server may still
+--     be working on it), or `other`,
+--   after a timeout, keep the concurrency slot this many ms more,
+--   the spec's requests/min ceiling, its concurrency ceiling (0 = none)
+-- Returns, per grant: 1 if it was still held, 0 if it had expired or was settled already.
 local b, inflight = KEYS[1], KEYS[2]
-local held = redis.call('ZREM', inflight, ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt'}
+local got = redis.call('HMGET', b, unpack(names))
+-- The hash as it is now, changed here and written back once at the end.
+local h, dirty = {}, {}
+for k, name in ipairs(names) do h[name] = got[k] end
+local function set(field, v)
+  h[field] = v
+  dirty[field] = true
+end
 local function add(field, delta)
-  local v = tonumber(redis.call('HGET', b, field))
-  if v ~= nil and delta ~= 0 then
-    redis.call('HSET', b, field, tostring(v + delta))
+  local v = tonumber(h[field])
+  if v ~= nil and delta ~= 0 then set(field, tostring(v + delta)) end
+end
+local settled, out = 0, {}
+for g = 1, #ARGV, 13 do
+  local id = ARGV[g]
+  local held = redis.call('ZREM', inflight, id)
+  if held == 1 then
+    settled = settled + (tonumber(string.match(id, ':(%d+)$')) or 0)
+    add('t', tonumber(ARGV[g + 1]))
+    add('i', tonumber(ARGV[g + 2]))
+    add('o', tonumber(ARGV[g + 3]))
+  end
+  local hr, ht = tonumber(ARGV[g + 4]), tonumber(ARGV[g + 5])
+  if hr > 0 or ht > 0 then
+    if hr > 0 then set('hr', hr) end
+    if ht > 0 then set('ht', ht) end
+    set('hat', now)
+  end
+  local rr, rt = tonumber(ARGV[g + 6]), tonumber(ARGV[g + 7])
+  if rr >= 0 then
+    local v = tonumber(h['r'])
+    if v ~= nil and rr < v then set('r', rr) end
+  end
+  if rt >= 0 then
+    local v = tonumber(h['t'])
+    if v ~= nil and rt < v then set('t', rt) end
+  end
+  local kind = ARGV[g + 9]
+  if held == 1 and kind == 'timeout' and tonumber(ARGV[g + 10]) > 0 then
+    -- Its tokens are settled above; the slot stays taken (0 tokens at expiry).
+    redis.call('ZADD', inflight, now + tonumber(ARGV[g + 10]), id .. ':grace:0')
+  end
+  if kind == 'limited' then
+    local seq = tonumber(string.match(id, ':(%d+):%d+$')) or 0
+    local fresh = seq > (tonumber(h['dseq']) or 0)
+    local bn, bt = tonumber(h['bn']) or 0, tonumber(h['bt']) or now
+    -- Only 429s on grants taken after the last cut count towards the next one.
+    if fresh then
+      bn = bn + 1
+      if now - bt > 10000 then bn, bt = 1, now end
+      set('bn', bn)
+      set('bt', bt)
+    end
+    if bn >= 2 and fresh then
+      local ws = tonumber(h['ws']) or now
+      local sending = math.max(tonumber(h['pr']) or 0, (tonumber(h['wn']) or 0) * 60000 / math.max(now - ws, 1000))
+      local ar = tonumber(h['ar'])
+      -- The cut is from what the fleet was sending, never below half the
+      -- learned rate at once (a window that included a pause reads low).
+      if ar == nil then ar = sending elseif sending < ar then ar = math.max(sending, ar * 0.5 / 0.7) end
+      local n = redis.call('ZCARD', inflight) + held
+      local ac = tonumber(h['ac'])
+      if ac == nil or n < ac then ac = n end
+      -- The request bucket restarts empty: no burst into a provider just refused.
+      set('dseq', h['seq'] or 0)
+      set('ar', tostring(math.max(1, ar * 0.7)))
+      set('ac', tostring(math.max(1, ac * 0.7)))
+      set('r', 0)
+      set('bn', 0)
+    end
+  elseif kind == 'ok' then
+    local ar, ac = tonumber(h['ar']), tonumber(h['ac'])
+    local ceil_r, ceil_c = tonumber(ARGV[g + 11]), tonumber(ARGV[g + 12])
+    if ar and now - (tonumber(h['rb']) or 0) < 5000 then
+      ar = ar + 0.5
+      if ceil_r > 0 and ar >= ceil_r then set('ar', false) else set('ar', tostring(ar)) end
+    end
+    if ac and now - (tonumber(h['cb']) or 0) < 5000 then
+      ac = ac + 1 / ac
+      if ceil_c > 0 and ac >= ceil_c then set('ac', false) else set('ac', tostring(ac)) end
+    end
+  end
+  local pause = tonumber(ARGV[g + 8])
+  if pause > 0 then
+    local until_ms = now + pause
+    local cur = tonumber(h['pause']) or 0
+    if until_ms > cur then set('pause', until_ms) end
+  end
+  out[#out + 1] = held
+end
+-- Written back: changed fields set, dropped ones (a learned limit that
+-- reached the spec's ceiling) deleted.
+local fields, gone = {}, {}
+for _, name in ipairs(names) do
+  if dirty[name] then
+    if h[name] == false then
+      gone[#gone + 1] = name
+    else
+      fields[#fields + 1] = name
+      fields[#fields + 1] = tostring(h[name])
+    end
   end
 end
-if held == 1 then
-  redis.call('HINCRBY', b, 'settled', tonumber(string.match(ARGV[1], ':(%d+)$')) or 0)
-  add('t', tonumber(ARGV[2]))
-  add('i', tonumber(ARGV[3]))
-  add('o', tonumber(ARGV[4]))
-end
-local hr, ht = tonumber(ARGV[5]), tonumber(ARGV[6])
-if hr > 0 or ht > 0 then
-  if hr > 0 then redis.call('HSET', b, 'hr', hr) end
-  if ht > 0 then redis.call('HSET', b, 'ht', ht) end
-  redis.call('HSET', b, 'hat', now)
-end
-local rr, rt = tonumber(ARGV[7]), tonumber(ARGV[8])
-if rr >= 0 then
-  local v = tonumber(redis.call('HGET', b, 'r'))
-  if v ~= nil and rr < v then redis.call('HSET', b, 'r', rr) end
-end
-if rt >= 0 then
-  local v = tonumber(redis.call('HGET', b, 't'))
-  if v ~= nil and rt < v then redis.call('HSET', b, 't', rt) end
-end
-local kind = ARGV[10]
-if held == 1 and kind == 'timeout' and tonumber(ARGV[11]) > 0 then
-  -- Its tokens are settled above; the slot stays taken (0 tokens at expiry).
-  redis.call('ZADD', inflight, now + tonumber(ARGV[11]), ARGV[1] .. ':grace:0')
-end
-if kind == 'limited' then
-  local seq = tonumber(string.match(ARGV[1], ':(%d+):%d+$')) or 0
-  local a = redis.call('HMGET', b, 'dseq', 'ar', 'ac', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt')
-  local fresh = seq > (tonumber(a[1]) or 0)
-  local bn, bt = tonumber(a[8]) or 0, tonumber(a[9]) or now
-  -- Only 429s on grants taken after the last cut count towards the next one.
-  if fresh then
-    bn = bn + 1
-    if now - bt > 10000 then bn, bt = 1, now end
-    redis.call('HSET', b, 'bn', bn, 'bt', bt)
-  end
-  if bn >= 2 and fresh then
-    local ws = tonumber(a[5]) or now
-    local sending = math.max(tonumber(a[6]) or 0, (tonumber(a[4]) or 0) * 60000 / math.max(now - ws, 1000))
-    local ar = tonumber(a[2])
-    -- The cut is from what the fleet was sending, never below half the
-    -- learned rate at once (a window that included a pause reads low).
-    if ar == nil then ar = sending elseif sending < ar then ar = math.max(sending, ar * 0.5 / 0.7) end
-    local n = redis.call('ZCARD', inflight) + held
-    local ac = tonumber(a[3])
-    if ac == nil or n < ac then ac = n end
-    -- The request bucket restarts empty: no burst into a provider just refused.
-    redis.call('HSET', b, 'dseq', a[7] or 0, 'ar', tostring(math.max(1, ar * 0.7)),
-      'ac', tostring(math.max(1, ac * 0.7)), 'r', 0, 'bn', 0)
-  end
-elseif kind == 'ok' then
-  local a = redis.call('HMGET', b, 'ar', 'rb', 'ac', 'cb')
-  local ar, ac = tonumber(a[1]), tonumber(a[3])
-  local ceil_r, ceil_c = tonumber(ARGV[12]), tonumber(ARGV[13])
-  if ar and now - (tonumber(a[2]) or 0) < 5000 then
-    ar = ar + 0.5
-    if ceil_r > 0 and ar >= ceil_r then redis.call('HDEL', b, 'ar') else redis.call('HSET', b, 'ar', tostring(ar)) end
-  end
-  if ac and now - (tonumber(a[4]) or 0) < 5000 then
-    ac = ac + 1 / ac
-    if ceil_c > 0 and ac >= ceil_c then redis.call('HDEL', b, 'ac') else redis.call('HSET', b, 'ac', tostring(ac)) end
-  end
-end
-local pause = tonumber(ARGV[9])
-if pause > 0 then
-  local until_ms = now + pause
-  local cur = tonumber(redis.call('HGET', b, 'pause')) or 0
-  if until_ms > cur then redis.call('HSET', b, 'pause', until_ms) end
-end
-return held
+if #fields > 0 then redis.call('HSET', b, unpack(fields)) end
+if #gone > 0 then redis.call('HDEL', b, unpack(gone)) end
+if settled > 0 then redis.call('HINCRBY', b, 'settled', settled) end
+return out
