@@ -30,6 +30,13 @@ pub fn jobs() -> String {
     "bf:jobs".to_owned()
 }
 
+/// The fleet's wake-up stream (capped): an entry says "new work for job J"
+/// or "job J's flags changed"; idle workers block on it (XREAD) instead of
+/// polling every partition.
+pub fn wake() -> String {
+    "bf:wake".to_owned()
+}
+
 /// The job's spec as TOML text; workers run exactly what was enqueued.
 pub fn spec(job: &str) -> String {
     format!("bf:{{{job}}}:spec")

@@ -41,7 +41,12 @@ pub fn worker_cmd_url(redis_url: &str, job: &str, sim: &LlmSim, extra: &[&str]) 
         "--log-format",
         "json",
     ])
-    .args(["--idle-poll-ms", "20"])
+    // Tests poll often unless they test the idle worker.
+    .args(if extra.contains(&"--idle-poll-ms") {
+        &[][..]
+    } else {
+        &["--idle-poll-ms", "20"][..]
+    })
     // Each worker on its own free port, unless the test picks one.
     .args(if extra.contains(&"--metrics-addr") {
         &[][..]

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::keys;
 use harness::{
-    LlmSim, RedisServer, Running, TempDir, enqueue, example_spec, free_port, http_get, wait_for, worker_cmd,
-    write_records,
+    LlmSim, RedisServer, Running, TempDir, enqueue, example_spec, free_port, http_get, producer, stderr, wait_for,
+    worker_cmd, write_records,
 };
 use redis::Commands;
 
@@ -97,7 +97,12 @@ fn metrics_scraped_mid_job_pass_promtool_and_readiness_follows_the_breaker() {
     );
 
     // An open circuit breaker makes the worker not ready, and says so.
+    // Halted as the fleet halts a job: the flag, and a wake-up for every worker.
     let _: () = redis.conn().set(keys::halt("obs"), "http_401").unwrap();
+    let _: String = redis
+        .conn()
+        .xadd(keys::wake(), "*", &[("j", "obs"), ("k", "flags")])
+        .unwrap();
     wait_for("not ready while halted", Duration::from_secs(10), || {
         let (code, body) = http_get(&url, "/readyz");
         code == 503 && body.contains("circuit breaker")
@@ -107,7 +112,8 @@ fn metrics_scraped_mid_job_pass_promtool_and_readiness_follows_the_breaker() {
             .1
             .contains("batchfleet_halted{job=\"obs\"} 1")
     });
-    let _: () = redis.conn().del(keys::halt("obs")).unwrap();
+    let out = producer(&["resume", "--job", "obs", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", stderr(&out));
     wait_for("ready again", Duration::from_secs(10), || {
         http_get(&url, "/readyz").0 == 200
     });

@@ -354,8 +354,18 @@ async fn promote_moves_only_due_retries_of_records_still_waiting() {
     // b settles meanwhile (a late commit wins): its retry must not come back.
     let _: () = redis.conn().hset(keys::state(JOB, 0), "b", "done").unwrap();
     // Time is injected: nothing is due a millisecond early.
-    assert_eq!(store.promote_due(JOB, 0, due - 1, 100).await.unwrap(), 0);
-    assert_eq!(store.promote_due(JOB, 0, due, 100).await.unwrap(), 1);
+    // The promoter is told when to come back.
+    assert_eq!(store.promote_due(JOB, 0, due - 1, 100).await.unwrap(), (0, Some(due)));
+    let woken = store.wake_cursor().await.unwrap();
+    assert_eq!(store.promote_due(JOB, 0, due, 100).await.unwrap(), (1, None));
+    assert!(
+        store
+            .wait_wake(&woken, 1)
+            .await
+            .unwrap()
+            .is_some_and(|(_, flags)| !flags),
+        "a promoted retry wakes the idle fleet"
+    );
     assert_eq!(state(&store, "a").await, Some(RecordState::Queued));
     let mut delayed = 0;
     store

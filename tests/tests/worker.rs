@@ -610,3 +610,61 @@ fn a_paid_answer_is_kept_through_a_redis_outage() {
     let summary = harness::worker_summary(&err).unwrap();
     assert!(summary["outcomes"].get("answer_lost").is_none(), "{summary}");
 }
+
+/// Commands Redis has run so far (script-inner ones included).
+fn commands_processed(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("stats").query(&mut redis.conn()).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap()
+}
+
+fn done_count(redis: &RedisServer, job: &str) -> u64 {
+    (0..4)
+        .map(|p| redis.conn().hlen::<_, u64>(keys::results(job, p)).unwrap())
+        .sum()
+}
+
+#[test]
+fn an_idle_worker_waits_on_wake_ups_and_new_work_starts_without_waiting_for_its_poll() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "4"]);
+    let dir = TempDir::new("idle");
+    let spec = dir.join("job.toml");
+    std::fs::write(&spec, include_str!("../../examples/job.toml")).unwrap();
+    let first = dir.join("a.jsonl");
+    write_records(&first, 0, 5);
+    enqueue(&redis, &first, "idle", &spec);
+    // The idle poll is the default's 30 s: without wake-ups, new work would wait for it.
+    let worker = Running::spawn(worker_cmd(&redis, "idle", &sim, &["--idle-poll-ms", "30000"]));
+    wait_for("the first records", Duration::from_secs(30), || {
+        done_count(&redis, "idle") == 5
+    });
+
+    // Idle: no polling of every partition (it was ~180 commands/s).
+    std::thread::sleep(Duration::from_secs(2));
+    let before = commands_processed(&redis);
+    std::thread::sleep(Duration::from_secs(20));
+    let idle = commands_processed(&redis) - before - 1;
+    assert!(idle <= 60, "{idle} Redis commands in 20 s from one idle worker");
+
+    // New work is started at once (well inside the 30 s poll).
+    let second = dir.join("b.jsonl");
+    write_records(&second, 5, 1);
+    let out = harness::enqueue_cmd(&redis, &second, "idle", &spec)
+        .args(["--no-progress", "--restart"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let enqueued = std::time::Instant::now();
+    wait_for("the new record", Duration::from_secs(20), || {
+        done_count(&redis, "idle") == 6
+    });
+    assert!(
+        enqueued.elapsed() < Duration::from_secs(10),
+        "a new task waited {:?}: it was not woken",
+        enqueued.elapsed()
+    );
+    drop(worker);
+}

@@ -9,6 +9,12 @@ use std::time::Duration;
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
 
+/// The longest wait for the fleet's budget before asking again (a slot
+/// freed anywhere in the fleet wakes the claimer sooner).
+const MAX_BUDGET_WAIT: Duration = Duration::from_secs(10);
+/// How often a `--drain` worker with nothing in flight checks whether the jobs are complete.
+const DRAIN_CHECK: Duration = Duration::from_secs(1);
+
 /// The claimer's state between rounds.
 pub struct Claimer {
     fleet: Arc<Fleet>,
@@ -21,6 +27,8 @@ pub struct Claimer {
     rounds: u32,
     /// Fired when `--drain` finds every job complete.
     drained: tokio_util::sync::CancellationToken,
+    /// When `--drain` last asked Redis whether the jobs are complete.
+    drain_checked: Option<std::time::Instant>,
 }
 
 /// What one claim round did.
@@ -39,6 +47,7 @@ impl Claimer {
             last_claimed: usize::MAX,
             rounds: 0,
             drained,
+            drain_checked: None,
         }
     }
 
@@ -121,6 +130,16 @@ impl Claimer {
         round
     }
 
+    /// Whether `--drain` may ask Redis again (at most every [`DRAIN_CHECK`]:
+    /// a throttled worker with nothing in flight comes here every round).
+    fn drain_check_due(&mut self) -> bool {
+        if self.drain_checked.is_some_and(|at| at.elapsed() < DRAIN_CHECK) {
+            return false;
+        }
+        self.drain_checked = Some(std::time::Instant::now());
+        true
+    }
+
     /// Slots for new claims: none while tasks of a dead or stuck worker wait
     /// to be taken over (they are the oldest work; they go first, on slots
     /// and on the fleet's budget alike).
@@ -137,17 +156,21 @@ impl Service for Claimer {
         "claim"
     }
 
-    /// A round; then at once again when it claimed something, else a wait:
-    /// for the budget when that was the reason, or the idle poll. With
-    /// `--drain`, stops when every job is complete.
+    /// A round; then at once again when it claimed something, else a wait
+    /// that a wake-up cuts short (new work anywhere in the fleet, or a slot
+    /// freed): until the budget's refill time when that was the reason, or
+    /// the idle poll (a safety net: work that comes with a wake-up starts at
+    /// once). With `--drain`, stops when every job is complete.
     async fn run_once(&mut self) -> Option<Duration> {
         let f = self.fleet.clone();
         let errors = f.store_errors_seen();
+        // The first round reads this consumer's own pending entries only.
+        let first = self.own_pending;
         let round = self.claim_round().await;
-        if round.claimed > 0 {
+        if round.claimed > 0 || first {
             return Some(Duration::ZERO);
         }
-        if f.config.drain && f.tracker.is_empty() && f.jobs_finished().await {
+        if f.config.drain && f.tracker.is_empty() && self.drain_check_due() && f.jobs_finished().await {
             f.summary.lock().await.halted = f.halted();
             self.drained.cancel();
             return None;
@@ -155,16 +178,21 @@ impl Service for Claimer {
         if f.store_errors_seen() > errors {
             return Some(STORE_ERROR_PAUSE);
         }
-        Some(match round.limited {
+        let wait = match round.limited {
             Some(wait) => {
-                let wait = wait.clamp(Duration::from_millis(5), Duration::from_secs(1));
+                let wait = wait.clamp(Duration::from_millis(5), MAX_BUDGET_WAIT);
                 let mut s = f.summary.lock().await;
                 s.rate_limit_waits += 1;
                 s.rate_limit_wait_ms += wait.as_millis() as u64;
                 f.metrics.rate_limit_wait.observe(wait.as_secs_f64());
                 wait
             }
+            // Draining: the last records may be finished by other workers
+            // (or by this one's tasks in flight), which send no wake-up.
+            None if f.config.drain => f.config.idle_poll.min(DRAIN_CHECK),
             None => f.config.idle_poll,
-        })
+        };
+        let _ = tokio::time::timeout(wait, f.wake_claimer.notified()).await;
+        Some(Duration::ZERO)
     }
 }

@@ -52,11 +52,18 @@ pub struct Fleet {
     /// Fired to stop the services: a signal, `--drain` done, or the consumer
     /// name's lease lost to another worker.
     pub shutdown: tokio_util::sync::CancellationToken,
+    /// New work, or a concurrency slot freed while someone waited for one
+    /// (from the wake-up listener), or a task of this worker ended, the sink
+    /// caught up, dead workers' tasks were all taken over: the claimer looks
+    /// again at once.
+    pub wake_claimer: tokio::sync::Notify,
+    /// A job's flags changed (halt, cancel, resume): the watcher looks at once.
+    pub wake_watcher: tokio::sync::Notify,
 }
 
 /// How long a worker's lease on its consumer name lives unless renewed (the
-/// watcher renews it twice a second).
-pub const CONSUMER_LEASE: Duration = Duration::from_secs(10);
+/// watcher renews it every [`crate::watch::PERIOD`]).
+pub const CONSUMER_LEASE: Duration = Duration::from_secs(30);
 
 /// Jobs halted (fleet-wide, or seen here first) and cancelled.
 #[derive(Default)]
@@ -96,6 +103,8 @@ impl Fleet {
             lost_answers: Mutex::new(BTreeMap::new()),
             lease_token: format!("{:016x}{:08x}", rand::random::<u64>(), std::process::id()),
             shutdown: tokio_util::sync::CancellationToken::new(),
+            wake_claimer: tokio::sync::Notify::new(),
+            wake_watcher: tokio::sync::Notify::new(),
         }
     }
 
@@ -202,6 +211,9 @@ impl Fleet {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
                 }
             }
+            // Its slot is free, here and in the fleet's budget; a call may
+            // also have proven the provider (the breaker's one call at a time).
+            me.wake_claimer.notify_one();
             let Some(settled) = settled else { return };
             let mut s = me.summary.lock().await;
             match settled {

@@ -27,4 +27,5 @@ pub mod run;
 pub mod service;
 pub mod sink;
 pub mod telemetry;
+pub mod wake;
 pub mod watch;

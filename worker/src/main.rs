@@ -50,8 +50,9 @@ struct Args {
     /// wrong key or model) before the job halts with the provider's message.
     #[arg(long, env = "BATCHFLEET_BREAKER_ERRORS", default_value_t = 3)]
     breaker_errors: u64,
-    /// Milliseconds between claims when idle.
-    #[arg(long, default_value_t = 100)]
+    /// The longest an idle worker waits before looking for work again without
+    /// a wake-up (new work wakes idle workers at once: this is a safety net).
+    #[arg(long, default_value_t = 30_000)]
     idle_poll_ms: u64,
     /// Override every job's provider.base_url (e.g. a local simulator).
     #[arg(long, env = "BATCHFLEET_BASE_URL")]

@@ -129,6 +129,8 @@ pub struct Limits {
     pub traces: Traces,
     /// A task idle this long is taken over: an outcome is stored before then, or not at all.
     pub visibility: std::time::Duration,
+    /// A task of this worker scheduled a retry: the promoter looks again.
+    pub retry_scheduled: tokio::sync::Notify,
 }
 
 /// Processes one delivery. Store errors are returned (the task then stays
@@ -518,7 +520,7 @@ async fn apply(
             }
             let due_ms = now_ms() + delay_ms;
             let paid = answer.is_some();
-            settle(
+            let settled = settle(
                 job,
                 d,
                 Finish::Retry { due_ms, task },
@@ -527,7 +529,9 @@ async fn apply(
                 limits,
                 paid,
             )
-            .await
+            .await;
+            limits.retry_scheduled.notify_one();
+            settled
         }
         Decision::Review { reason } => {
             let review = ReviewFacts {

@@ -1,16 +1,20 @@
 //! The promoter: moves due retries from each partition's delayed set back to
-//! its stream (one atomic script per partition and page).
+//! its stream (one atomic script per partition and page), then sleeps until
+//! the next retry is due, at most [`LONGEST_SLEEP`]; a retry scheduled by
+//! this worker wakes it sooner. (Another worker's retries are promoted by
+//! that worker; should it die, this one finds them within the longest sleep.)
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::process::now_ms;
-use crate::reclaim::maintenance_period;
 use crate::service::Service;
 
-/// Due retries moved per partition and round.
+/// Due retries moved per script call.
 const PAGE: usize = 500;
+/// The longest the promoter sleeps with no retry due sooner.
+pub const LONGEST_SLEEP: Duration = Duration::from_secs(30);
 
 pub struct Promoter {
     fleet: Arc<Fleet>,
@@ -21,21 +25,26 @@ impl Promoter {
         Promoter { fleet }
     }
 
-    /// Promotes retries due at `now_ms` over every partition of every job
-    /// (halted ones too: they wait in the stream, not in the delayed set).
-    /// Returns how many went back to the streams.
-    pub async fn promote_round(&self, now_ms: u64) -> u64 {
+    /// Promotes what is due at `now_ms` in every partition. Returns how many
+    /// moved and when the next retry waiting anywhere is due (Unix ms).
+    pub async fn promote_round(&self, now_ms: u64) -> (u64, Option<u64>) {
         let f = &self.fleet;
-        let mut moved = 0;
+        let (mut moved, mut next) = (0, None::<u64>);
         for job in &f.jobs {
             for p in 0..job.spec.job.partitions {
                 match f.store.promote_due(&job.name, p, now_ms, PAGE).await {
-                    Ok(n) => moved += n,
+                    Ok((n, due)) => {
+                        moved += n;
+                        next = match (next, due) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                    }
                     Err(e) => f.store_error(&e).await,
                 }
             }
         }
-        moved
+        (moved, next)
     }
 }
 
@@ -46,12 +55,15 @@ impl Service for Promoter {
 
     async fn run_once(&mut self) -> Option<Duration> {
         let errors = self.fleet.store_errors_seen();
-        self.promote_round(now_ms()).await;
-        let period = maintenance_period(self.fleet.visibility);
-        Some(if self.fleet.store_errors_seen() > errors {
-            period.max(STORE_ERROR_PAUSE)
-        } else {
-            period
-        })
+        let now = now_ms();
+        let (_, next) = self.promote_round(now).await;
+        if self.fleet.store_errors_seen() > errors {
+            return Some(STORE_ERROR_PAUSE);
+        }
+        let sleep = next.map_or(LONGEST_SLEEP, |due| {
+            Duration::from_millis(due.saturating_sub(now)).min(LONGEST_SLEEP)
+        });
+        let _ = tokio::time::timeout(sleep, self.fleet.limits.retry_scheduled.notified()).await;
+        Some(Duration::ZERO)
     }
 }

@@ -56,7 +56,10 @@ impl Rescuer {
                 backlog += idle.len().saturating_sub(taken);
             }
         }
-        f.reclaim_backlog.store(backlog, Ordering::Relaxed);
+        if f.reclaim_backlog.swap(backlog, Ordering::Relaxed) > 0 && backlog == 0 {
+            // Claims were held back for the dead workers' tasks: not any more.
+            f.wake_claimer.notify_one();
+        }
         started
     }
 
@@ -110,9 +113,10 @@ impl Rescuer {
     }
 }
 
-/// The period of the rescuer and the promoter: a tenth of the visibility timeout, 100 ms to 2 s.
+/// The rescuer's period: a quarter of the visibility timeout, 100 ms to 30 s
+/// (a dead worker's task waits at most that long past its timeout).
 pub fn maintenance_period(visibility: Duration) -> Duration {
-    (visibility / 10).clamp(Duration::from_millis(100), Duration::from_secs(2))
+    (visibility / 4).clamp(Duration::from_millis(100), Duration::from_secs(30))
 }
 
 impl Service for Rescuer {

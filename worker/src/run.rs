@@ -33,6 +33,7 @@ use crate::reclaim::Rescuer;
 use crate::service;
 use crate::sink::SinkWriter;
 use crate::telemetry::Metrics;
+use crate::wake::Listener;
 use crate::watch::Watcher;
 
 /// The worker's configuration; `main` builds it from flags and env.
@@ -130,6 +131,10 @@ pub enum RunError {
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
+    // Wake-ups are read from here on, on a connection of their own (a
+    // blocking read holds it): nothing enqueued after this is missed.
+    let listener_store = RedisStore::connect(&config.redis_url).await?;
+    let wake_cursor = listener_store.wake_cursor().await?;
     let (fleet, http_stop) = start(config).await?;
     tracing::info!(consumer = %fleet.config.consumer, jobs = fleet.jobs.len(), visibility_ms = fleet.visibility.as_millis() as u64, "worker started");
     // The watcher's first look comes before the first claim: a halted or
@@ -148,6 +153,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Promoter::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Watcher::new(fleet.clone()), stop.clone()));
+    loops.spawn(service::run(
+        Listener::new(fleet.clone(), listener_store, wake_cursor),
+        stop.clone(),
+    ));
     for job in &fleet.jobs {
         for writer in SinkWriter::for_job(&fleet, job) {
             loops.spawn(service::run(writer, stop.clone()));
@@ -312,6 +321,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         metrics: metrics.clone(),
         traces: config.traces.clone(),
         visibility,
+        retry_scheduled: tokio::sync::Notify::new(),
     };
     let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
     take_consumer_name(&fleet).await?;

@@ -156,6 +156,7 @@ impl SinkWriter {
                 "sink backlog at sink.max_backlog: this worker stops claiming the job until the sink catches up");
         } else if was && !full {
             tracing::info!(job = %self.job.name, backlog, "sink backlog below sink.max_backlog: claiming again");
+            self.fleet.wake_claimer.notify_one();
         }
     }
 

@@ -10,7 +10,7 @@ use crate::fleet::{CONSUMER_LEASE, Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
 
 /// How often the flags are read.
-pub const PERIOD: Duration = Duration::from_millis(500);
+pub const PERIOD: Duration = Duration::from_secs(10);
 
 pub struct Watcher {
     fleet: Arc<Fleet>,
@@ -83,13 +83,15 @@ impl Service for Watcher {
         "watch"
     }
 
+    /// A round, then a wait of [`PERIOD`] that a wake-up (a halt, cancel or
+    /// resume anywhere in the fleet) cuts short.
     async fn run_once(&mut self) -> Option<Duration> {
         let errors = self.fleet.store_errors_seen();
         self.watch_round().await;
-        Some(if self.fleet.store_errors_seen() > errors {
-            PERIOD.max(STORE_ERROR_PAUSE)
-        } else {
-            PERIOD
-        })
+        if self.fleet.store_errors_seen() > errors {
+            return Some(STORE_ERROR_PAUSE);
+        }
+        let _ = tokio::time::timeout(PERIOD, self.fleet.wake_watcher.notified()).await;
+        Some(Duration::ZERO)
     }
 }

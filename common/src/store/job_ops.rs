@@ -2,7 +2,7 @@
 
 use redis::AsyncCommands;
 
-use super::{RedisStore, StoreError};
+use super::{RedisStore, StoreError, Wake};
 use crate::keys;
 use crate::task::{RecordState, Task};
 
@@ -15,6 +15,7 @@ impl RedisStore {
     /// In-flight tasks finish. Returns how many records were cancelled.
     pub async fn cancel_job(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
         let _: () = self.conn.clone().set(keys::cancel(job), "cancelled").await?;
+        self.wake(job, Wake::Flags).await?;
         let mut total = 0;
         for p in 0..partitions {
             loop {
@@ -66,6 +67,7 @@ impl RedisStore {
             .clone()
             .del(&[keys::cancel(job), keys::halt(job), keys::breaker(job)])
             .await?;
+        self.wake(job, Wake::Flags).await?;
         Ok(total)
     }
 
@@ -87,6 +89,9 @@ impl RedisStore {
             .arg(task.encode())
             .invoke_async(&mut self.conn.clone())
             .await?;
+        if n == 1 {
+            self.wake(job, Wake::Work).await?;
+        }
         Ok(n == 1)
     }
 

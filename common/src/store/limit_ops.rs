@@ -149,12 +149,16 @@ impl RedisStore {
                 .arg(s.ceiling_requests)
                 .arg(s.ceiling_concurrent);
         }
-        let held: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
-        if held.len() != grants.len() {
+        let mut held: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
+        if held.len() != grants.len() + 1 {
             return Err(StoreError::Corrupt {
                 key: keys::limit_buckets(limiter),
                 reason: format!("limit_settle.lua answered {} of {} grants", held.len(), grants.len()),
             });
+        }
+        // Someone waited for a slot and one came free: wake the fleet.
+        if held.pop() == Some(1) {
+            self.wake(limiter, super::Wake::Slot).await?;
         }
         Ok(held.into_iter().map(|h| h == 1).collect())
     }

@@ -70,6 +70,7 @@ fn probes(tag: &str) -> Vec<(&'static str, Cmd)> {
                 &["GROUP", "g", "c", "COUNT", "1", "STREAMS", &stream, ">"],
             ),
         ),
+        ("xread", c("XREAD", &["COUNT", "1", "STREAMS", &stream, "0"])),
         ("xpending", c("XPENDING", &[&stream, "g"])),
         ("xclaim", c("XCLAIM", &[&stream, "g", "c", "0", "0-1"])),
         ("xack", c("XACK", &[&stream, "g", "0-1"])),

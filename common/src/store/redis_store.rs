@@ -360,6 +360,9 @@ impl RedisStore {
                 };
             }
         }
+        if out.contains(&EnqueueOutcome::Added) {
+            self.wake(job, super::Wake::Work).await?;
+        }
         Ok(out)
     }
 

@@ -57,6 +57,9 @@ impl RedisStore {
             .arg(value)
             .invoke_async(&mut self.conn.clone())
             .await?;
+        if applied == 1 && matches!(action, ReviewAction::Requeue(_)) {
+            self.wake(job, super::Wake::Work).await?;
+        }
         Ok(match applied {
             1 => ReviewOutcome::Applied,
             -1 => ReviewOutcome::AlreadyDone,

@@ -401,9 +401,17 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Moves due retries of one partition back to its stream.
-    pub async fn promote_due(&self, job: &str, partition: u32, now_ms: u64, limit: usize) -> Result<u64, StoreError> {
-        let n: u64 = self
+    /// Moves due retries of one partition back to its stream (and wakes the
+    /// fleet when it moved any). Returns how many, and when the next retry
+    /// waiting there is due (Unix ms).
+    pub async fn promote_due(
+        &self,
+        job: &str,
+        partition: u32,
+        now_ms: u64,
+        limit: usize,
+    ) -> Result<(u64, Option<u64>), StoreError> {
+        let (n, next): (u64, i64) = self
             .scripts
             .promote
             .key(keys::stream(job, partition))
@@ -413,7 +421,10 @@ impl RedisStore {
             .arg(limit)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        Ok(n)
+        if n > 0 {
+            self.wake(job, super::Wake::Work).await?;
+        }
+        Ok((n, u64::try_from(next).ok()))
     }
 
     /// The record's state, if the job knows the record.
@@ -546,6 +557,7 @@ impl RedisStore {
             .arg("NX")
             .query_async(&mut self.conn.clone())
             .await?;
+        self.wake(job, super::Wake::Flags).await?;
         Ok(())
     }
 

@@ -17,7 +17,8 @@
 --                  hr ht (header limits), hat (when they were seen, ms),
 --                  ar ac (limits learned from 429s), rb cb (when each last
 --                  bound, ms), wn ws pr (grants since ws, ms; the rate of
---                  the window before, per minute)
+--                  the window before, per minute), cw (since when a
+--                  worker waits for a concurrency slot, ms)
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight  (member grant id, score expiry ms)
 -- ARGV[1..4]  limits per minute: requests, total tokens, input tokens, output tokens (0 = none)
 -- ARGV[5]  max concurrent requests (0 = none)
@@ -99,7 +100,9 @@ while granted < want do
   if ok and maxc > 0 and in_flight + granted >= maxc then
     ok = false
     bound[5] = true
-    wait = math.max(wait, 20)
+    -- A settlement that frees a slot says so (`cw`: someone waits for one),
+    -- and the waiting worker is woken then; this is only the longest wait.
+    wait = math.max(wait, 1000)
   end
   if not ok then break end
   for k = 1, 4 do
@@ -125,6 +128,10 @@ local fields = {'at', now}
 -- A learned limit grows back only while it is what holds the fleet back.
 if bound[1] and learned_rate then
   fields[#fields + 1] = 'rb'
+  fields[#fields + 1] = now
+end
+if bound[5] then
+  fields[#fields + 1] = 'cw'
   fields[#fields + 1] = now
 end
 if bound[5] and learned_conc then

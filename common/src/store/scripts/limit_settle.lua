@@ -34,11 +34,13 @@
 --     be working on it), or `other`,
 --   after a timeout, keep the concurrency slot this many ms more,
 --   the spec's requests/min ceiling, its concurrency ceiling (0 = none)
--- Returns, per grant: 1 if it was still held, 0 if it had expired or was settled already.
+-- Returns, per grant: 1 if it was still held, 0 if it had expired or was
+-- settled already; then 1 if a worker waited for a concurrency slot and one
+-- came free (the caller wakes the fleet: `bf:wake` is in another slot), else 0.
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt'}
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw'}
 local got = redis.call('HMGET', b, unpack(names))
 -- The hash as it is now, changed here and written back once at the end.
 local h, dirty = {}, {}
@@ -128,7 +130,11 @@ for g = 1, #ARGV, 13 do
     if until_ms > cur then set('pause', until_ms) end
   end
   out[#out + 1] = held
+  -- A slot came free while a worker waited for one: it is to be woken.
+  if held == 1 and h['cw'] then set('cw', false) end
 end
+local waiting = 0
+if dirty['cw'] and h['cw'] == false then waiting = 1 end
 -- Written back: changed fields set, dropped ones (a learned limit that
 -- reached the spec's ceiling) deleted.
 local fields, gone = {}, {}
@@ -145,4 +151,5 @@ end
 if #fields > 0 then redis.call('HSET', b, unpack(fields)) end
 if #gone > 0 then redis.call('HDEL', b, unpack(gone)) end
 if settled > 0 then redis.call('HINCRBY', b, 'settled', settled) end
+out[#out + 1] = waiting
 return out

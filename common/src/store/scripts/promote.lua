@@ -11,7 +11,8 @@
 -- Members are encoded tasks, passed through to the stream as they are. Read:
 -- only the record id, which an encoded task always holds first
 -- (`{"rid":"<id>",...`).
--- Returns: the number of tasks put back on the stream.
+-- Returns: {the number of tasks put back on the stream, when the next retry
+-- still waiting is due (Unix ms; -1 when none waits)}.
 local stream, states, delayed = KEYS[1], KEYS[2], KEYS[3]
 local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 local moved = 0
@@ -24,4 +25,6 @@ for _, member in ipairs(due) do
   end
   redis.call('ZREM', delayed, member)
 end
-return moved
+-- When the next retry is due (-1: none waits), so the promoter can sleep until then.
+local next_due = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')[2]
+return {moved, tonumber(next_due) or -1}

@@ -1,0 +1,116 @@
+//! Wake-ups: whoever puts work on a stream (enqueue, a promoted retry, a
+//! requeue, resume) or changes a job's flags (halt, cancel, resume) adds an
+//! entry to `bf:wake`; idle workers wait on it with one blocking XREAD
+//! instead of polling every partition of every job.
+
+use redis::Value;
+
+use super::worker_ops::{as_array, as_string};
+use super::{RedisStore, StoreError};
+use crate::keys;
+
+/// Entries `bf:wake` keeps (it is a signal, not a log).
+const WAKE_KEEP: usize = 1000;
+
+/// Why a wake-up was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// Tasks were added to a job's streams.
+    Work,
+    /// A job was halted, cancelled or resumed.
+    Flags,
+    /// A concurrency slot was freed while someone waited for one.
+    Slot,
+}
+
+impl Wake {
+    fn name(self) -> &'static str {
+        match self {
+            Wake::Work => "work",
+            Wake::Flags => "flags",
+            Wake::Slot => "slot",
+        }
+    }
+}
+
+impl RedisStore {
+    /// Wakes the idle fleet (`what` about `job`).
+    pub async fn wake(&self, job: &str, what: Wake) -> Result<(), StoreError> {
+        let _: Value = redis::cmd("XADD")
+            .arg(keys::wake())
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(WAKE_KEEP)
+            .arg("*")
+            .arg("j")
+            .arg(job)
+            .arg("k")
+            .arg(what.name())
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// The id of the last wake-up so far ("0-0" when there was none): a
+    /// wait from there misses nothing sent after this call.
+    pub async fn wake_cursor(&self) -> Result<String, StoreError> {
+        let info: Result<Value, redis::RedisError> = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(keys::wake())
+            .query_async(&mut self.conn.clone())
+            .await;
+        let info = match info {
+            Ok(v) => v,
+            // No wake-up was ever sent.
+            Err(e) if e.code() == Some("ERR") => return Ok("0-0".into()),
+            Err(e) => return Err(e.into()),
+        };
+        let fields: Vec<(String, String)> = match &info {
+            Value::Map(m) => m
+                .iter()
+                .filter_map(|(k, v)| Some((as_string(k)?, as_string(v).unwrap_or_default())))
+                .collect(),
+            other => as_array(other)
+                .chunks_exact(2)
+                .filter_map(|kv| Some((as_string(&kv[0])?, as_string(&kv[1]).unwrap_or_default())))
+                .collect(),
+        };
+        Ok(fields
+            .into_iter()
+            .find(|(k, _)| k == "last-generated-id")
+            .map_or_else(|| "0-0".into(), |(_, v)| v))
+    }
+
+    /// Waits up to `block_ms` for wake-ups after `after`; returns the last
+    /// one's id and whether any said a job's flags changed (None: none
+    /// came). Blocks the connection: a store of its own.
+    pub async fn wait_wake(&self, after: &str, block_ms: u64) -> Result<Option<(String, bool)>, StoreError> {
+        let reply: Value = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(WAKE_KEEP)
+            .arg("BLOCK")
+            .arg(block_ms.max(1))
+            .arg("STREAMS")
+            .arg(keys::wake())
+            .arg(after)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        // [[stream, [[id, fields], ...]]] (RESP2) or {stream: [[id, fields], ...]} (RESP3), or nil
+        let entries: Vec<&Value> = match &reply {
+            Value::Map(m) => m.iter().flat_map(|(_, v)| as_array(v)).collect(),
+            other => as_array(other)
+                .iter()
+                .flat_map(|s| as_array(s).get(1).map(as_array).unwrap_or_default())
+                .collect(),
+        };
+        let flags = entries.iter().any(|e| {
+            let fields = as_array(e).get(1).map(as_array).unwrap_or_default();
+            fields.iter().filter_map(as_string).any(|v| v == Wake::Flags.name())
+        });
+        Ok(entries
+            .last()
+            .and_then(|e| as_array(e).first())
+            .and_then(as_string)
+            .map(|last| (last, flags)))
+    }
+}

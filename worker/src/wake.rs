@@ -1,0 +1,54 @@
+//! The wake-up listener: one blocking XREAD on `bf:wake` (on a connection
+//! of its own) instead of every idle service polling every partition. New
+//! work wakes the claimer at once; a halt, cancel or resume wakes the
+//! watcher; a freed concurrency slot wakes a claimer waiting for one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::store::RedisStore;
+
+use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::service::Service;
+
+/// How long one blocking read waits (then it simply reads again).
+const BLOCK: Duration = Duration::from_secs(30);
+
+pub struct Listener {
+    fleet: Arc<Fleet>,
+    /// Its own connection: a blocking read holds the connection it runs on.
+    store: RedisStore,
+    /// The last wake-up seen: nothing sent after it is missed.
+    cursor: String,
+}
+
+impl Listener {
+    /// `cursor` is read before the first claim round ([`RedisStore::wake_cursor`]).
+    pub fn new(fleet: Arc<Fleet>, store: RedisStore, cursor: String) -> Listener {
+        Listener { fleet, store, cursor }
+    }
+}
+
+impl Service for Listener {
+    fn name(&self) -> &'static str {
+        "wake"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        match self.store.wait_wake(&self.cursor, BLOCK.as_millis() as u64).await {
+            Ok(Some((last, flags))) => {
+                self.cursor = last;
+                self.fleet.wake_claimer.notify_one();
+                if flags {
+                    self.fleet.wake_watcher.notify_one();
+                }
+                Some(Duration::ZERO)
+            }
+            Ok(None) => Some(Duration::ZERO),
+            Err(e) => {
+                self.fleet.store_error(&e).await;
+                Some(STORE_ERROR_PAUSE)
+            }
+        }
+    }
+}
