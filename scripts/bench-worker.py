@@ -5,8 +5,13 @@
    requests at the same concurrency with the same HTTP client (no Redis, no
    validation). Then one worker drains N enqueued tasks. Reported: records/s of
    the worker, requests/s of the baseline, their ratio, the worker's peak RSS.
+   Beside it, Redis CPU per record (`INFO cpu` deltas over the drain: claim,
+   commit, rate-limit grants and their settlement included).
 2. llm-sim at 1 s mean latency, one worker with --concurrency 1000: how many
    requests it keeps in flight (llm-sim counts them) and its RSS at that point.
+3. Idle: one worker with the default idle poll and nothing to do; the Redis
+   commands it costs per second (`total_commands_processed`, script-inner
+   ones included), then how long a task enqueued to it takes to be done.
 
 Everything binds to 127.0.0.1 and is stopped at the end. Release build.
 """
@@ -23,6 +28,28 @@ from benchlib import BIN, ROOT, sim_stats, start_redis, start_sim
 N = int(os.environ.get("N", "100000"))
 CONC = int(os.environ.get("CONCURRENCY", "64"))
 N_SLOW = int(os.environ.get("N_SLOW", "6000"))
+IDLE_SECS = float(os.environ.get("IDLE_SECS", "60"))
+
+
+def redis_info(url, section):
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["redis-cli", "-p", port, "info", section], capture_output=True, text=True).stdout
+    return dict(l.split(":", 1) for l in out.splitlines() if ":" in l and not l.startswith("#"))
+
+
+def redis_cpu(url):
+    i = redis_info(url, "cpu")
+    return float(i["used_cpu_sys"]) + float(i["used_cpu_user"])
+
+
+def redis_commands(url):
+    return int(redis_info(url, "stats")["total_commands_processed"])
+
+
+def done_records(url, job, partitions=4):
+    port = url.rsplit(":", 1)[1]
+    return sum(int(subprocess.run(["redis-cli", "-p", port, "hlen", f"bf:{{{job}:p{p}}}:results"],
+                                  capture_output=True, text=True).stdout.strip() or 0) for p in range(partitions))
 
 
 def rss_kb(pid):
@@ -59,11 +86,11 @@ def enqueue(redis_url, path, job, spec):
                     "--redis", redis_url, "--no-progress", "--max-backlog", "0"], check=True, stdout=subprocess.DEVNULL)
 
 
-def worker(redis_url, job, base_url, concurrency, log):
+def worker(redis_url, job, base_url, concurrency, log, drain=True):
     env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
-    return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", redis_url, "--job", job, "--drain",
-                             "--concurrency", str(concurrency), "--base-url", base_url, "--idle-poll-ms", "20",
-                             "--metrics-addr", "127.0.0.1:0"],
+    return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", redis_url, "--job", job,
+                             "--concurrency", str(concurrency), "--base-url", base_url,
+                             "--metrics-addr", "127.0.0.1:0"] + (["--drain"] if drain else []),
                             env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
@@ -86,6 +113,7 @@ def main():
         write_dataset(data, N, "fast")
         enqueue(url, data, "bench-fast", unlimited_spec(tmp))
         log = open(os.path.join(tmp, "worker-fast.log"), "w")
+        cpu0 = redis_cpu(url)
         t0 = time.time()
         w = worker(url, "bench-fast", addr + "/v1", CONC, log)
         peak = 0
@@ -93,6 +121,7 @@ def main():
             peak = max(peak, rss_kb(w.pid))
             time.sleep(0.1)
         wall = time.time() - t0
+        redis_us = (redis_cpu(url) - cpu0) / N * 1e6
         assert w.returncode == 0, f"worker failed, see {log.name}"
         fast = N / wall
         served = sim_stats(addr)["requests"]
@@ -115,6 +144,33 @@ def main():
             time.sleep(0.1)
         assert w.returncode == 0, f"worker failed, see {log2.name}"
         sim.terminate(); sim.wait()
+        # 3. Idle, then new work for the idle worker.
+        sim, addr = start_sim("--seed", "3")
+        procs.append(sim)
+        data = os.path.join(tmp, "idle-0.jsonl")
+        write_dataset(data, 1, "idle-0")
+        enqueue(url, data, "bench-idle", unlimited_spec(tmp))
+        log3 = open(os.path.join(tmp, "worker-idle.log"), "w")
+        w = worker(url, "bench-idle", addr + "/v1", 8, log3, drain=False)
+        procs.append(w)
+        while done_records(url, "bench-idle") < 1:
+            time.sleep(0.05)
+        time.sleep(2)
+        c0, t0 = redis_commands(url), time.time()
+        time.sleep(IDLE_SECS)
+        idle_rate = (redis_commands(url) - c0 - 1) / (time.time() - t0)
+        latencies = []
+        for k in range(1, 6):
+            data = os.path.join(tmp, f"idle-{k}.jsonl")
+            write_dataset(data, 1, f"idle-{k}")
+            subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "bench-idle", "--spec",
+                            unlimited_spec(tmp), "--redis", url, "--no-progress", "--restart"],
+                           check=True, stdout=subprocess.DEVNULL)
+            t0 = time.time()
+            while done_records(url, "bench-idle") < k + 1:
+                time.sleep(0.002)
+            latencies.append((time.time() - t0) * 1000)
+            time.sleep(1)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -123,15 +179,19 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
 
     print()
-    print("| run | baseline (sim-load, same concurrency) | worker | ratio | worker peak RSS |")
-    print("|---|---|---|---|---|")
+    print("| run | baseline (sim-load, same concurrency) | worker | ratio | Redis CPU per record | worker peak RSS |")
+    print("|---|---|---|---|---|---|")
     print(f"| {N:,} tasks, 0 ms latency, concurrency {CONC} | {base['per_sec']:,.0f} req/s | {fast:,.0f} records/s "
-          f"({served:,} requests) | {fast / base['per_sec']:.2f} | {peak / 1024:.1f} MiB |")
+          f"({served:,} requests) | {fast / base['per_sec']:.2f} | {redis_us:.1f} us | {peak / 1024:.1f} MiB |")
     print()
     print("| run | most requests in flight (llm-sim) | worker RSS then | worker peak RSS |")
     print("|---|---|---|---|")
     print(f"| {N_SLOW:,} tasks, 1 s mean latency, concurrency 1000 | {max_in_flight} | {rss_at_max / 1024:.1f} MiB "
           f"| {peak_slow / 1024:.1f} MiB |")
+    print()
+    print("| idle worker: Redis commands/s (script-inner included) | a task enqueued to it, done after (ms, 5 tries) |")
+    print("|---|---|")
+    print(f"| {idle_rate:.2f} over {IDLE_SECS:.0f} s | {' / '.join(f'{x:.0f}' for x in latencies)} |")
     ok = peak_slow < 100 * 1024 and max_in_flight >= 900
     print()
     print("target (>= 900 in flight, RSS < 100 MiB at 1,000 in flight):", "met" if ok else "NOT met")

@@ -131,16 +131,22 @@ impl Fleet {
     /// The watcher's view of Redis: halted and cancelled jobs. A halt this
     /// worker saw is forgotten once Redis no longer has it (an operator
     /// lifted it: `producer resume`), unless it is too recent for Redis to
-    /// have been read after it.
-    pub fn set_flags(&self, halted: BTreeMap<String, String>, cancelled: BTreeSet<String>) {
+    /// have been read after it. Returns true when such a recent halt was kept
+    /// (the watcher then looks again as soon as it is no longer too recent).
+    pub fn set_flags(&self, halted: BTreeMap<String, String>, cancelled: BTreeSet<String>) -> bool {
         let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
-        f.halted_here
-            .retain(|job, (_, at)| halted.contains_key(job) || at.elapsed() < Duration::from_secs(1));
+        let mut kept_recent = false;
+        f.halted_here.retain(|job, (_, at)| {
+            let recent = !halted.contains_key(job) && at.elapsed() < Duration::from_secs(1);
+            kept_recent |= recent;
+            halted.contains_key(job) || recent
+        });
         f.halted = halted;
         f.cancelled = cancelled;
         self.health
             .halted
             .store(!f.halted.is_empty() || !f.halted_here.is_empty(), Ordering::Relaxed);
+        kept_recent
     }
 
     fn halted_here(&self, job: &str, reason: &str) {

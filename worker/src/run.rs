@@ -344,7 +344,7 @@ async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(RunError::Refused(format!(
-                "consumer name `{name}` is in use by a live worker (it renews its lease twice a second): \
+                "consumer name `{name}` is in use by a live worker (it renews its lease every 10 s): \
                  give each worker its own --consumer name, or none (a unique one is made)"
             )));
         }

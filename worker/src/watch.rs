@@ -22,7 +22,9 @@ impl Watcher {
     }
 
     /// Reads the flags once. On a Redis error a job keeps the flags it had.
-    pub async fn watch_round(&self) {
+    /// Returns true when the next round should come within a second (a halt
+    /// seen here is not yet old enough to be forgotten).
+    pub async fn watch_round(&self) -> bool {
         let f = &self.fleet;
         let before = f.halted();
         let mut halted = BTreeMap::new();
@@ -61,7 +63,21 @@ impl Watcher {
                 }
             }
         }
-        f.set_flags(halted, cancelled);
+        let stopped_before = f
+            .jobs
+            .iter()
+            .filter(|j| f.is_halted(&j.name) || f.is_cancelled(&j.name))
+            .count();
+        let soon = f.set_flags(halted, cancelled);
+        let stopped_now = f
+            .jobs
+            .iter()
+            .filter(|j| f.is_halted(&j.name) || f.is_cancelled(&j.name))
+            .count();
+        if stopped_now < stopped_before {
+            // A halt or cancel was lifted: claim again at once.
+            f.wake_claimer.notify_one();
+        }
         f.flush_lost_answers().await;
         match f
             .store
@@ -75,6 +91,7 @@ impl Watcher {
             }
             Err(e) => f.store_error(&e).await,
         }
+        soon
     }
 }
 
@@ -87,11 +104,12 @@ impl Service for Watcher {
     /// resume anywhere in the fleet) cuts short.
     async fn run_once(&mut self) -> Option<Duration> {
         let errors = self.fleet.store_errors_seen();
-        self.watch_round().await;
+        let soon = self.watch_round().await;
         if self.fleet.store_errors_seen() > errors {
             return Some(STORE_ERROR_PAUSE);
         }
-        let _ = tokio::time::timeout(PERIOD, self.fleet.wake_watcher.notified()).await;
+        let wait = if soon { Duration::from_secs(1) } else { PERIOD };
+        let _ = tokio::time::timeout(wait, self.fleet.wake_watcher.notified()).await;
         Some(Duration::ZERO)
     }
 }
