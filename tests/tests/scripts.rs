@@ -7,7 +7,7 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, RecordSet, RedisStore, ReviewAction,
+    CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, LimitParams, RecordSet, RedisStore, ReviewAction,
     ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
@@ -760,4 +760,51 @@ async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
         Some("100"),
         "the lowest remaining the headers told"
     );
+}
+
+#[tokio::test]
+async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let p = LimitParams {
+        requests: 0,
+        tokens: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        max_concurrent: 1,
+        need_tokens: 10,
+        need_input: 5,
+        need_output: 5,
+        burst_ms: 2000,
+        lease_ms: 60_000,
+    };
+    let (held, _) = store.limit_acquire("slot", &p, 1, "a").await.unwrap();
+    assert_eq!(held.len(), 1);
+    // Settled with nobody waiting: no wake-up.
+    let quiet = store.wake_cursor().await.unwrap();
+    assert!(
+        store
+            .limit_settle("slot", &held[0], &Settlement::default())
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.wait_wake(&quiet, 1).await.unwrap(), None);
+    let (held, _) = store.limit_acquire("slot", &p, 1, "a").await.unwrap();
+    // Another worker is refused (the slot is taken) and told to wait long: it will be woken.
+    let (none, wait_ms) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
+    assert!(none.is_empty());
+    assert!(wait_ms >= 1000, "{wait_ms}");
+    let before = store.wake_cursor().await.unwrap();
+    assert!(
+        store
+            .limit_settle("slot", &held[0], &Settlement::default())
+            .await
+            .unwrap()
+    );
+    assert!(
+        store.wait_wake(&before, 1).await.unwrap().is_some(),
+        "the waiting worker is woken"
+    );
+    let (got, _) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
+    assert_eq!(got.len(), 1, "and gets the slot");
 }

@@ -18,7 +18,8 @@
 --                  ar ac (limits learned from 429s), rb cb (when each last
 --                  bound, ms), wn ws pr (grants since ws, ms; the rate of
 --                  the window before, per minute), cw (since when a
---                  worker waits for a concurrency slot, ms)
+--                  worker waits for a concurrency slot, ms), sw (when a
+--                  freed slot last woke the waiting workers, ms)
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight  (member grant id, score expiry ms)
 -- ARGV[1..4]  limits per minute: requests, total tokens, input tokens, output tokens (0 = none)
 -- ARGV[5]  max concurrent requests (0 = none)

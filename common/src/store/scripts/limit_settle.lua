@@ -40,7 +40,7 @@
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw'}
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw'}
 local got = redis.call('HMGET', b, unpack(names))
 -- The hash as it is now, changed here and written back once at the end.
 local h, dirty = {}, {}
@@ -130,8 +130,14 @@ for g = 1, #ARGV, 13 do
     if until_ms > cur then set('pause', until_ms) end
   end
   out[#out + 1] = held
-  -- A slot came free while a worker waited for one: it is to be woken.
-  if held == 1 and h['cw'] then set('cw', false) end
+  -- A slot came free while a worker waited for one: the waiting workers
+  -- are woken, at most every 100 ms (each wake-up wakes them all; a busy
+  -- fleet of many workers would otherwise ask for the slot many times over;
+  -- those not woken ask again after the wait acquire named, at most 1 s).
+  if held == 1 and h['cw'] and now - (tonumber(h['sw']) or 0) >= 100 then
+    set('cw', false)
+    set('sw', now)
+  end
 end
 local waiting = 0
 if dirty['cw'] and h['cw'] == false then waiting = 1 end
