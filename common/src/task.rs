@@ -547,9 +547,9 @@ pub struct Delivery {
     /// visibility timeout, or another worker takes the task over.
     pub claimed_at: std::time::Instant,
     pub task: Task,
-    /// The record's state as the claim read it, in the same atomic step
-    /// (None: not read with the claim; Some(None): the job does not know the
-    /// record). Fresh, it spares the check before the call its round trip.
+    /// The record's state as read right after the claim (None: not read;
+    /// Some(None): the job does not know the record). Fresh, it spares the
+    /// check before the call its round trip (the commit is fenced anyway).
     pub state_at_claim: Option<Option<RecordState>>,
 }
 

@@ -647,7 +647,12 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
             },
         ),
     ];
-    let done = store.finish_many(JOB, &items).await.unwrap();
+    let done: Vec<Finished> = store
+        .finish_many(JOB, &items)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
     assert_eq!(
         done,
         [

@@ -56,12 +56,7 @@ pub fn finisher(store: &RedisStore, job: &str) -> GroupCommit<Finishing, Result<
     let (store, job) = (store.clone(), job.to_owned());
     GroupCommit::new(FINISH_BATCH, move |items: Vec<Finishing>| {
         let (store, job) = (store.clone(), job.clone());
-        async move {
-            match store.finish_many(&job, &items).await {
-                Ok(done) => done.into_iter().map(Ok).collect(),
-                Err(e) => items.iter().map(|_| Err(e.clone())).collect(),
-            }
-        }
+        async move { store.finish_many(&job, &items).await }
     })
 }
 

@@ -11,8 +11,9 @@ use common::store::RedisStore;
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
 
-/// How long one blocking read waits (then it simply reads again).
-const BLOCK: Duration = Duration::from_secs(30);
+/// How long one blocking read waits (then it simply reads again): well
+/// inside the connection's 30 s response timeout.
+const BLOCK: Duration = Duration::from_secs(10);
 
 pub struct Listener {
     fleet: Arc<Fleet>,

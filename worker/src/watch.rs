@@ -63,18 +63,16 @@ impl Watcher {
                 }
             }
         }
-        let stopped_before = f
-            .jobs
-            .iter()
-            .filter(|j| f.is_halted(&j.name) || f.is_cancelled(&j.name))
-            .count();
+        let stopped = |f: &Fleet| -> Vec<bool> {
+            f.jobs
+                .iter()
+                .map(|j| f.is_halted(&j.name) || f.is_cancelled(&j.name))
+                .collect()
+        };
+        let stopped_before = stopped(f);
         let soon = f.set_flags(halted, cancelled);
-        let stopped_now = f
-            .jobs
-            .iter()
-            .filter(|j| f.is_halted(&j.name) || f.is_cancelled(&j.name))
-            .count();
-        if stopped_now < stopped_before {
+        let lifted = stopped_before.iter().zip(stopped(f)).any(|(&was, now)| was && !now);
+        if lifted {
             // A halt or cancel was lifted: claim again at once.
             f.wake_claimer.notify_one();
         }

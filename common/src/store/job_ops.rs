@@ -15,7 +15,7 @@ impl RedisStore {
     /// In-flight tasks finish. Returns how many records were cancelled.
     pub async fn cancel_job(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
         let _: () = self.conn.clone().set(keys::cancel(job), "cancelled").await?;
-        self.wake(job, Wake::Flags).await?;
+        self.wake(job, Wake::Flags).await;
         let mut total = 0;
         for p in 0..partitions {
             loop {
@@ -67,7 +67,7 @@ impl RedisStore {
             .clone()
             .del(&[keys::cancel(job), keys::halt(job), keys::breaker(job)])
             .await?;
-        self.wake(job, Wake::Flags).await?;
+        self.wake(job, Wake::Flags).await;
         Ok(total)
     }
 
@@ -90,7 +90,7 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         if n == 1 {
-            self.wake(job, Wake::Work).await?;
+            self.wake(job, Wake::Work).await;
         }
         Ok(n == 1)
     }
@@ -137,6 +137,9 @@ impl RedisStore {
     /// Remembers, fleet-wide, the form an endpoint accepts.
     pub async fn remember_form(&self, endpoint: &str, form: &str) -> Result<(), StoreError> {
         let _: () = self.conn.clone().set(keys::accepted_form(endpoint), form).await?;
+        // Every worker's watcher reads it now, not at its next round (the
+        // entry names no endpoint: a URL may hold credentials).
+        self.wake("", Wake::Flags).await;
         Ok(())
     }
 
@@ -148,7 +151,12 @@ impl RedisStore {
 
     /// Notes that the job's provider answered at least once.
     pub async fn mark_proven(&self, job: &str) -> Result<(), StoreError> {
-        let _: () = self.conn.clone().hset(keys::breaker(job), "proven", 1).await?;
+        let added: u64 = self.conn.clone().hset(keys::breaker(job), "proven", 1).await?;
+        // Every worker leaves one-call-at-a-time now, not at its next round
+        // (woken by the first worker to say so).
+        if added > 0 {
+            self.wake(job, Wake::Flags).await;
+        }
         Ok(())
     }
 

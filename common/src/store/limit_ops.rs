@@ -158,7 +158,7 @@ impl RedisStore {
         }
         // Someone waited for a slot and one came free: wake the fleet.
         if held.pop() == Some(1) {
-            self.wake(limiter, super::Wake::Slot).await?;
+            self.wake(limiter, super::Wake::Slot).await;
         }
         Ok(held.into_iter().map(|h| h == 1).collect())
     }

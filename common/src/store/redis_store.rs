@@ -361,7 +361,7 @@ impl RedisStore {
             }
         }
         if out.contains(&EnqueueOutcome::Added) {
-            self.wake(job, super::Wake::Work).await?;
+            self.wake(job, super::Wake::Work).await;
         }
         Ok(out)
     }

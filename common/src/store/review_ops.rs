@@ -58,7 +58,7 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         if applied == 1 && matches!(action, ReviewAction::Requeue(_)) {
-            self.wake(job, super::Wake::Work).await?;
+            self.wake(job, super::Wake::Work).await;
         }
         Ok(match applied {
             1 => ReviewOutcome::Applied,

@@ -34,8 +34,16 @@ impl Wake {
 }
 
 impl RedisStore {
-    /// Wakes the idle fleet (`what` about `job`).
-    pub async fn wake(&self, job: &str, what: Wake) -> Result<(), StoreError> {
+    /// Wakes the idle fleet (`what` about `job`). Best effort: what it
+    /// signals is already in Redis, and idle workers look again after their
+    /// idle poll anyway, so a failure is logged, never returned.
+    pub async fn wake(&self, job: &str, what: Wake) {
+        if let Err(e) = self.send_wake(job, what).await {
+            tracing::warn!(job, error = %e, "could not wake the idle fleet (it looks again after its idle poll)");
+        }
+    }
+
+    async fn send_wake(&self, job: &str, what: Wake) -> Result<(), StoreError> {
         let _: Value = redis::cmd("XADD")
             .arg(keys::wake())
             .arg("MAXLEN")
@@ -105,7 +113,9 @@ impl RedisStore {
         };
         let flags = entries.iter().any(|e| {
             let fields = as_array(e).get(1).map(as_array).unwrap_or_default();
-            fields.iter().filter_map(as_string).any(|v| v == Wake::Flags.name())
+            fields.chunks_exact(2).any(|kv| {
+                as_string(&kv[0]).as_deref() == Some("k") && as_string(&kv[1]).as_deref() == Some(Wake::Flags.name())
+            })
         });
         Ok(entries
             .last()

@@ -197,9 +197,12 @@ impl RedisStore {
         for d in &out {
             cmd.arg(&d.task.rid);
         }
-        let states: Vec<Option<String>> = cmd.query_async(&mut self.conn.clone()).await?;
-        for (d, state) in out.iter_mut().zip(states) {
-            d.state_at_claim = Some(state.as_deref().and_then(RecordState::decode));
+        // Claimed already: without the states the tasks still run (each is
+        // then checked before its call).
+        if let Ok(states) = cmd.query_async::<Vec<Option<String>>>(&mut self.conn.clone()).await {
+            for (d, state) in out.iter_mut().zip(states) {
+                d.state_at_claim = Some(state.as_deref().and_then(RecordState::decode));
+            }
         }
         Ok(out)
     }
@@ -323,17 +326,20 @@ impl RedisStore {
     /// Settles a delivered task and acknowledges it, atomically, if the
     /// delivery is still the live one (see [`Delivery`]).
     pub async fn finish(&self, job: &str, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
-        let mut done = self.finish_many(job, &[Finishing::new(d, how)]).await?;
-        done.pop().ok_or_else(|| StoreError::Corrupt {
-            key: keys::stream(job, d.partition),
-            reason: "finish.lua answered nothing".into(),
+        let mut done = self.finish_many(job, &[Finishing::new(d, how)]).await;
+        done.pop().unwrap_or_else(|| {
+            Err(StoreError::Corrupt {
+                key: keys::stream(job, d.partition),
+                reason: "finish.lua answered nothing".into(),
+            })
         })
     }
 
     /// Settles delivered tasks in one script call per partition (the calls
     /// pipelined): each exactly as [`RedisStore::finish`] would alone, in
-    /// the order given. Outcomes come back in that order.
-    pub async fn finish_many(&self, job: &str, items: &[Finishing]) -> Result<Vec<Finished>, StoreError> {
+    /// the order given. Outcomes come back in that order; a partition whose
+    /// call failed gives its error to its own tasks only.
+    pub async fn finish_many(&self, job: &str, items: &[Finishing]) -> Vec<Result<Finished, StoreError>> {
         let mut partitions: Vec<u32> = items.iter().map(|f| f.partition).collect();
         partitions.sort_unstable();
         partitions.dedup();
@@ -361,25 +367,34 @@ impl RedisStore {
         });
         // Sent together over the multiplexed connection.
         let replies = futures_util::future::join_all(calls).await;
-        let mut out = vec![Finished::AlreadySettled; items.len()];
+        let mut out: Vec<Result<Finished, StoreError>> = vec![Ok(Finished::AlreadySettled); items.len()];
         for (&p, moved) in partitions.iter().zip(replies) {
-            let moved = moved?;
             let slots: Vec<usize> = (0..items.len()).filter(|&i| items[i].partition == p).collect();
-            if moved.len() != slots.len() {
-                return Err(StoreError::Corrupt {
-                    key: keys::stream(job, p),
-                    reason: format!("finish.lua answered {} outcomes for {} tasks", moved.len(), slots.len()),
-                });
-            }
+            let moved = match moved {
+                Ok(m) if m.len() == slots.len() => m,
+                Ok(m) => {
+                    let e = StoreError::Corrupt {
+                        key: keys::stream(job, p),
+                        reason: format!("finish.lua answered {} outcomes for {} tasks", m.len(), slots.len()),
+                    };
+                    slots.iter().for_each(|&i| out[i] = Err(e.clone()));
+                    continue;
+                }
+                Err(e) => {
+                    let e = StoreError::from(e);
+                    slots.iter().for_each(|&i| out[i] = Err(e.clone()));
+                    continue;
+                }
+            };
             for (i, m) in slots.into_iter().zip(moved) {
-                out[i] = match m {
+                out[i] = Ok(match m {
                     1 => Finished::Moved,
                     -1 => Finished::Stale,
                     _ => Finished::AlreadySettled,
-                };
+                });
             }
         }
-        Ok(out)
+        out
     }
 
     /// Acknowledges and deletes an entry whose record is already settled.
@@ -422,7 +437,7 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         if n > 0 {
-            self.wake(job, super::Wake::Work).await?;
+            self.wake(job, super::Wake::Work).await;
         }
         Ok((n, u64::try_from(next).ok()))
     }
@@ -557,7 +572,7 @@ impl RedisStore {
             .arg("NX")
             .query_async(&mut self.conn.clone())
             .await?;
-        self.wake(job, super::Wake::Flags).await?;
+        self.wake(job, super::Wake::Flags).await;
         Ok(())
     }
 
