@@ -121,6 +121,15 @@ impl RedisServer {
             .and_then(|c| c.get_connection())
             .expect("connect to test redis")
     }
+
+    /// HLEN of one of a job's partition hashes (`key`, e.g. `keys::results`),
+    /// summed over its 4 partitions (the example spec's).
+    pub fn hlen_sum(&self, job: &str, key: fn(&str, u32) -> String) -> u64 {
+        let mut c = self.conn();
+        (0..4)
+            .map(|p| redis::cmd("HLEN").arg(key(job, p)).query::<u64>(&mut c).unwrap())
+            .sum()
+    }
 }
 
 impl Drop for RedisServer {

@@ -45,13 +45,6 @@ fn status(redis: &RedisServer, db_url: &str) -> (Option<i32>, Value) {
     harness::status_json_env(&redis.url(), "sink", &[(URL_ENV, db_url)])
 }
 
-/// HLEN of a partition hash of job `sink`, summed over its 4 partitions.
-fn hlen_sum(c: &mut redis::Connection, key: fn(&str, u32) -> String) -> u64 {
-    (0..4)
-        .map(|p| redis::cmd("HLEN").arg(key("sink", p)).query::<u64>(c).unwrap())
-        .sum()
-}
-
 /// The job's rows in the results table (its primary key makes each record once).
 fn rows(pg: &PgServer) -> u64 {
     pg.query("SELECT count(*) FROM results WHERE job = 'sink'")
@@ -166,7 +159,7 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
     let review = s["review"].as_u64().unwrap();
     assert_eq!(idem.len() as u64, review, "only records not in the sink keep their key");
     // Their origins moved into their state entries: `d@<dataset tag>:<line>`.
-    let origins: u64 = hlen_sum(&mut c, keys::origins);
+    let origins: u64 = redis.hlen_sum("sink", keys::origins);
     assert_eq!(origins, review, "only records not in the sink keep an origins entry");
     let states: std::collections::HashMap<String, String> =
         redis::cmd("HGETALL").arg(keys::state("sink", 0)).query(&mut c).unwrap();
@@ -417,8 +410,7 @@ fn a_row_the_database_rejects_goes_back_to_review_with_its_message_and_the_other
     assert_eq!(code, Some(0), "every record is done (in the table) or in review: {s}");
     assert_eq!(s["sink"]["verified"]["exact"], true, "{s}");
     assert_eq!(rows(&pg), done, "every other done record is written: {s}");
-    let mut c = redis.conn();
-    let kept: u64 = hlen_sum(&mut c, keys::results);
+    let kept: u64 = redis.hlen_sum("sink", keys::results);
     assert_eq!(kept, 0, "no result waits in Redis");
     let key = pg.query("SELECT business_key FROM results_failures WHERE reason = 'sink_rejected' LIMIT 1");
     let show = producer(&["review", "--job", "sink", "--redis", &redis.url(), "show", &key]);

@@ -620,12 +620,6 @@ fn commands_processed(redis: &RedisServer) -> u64 {
         .unwrap()
 }
 
-fn done_count(redis: &RedisServer, job: &str) -> u64 {
-    (0..4)
-        .map(|p| redis.conn().hlen::<_, u64>(keys::results(job, p)).unwrap())
-        .sum()
-}
-
 #[test]
 fn an_idle_worker_waits_on_wake_ups_and_new_work_starts_without_waiting_for_its_poll() {
     let redis = RedisServer::start();
@@ -639,7 +633,7 @@ fn an_idle_worker_waits_on_wake_ups_and_new_work_starts_without_waiting_for_its_
     // The idle poll is the default's 30 s: without wake-ups, new work would wait for it.
     let worker = Running::spawn(worker_cmd(&redis, "idle", &sim, &["--idle-poll-ms", "30000"]));
     wait_for("the first records", Duration::from_secs(30), || {
-        done_count(&redis, "idle") == 5
+        redis.hlen_sum("idle", keys::results) == 5
     });
 
     // Idle: no polling of every partition (it was ~180 commands/s).
@@ -659,7 +653,7 @@ fn an_idle_worker_waits_on_wake_ups_and_new_work_starts_without_waiting_for_its_
     assert!(out.status.success(), "{}", harness::stderr(&out));
     let enqueued = std::time::Instant::now();
     wait_for("the new record", Duration::from_secs(20), || {
-        done_count(&redis, "idle") == 6
+        redis.hlen_sum("idle", keys::results) == 6
     });
     assert!(
         enqueued.elapsed() < Duration::from_secs(10),

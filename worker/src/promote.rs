@@ -35,10 +35,7 @@ impl Promoter {
                 match f.store.promote_due(&job.name, p, now_ms, PAGE).await {
                     Ok((n, due)) => {
                         moved += n;
-                        next = match (next, due) {
-                            (Some(a), Some(b)) => Some(a.min(b)),
-                            (a, b) => a.or(b),
-                        };
+                        next = next.into_iter().chain(due).min();
                     }
                     Err(e) => f.store_error(&e).await,
                 }

@@ -340,10 +340,12 @@ impl RedisStore {
     /// the order given. Outcomes come back in that order; a partition whose
     /// call failed gives its error to its own tasks only.
     pub async fn finish_many(&self, job: &str, items: &[Finishing]) -> Vec<Result<Finished, StoreError>> {
-        let mut partitions: Vec<u32> = items.iter().map(|f| f.partition).collect();
-        partitions.sort_unstable();
-        partitions.dedup();
-        let calls = partitions.iter().map(|&p| {
+        // Each partition's tasks (their places in `items`), in order.
+        let mut groups: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        for (i, f) in items.iter().enumerate() {
+            groups.entry(f.partition).or_default().push(i);
+        }
+        let calls = groups.iter().map(|(&p, slots)| {
             let mut inv = self.scripts.finish.prepare_invoke();
             inv.key(keys::stream(job, p))
                 .key(keys::state(job, p))
@@ -353,7 +355,7 @@ impl RedisStore {
                 .key(keys::cancelled(job, p))
                 .key(keys::sink(job, p))
                 .arg(keys::GROUP);
-            for f in items.iter().filter(|f| f.partition == p) {
+            for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)
                     .arg(&f.rid)
                     .arg(f.mode)
@@ -363,35 +365,30 @@ impl RedisStore {
                     .arg(f.deliveries);
             }
             let mut conn = self.conn.clone();
-            async move { inv.invoke_async::<Vec<i64>>(&mut conn).await }
+            async move {
+                let moved: Vec<i64> = inv.invoke_async(&mut conn).await?;
+                if moved.len() != slots.len() {
+                    return Err(StoreError::Corrupt {
+                        key: keys::stream(job, p),
+                        reason: format!("finish.lua answered {} outcomes for {} tasks", moved.len(), slots.len()),
+                    });
+                }
+                Ok(moved)
+            }
         });
         // Sent together over the multiplexed connection.
         let replies = futures_util::future::join_all(calls).await;
         let mut out: Vec<Result<Finished, StoreError>> = vec![Ok(Finished::AlreadySettled); items.len()];
-        for (&p, moved) in partitions.iter().zip(replies) {
-            let slots: Vec<usize> = (0..items.len()).filter(|&i| items[i].partition == p).collect();
-            let moved = match moved {
-                Ok(m) if m.len() == slots.len() => m,
-                Ok(m) => {
-                    let e = StoreError::Corrupt {
-                        key: keys::stream(job, p),
-                        reason: format!("finish.lua answered {} outcomes for {} tasks", m.len(), slots.len()),
-                    };
-                    slots.iter().for_each(|&i| out[i] = Err(e.clone()));
-                    continue;
-                }
-                Err(e) => {
-                    let e = StoreError::from(e);
-                    slots.iter().for_each(|&i| out[i] = Err(e.clone()));
-                    continue;
-                }
-            };
-            for (i, m) in slots.into_iter().zip(moved) {
-                out[i] = Ok(match m {
-                    1 => Finished::Moved,
-                    -1 => Finished::Stale,
-                    _ => Finished::AlreadySettled,
-                });
+        for (slots, reply) in groups.values().zip(replies) {
+            for (k, &i) in slots.iter().enumerate() {
+                out[i] = match &reply {
+                    Ok(moved) => Ok(match moved[k] {
+                        1 => Finished::Moved,
+                        -1 => Finished::Stale,
+                        _ => Finished::AlreadySettled,
+                    }),
+                    Err(e) => Err(e.clone()),
+                };
             }
         }
         out
