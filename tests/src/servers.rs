@@ -127,7 +127,7 @@ impl RedisServer {
     pub fn hlen_sum(&self, job: &str, key: fn(&str, u32) -> String) -> u64 {
         let mut c = self.conn();
         (0..4)
-            .map(|p| redis::cmd("HLEN").arg(key(job, p)).query::<u64>(&mut c).unwrap())
+            .map(|p| redis::cmd("HLEN").arg(key(job, p)).query::<u64>(&mut c).expect("HLEN"))
             .sum()
     }
 }
