@@ -39,6 +39,18 @@ impl Usage {
         }
     }
 
+    /// Calls with estimated tokens only (see [`common::store::Abandoned`]).
+    fn add_estimated(&mut self, a: &common::store::Abandoned, prices: &Prices) {
+        let cost = prices.cost(a.prompt_tokens, 0, a.completion_tokens);
+        self.calls += a.calls;
+        self.prompt_tokens += a.prompt_tokens;
+        self.completion_tokens += a.completion_tokens;
+        self.cost_usd += cost;
+        self.estimated_calls += a.calls;
+        self.estimated_tokens += a.prompt_tokens + a.completion_tokens;
+        self.estimated_cost_usd += cost;
+    }
+
     /// The calls of a record's history.
     fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
         let mut u = Usage::default();
@@ -78,6 +90,10 @@ pub struct Report {
     pub done_after_retries: Usage,
     /// Usage and cost of records that ended in review.
     pub ended_in_review: Usage,
+    /// Calls a worker cut off at its drain timeout before their answer came
+    /// (scale-down, SIGTERM): paid, estimated, no result (their tasks were
+    /// called again by another worker, counted above).
+    pub paid_without_result: Usage,
     pub total: Usage,
     pub done: u64,
     pub human_accepted: u64,
@@ -150,7 +166,14 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
             })
             .await?;
     }
-    for part in [&r.first_attempt_successes, &r.done_after_retries, &r.ended_in_review] {
+    let abandoned = store.abandoned_calls(job).await?;
+    r.paid_without_result.add_estimated(&abandoned, prices);
+    for part in [
+        &r.first_attempt_successes,
+        &r.done_after_retries,
+        &r.ended_in_review,
+        &r.paid_without_result,
+    ] {
         let part = part.clone();
         r.total.merge(&part);
     }
@@ -244,6 +267,7 @@ pub fn print(r: &Report) {
         ("first-attempt successes", &r.first_attempt_successes),
         ("done after retries", &r.done_after_retries),
         ("ended in review", &r.ended_in_review),
+        ("paid without a result", &r.paid_without_result),
         ("total", &r.total),
     ] {
         crate::outln!(
@@ -258,7 +282,7 @@ pub fn print(r: &Report) {
     let t = &r.total;
     if t.estimated_calls > 0 {
         crate::outln!(
-            "    of which estimated: {} timed-out calls, {} tokens, {:.6} USD (the server may have billed them)",
+            "    of which estimated: {} calls timed out or cut off at shutdown, {} tokens, {:.6} USD (the server may have billed them)",
             t.estimated_calls,
             t.estimated_tokens,
             t.estimated_cost_usd

@@ -132,3 +132,24 @@ pub fn export_done_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> Outp
         env,
     )
 }
+
+/// helm from the project's `.tools/bin` (make installs it there) or PATH.
+pub fn helm(args: &[&str]) -> (bool, String) {
+    let local = crate::workspace().join(".tools/bin/helm");
+    let bin = if local.exists() { local } else { "helm".into() };
+    let home = crate::TempDir::new("helm-home");
+    let out = Command::new(&bin)
+        .args(args)
+        .current_dir(crate::workspace())
+        .env("HELM_CACHE_HOME", home.join("cache"))
+        .env("HELM_CONFIG_HOME", home.join("config"))
+        .env("HELM_DATA_HOME", home.join("data"))
+        .output()
+        .expect("helm must be installed (make test installs it into .tools/bin)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}

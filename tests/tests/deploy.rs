@@ -5,6 +5,8 @@
 
 use std::process::Command;
 
+use harness::helm;
+
 fn promtool(args: &[&str]) -> (bool, String) {
     let out = Command::new("promtool")
         .args(args)
@@ -26,27 +28,6 @@ fn alert_rules_are_valid_and_their_unit_tests_pass() {
     assert!(text.contains("SUCCESS: 10 rules found"), "{text}");
     let (ok, text) = promtool(&["test", "rules", "alerts_test.yml"]);
     assert!(ok, "{text}");
-}
-
-/// helm from the project's `.tools/bin` (make installs it there) or PATH.
-fn helm(args: &[&str]) -> (bool, String) {
-    let local = harness::workspace().join(".tools/bin/helm");
-    let bin = if local.exists() { local } else { "helm".into() };
-    let home = harness::TempDir::new("helm-home");
-    let out = Command::new(&bin)
-        .args(args)
-        .current_dir(harness::workspace())
-        .env("HELM_CACHE_HOME", home.join("cache"))
-        .env("HELM_CONFIG_HOME", home.join("config"))
-        .env("HELM_DATA_HOME", home.join("data"))
-        .output()
-        .expect("helm must be installed (make test installs it into .tools/bin)");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 const CHART: &str = "helm/batchfleet";
@@ -109,12 +90,27 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
     assert!(default.contains("kind: ScaledObject") && default.contains("type: redis-streams"));
     assert_eq!(
         default.matches("type: redis-streams").count(),
-        4,
-        "one trigger per partition"
+        8,
+        "two triggers per partition: its lag and its pending entries"
     );
-    assert!(default.contains("lagCount: \"100\"") && default.contains("minReplicaCount: 0"));
+    assert_eq!(default.matches("lagCount: \"100\"").count(), 4);
+    assert_eq!(
+        default.matches("pendingEntriesCount: \"32\"").count(),
+        4,
+        "in flight per worker"
+    );
+    assert!(default.contains("minReplicaCount: 0"));
+    // The work left (queued + in flight + delayed) from the always-on scaler.
+    assert_eq!(default.matches("type: metrics-api").count(), 1);
+    assert!(default.contains("url: \"http://bf-batchfleet-scaler.default.svc:9465/remaining\""));
+    assert!(default.contains("valueLocation: remaining"));
+    assert!(default.contains("command: [\"/usr/local/bin/scaler\"]") && default.contains("name: bf-batchfleet-scaler"));
     let (_, prod) = helm(&[&["template", "bf", CHART][..], PROD].concat());
     assert!(prod.contains("kind: HorizontalPodAutoscaler") && !prod.contains("kind: ScaledObject"));
+    assert!(
+        prod.contains("name: batchfleet_remaining_work") && prod.contains("command: [\"/usr/local/bin/scaler\"]"),
+        "the HPA scales on the scaler's work left"
+    );
     assert!(prod.contains("kind: Job") && prod.contains("kind: ConfigMap"));
     assert!(
         prod.contains("- --max-backlog\n            - \"100000\""),
@@ -147,14 +143,14 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
         ),
         "{cluster}"
     );
-    assert_eq!(cluster.matches("type: redis-cluster-streams").count(), 4);
+    assert_eq!(cluster.matches("type: redis-cluster-streams").count(), 8);
     assert!(cluster.contains("addresses: \"r0:6379,r1:6379,r2:6379\""));
     let (ok, text) = helm(&["template", "bf", CHART, "--set", "redis.clusterNodes={redis://r0:6379}"]);
     assert!(!ok, "a seed must be host:port: {text}");
 }
 
 #[test]
-fn the_chart_refuses_a_grace_period_shorter_than_the_drain_and_secrets_in_values() {
+fn the_chart_refuses_a_drain_shorter_than_a_call_a_grace_period_shorter_than_the_drain_and_secrets_in_values() {
     let (ok, text) = helm(&[
         "template",
         "bf",
@@ -166,6 +162,51 @@ fn the_chart_refuses_a_grace_period_shorter_than_the_drain_and_secrets_in_values
         !ok && text.contains("must be larger than worker.drainTimeoutSeconds"),
         "{text}"
     );
+    // The drain covers every job's provider timeout (given per job, or in the spec).
+    let (ok, text) = helm(&["template", "bf", CHART, "--set", "worker.drainTimeoutSeconds=30"]);
+    assert!(
+        !ok && text.contains("must be at least job demo's provider timeout (60 s"),
+        "{text}"
+    );
+    let (ok, text) = helm(&[
+        "template",
+        "bf",
+        CHART,
+        "--set",
+        "jobs[0].name=demo",
+        "--set",
+        "jobs[0].partitions=4",
+        "--set",
+        "jobs[0].providerTimeoutSeconds=600",
+        "--set",
+        "worker.drainTimeoutSeconds=600",
+        "--set",
+        "worker.terminationGracePeriodSeconds=630",
+    ]);
+    assert!(!ok && text.contains("(600 s"), "{text}");
+    let dir = harness::TempDir::new("slow-spec");
+    let slow = dir.join("job.toml");
+    let spec = std::fs::read_to_string(harness::workspace().join("examples/job.toml")).unwrap();
+    assert!(spec.contains("timeout_secs = 30"));
+    std::fs::write(&slow, spec.replace("timeout_secs = 30", "timeout_secs = 300")).unwrap();
+    let spec_arg = format!("spec={}", slow.display());
+    let (ok, text) = helm(&["template", "bf", CHART, "--set-file", &spec_arg]);
+    assert!(
+        !ok && text.contains("the spec's provider.timeout_secs (300) + 5"),
+        "{text}"
+    );
+    let (ok, text) = helm(&[
+        "template",
+        "bf",
+        CHART,
+        "--set-file",
+        &spec_arg,
+        "--set",
+        "worker.drainTimeoutSeconds=305",
+        "--set",
+        "worker.terminationGracePeriodSeconds=320",
+    ]);
+    assert!(ok, "{text}");
     let (ok, text) = helm(&["template", "bf", CHART, "--set", "redis.password=hunter2"]);
     assert!(!ok && text.contains("password"), "{text}");
     let (ok, text) = helm(&["template", "bf", CHART, "--set", "autoscaling.hpa.enabled=true"]);

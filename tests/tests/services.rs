@@ -47,7 +47,7 @@ fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
         concurrency: 4,
         consumer: consumer.into(),
         drain: false,
-        drain_timeout: Duration::from_secs(10),
+        drain_timeout: Some(Duration::from_secs(10)),
         visibility_timeout: Some(VISIBILITY),
         max_deliveries: 5,
         breaker_errors: 3,

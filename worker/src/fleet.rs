@@ -27,6 +27,9 @@ pub struct Fleet {
     pub config: Config,
     /// A pending task idle this long is taken over.
     pub visibility: Duration,
+    /// In-flight work gets this long after the services stop (the config's,
+    /// resolved against the provider timeouts).
+    pub drain_timeout: Duration,
     pub summary: tokio::sync::Mutex<RunSummary>,
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
@@ -91,6 +94,7 @@ impl Fleet {
             store,
             jobs,
             limits,
+            drain_timeout: config.drain_timeout.unwrap_or(crate::run::DRAIN_MARGIN),
             config,
             visibility,
             summary: tokio::sync::Mutex::new(RunSummary::default()),

@@ -11,10 +11,13 @@
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
+//! - [`scaler`]: the always-on component that serves the work left to the
+//!   autoscaler and promotes due retries while no worker runs (`scaler` binary).
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod breaker;
 pub mod claim;
+pub mod entry;
 pub mod fleet;
 pub mod form;
 pub mod http;
@@ -24,6 +27,7 @@ pub mod promote;
 pub mod provider;
 pub mod reclaim;
 pub mod run;
+pub mod scaler;
 pub mod service;
 pub mod sink;
 pub mod telemetry;

@@ -1,7 +1,6 @@
 //! `worker`: thin entry point. Parses flags, sets up logs and signals, and
 //! calls [`worker::run::run`].
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -36,9 +35,10 @@ struct Args {
     /// Exit once the jobs are complete (nothing queued, pending or delayed).
     #[arg(long)]
     drain: bool,
-    /// Seconds in-flight work may take to finish after SIGTERM/SIGINT.
-    #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT_SECS", default_value_t = 25.0)]
-    drain_timeout_secs: f64,
+    /// Seconds in-flight work may take to finish after SIGTERM/SIGINT
+    /// (default: the longest provider timeout + 5 s, so no call is cut off).
+    #[arg(long, env = "BATCHFLEET_DRAIN_TIMEOUT_SECS")]
+    drain_timeout_secs: Option<f64>,
     /// Milliseconds a pending task may stay idle before another worker takes
     /// it over (default: the longest provider timeout + 30 s).
     #[arg(long, env = "BATCHFLEET_VISIBILITY_TIMEOUT_MS")]
@@ -81,24 +81,7 @@ fn default_consumer() -> String {
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let json = match args.log_format.as_deref() {
-        Some("json") => true,
-        Some(_) => false,
-        None => !std::io::stderr().is_terminal(),
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    if json {
-        tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .init();
-    } else {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .init();
-    }
+    let json = worker::entry::init_logs(args.log_format.as_deref());
     let metrics_fallback = args.metrics_addr.is_none();
     let metrics_addr = match args
         .metrics_addr
@@ -130,7 +113,7 @@ async fn main() -> ExitCode {
         concurrency: args.concurrency,
         consumer: args.consumer.unwrap_or_else(default_consumer),
         drain: args.drain,
-        drain_timeout: Duration::from_secs_f64(args.drain_timeout_secs.max(0.0)),
+        drain_timeout: args.drain_timeout_secs.map(|s| Duration::from_secs_f64(s.max(0.0))),
         visibility_timeout: args.visibility_timeout_ms.map(Duration::from_millis),
         max_deliveries: args.max_deliveries,
         breaker_errors: args.breaker_errors,
@@ -141,7 +124,7 @@ async fn main() -> ExitCode {
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
     tokio::spawn(async move {
-        shutdown_signal().await;
+        worker::entry::shutdown_signal().await;
         tracing::info!("shutdown signal: no new claims; draining in-flight work");
         on_signal.cancel();
     });
@@ -186,17 +169,5 @@ fn print_summary(summary: &worker::run::RunSummary, json: bool) {
         eprintln!("{line}");
     } else {
         eprintln!("worker summary: {body}");
-    }
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) else {
-        let _ = ctrl_c.await;
-        return;
-    };
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term.recv() => {}
     }
 }

@@ -126,6 +126,63 @@ pub struct Limits {
     pub visibility: std::time::Duration,
     /// A task of this worker scheduled a retry: the promoter looks again.
     pub retry_scheduled: tokio::sync::Notify,
+    /// Model calls waiting for their answer.
+    pub calls: CallsInFlight,
+}
+
+/// The model calls of this process waiting for their answer, each with what
+/// it may cost: a drain that runs out of time records them as paid without
+/// a result ([`CallsInFlight::abandon`]) instead of dropping them silently.
+#[derive(Default)]
+pub struct CallsInFlight {
+    next: std::sync::atomic::AtomicU64,
+    calls: std::sync::Mutex<std::collections::HashMap<u64, (String, Usage)>>,
+}
+
+/// One call in [`CallsInFlight`]; its answer (or its error) removes it.
+struct CallInFlight<'a> {
+    owner: &'a CallsInFlight,
+    id: u64,
+}
+
+impl CallsInFlight {
+    fn start(&self, job: &str, estimate: Usage) -> CallInFlight<'_> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lock().insert(id, (job.to_owned(), estimate));
+        CallInFlight { owner: self, id }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, (String, Usage)>> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Calls waiting now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Takes every call still waiting, summed per job (their answers, should
+    /// they still come, are not counted again).
+    pub fn abandon(&self) -> std::collections::BTreeMap<String, common::store::Abandoned> {
+        let mut out = std::collections::BTreeMap::<String, common::store::Abandoned>::new();
+        for (_, (job, u)) in self.lock().drain() {
+            let a = out.entry(job).or_default();
+            a.calls += 1;
+            a.prompt_tokens += u.prompt;
+            a.completion_tokens += u.completion;
+        }
+        out
+    }
+}
+
+impl Drop for CallInFlight<'_> {
+    fn drop(&mut self) {
+        self.owner.lock().remove(&self.id);
+    }
 }
 
 /// Processes one delivery. Store errors are returned (the task then stays
@@ -238,7 +295,14 @@ async fn run_attempt(
     }
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
+    // What the call may cost if the server generates it and we never see it.
+    let estimate = Usage::estimate(
+        estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens),
+        u64::from(job.spec.provider.max_tokens),
+    );
+    let waiting = limits.calls.start(&job.name, estimate);
     let (result, headers, elapsed) = job.provider.call(&request, &body).await;
+    drop(waiting);
     let answered = matches!(result, CallResult::Message { .. });
     let used = used_of(&result);
     let timed_out = used.timed_out;
@@ -250,9 +314,7 @@ async fn run_attempt(
     judge_errors(store, job, &mut reply, form).await;
     if timed_out && reply.usage.is_none() {
         // The server may have generated (and billed) it after we gave up.
-        let prompt =
-            estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens);
-        reply.usage = Some(Usage::estimate(prompt, u64::from(job.spec.provider.max_tokens)));
+        reply.usage = Some(estimate);
     }
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.

@@ -10,8 +10,10 @@
 //! Shutdown order, on SIGTERM / Ctrl-C (or, with `--drain`, once every job is
 //! complete): 1. the claimer, rescuer, promoter and watcher stop (no new
 //! claims); 2. `/readyz` says draining; 3. in-flight tasks get `drain_timeout`
-//! to finish; anything unfinished stays pending (un-acked) in Redis and is
-//! reclaimed by another worker; 4. the limiters report; 5. the HTTP server stops.
+//! to finish (by default long enough for the longest provider timeout);
+//! anything unfinished stays pending (un-acked) in Redis and is reclaimed by
+//! another worker, and the calls it was waiting on are recorded as paid
+//! without a result; 4. the limiters report; 5. the HTTP server stops.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -48,8 +50,9 @@ pub struct Config {
     pub consumer: String,
     /// Exit when the jobs are complete (no queued, pending or delayed task).
     pub drain: bool,
-    /// How long in-flight work may take to finish after SIGTERM.
-    pub drain_timeout: Duration,
+    /// How long in-flight work may take to finish after SIGTERM; None: the
+    /// longest provider timeout + [`DRAIN_MARGIN`].
+    pub drain_timeout: Option<Duration>,
     /// A pending task idle this long is taken over; None: provider timeout + 30 s.
     pub visibility_timeout: Option<Duration>,
     /// Deliveries after which a task goes to review as poison.
@@ -81,6 +84,9 @@ pub struct RunSummary {
     pub halted: BTreeMap<String, String>,
     /// Tasks still running when the drain timeout ran out (left pending).
     pub abandoned: usize,
+    /// Of their model calls, those cut off before the answer came (recorded
+    /// in Redis as paid without a result).
+    pub calls_abandoned: u64,
     /// Times this worker waited for the fleet's rate-limit budget, and how long.
     pub rate_limit_waits: u64,
     pub rate_limit_wait_ms: u64,
@@ -117,6 +123,10 @@ impl Config {
         Ok(())
     }
 }
+
+/// What the default drain timeout adds to the longest provider timeout (a
+/// call cut off at its timeout still settles and commits within it).
+pub const DRAIN_MARGIN: Duration = Duration::from_secs(5);
 
 /// Where a worker serves `/metrics` unless told otherwise.
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
@@ -175,17 +185,17 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     if in_flight > 0 {
         tracing::info!(
             in_flight,
-            timeout_ms = fleet.config.drain_timeout.as_millis() as u64,
+            timeout_ms = fleet.drain_timeout.as_millis() as u64,
             "draining in-flight tasks"
         );
     }
     let started_drain = std::time::Instant::now();
-    let drained = tokio::time::timeout(fleet.config.drain_timeout, fleet.tracker.wait())
+    let drained = tokio::time::timeout(fleet.drain_timeout, fleet.tracker.wait())
         .await
         .is_ok();
     // 3b. What was committed reaches the sink before the worker leaves
     // (within the same deadline; whatever is left another worker writes).
-    let deadline = started_drain + fleet.config.drain_timeout;
+    let deadline = started_drain + fleet.drain_timeout;
     let mut flushes = tokio::task::JoinSet::new();
     for job in &fleet.jobs {
         for mut writer in SinkWriter::for_job(&fleet, job) {
@@ -206,6 +216,20 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             abandoned = summary.abandoned,
             "drain timeout: unfinished tasks stay pending for another worker"
         );
+        // Calls still waiting for their answer may be generated and billed:
+        // counted as paid without a result (tokens estimated), never dropped.
+        for (job, calls) in fleet.limits.calls.abandon() {
+            tracing::warn!(
+                job = %job,
+                calls = calls.calls,
+                estimated_tokens = calls.prompt_tokens + calls.completion_tokens,
+                "drain timeout: calls cut off before their answer, recorded as paid without a result"
+            );
+            summary.calls_abandoned += calls.calls;
+            if let Err(e) = fleet.store.add_abandoned_calls(&job, &calls).await {
+                tracing::error!(job = %job, calls = calls.calls, error = %e, "could not record calls paid without a result");
+            }
+        }
     }
     fleet.flush_lost_answers().await;
     // 5. The consumer name is free again; the HTTP endpoints go last.
@@ -266,6 +290,17 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
              or live tasks would be taken over mid-call"
         )));
     }
+    let drain_timeout = config
+        .drain_timeout
+        .unwrap_or(Duration::from_secs(max_timeout) + DRAIN_MARGIN);
+    if drain_timeout < Duration::from_secs(max_timeout) {
+        tracing::warn!(
+            drain_timeout_ms = drain_timeout.as_millis() as u64,
+            provider_timeout_s = max_timeout,
+            "the drain timeout is shorter than the longest provider timeout: a call still running at shutdown \
+             is cut off and recorded as paid without a result (its task is taken over and called again)"
+        );
+    }
     // A grant's concurrency slot lives as long as its task may: a dead
     // worker's slots come back when its tasks could be reclaimed.
     for job in &mut jobs {
@@ -322,6 +357,11 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         traces: config.traces.clone(),
         visibility,
         retry_scheduled: tokio::sync::Notify::new(),
+        calls: crate::process::CallsInFlight::default(),
+    };
+    let config = Config {
+        drain_timeout: Some(drain_timeout),
+        ..config
     };
     let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
     take_consumer_name(&fleet).await?;

@@ -4,6 +4,7 @@
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
 mod job_ops;
+pub use job_ops::Abandoned;
 mod limit_ops;
 mod permissions;
 mod read_ops;
@@ -21,7 +22,7 @@ pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use sink_ops::{SinkBatch, SinkEntry, Sunk, SunkResult, Tokens};
 pub use wake_ops::Wake;
-pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining};
+pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining, WorkLeft};
 
 pub use crate::keys::{BadJobName, valid_job_name};
 

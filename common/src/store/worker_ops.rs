@@ -111,6 +111,30 @@ pub struct QueueStats {
     pub review: u64,
 }
 
+/// A partition's work left, as an autoscaler must see it (see the `scaler`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WorkLeft {
+    /// In the stream, never delivered (KEDA's `lagCount`).
+    pub queued: u64,
+    /// Delivered and not acknowledged: calls in flight, or a dead worker's
+    /// tasks waiting to be taken over (KEDA's `pendingEntriesCount`).
+    pub in_flight: u64,
+    /// Retries waiting in the delayed set until they are due.
+    pub delayed: u64,
+}
+
+impl WorkLeft {
+    pub fn total(&self) -> u64 {
+        self.queued + self.in_flight + self.delayed
+    }
+
+    pub fn add(&mut self, o: &WorkLeft) {
+        self.queued += o.queued;
+        self.in_flight += o.in_flight;
+        self.delayed += o.delayed;
+    }
+}
+
 impl Remaining {
     pub fn is_empty(&self) -> bool {
         self.in_streams == 0 && self.delayed == 0 && !self.enqueuing
@@ -486,7 +510,7 @@ impl RedisStore {
     pub async fn remaining(&self, job: &str, partitions: u32) -> Result<Remaining, StoreError> {
         let mut c = self.conn.clone();
         let mut r = Remaining {
-            enqueuing: c.exists(keys::enqueuing(job)).await?,
+            enqueuing: self.enqueuing(job).await?,
             ..Remaining::default()
         };
         for p in 0..partitions {
@@ -500,6 +524,38 @@ impl RedisStore {
             r.delayed += z;
         }
         Ok(r)
+    }
+
+    /// Each partition's work left, read in one transaction per partition (a
+    /// retry moving between the delayed set and the stream is counted once).
+    /// Queued is the stream's length less its pending entries (acknowledged
+    /// entries are deleted): unlike `XINFO GROUPS` lag it is never unknown.
+    pub async fn work_left(&self, job: &str, partitions: u32) -> Result<Vec<WorkLeft>, StoreError> {
+        let mut c = self.conn.clone();
+        let mut out = Vec::with_capacity(partitions as usize);
+        for p in 0..partitions {
+            let (len, pending, delayed): (u64, Value, u64) = redis::pipe()
+                .atomic()
+                .xlen(keys::stream(job, p))
+                .cmd("XPENDING")
+                .arg(keys::stream(job, p))
+                .arg(keys::GROUP)
+                .zcard(keys::delayed(job, p))
+                .query_async(&mut c)
+                .await?;
+            let in_flight = as_array(&pending).first().and_then(as_u64).unwrap_or(0);
+            out.push(WorkLeft {
+                queued: len.saturating_sub(in_flight),
+                in_flight,
+                delayed,
+            });
+        }
+        Ok(out)
+    }
+
+    /// A producer is still enqueueing the job (see [`RedisStore::mark_enqueuing`]).
+    pub async fn enqueuing(&self, job: &str) -> Result<bool, StoreError> {
+        Ok(self.conn.clone().exists(keys::enqueuing(job)).await?)
     }
 
     /// Marks the job as being enqueued for `ttl_secs` (renewed by the

@@ -13,6 +13,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: worker
 {{- end -}}
 
+{{- define "batchfleet.scalerSelector" -}}
+app.kubernetes.io/name: batchfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: scaler
+{{- end -}}
+
+{{/* The scaler's work-left URL as the cluster sees it. */}}
+{{- define "batchfleet.scalerUrl" -}}
+http://{{ include "batchfleet.name" . }}-scaler.{{ .Release.Namespace }}.svc:{{ .Values.scaler.port }}/remaining
+{{- end -}}
+
 {{/* Redis environment: user name and password come from a Secret, never
 from values. The URL lists every seed node of a cluster, comma-separated. */}}
 {{- define "batchfleet.redisEnv" -}}

@@ -1,0 +1,316 @@
+//! The scaler: the one always-on component of a fleet that scales to zero.
+//!
+//! An autoscaler reading only a stream's lag sees the tasks nobody has
+//! taken yet: not the calls in flight (a slow model, minutes per call) nor
+//! the retries waiting in a partition's delayed set (a 429 storm's
+//! `Retry-After`). Scaled to zero on lag alone, the fleet abandons its paid
+//! calls and never promotes its retries. The scaler runs as one replica
+//! beside the workers and
+//! - serves each job's work left from Redis, queued + in flight + delayed,
+//!   at `GET /remaining[?job=NAME]` (JSON, for KEDA's `metrics-api`
+//!   trigger) and `GET /metrics` (`batchfleet_remaining_tasks{job,kind}`,
+//!   for a Prometheus adapter and an HPA), whether or not a worker runs;
+//! - promotes due retries itself (the same atomic script as the workers'),
+//!   so a retry that comes due while no worker runs turns into stream lag,
+//!   which every trigger sees.
+//!
+//! It holds no state of its own: a restarted scaler serves the same figures.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use common::store::{RedisStore, StoreError, WorkLeft};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::process::now_ms;
+
+/// Due retries moved per script call (as the workers' promoter).
+const PAGE: usize = 500;
+/// Not ready when no round has completed against Redis for this long.
+const READY_WITHIN_MS: u64 = 30_000;
+/// Pause after a failed round.
+const ERROR_PAUSE: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub redis_url: String,
+    /// Jobs to serve; empty means every job in Redis (read again each round).
+    pub jobs: Vec<String>,
+    pub bind: SocketAddr,
+    /// The longest the promoter sleeps when no retry is due sooner.
+    pub max_sleep: Duration,
+}
+
+/// One job's work left, summed over its partitions.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct JobWork {
+    pub remaining: u64,
+    #[serde(flatten)]
+    pub work: WorkLeft,
+    pub partitions: Vec<WorkLeft>,
+    /// A producer is still enqueueing (more comes).
+    pub enqueuing: bool,
+    /// Why the job is halted, if it is (its work is still counted).
+    pub halted: Option<String>,
+}
+
+/// Every served job's work left.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Remaining {
+    pub remaining: u64,
+    #[serde(flatten)]
+    pub work: WorkLeft,
+    pub jobs: BTreeMap<String, JobWork>,
+}
+
+pub struct Scaler {
+    store: RedisStore,
+    config: Config,
+    /// Partition counts of the jobs seen so far (a job's count never changes).
+    partitions: Mutex<BTreeMap<String, u32>>,
+    promoted: Mutex<BTreeMap<String, u64>>,
+    errors: AtomicU64,
+    last_ok_ms: AtomicU64,
+}
+
+impl Scaler {
+    pub async fn connect(config: Config) -> Result<Arc<Scaler>, StoreError> {
+        let store = RedisStore::connect(&config.redis_url).await?;
+        Ok(Arc::new(Scaler {
+            store,
+            config,
+            partitions: Mutex::new(BTreeMap::new()),
+            promoted: Mutex::new(BTreeMap::new()),
+            errors: AtomicU64::new(0),
+            last_ok_ms: AtomicU64::new(0),
+        }))
+    }
+
+    /// The served jobs with their partition counts. A job named on the
+    /// command line that Redis does not know (yet) is left out, and logged.
+    async fn jobs(&self) -> Result<BTreeMap<String, u32>, StoreError> {
+        let names = if self.config.jobs.is_empty() {
+            self.store.jobs().await?
+        } else {
+            self.config.jobs.clone()
+        };
+        let mut known = self.partitions.lock().await;
+        let mut out = BTreeMap::new();
+        for name in names {
+            if let Some(p) = known.get(&name) {
+                out.insert(name, *p);
+                continue;
+            }
+            match self.store.job_spec(&name).await? {
+                Some(spec) => {
+                    known.insert(name.clone(), spec.job.partitions);
+                    out.insert(name, spec.job.partitions);
+                }
+                None => tracing::warn!(job = %name, "no such job in Redis (yet): not served"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every served job's work left, read now.
+    pub async fn remaining(&self, only: Option<&str>) -> Result<Option<Remaining>, StoreError> {
+        let jobs = self.jobs().await?;
+        let mut r = Remaining::default();
+        for (name, partitions) in jobs {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
+            let parts = self.store.work_left(&name, partitions).await?;
+            let mut work = WorkLeft::default();
+            parts.iter().for_each(|p| work.add(p));
+            let job = JobWork {
+                remaining: work.total(),
+                work,
+                partitions: parts,
+                enqueuing: self.store.enqueuing(&name).await?,
+                halted: self.store.halted(&name).await?,
+            };
+            r.work.add(&job.work);
+            r.jobs.insert(name, job);
+        }
+        r.remaining = r.work.total();
+        if only.is_some() && r.jobs.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(r))
+    }
+
+    /// Promotes what is due at `now` in every partition of every served
+    /// job. Returns how many moved and when the next retry is due (Unix ms).
+    pub async fn promote_round(&self, now: u64) -> Result<(u64, Option<u64>), StoreError> {
+        let (mut moved, mut next) = (0, None::<u64>);
+        for (name, partitions) in self.jobs().await? {
+            for p in 0..partitions {
+                let (n, due) = self.store.promote_due(&name, p, now, PAGE).await?;
+                if n > 0 {
+                    tracing::info!(job = %name, partition = p, promoted = n, "due retries back in the stream");
+                    *self.promoted.lock().await.entry(name.clone()).or_default() += n;
+                }
+                moved += n;
+                next = next.into_iter().chain(due).min();
+            }
+        }
+        Ok((moved, next))
+    }
+
+    /// Promotes due retries until `stop` fires.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        while !stop.is_cancelled() {
+            let now = now_ms();
+            let sleep = match self.promote_round(now).await {
+                Ok((_, next)) => {
+                    self.last_ok_ms.store(now_ms(), Ordering::Relaxed);
+                    next.map_or(self.config.max_sleep, |due| {
+                        Duration::from_millis(due.saturating_sub(now)).min(self.config.max_sleep)
+                    })
+                }
+                Err(e) => {
+                    self.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "Redis call failed; retrying");
+                    ERROR_PAUSE
+                }
+            };
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(sleep) => {}
+            }
+        }
+    }
+
+    /// Binds and serves `/remaining`, `/metrics`, `/healthz`, `/readyz`
+    /// in the background until `stop` fires. Returns the bound address.
+    pub async fn serve(self: &Arc<Self>, stop: CancellationToken) -> std::io::Result<SocketAddr> {
+        let listener = tokio::net::TcpListener::bind(self.config.bind).await?;
+        let bound = listener.local_addr()?;
+        let app = Router::new()
+            .route("/remaining", get(remaining_handler))
+            .route("/metrics", get(metrics_handler))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(ready_handler))
+            .with_state(self.clone());
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .await;
+            if let Err(e) = served {
+                tracing::error!(error = %e, "scaler's HTTP server stopped");
+            }
+        });
+        Ok(bound)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct JobQuery {
+    job: Option<String>,
+}
+
+fn unavailable(e: &StoreError) -> Response {
+    tracing::warn!(error = %e, "Redis call failed while serving the work left");
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Redis is unreachable: the work left is unknown\n",
+    )
+        .into_response()
+}
+
+async fn remaining_handler(State(s): State<Arc<Scaler>>, Query(q): Query<JobQuery>) -> Response {
+    match s.remaining(q.job.as_deref()).await {
+        Ok(Some(r)) => axum::Json(r).into_response(),
+        Ok(None) => (
+            StatusCode::NOT_FOUND,
+            format!(
+                "no job `{}` served here\n",
+                q.job.as_deref().unwrap_or_default().escape_default()
+            ),
+        )
+            .into_response(),
+        Err(e) => unavailable(&e),
+    }
+}
+
+async fn metrics_handler(State(s): State<Arc<Scaler>>) -> Response {
+    let r = match s.remaining(None).await {
+        Ok(r) => r.unwrap_or_default(),
+        Err(e) => return unavailable(&e),
+    };
+    let promoted = s.promoted.lock().await.clone();
+    let mut out = String::new();
+    out.push_str(
+        "# HELP batchfleet_remaining_tasks Tasks of a job not finished yet, by kind: queued (never delivered), \
+         in_flight (delivered, not acknowledged), delayed (retries waiting until due).\n\
+         # TYPE batchfleet_remaining_tasks gauge\n",
+    );
+    for (job, w) in &r.jobs {
+        for (kind, n) in [
+            ("queued", w.work.queued),
+            ("in_flight", w.work.in_flight),
+            ("delayed", w.work.delayed),
+        ] {
+            out.push_str(&format!(
+                "batchfleet_remaining_tasks{{job=\"{}\",kind=\"{kind}\"}} {n}\n",
+                label(job)
+            ));
+        }
+    }
+    out.push_str(
+        "# HELP batchfleet_remaining_work Tasks of a job not finished yet (queued + in flight + delayed): what the autoscaler scales on.\n\
+         # TYPE batchfleet_remaining_work gauge\n",
+    );
+    for (job, w) in &r.jobs {
+        out.push_str(&format!(
+            "batchfleet_remaining_work{{job=\"{}\"}} {}\n",
+            label(job),
+            w.remaining
+        ));
+    }
+    out.push_str(
+        "# HELP batchfleet_scaler_promoted_total Due retries the scaler moved back to their stream.\n\
+         # TYPE batchfleet_scaler_promoted_total counter\n",
+    );
+    for (job, n) in &promoted {
+        out.push_str(&format!(
+            "batchfleet_scaler_promoted_total{{job=\"{}\"}} {n}\n",
+            label(job)
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP batchfleet_scaler_store_errors_total Failed Redis calls of the scaler's promoter.\n\
+         # TYPE batchfleet_scaler_store_errors_total counter\n\
+         batchfleet_scaler_store_errors_total {}\n",
+        s.errors.load(Ordering::Relaxed)
+    ));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+async fn ready_handler(State(s): State<Arc<Scaler>>) -> Response {
+    let age = now_ms().saturating_sub(s.last_ok_ms.load(Ordering::Relaxed));
+    if age <= READY_WITHIN_MS {
+        "ready\n".into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no promotion round against Redis recently\n",
+        )
+            .into_response()
+    }
+}
+
+/// A Prometheus label value (job names are restricted, but never trust that here).
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
