@@ -40,6 +40,9 @@ pub enum Outcome {
     /// The next request would be byte-identical to one the record already
     /// got an answer for: not sent (it would buy the same answer again).
     NoNewAttempt,
+    /// The record's next call could pass its own spend cap (`[budget]`
+    /// `max_tokens_per_record`, `max_cost_per_record`): not sent.
+    OverBudget { why: String },
 }
 
 /// The decision, applied by one atomic script each.
@@ -114,6 +117,9 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         },
         Outcome::NoNewAttempt => Decision::Review {
             reason: "no_new_attempt".into(),
+        },
+        Outcome::OverBudget { .. } => Decision::Review {
+            reason: "budget".into(),
         },
         Outcome::FormRefused => Decision::Retry {
             delay_ms: 0,

@@ -113,6 +113,18 @@ pub fn results(job: &str, partition: u32) -> String {
     format!("bf:{}:results", partition_tag(job, partition))
 }
 
+/// Stream of a partition's paid calls (see [`crate::ledger`]): field `c`,
+/// the encoded call; appended by the script that settles the record, never
+/// trimmed or deleted from.
+pub fn ledger(job: &str, partition: u32) -> String {
+    format!("bf:{}:ledger", partition_tag(job, partition))
+}
+
+/// A partition's spend counters (see [`crate::ledger`]): they only grow.
+pub fn spend(job: &str, partition: u32) -> String {
+    format!("bf:{}:spend", partition_tag(job, partition))
+}
+
 /// Stream of outcomes to hand to the job's sink (only for a job with one):
 /// `rid` and `k` (`r` a committed result, `f` a record in review or
 /// dropped), added by the same script that settles the record; read through
@@ -160,6 +172,16 @@ pub fn origins(job: &str, partition: u32) -> String {
 
 /// A job's counters of what left no record: `answers_lost` (paid answers
 /// whose outcome Redis could not store in time).
+/// Hash of the job's spend cap (`cap`, `spent`, `reserved`, nano-USD; see
+/// budget.lua), and its zset of reservations in flight.
+pub fn budget(job: &str) -> String {
+    format!("bf:{{{job}}}:budget")
+}
+
+pub fn budget_held(job: &str) -> String {
+    format!("bf:{{{job}}}:budget:held")
+}
+
 pub fn counters(job: &str) -> String {
     format!("bf:{{{job}}}:counters")
 }

@@ -22,6 +22,7 @@ pub mod batch;
 pub mod decision;
 pub mod json;
 pub mod keys;
+pub mod ledger;
 pub mod manifest;
 pub mod otel;
 pub mod record;

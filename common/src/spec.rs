@@ -32,12 +32,40 @@ pub struct JobSpec {
     /// How failed attempts are retried.
     #[serde(default)]
     pub retry: RetryPolicy,
-    /// Prices in USD per million tokens, for cost reports.
+    /// Prices in USD per million tokens, for cost reports and the budget.
     #[serde(default)]
     pub prices: Prices,
+    /// Spend caps (`[budget]`; none by default).
+    #[serde(default, skip_serializing_if = "Budget::is_none")]
+    pub budget: Budget,
     /// Where committed results are written after Redis (`[sink]`; none by default).
     #[serde(default, skip_serializing_if = "Sink::is_none")]
     pub sink: Sink,
+}
+
+/// `[budget]`: what the job may spend (see the README's "Spend control"),
+/// costed at `[prices]`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    /// The job's cap: the fleet stops calling before what it spent plus the
+    /// calls in flight (each reserved at its most: prompt and `max_tokens`)
+    /// would pass it, and halts the job with reason `budget`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<f64>,
+    /// A record whose next call could pass this many tokens (prompt +
+    /// completion, over all its calls) goes to review as `budget` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens_per_record: Option<u64>,
+    /// The same for a record's cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_per_record: Option<f64>,
+}
+
+impl Budget {
+    pub fn is_none(&self) -> bool {
+        *self == Budget::default()
+    }
 }
 
 /// `[sink]`: where committed results go (see the README's "Result sink").
@@ -1018,6 +1046,27 @@ impl JobSpec {
             if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
                 p.add(key, "must be a non-negative number");
             }
+        }
+        let b = &self.budget;
+        for (key, v) in [
+            ("budget.max_cost_usd", b.max_cost_usd),
+            ("budget.max_cost_per_record", b.max_cost_per_record),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                p.add(key, "must be a positive number of USD");
+            }
+        }
+        if b.max_tokens_per_record == Some(0) {
+            p.add("budget.max_tokens_per_record", "must be at least 1");
+        }
+        if (b.max_cost_usd.is_some() || b.max_cost_per_record.is_some())
+            && pr.input_per_mtok == 0.0
+            && pr.output_per_mtok == 0.0
+        {
+            p.add(
+                "budget",
+                "a cost cap needs [prices] (input_per_mtok, output_per_mtok): every call would cost 0",
+            );
         }
     }
 

@@ -113,6 +113,10 @@ pub enum Command {
     Resume {
         #[arg(long)]
         job: String,
+        /// A new spend cap in USD for a job halted on its budget (more than
+        /// it spent and has in flight).
+        #[arg(long)]
+        budget: Option<f64>,
         #[command(flatten)]
         redis: RedisArgs,
     },
@@ -437,8 +441,8 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Cancel { job, redis } => cancel_or_resume(&job, &redis, true).await,
-        Command::Resume { job, redis } => cancel_or_resume(&job, &redis, false).await,
+        Command::Cancel { job, redis } => cancel_job(&job, &redis).await,
+        Command::Resume { job, budget, redis } => resume(&job, budget, &redis).await,
         Command::Retry {
             job,
             redis,
@@ -514,21 +518,68 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
 }
 
 /// `producer cancel` (`cancel = true`) or `producer resume`.
-async fn cancel_or_resume(job: &str, redis: &RedisArgs, cancel: bool) -> anyhow::Result<ExitCode> {
+async fn cancel_job(job: &str, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
     let store = RedisStore::connect(&redis.url).await?;
     let Some(spec) = spec_or_report(&store, job).await else {
         return Ok(ExitCode::from(EXIT_INPUT));
     };
-    if cancel {
-        let n = store.cancel_job(job, spec.job.partitions).await?;
-        crate::outln!(
-            "job {job} cancelled: {n} records marked cancelled; in-flight work finishes \
-             (producer resume --job {job} brings them back)"
-        );
-    } else {
-        let n = store.resume_job(job, spec.job.partitions).await?;
-        crate::outln!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
+    let n = store.cancel_job(job, spec.job.partitions).await?;
+    crate::outln!(
+        "job {job} cancelled: {n} records marked cancelled; in-flight work finishes \
+         (producer resume --job {job} brings them back)"
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `producer resume`: lifts a cancel or a halt; a job halted on its budget
+/// resumes only with a new cap above what it spent and has in flight.
+async fn resume(job: &str, budget: Option<f64>, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
+    let store = RedisStore::connect(&redis.url).await?;
+    let Some(spec) = spec_or_report(&store, job).await else {
+        return Ok(ExitCode::from(EXIT_INPUT));
+    };
+    let state = store.budget(job).await?;
+    let on_budget = store.halted(job).await?.is_some_and(|r| r.starts_with("budget"));
+    match budget {
+        Some(cap) if !(cap.is_finite() && cap > 0.0) => {
+            eprintln!("error: --budget must be a positive number of USD, not {cap}");
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+        Some(_) if spec.budget.max_cost_usd.is_none() => {
+            eprintln!(
+                "error: --budget: job {job}'s spec has no [budget] max_cost_usd (its workers do not reserve against a cap)"
+            );
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+        Some(cap) if cap <= state.spent_usd + state.reserved_usd => {
+            eprintln!(
+                "error: --budget {cap}: job {job} already spent {:.6} USD and has {:.6} USD in flight; give more than {:.6}",
+                state.spent_usd,
+                state.reserved_usd,
+                state.spent_usd + state.reserved_usd
+            );
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+        Some(cap) => {
+            store.set_budget_cap(job, cap, false).await?;
+            crate::outln!(
+                "job {job}: budget {cap:.6} USD (spent {:.6}, in flight {:.6})",
+                state.spent_usd,
+                state.reserved_usd
+            );
+        }
+        None if on_budget => {
+            eprintln!(
+                "error: job {job} is halted on its budget (spent {:.6} USD of {:.6}): resume it with --budget USD, more than it spent",
+                state.spent_usd,
+                state.cap_usd.unwrap_or(0.0)
+            );
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+        None => {}
     }
+    let n = store.resume_job(job, spec.job.partitions).await?;
+    crate::outln!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
     Ok(ExitCode::SUCCESS)
 }
 

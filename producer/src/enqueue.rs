@@ -173,6 +173,10 @@ async fn enqueue_traced(
     store
         .prepare_job(&args.job, &spec_text, spec.job.partitions, !spec.sink.is_none())
         .await?;
+    if let Some(cap) = spec.budget.max_cost_usd {
+        // Never lowers a cap that `producer resume --budget` raised.
+        store.set_budget_cap(&args.job, cap, true).await?;
+    }
 
     let mut pass = Pass {
         store: &store,

@@ -1,8 +1,10 @@
-//! `producer report`: what went wrong and what it cost, from the attempt
-//! histories stored with every result and review entry.
+//! `producer report`: what went wrong, from the attempt histories stored
+//! with every result and review entry, and what it cost, from the job's
+//! cost ledger (every paid call, recorded once: see [`common::ledger`]).
 
 use std::collections::BTreeMap;
 
+use common::ledger::Spend;
 use common::spec::{JobSpec, Prices};
 use common::store::RedisStore;
 use common::task::{self, HistoryItem};
@@ -39,16 +41,18 @@ impl Usage {
         }
     }
 
-    /// Calls with estimated tokens only (see [`common::store::Abandoned`]).
-    fn add_estimated(&mut self, a: &common::store::Abandoned, prices: &Prices) {
-        let cost = prices.cost(a.prompt_tokens, 0, a.completion_tokens);
-        self.calls += a.calls;
-        self.prompt_tokens += a.prompt_tokens;
-        self.completion_tokens += a.completion_tokens;
-        self.cost_usd += cost;
-        self.estimated_calls += a.calls;
-        self.estimated_tokens += a.prompt_tokens + a.completion_tokens;
-        self.estimated_cost_usd += cost;
+    /// The ledger's totals.
+    fn of_spend(s: &Spend) -> Usage {
+        Usage {
+            calls: s.calls,
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            completion_tokens: s.completion_tokens,
+            cost_usd: s.cost_usd,
+            estimated_calls: s.estimated_calls,
+            estimated_tokens: 0,
+            estimated_cost_usd: s.estimated_cost_usd,
+        }
     }
 
     /// The calls of a record's history.
@@ -86,21 +90,27 @@ pub struct Report {
     pub attempts_histogram: BTreeMap<u64, u64>,
     /// Usage and cost of records done in one call.
     pub first_attempt_successes: Usage,
-    /// Usage and cost of records done after more than one call.
+    /// Usage and cost of records the model got done after more than one call.
     pub done_after_retries: Usage,
+    /// Usage and cost of records a person accepted (from review).
+    pub accepted_by_people: Usage,
     /// Usage and cost of records that ended in review.
     pub ended_in_review: Usage,
-    /// Calls a worker cut off at its drain timeout before their answer came
-    /// (scale-down, SIGTERM): paid, estimated, no result (their tasks were
-    /// called again by another worker, counted above).
-    pub paid_without_result: Usage,
+    /// Every paid call, from the ledger: what was spent, whatever became of
+    /// the records since (it only grows). By cause: `first`,
+    /// `transient_retry`, `validation_retry`, `human` (rounds a person
+    /// started), and `no_result` (calls cut off at a worker's drain timeout,
+    /// or whose outcome could not be stored: paid, estimated, no result).
+    pub spend: Spend,
+    /// The ledger's totals (for a job older than the ledger: the histories').
     pub total: Usage,
     pub done: u64,
     pub human_accepted: u64,
     /// Paid answers that left no result: a worker got them but could not
     /// store the outcome before its visibility timeout (Redis was away).
     pub paid_answers_lost: u64,
-    /// From the manifest's creation to the last commit.
+    /// From the manifest's creation to the last outcome the fleet reached
+    /// (commit or review; a person's accept is not the fleet's work).
     pub elapsed_secs: Option<f64>,
     pub records_per_sec: Option<f64>,
     /// From the first call to the last outcome (commit or review): the time
@@ -119,7 +129,6 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
     };
     r.paid_answers_lost = store.lost_answers(job).await?;
     let prices = &spec.prices;
-    let mut last_commit = String::new();
     // First call (its time minus its duration) and last outcome, Unix seconds.
     let mut first_call: Option<u64> = None;
     let mut last_outcome: Option<u64> = None;
@@ -144,11 +153,8 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
         r.done += 1;
         if res.human {
             r.human_accepted += 1;
-        }
-        if res.committed_at > last_commit {
-            last_commit = res.committed_at.clone();
-        }
-        if usage.calls <= 1 {
+            r.accepted_by_people.merge(&usage);
+        } else if usage.calls <= 1 {
             r.first_attempt_successes.merge(&usage);
         } else {
             r.done_after_retries.merge(&usage);
@@ -166,16 +172,20 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
             })
             .await?;
     }
-    let abandoned = store.abandoned_calls(job).await?;
-    r.paid_without_result.add_estimated(&abandoned, prices);
-    for part in [
-        &r.first_attempt_successes,
-        &r.done_after_retries,
-        &r.ended_in_review,
-        &r.paid_without_result,
-    ] {
-        let part = part.clone();
-        r.total.merge(&part);
+    r.spend = store.spend(job, spec.job.partitions).await?;
+    if r.spend.calls > 0 {
+        r.total = Usage::of_spend(&r.spend);
+    } else {
+        // A job older than the ledger: what its histories still hold.
+        for part in [
+            &r.first_attempt_successes,
+            &r.done_after_retries,
+            &r.accepted_by_people,
+            &r.ended_in_review,
+        ] {
+            let part = part.clone();
+            r.total.merge(&part);
+        }
     }
     if let (Some(start), Some(end)) = (first_call, last_outcome) {
         let secs = end.saturating_sub(start).max(1) as f64;
@@ -183,7 +193,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
         r.processing_records_per_sec = Some((r.done + review_total(&r)) as f64 / secs);
     }
     if let Some(m) = &manifest
-        && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), parse_rfc3339(&last_commit))
+        && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), last_outcome)
     {
         let secs = end.saturating_sub(start).max(1) as f64;
         r.elapsed_secs = Some(secs);
@@ -266,9 +276,8 @@ pub fn print(r: &Report) {
     for (name, u) in [
         ("first-attempt successes", &r.first_attempt_successes),
         ("done after retries", &r.done_after_retries),
+        ("accepted by people", &r.accepted_by_people),
         ("ended in review", &r.ended_in_review),
-        ("paid without a result", &r.paid_without_result),
-        ("total", &r.total),
     ] {
         crate::outln!(
             "    {name:<30} {:>7} {:>8} {:>8} {:>11} {:>11.6}",
@@ -279,12 +288,31 @@ pub fn print(r: &Report) {
             u.cost_usd
         );
     }
+    crate::outln!("  spend (USD, every paid call, from the ledger)       calls        cost");
+    for (name, bucket) in [
+        ("first calls", "first"),
+        ("retries after a transient failure", "transient_retry"),
+        ("retries after invalid output", "validation_retry"),
+        ("human remediation (requeued rounds)", "human"),
+        ("paid without a result", common::ledger::NO_RESULT),
+    ] {
+        let b = r.spend.bucket(bucket);
+        crate::outln!("    {name:<44} {:>7} {:>11.6}", b.calls, b.cost_usd);
+    }
     let t = &r.total;
+    crate::outln!(
+        "    {:<44} {:>7} {:>11.6}  ({} prompt, {} cached, {} completion tokens)",
+        "total",
+        t.calls,
+        t.cost_usd,
+        t.prompt_tokens,
+        t.cached_tokens,
+        t.completion_tokens
+    );
     if t.estimated_calls > 0 {
         crate::outln!(
-            "    of which estimated: {} calls timed out or cut off at shutdown, {} tokens, {:.6} USD (the server may have billed them)",
+            "    of which estimated: {} calls timed out or cut off at shutdown, {:.6} USD (the server may have billed them)",
             t.estimated_calls,
-            t.estimated_tokens,
             t.estimated_cost_usd
         );
     }

@@ -45,7 +45,16 @@ pub struct JobStatus {
     pub complete: bool,
     /// Attempts per done record: attempts -> records.
     pub attempts_histogram: BTreeMap<u64, u64>,
+    /// Tokens of every paid call (from the cost ledger; for a job older
+    /// than the ledger, of the done records).
     pub tokens: Tokens,
+    /// What the job spent (every paid call, from the ledger: it only grows).
+    pub cost_usd: f64,
+    /// The job's spend cap, when it has one (`[budget] max_cost_usd`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget: Option<common::store::BudgetState>,
+    /// Dataset lines refused at enqueue (not records of the job: see `producer dropped`).
+    pub dropped_at_enqueue: u64,
     pub halted: Option<String>,
     /// The job's result sink, when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -69,7 +78,8 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     let sink = spec.is_some_and(|s| s.sink.kind != SinkKind::None);
     let mut s = JobStatus {
         job: job.to_owned(),
-        expected: manifest.map(|m| m.expected_records),
+        expected: manifest.as_ref().map(|m| m.expected_records),
+        dropped_at_enqueue: manifest.as_ref().map_or(0, |m| m.dropped_lines),
         halted: store.halted(job).await?,
         ..JobStatus::default()
     };
@@ -92,6 +102,19 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
             *s.attempts_histogram.entry(attempts).or_default() += n;
         }
     }
+    // Every paid call, from the ledger (the done records' tokens for a job
+    // older than it).
+    let spend = store.spend(job, partitions).await?;
+    if spend.calls > 0 {
+        s.tokens = Tokens {
+            prompt: spend.prompt_tokens,
+            completion: spend.completion_tokens,
+            cached: spend.cached_tokens,
+        };
+        s.cost_usd = spend.cost_usd;
+    }
+    let budget = store.budget(job).await?;
+    s.budget = budget.cap_usd.is_some().then_some(budget);
     // The states are counted in the reconciliation's own pass over them.
     let mut t = Tally {
         done_ids: keep_done.then(Vec::new),
@@ -238,9 +261,25 @@ pub fn print(s: &JobStatus) {
     let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     crate::outln!("  attempts     {} (attempts:records over done records)", hist.join(" "));
     crate::outln!(
-        "  tokens       {} prompt ({} cached), {} completion",
+        "  tokens       {} prompt ({} cached), {} completion (every paid call)",
         s.tokens.prompt,
         s.tokens.cached,
         s.tokens.completion
     );
+    crate::outln!("  spent        {:.6} USD", s.cost_usd);
+    if let Some(b) = &s.budget {
+        crate::outln!(
+            "  budget       {:.6} USD: {:.6} counted against it, {:.6} in flight",
+            b.cap_usd.unwrap_or(0.0),
+            b.spent_usd,
+            b.reserved_usd
+        );
+    }
+    if s.dropped_at_enqueue > 0 {
+        crate::outln!(
+            "  refused      {} dataset lines at enqueue (not records of the job: producer dropped --job {})",
+            s.dropped_at_enqueue,
+            s.job
+        );
+    }
 }

@@ -95,9 +95,9 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
     );
     assert_eq!(default.matches("lagCount: \"100\"").count(), 4);
     assert_eq!(
-        default.matches("pendingEntriesCount: \"32\"").count(),
+        default.matches("pendingEntriesCount: \"8\"").count(),
         4,
-        "in flight per worker"
+        "in flight per worker and partition: concurrency 32 over 4 partitions"
     );
     assert!(default.contains("minReplicaCount: 0"));
     // The work left (queued + in flight + delayed) from the always-on scaler.

@@ -625,7 +625,8 @@ fn typed_columns_hold_each_output_field_with_its_type_and_a_table_without_one_sa
     );
     let redis2 = RedisServer::start();
     enqueue(&redis2, &data, "sink", &spec2);
-    let w = Running::spawn(worker(&redis2, &sim, &url, &[]));
+    // A short drain: the sink cannot write, so the flush waits it out.
+    let w = Running::spawn(worker(&redis2, &sim, &url, &["--drain-timeout-secs", "5"]));
     std::thread::sleep(Duration::from_secs(3));
     harness::signal(w.pid(), "TERM");
     let (_, log) = w.finish(Duration::from_secs(30));

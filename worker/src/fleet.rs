@@ -267,8 +267,15 @@ impl Fleet {
         tracing::warn!(error = %e, "Redis call failed; retrying");
     }
 
-    /// Counts in Redis the paid answers lost since the last call.
+    /// Counts in Redis the paid answers lost since the last call, and
+    /// records their calls in the ledger.
     pub async fn flush_lost_answers(&self) {
+        for (job, calls) in self.limits.calls.take_lost() {
+            if let Err(e) = self.store.record_paid(&job, &calls).await {
+                self.limits.calls.keep_lost(&job, calls);
+                self.store_error(&e).await;
+            }
+        }
         let pending = std::mem::take(&mut *self.lost_answers.lock().unwrap_or_else(|e| e.into_inner()));
         for (job, n) in pending {
             if let Err(e) = self.store.add_lost_answers(&job, n).await {

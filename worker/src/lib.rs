@@ -7,6 +7,7 @@
 //!   tasks; take over dead workers' tasks; promote due retries; read halt and
 //!   cancel flags).
 //! - [`process`]: one task from delivery to its single atomic outcome.
+//! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
@@ -16,6 +17,7 @@
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
 pub mod breaker;
+pub mod budget;
 pub mod claim;
 pub mod entry;
 pub mod fleet;

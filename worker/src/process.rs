@@ -3,8 +3,11 @@
 //! The decision itself is [`common::decision::decide`]; this module gathers
 //! its inputs and applies its answer with one atomic store call.
 
+use std::collections::{BTreeMap, HashMap};
+
 use common::batch::GroupCommit;
 use common::decision::{Decision, Outcome, decide};
+use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
 use common::store::{Finish, Finished, Finishing, RedisStore, StoreError};
@@ -43,6 +46,8 @@ pub struct JobCtx {
     pub stamp: Stamp,
     /// Outcomes of the job's tasks, batched (see [`finisher`]).
     pub finisher: GroupCommit<Finishing, Result<Finished, StoreError>>,
+    /// The job's spend cap, when its spec has one (`[budget] max_cost_usd`).
+    pub budget: Option<crate::budget::JobBudget>,
 }
 
 /// Outcomes stored together while the last call is on its way: one script
@@ -64,8 +69,20 @@ impl JobCtx {
     /// Stores a task's outcome (with its ack), batched with the job's other
     /// outcomes of the moment.
     pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
+        self.finish_paid(d, how, None, false).await
+    }
+
+    /// [`JobCtx::finish`] with the paid call the delivery made, recorded in
+    /// the ledger by the same atomic step (see [`Finishing::paid`]).
+    pub async fn finish_paid(
+        &self,
+        d: &Delivery,
+        how: &Finish,
+        paid: Option<&PaidCall>,
+        retried: bool,
+    ) -> Result<Finished, StoreError> {
         self.finisher
-            .call(Finishing::new(d, how))
+            .call(Finishing::new(d, how).paid(paid, retried))
             .await
             .unwrap_or(Err(StoreError::ShuttingDown))
     }
@@ -130,33 +147,56 @@ pub struct Limits {
     pub calls: CallsInFlight,
 }
 
-/// The model calls of this process waiting for their answer, each with what
-/// it may cost: a drain that runs out of time records them as paid without
-/// a result ([`CallsInFlight::abandon`]) instead of dropping them silently.
+/// The model calls of this process, each as the ledger would record it if
+/// it never reached its outcome: waiting for the answer (tokens estimated),
+/// or answered and committing. A drain that runs out of time records the
+/// waiting ones as paid without a result ([`CallsInFlight::abandon`]) and,
+/// after a short grace, the ones still committing as lost
+/// ([`CallsInFlight::lost_at_exit`]): none is dropped silently, none counted
+/// twice (an answer that comes after its call was recorded is not recorded
+/// again). Also the paid calls whose outcome could not be stored, until
+/// Redis takes them.
 #[derive(Default)]
 pub struct CallsInFlight {
     next: std::sync::atomic::AtomicU64,
-    calls: std::sync::Mutex<std::collections::HashMap<u64, (String, Usage)>>,
+    calls: std::sync::Mutex<HashMap<u64, InFlight>>,
+    lost: std::sync::Mutex<Vec<(String, u32, PaidCall)>>,
 }
 
-/// One call in [`CallsInFlight`]; its answer (or its error) removes it.
+struct InFlight {
+    job: String,
+    partition: u32,
+    call: PaidCall,
+    /// Answered: its outcome (with the call) is being stored.
+    committing: bool,
+}
+
+/// One call in [`CallsInFlight`], from its request to its stored outcome.
 struct CallInFlight<'a> {
     owner: &'a CallsInFlight,
     id: u64,
 }
 
+type PerJob = BTreeMap<String, Vec<(u32, PaidCall)>>;
+
 impl CallsInFlight {
-    fn start(&self, job: &str, estimate: Usage) -> CallInFlight<'_> {
+    fn start(&self, job: &str, partition: u32, if_cut_off: PaidCall) -> CallInFlight<'_> {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.lock().insert(id, (job.to_owned(), estimate));
+        let call = InFlight {
+            job: job.to_owned(),
+            partition,
+            call: if_cut_off,
+            committing: false,
+        };
+        self.lock().insert(id, call);
         CallInFlight { owner: self, id }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<u64, (String, Usage)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, InFlight>> {
         self.calls.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Calls waiting now.
+    /// Calls waiting or committing now.
     pub fn len(&self) -> usize {
         self.lock().len()
     }
@@ -165,17 +205,82 @@ impl CallsInFlight {
         self.len() == 0
     }
 
-    /// Takes every call still waiting, summed per job (their answers, should
-    /// they still come, are not counted again).
-    pub fn abandon(&self) -> std::collections::BTreeMap<String, common::store::Abandoned> {
-        let mut out = std::collections::BTreeMap::<String, common::store::Abandoned>::new();
-        for (_, (job, u)) in self.lock().drain() {
-            let a = out.entry(job).or_default();
-            a.calls += 1;
-            a.prompt_tokens += u.prompt;
-            a.completion_tokens += u.completion;
+    /// Calls answered whose outcome is still being stored.
+    pub fn committing(&self) -> usize {
+        self.lock().values().filter(|c| c.committing).count()
+    }
+
+    fn take(&self, committing: bool) -> PerJob {
+        let mut out = PerJob::new();
+        self.lock().retain(|_, c| {
+            if c.committing != committing {
+                return true;
+            }
+            out.entry(c.job.clone())
+                .or_default()
+                .push((c.partition, c.call.clone()));
+            false
+        });
+        out
+    }
+
+    /// Takes every call still waiting for its answer, per job with its
+    /// partition: paid without a result (estimated).
+    pub fn abandon(&self) -> PerJob {
+        self.take(false)
+    }
+
+    /// Takes every call whose outcome is still being stored: lost.
+    pub fn lost_at_exit(&self) -> PerJob {
+        self.take(true)
+    }
+
+    /// A paid call whose outcome could not be stored: recorded when Redis can.
+    fn lose(&self, job: &str, partition: u32, mut call: PaidCall) {
+        call.fate = Fate::Lost;
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((job.to_owned(), partition, call));
+    }
+
+    /// The lost calls not recorded yet, per job (see [`CallsInFlight::keep_lost`]).
+    pub fn take_lost(&self) -> PerJob {
+        let mut out = PerJob::new();
+        for (job, partition, call) in std::mem::take(&mut *self.lost.lock().unwrap_or_else(|e| e.into_inner())) {
+            out.entry(job).or_default().push((partition, call));
         }
         out
+    }
+
+    /// Gives back lost calls Redis did not take (tried again later).
+    pub fn keep_lost(&self, job: &str, calls: Vec<(u32, PaidCall)>) {
+        let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+        lost.extend(calls.into_iter().map(|(p, c)| (job.to_owned(), p, c)));
+    }
+}
+
+impl CallInFlight<'_> {
+    /// The call came back with `paid` (None: nothing billable). Returns it
+    /// for the outcome's store call, or None when a drain already recorded
+    /// the call as cut off; until the outcome is stored, a drain that runs
+    /// out records it as lost.
+    fn answered(&self, paid: Option<PaidCall>) -> Option<PaidCall> {
+        let mut calls = self.owner.lock();
+        let entry = calls.get_mut(&self.id)?;
+        match &paid {
+            Some(p) => {
+                entry.call = PaidCall {
+                    fate: Fate::Lost,
+                    ..p.clone()
+                };
+                entry.committing = true;
+            }
+            None => {
+                calls.remove(&self.id);
+            }
+        }
+        paid
     }
 }
 
@@ -293,16 +398,75 @@ async fn run_attempt(
         };
         return without_call(store, job, &d, &before, Outcome::NoNewAttempt, facts, limits, span).await;
     }
-    let call_span = span.child("model_call", SpanKind::Client);
-    limits.metrics.in_flight.inc();
     // What the call may cost if the server generates it and we never see it.
     let estimate = Usage::estimate(
         estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens),
         u64::from(job.spec.provider.max_tokens),
     );
-    let waiting = limits.calls.start(&job.name, estimate);
+    // The record's own caps, then the job's.
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &estimate) {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
+        let facts = Facts {
+            prompt: &user,
+            raw: d.task.answer.as_deref().unwrap_or(""),
+            errors: &d.task.feedback,
+            attempts: before.attempts,
+        };
+        return without_call(
+            store,
+            job,
+            &d,
+            &before,
+            Outcome::OverBudget { why },
+            facts,
+            limits,
+            span,
+        )
+        .await;
+    }
+    let reservation = match &job.budget {
+        Some(budget) => {
+            let messages = [
+                job.system.as_str(),
+                user.as_str(),
+                sent_feedback.as_deref().unwrap_or(""),
+            ];
+            let at_most = crate::budget::at_most_nusd(&job.spec, &messages)
+                + request
+                    .previous
+                    .map_or(0, |p| crate::budget::at_most_nusd(&job.spec, &[p]));
+            match budget.reserve(at_most).await? {
+                Some(r) => Some(r),
+                None => {
+                    // The job's cap would pass: halted (by the script), the task handed back.
+                    let reason = store.halted(&job.name).await?.unwrap_or_else(|| "budget".into());
+                    tracing::error!(job = %job.name, reason = %reason, "job halted on its budget: tasks stay queued");
+                    let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
+                    return Ok(Settled::Halted(reason));
+                }
+            }
+        }
+        None => None,
+    };
+    let call_span = span.child("model_call", SpanKind::Client);
+    limits.metrics.in_flight.inc();
+    let paid_call = |usage: Usage| {
+        PaidCall::new(
+            &d.task,
+            before.attempts + 1,
+            d.task.calls + 1,
+            d.deliveries,
+            &limits.worker,
+            usage,
+            &job.spec.prices,
+            now_ms(),
+        )
+    };
+    let mut if_cut_off = paid_call(estimate);
+    if_cut_off.fate = Fate::Abandoned;
+    // Held until the outcome is stored (the end of this function).
+    let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
     let (result, headers, elapsed) = job.provider.call(&request, &body).await;
-    drop(waiting);
     let answered = matches!(result, CallResult::Message { .. });
     let used = used_of(&result);
     let timed_out = used.timed_out;
@@ -316,6 +480,17 @@ async fn run_attempt(
         // The server may have generated (and billed) it after we gave up.
         reply.usage = Some(estimate);
     }
+    if let (Some(budget), Some(r)) = (&job.budget, reservation) {
+        // An estimated call keeps its whole reservation: it may have cost that.
+        let actual = match reply.usage {
+            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
+            Some(_) => r.amount_nusd,
+            None => 0,
+        };
+        if let Err(e) = budget.settle(r, actual).await {
+            tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+        }
+    }
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
     let counts_as_attempt = !matches!(
@@ -323,6 +498,12 @@ async fn run_attempt(
         Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. } | Outcome::FormRefused
     );
     let attempt = before.attempts + u32::from(counts_as_attempt);
+    // A call that may be billed goes to the ledger with its outcome (once:
+    // not when a drain recorded it as cut off meanwhile).
+    let paid = waiting.answered(reply.usage.map(|u| PaidCall {
+        attempt,
+        ..paid_call(u)
+    }));
     let calls = d.task.calls + 1;
     let decision = decide(
         attempt.saturating_sub(d.task.base).max(1),
@@ -380,6 +561,7 @@ async fn run_attempt(
         calls,
         reply: &reply,
         fingerprint: answered.then_some(fp),
+        paid,
     };
     apply(
         store,
@@ -522,6 +704,8 @@ struct Call<'a> {
     calls: u32,
     reply: &'a Reply,
     fingerprint: Option<String>,
+    /// For the ledger, when the call may be billed.
+    paid: Option<PaidCall>,
 }
 
 /// Applies a decision with one atomic store call (or, for a halt, stops the
@@ -540,6 +724,9 @@ async fn apply(
     limits: &Limits,
     span: &Span,
 ) -> Result<Settled, StoreError> {
+    let called = answer.is_some();
+    let paid = answer.as_ref().and_then(|a| a.paid.clone());
+    let paid = paid.as_ref();
     match decision {
         Decision::Commit => {
             let Some(Call { calls, reply, .. }) = answer else {
@@ -561,7 +748,17 @@ async fn apply(
             if job.sink.is_some() {
                 result.input = Some(d.task.input.clone());
             }
-            settle(job, d, Finish::Commit(result), Settled::Committed, span, limits, true).await
+            settle(
+                job,
+                d,
+                Finish::Commit(result),
+                Settled::Committed,
+                span,
+                limits,
+                true,
+                paid,
+            )
+            .await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
             let calls = answer.as_ref().map_or(d.task.calls, |a| a.calls);
@@ -576,7 +773,6 @@ async fn apply(
                 }
             }
             let due_ms = now_ms() + delay_ms;
-            let paid = answer.is_some();
             let settled = settle(
                 job,
                 d,
@@ -584,6 +780,7 @@ async fn apply(
                 Settled::Retried,
                 span,
                 limits,
+                called,
                 paid,
             )
             .await;
@@ -600,11 +797,30 @@ async fn apply(
                 reason: &reason,
             };
             let entry = ReviewEntry::new(d, review, history, stamp, &limits.worker);
-            let paid = answer.is_some();
-            settle(job, d, Finish::Review(entry), Settled::Reviewed, span, limits, paid).await
+            settle(
+                job,
+                d,
+                Finish::Review(entry),
+                Settled::Reviewed,
+                span,
+                limits,
+                called,
+                paid,
+            )
+            .await
         }
         Decision::Drop { reason } => {
-            settle(job, d, Finish::Drop { reason }, Settled::Dropped, span, limits, false).await
+            settle(
+                job,
+                d,
+                Finish::Drop { reason },
+                Settled::Dropped,
+                span,
+                limits,
+                false,
+                paid,
+            )
+            .await
         }
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
@@ -641,11 +857,12 @@ fn used_of(result: &CallResult) -> Used {
 
 /// Applies the outcome with one atomic store call (the `commit` span).
 ///
-/// After a paid call (`paid`) the answer is not given up at the first Redis
+/// After a call (`called`) the answer is not given up at the first Redis
 /// error: the call is retried with back-off for as long as this delivery is
 /// surely still the live one (until a second before the visibility
 /// timeout); only then is the answer counted lost and the task left for
-/// another worker.
+/// another worker (its paid call, `paid`, is recorded in the ledger when
+/// Redis takes it: as lost).
 #[allow(clippy::too_many_arguments)]
 async fn settle(
     job: &JobCtx,
@@ -654,24 +871,30 @@ async fn settle(
     then: Settled,
     span: &Span,
     limits: &Limits,
-    paid: bool,
+    called: bool,
+    paid: Option<&PaidCall>,
 ) -> Result<Settled, StoreError> {
     let commit = span.child("commit", SpanKind::Internal);
     commit.set("batchfleet.finish", then.label());
     let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
     let mut pause = std::time::Duration::from_millis(50);
+    let mut retried = false;
     let finished = loop {
-        match job.finish(d, &how).await {
+        match job.finish_paid(d, &how, paid, retried).await {
             Ok(f) => break f,
-            Err(e) if paid && d.claimed_at.elapsed() + pause < deadline => {
+            Err(e) if called && d.claimed_at.elapsed() + pause < deadline => {
+                retried = true;
                 limits.metrics.store_errors.inc();
                 tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "cannot store a paid answer yet; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(std::time::Duration::from_secs(1));
             }
-            Err(e) if paid => {
+            Err(e) if called => {
                 commit.fail(format!("store error: {e}"));
                 tracing::error!(job = %job.name, record_id = %d.task.rid, error = %e, "a paid answer could not be stored before the visibility timeout: lost");
+                if let Some(call) = paid {
+                    limits.calls.lose(&job.name, d.partition, call.clone());
+                }
                 return Ok(Settled::AnswerLost);
             }
             Err(e) => {
@@ -747,6 +970,7 @@ fn outcome_label(o: &Outcome) -> &str {
         Outcome::Suspect { cause } => cause,
         Outcome::FormRefused => "response_format_refused",
         Outcome::NoNewAttempt => "no_new_attempt",
+        Outcome::OverBudget { .. } => "over_budget",
     }
 }
 

@@ -12,7 +12,7 @@ use crate::process::now_ms;
 use crate::service::Service;
 
 /// Due retries moved per script call.
-const PAGE: usize = 500;
+pub const PAGE: usize = 500;
 /// The longest the promoter sleeps with no retry due sooner.
 pub const LONGEST_SLEEP: Duration = Duration::from_secs(30);
 
@@ -31,14 +31,14 @@ impl Promoter {
         let f = &self.fleet;
         let (mut moved, mut next) = (0, None::<u64>);
         for job in &f.jobs {
-            for p in 0..job.spec.job.partitions {
-                match f.store.promote_due(&job.name, p, now_ms, PAGE).await {
-                    Ok((n, due)) => {
-                        moved += n;
-                        next = next.into_iter().chain(due).min();
-                    }
-                    Err(e) => f.store_error(&e).await,
-                }
+            let (n, due, errors) = f
+                .store
+                .promote_job(&job.name, job.spec.job.partitions, now_ms, PAGE)
+                .await;
+            moved += n;
+            next = next.into_iter().chain(due).min();
+            for e in &errors {
+                f.store_error(e).await;
             }
         }
         (moved, next)

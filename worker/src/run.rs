@@ -128,6 +128,10 @@ impl Config {
 /// call cut off at its timeout still settles and commits within it).
 pub const DRAIN_MARGIN: Duration = Duration::from_secs(5);
 
+/// How long a drain that ran out of time still waits for answered calls
+/// whose outcome is being stored, before it records them as lost.
+const COMMIT_GRACE: Duration = Duration::from_secs(2);
+
 /// Where a worker serves `/metrics` unless told otherwise.
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 
@@ -217,17 +221,30 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             "drain timeout: unfinished tasks stay pending for another worker"
         );
         // Calls still waiting for their answer may be generated and billed:
-        // counted as paid without a result (tokens estimated), never dropped.
-        for (job, calls) in fleet.limits.calls.abandon() {
+        // recorded in the ledger as paid without a result (tokens
+        // estimated), never dropped. Answered calls still committing get a
+        // moment to finish; those that do not are recorded as lost.
+        let cut_off = fleet.limits.calls.abandon();
+        let grace = std::time::Instant::now() + COMMIT_GRACE;
+        while fleet.limits.calls.committing() > 0 && std::time::Instant::now() < grace {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let lost = fleet.limits.calls.lost_at_exit();
+        for (job, calls, what) in cut_off
+            .into_iter()
+            .map(|(j, c)| (j, c, "cut off before their answer"))
+            .chain(lost.into_iter().map(|(j, c)| (j, c, "answered, outcome not stored")))
+        {
+            let tokens: u64 = calls.iter().map(|(_, c)| c.usage.prompt + c.usage.completion).sum();
             tracing::warn!(
                 job = %job,
-                calls = calls.calls,
-                estimated_tokens = calls.prompt_tokens + calls.completion_tokens,
-                "drain timeout: calls cut off before their answer, recorded as paid without a result"
+                calls = calls.len(),
+                tokens,
+                "drain timeout: calls {what}, recorded as paid without a result"
             );
-            summary.calls_abandoned += calls.calls;
-            if let Err(e) = fleet.store.add_abandoned_calls(&job, &calls).await {
-                tracing::error!(job = %job, calls = calls.calls, error = %e, "could not record calls paid without a result");
+            summary.calls_abandoned += calls.len() as u64;
+            if let Err(e) = fleet.store.record_paid(&job, &calls).await {
+                tracing::error!(job = %job, calls = calls.len(), error = %e, "could not record calls paid without a result");
             }
         }
     }
@@ -293,18 +310,21 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let drain_timeout = config
         .drain_timeout
         .unwrap_or(Duration::from_secs(max_timeout) + DRAIN_MARGIN);
-    if drain_timeout < Duration::from_secs(max_timeout) {
+    if drain_timeout < Duration::from_secs(max_timeout) + DRAIN_MARGIN {
         tracing::warn!(
             drain_timeout_ms = drain_timeout.as_millis() as u64,
             provider_timeout_s = max_timeout,
-            "the drain timeout is shorter than the longest provider timeout: a call still running at shutdown \
-             is cut off and recorded as paid without a result (its task is taken over and called again)"
+            "the drain timeout is shorter than the longest provider timeout + 5 s: a call still running at \
+             shutdown is cut off and recorded as paid without a result (its task is taken over and called again)"
         );
     }
     // A grant's concurrency slot lives as long as its task may: a dead
     // worker's slots come back when its tasks could be reclaimed.
     for job in &mut jobs {
         job.limiter.set_lease(visibility);
+        if let Some(b) = &job.budget {
+            b.set_lease(visibility);
+        }
     }
     let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
     let metrics = Arc::new(Metrics::new());
@@ -462,6 +482,11 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         sink,
         sink_full: std::sync::atomic::AtomicBool::new(false),
         finisher: crate::process::finisher(store, name),
+        // Its lease too.
+        budget: spec
+            .budget
+            .max_cost_usd
+            .map(|_| crate::budget::JobBudget::new(store, name)),
         name: name.to_owned(),
         system: system_prompt(&spec),
         user,

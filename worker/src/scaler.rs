@@ -33,8 +33,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::process::now_ms;
 
-/// Due retries moved per script call (as the workers' promoter).
-const PAGE: usize = 500;
 /// Not ready when no round has completed against Redis for this long.
 const READY_WITHIN_MS: u64 = 30_000;
 /// Pause after a failed round.
@@ -59,8 +57,9 @@ pub struct JobWork {
     pub partitions: Vec<WorkLeft>,
     /// A producer is still enqueueing (more comes).
     pub enqueuing: bool,
-    /// Why the job is halted, if it is (its work is still counted).
-    pub halted: Option<String>,
+    /// The job is halted (its work is still counted; why is for `producer
+    /// status`, not for an endpoint without authentication).
+    pub halted: bool,
 }
 
 /// Every served job's work left.
@@ -95,9 +94,10 @@ impl Scaler {
         }))
     }
 
-    /// The served jobs with their partition counts. A job named on the
-    /// command line that Redis does not know (yet) is left out, and logged.
-    async fn jobs(&self) -> Result<BTreeMap<String, u32>, StoreError> {
+    /// The served jobs with their partition counts (read once per job). A
+    /// job Redis does not know (yet) is left out; one whose spec cannot be
+    /// read carries its error.
+    async fn jobs(&self) -> Result<BTreeMap<String, Result<u32, StoreError>>, StoreError> {
         let names = if self.config.jobs.is_empty() {
             self.store.jobs().await?
         } else {
@@ -107,38 +107,42 @@ impl Scaler {
         let mut out = BTreeMap::new();
         for name in names {
             if let Some(p) = known.get(&name) {
-                out.insert(name, *p);
+                out.insert(name, Ok(*p));
                 continue;
             }
-            match self.store.job_spec(&name).await? {
-                Some(spec) => {
+            match self.store.job_spec(&name).await {
+                Ok(Some(spec)) => {
                     known.insert(name.clone(), spec.job.partitions);
-                    out.insert(name, spec.job.partitions);
+                    out.insert(name, Ok(spec.job.partitions));
                 }
-                None => tracing::warn!(job = %name, "no such job in Redis (yet): not served"),
+                Ok(None) => tracing::debug!(job = %name, "no such job in Redis (yet): not served"),
+                Err(e) => {
+                    out.insert(name, Err(e));
+                }
             }
         }
         Ok(out)
     }
 
-    /// Every served job's work left, read now.
+    fn failed(&self, job: &str, e: &StoreError) {
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(job = %job, error = %e, "Redis call failed");
+    }
+
+    /// Every served job's work left, read now. Any job's error fails the
+    /// whole answer: an autoscaler must never see work as gone because it
+    /// could not be read (KEDA does not scale to zero on a failing trigger).
     pub async fn remaining(&self, only: Option<&str>) -> Result<Option<Remaining>, StoreError> {
-        let jobs = self.jobs().await?;
+        let jobs = self.jobs().await.inspect_err(|e| self.failed("*", e))?;
         let mut r = Remaining::default();
         for (name, partitions) in jobs {
             if only.is_some_and(|o| o != name) {
                 continue;
             }
-            let parts = self.store.work_left(&name, partitions).await?;
-            let mut work = WorkLeft::default();
-            parts.iter().for_each(|p| work.add(p));
-            let job = JobWork {
-                remaining: work.total(),
-                work,
-                partitions: parts,
-                enqueuing: self.store.enqueuing(&name).await?,
-                halted: self.store.halted(&name).await?,
-            };
+            let job = self
+                .job_work(&name, partitions)
+                .await
+                .inspect_err(|e| self.failed(&name, e))?;
             r.work.add(&job.work);
             r.jobs.insert(name, job);
         }
@@ -149,22 +153,50 @@ impl Scaler {
         Ok(Some(r))
     }
 
+    async fn job_work(&self, name: &str, partitions: Result<u32, StoreError>) -> Result<JobWork, StoreError> {
+        let parts = self.store.work_left(name, partitions?).await?;
+        let mut work = WorkLeft::default();
+        parts.iter().for_each(|p| work.add(p));
+        Ok(JobWork {
+            remaining: work.total(),
+            work,
+            partitions: parts,
+            enqueuing: self.store.enqueuing(name).await?,
+            halted: self.store.halted(name).await?.is_some(),
+        })
+    }
+
     /// Promotes what is due at `now` in every partition of every served
-    /// job. Returns how many moved and when the next retry is due (Unix ms).
-    pub async fn promote_round(&self, now: u64) -> Result<(u64, Option<u64>), StoreError> {
-        let (mut moved, mut next) = (0, None::<u64>);
+    /// job; a failing job or partition is logged and counted, the others go
+    /// on. Returns how many moved, when the next retry is due (Unix ms), and
+    /// whether every call succeeded.
+    pub async fn promote_round(&self, now: u64) -> Result<(u64, Option<u64>, bool), StoreError> {
+        let (mut moved, mut next, mut clean) = (0, None::<u64>, true);
         for (name, partitions) in self.jobs().await? {
-            for p in 0..partitions {
-                let (n, due) = self.store.promote_due(&name, p, now, PAGE).await?;
-                if n > 0 {
-                    tracing::info!(job = %name, partition = p, promoted = n, "due retries back in the stream");
-                    *self.promoted.lock().await.entry(name.clone()).or_default() += n;
+            let partitions = match partitions {
+                Ok(p) => p,
+                Err(e) => {
+                    self.failed(&name, &e);
+                    clean = false;
+                    continue;
                 }
-                moved += n;
-                next = next.into_iter().chain(due).min();
+            };
+            let (n, due, errors) = self
+                .store
+                .promote_job(&name, partitions, now, crate::promote::PAGE)
+                .await;
+            for e in &errors {
+                self.failed(&name, e);
             }
+            clean &= errors.is_empty();
+            if n > 0 {
+                tracing::info!(job = %name, promoted = n, "due retries back in the stream");
+                *self.promoted.lock().await.entry(name.clone()).or_default() += n;
+            }
+            moved += n;
+            next = next.into_iter().chain(due).min();
         }
-        Ok((moved, next))
+        Ok((moved, next, clean))
     }
 
     /// Promotes due retries until `stop` fires.
@@ -172,15 +204,15 @@ impl Scaler {
         while !stop.is_cancelled() {
             let now = now_ms();
             let sleep = match self.promote_round(now).await {
-                Ok((_, next)) => {
+                Ok((_, next, clean)) => {
                     self.last_ok_ms.store(now_ms(), Ordering::Relaxed);
-                    next.map_or(self.config.max_sleep, |due| {
+                    let until_due = next.map_or(self.config.max_sleep, |due| {
                         Duration::from_millis(due.saturating_sub(now)).min(self.config.max_sleep)
-                    })
+                    });
+                    if clean { until_due } else { until_due.min(ERROR_PAUSE) }
                 }
                 Err(e) => {
-                    self.errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, "Redis call failed; retrying");
+                    self.failed("*", &e);
                     ERROR_PAUSE
                 }
             };
@@ -219,15 +251,6 @@ struct JobQuery {
     job: Option<String>,
 }
 
-fn unavailable(e: &StoreError) -> Response {
-    tracing::warn!(error = %e, "Redis call failed while serving the work left");
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        "Redis is unreachable: the work left is unknown\n",
-    )
-        .into_response()
-}
-
 async fn remaining_handler(State(s): State<Arc<Scaler>>, Query(q): Query<JobQuery>) -> Response {
     match s.remaining(q.job.as_deref()).await {
         Ok(Some(r)) => axum::Json(r).into_response(),
@@ -239,17 +262,25 @@ async fn remaining_handler(State(s): State<Arc<Scaler>>, Query(q): Query<JobQuer
             ),
         )
             .into_response(),
-        Err(e) => unavailable(&e),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "a Redis call failed: the work left is unknown (see the scaler's log)\n",
+        )
+            .into_response(),
     }
 }
 
 async fn metrics_handler(State(s): State<Arc<Scaler>>) -> Response {
-    let r = match s.remaining(None).await {
-        Ok(r) => r.unwrap_or_default(),
-        Err(e) => return unavailable(&e),
-    };
-    let promoted = s.promoted.lock().await.clone();
-    let mut out = String::new();
+    // Without the work left when it cannot be read (absent series, never a
+    // 0), but with the scaler's own counters.
+    let read = s.remaining(None).await;
+    let mut out = format!(
+        "# HELP batchfleet_scaler_work_read 1 when this scrape read the work left from Redis.\n\
+         # TYPE batchfleet_scaler_work_read gauge\n\
+         batchfleet_scaler_work_read {}\n",
+        u8::from(read.is_ok())
+    );
+    let r = read.ok().flatten().unwrap_or_default();
     out.push_str(
         "# HELP batchfleet_remaining_tasks Tasks of a job not finished yet, by kind: queued (never delivered), \
          in_flight (delivered, not acknowledged), delayed (retries waiting until due).\n\
@@ -282,14 +313,14 @@ async fn metrics_handler(State(s): State<Arc<Scaler>>) -> Response {
         "# HELP batchfleet_scaler_promoted_total Due retries the scaler moved back to their stream.\n\
          # TYPE batchfleet_scaler_promoted_total counter\n",
     );
-    for (job, n) in &promoted {
+    for (job, n) in s.promoted.lock().await.iter() {
         out.push_str(&format!(
             "batchfleet_scaler_promoted_total{{job=\"{}\"}} {n}\n",
             label(job)
         ));
     }
     out.push_str(&format!(
-        "# HELP batchfleet_scaler_store_errors_total Failed Redis calls of the scaler's promoter.\n\
+        "# HELP batchfleet_scaler_store_errors_total Failed Redis calls of the scaler.\n\
          # TYPE batchfleet_scaler_store_errors_total counter\n\
          batchfleet_scaler_store_errors_total {}\n",
         s.errors.load(Ordering::Relaxed)

@@ -51,6 +51,10 @@ pub struct Metrics {
     pub sink_errors: IntCounterVec,
     /// Outcomes committed in Redis and not yet in the sink.
     sink_lag: IntGaugeVec,
+    /// What the job spent (the ledger), its cap and what is reserved in flight.
+    spend_usd: GaugeVec,
+    /// 1 while the job is halted on its budget.
+    halted_on_budget: IntGaugeVec,
 }
 
 /// A job as the metrics endpoint watches it.
@@ -215,6 +219,25 @@ impl Metrics {
                 "The job spec's fleet-wide limit per minute, by kind (requests, tokens, input_tokens, output_tokens).",
                 &["job", "kind"],
             ),
+            spend_usd: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{p}spend_usd"),
+                        "USD by kind: spent (every paid call, from the cost ledger; only grows), \
+                         budget (the job's cap, when it has one), in_flight (reserved against it).",
+                    ),
+                    &["job", "kind"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("metric registered once");
+                g
+            },
+            halted_on_budget: gauge(
+                &r,
+                &format!("{p}halted_on_budget"),
+                "1 while the job is halted because its next call could pass its budget (producer resume --budget).",
+                &["job"],
+            ),
             limit_learned: {
                 let g = GaugeVec::new(
                     Opts::new(
@@ -314,8 +337,27 @@ impl Metrics {
             if let Ok(Some(backlog)) = store.sink_backlog(job, *partitions).await {
                 self.sink_lag.with_label_values(&[job.as_str()]).set(backlog as i64);
             }
-            let halted = store.halted(job).await.ok().flatten().is_some();
-            self.halted.with_label_values(&[job.as_str()]).set(i64::from(halted));
+            let halt = store.halted(job).await.ok().flatten();
+            self.halted
+                .with_label_values(&[job.as_str()])
+                .set(i64::from(halt.is_some()));
+            let on_budget = halt.as_deref().is_some_and(|r| r.starts_with("budget"));
+            self.halted_on_budget
+                .with_label_values(&[job.as_str()])
+                .set(i64::from(on_budget));
+            if let Ok(spend) = store.spend(job, *partitions).await {
+                self.spend_usd
+                    .with_label_values(&[job.as_str(), "spent"])
+                    .set(spend.cost_usd);
+            }
+            if let Ok(b) = store.budget(job).await
+                && let Some(cap) = b.cap_usd
+            {
+                self.spend_usd.with_label_values(&[job.as_str(), "budget"]).set(cap);
+                self.spend_usd
+                    .with_label_values(&[job.as_str(), "in_flight"])
+                    .set(b.reserved_usd);
+            }
         }
         if let Ok(mut t) = self.last_queue_read.lock() {
             *t = Some(Instant::now());

@@ -180,38 +180,6 @@ impl RedisStore {
         Ok(n.unwrap_or(0))
     }
 
-    /// Counts model calls a worker cut off at its drain timeout before their
-    /// answer came: paid (the server may generate them) without a result.
-    pub async fn add_abandoned_calls(&self, job: &str, a: &Abandoned) -> Result<(), StoreError> {
-        let _: () = redis::pipe()
-            .atomic()
-            .hincr(keys::counters(job), "calls_abandoned", a.calls)
-            .ignore()
-            .hincr(keys::counters(job), "abandoned_prompt_tokens", a.prompt_tokens)
-            .ignore()
-            .hincr(keys::counters(job), "abandoned_completion_tokens", a.completion_tokens)
-            .ignore()
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(())
-    }
-
-    /// The job's calls paid without a result (see [`RedisStore::add_abandoned_calls`]).
-    pub async fn abandoned_calls(&self, job: &str) -> Result<Abandoned, StoreError> {
-        let (calls, prompt_tokens, completion_tokens): (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(keys::counters(job))
-            .arg("calls_abandoned")
-            .arg("abandoned_prompt_tokens")
-            .arg("abandoned_completion_tokens")
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(Abandoned {
-            calls: calls.unwrap_or(0),
-            prompt_tokens: prompt_tokens.unwrap_or(0),
-            completion_tokens: completion_tokens.unwrap_or(0),
-        })
-    }
-
     /// Replaces a job's stored spec (`producer spec update`), recording the
     /// change (who, when, what differs) in the job's spec history.
     pub async fn replace_spec(&self, job: &str, spec_toml: &str, change: &str) -> Result<(), StoreError> {
@@ -226,14 +194,4 @@ impl RedisStore {
             .await?;
         Ok(())
     }
-}
-
-/// Model calls cut off before their answer (a worker's drain ran out of
-/// time): the server may have generated and billed them. Tokens estimated:
-/// the prompt from its length, the completion as `max_tokens`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Abandoned {
-    pub calls: u64,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
 }

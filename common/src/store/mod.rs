@@ -3,8 +3,8 @@
 //! Every key comes from [`crate::keys`]; every multi-key step is a Lua script
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
+mod budget_ops;
 mod job_ops;
-pub use job_ops::Abandoned;
 mod limit_ops;
 mod permissions;
 mod read_ops;
@@ -14,6 +14,7 @@ mod sink_ops;
 mod wake_ops;
 mod worker_ops;
 
+pub use budget_ops::BudgetState;
 pub use limit_ops::{CallKind, LimitParams, Settlement};
 pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};

@@ -112,6 +112,8 @@ pub(super) struct Scripts {
     pub revise: Script,
     pub dataset_tag: Script,
     pub ids_page: Script,
+    pub ledger: Script,
+    pub budget: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -209,6 +211,8 @@ impl RedisStore {
             scripts: Scripts {
                 enqueue: Script::new(ENQUEUE_LUA),
                 finish: Script::new(include_str!("scripts/finish.lua")),
+                ledger: Script::new(include_str!("scripts/ledger.lua")),
+                budget: Script::new(include_str!("scripts/budget.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
@@ -250,6 +254,8 @@ impl RedisStore {
             &s.revise,
             &s.dataset_tag,
             &s.ids_page,
+            &s.ledger,
+            &s.budget,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

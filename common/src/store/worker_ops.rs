@@ -50,9 +50,24 @@ pub struct Finishing {
     mode: &'static str,
     value: String,
     due_ms: u64,
+    /// The paid call the delivery made, encoded, and its spend (see finish.lua).
+    paid: String,
+    spend: String,
 }
 
 impl Finishing {
+    /// With the paid call the delivery made, recorded in the ledger with the
+    /// outcome. `retried`: an earlier store call for this outcome failed (its
+    /// reply may have been lost after it ran: the call is then not recorded
+    /// a second time).
+    pub fn paid(mut self, call: Option<&crate::ledger::PaidCall>, retried: bool) -> Finishing {
+        if let Some(call) = call {
+            self.paid = call.encode();
+            self.spend = format!("{} {}", call.spend_args(), u8::from(retried));
+        }
+        self
+    }
+
     pub fn new(d: &Delivery, how: &Finish) -> Finishing {
         let (mode, value, due_ms) = match how {
             Finish::Commit(result) => ("commit", result.encode(), 0),
@@ -71,6 +86,8 @@ impl Finishing {
             mode,
             value,
             due_ms,
+            paid: String::new(),
+            spend: String::new(),
         }
     }
 }
@@ -378,6 +395,8 @@ impl RedisStore {
                 .key(keys::review(job, p))
                 .key(keys::cancelled(job, p))
                 .key(keys::sink(job, p))
+                .key(keys::ledger(job, p))
+                .key(keys::spend(job, p))
                 .arg(keys::GROUP);
             for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)
@@ -386,7 +405,9 @@ impl RedisStore {
                     .arg(&f.value)
                     .arg(f.due_ms)
                     .arg(&f.consumer)
-                    .arg(f.deliveries);
+                    .arg(f.deliveries)
+                    .arg(&f.paid)
+                    .arg(&f.spend);
             }
             let mut conn = self.conn.clone();
             async move {
@@ -416,6 +437,73 @@ impl RedisStore {
             }
         }
         out
+    }
+
+    /// Records paid calls that left no outcome (cut off at a drain timeout,
+    /// or whose outcome could not be stored) in their partitions' ledgers.
+    pub async fn record_paid(&self, job: &str, calls: &[(u32, crate::ledger::PaidCall)]) -> Result<(), StoreError> {
+        let mut by_partition: std::collections::BTreeMap<u32, Vec<&crate::ledger::PaidCall>> = Default::default();
+        for (p, c) in calls {
+            by_partition.entry(*p).or_default().push(c);
+        }
+        for (p, calls) in by_partition {
+            let mut inv = self.scripts.ledger.prepare_invoke();
+            inv.key(keys::ledger(job, p)).key(keys::spend(job, p));
+            for c in calls {
+                inv.arg(c.encode()).arg(c.spend_args());
+            }
+            let _: u64 = inv.invoke_async(&mut self.conn.clone()).await?;
+        }
+        Ok(())
+    }
+
+    /// The job's spend from its counters, summed over its partitions.
+    pub async fn spend(&self, job: &str, partitions: u32) -> Result<crate::ledger::Spend, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.hgetall(keys::spend(job, p));
+        }
+        let parts: Vec<std::collections::BTreeMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut s = crate::ledger::Spend::default();
+        parts.iter().for_each(|f| s.add_counters(f));
+        Ok(s)
+    }
+
+    /// A partition's ledger, oldest call first (`producer ledger`, tests).
+    pub async fn ledger_page(
+        &self,
+        job: &str,
+        partition: u32,
+        after: &str,
+        count: usize,
+    ) -> Result<Vec<(String, crate::ledger::PaidCall)>, StoreError> {
+        let start = if after.is_empty() {
+            "-".to_owned()
+        } else {
+            format!("({after}")
+        };
+        let reply: Value = redis::cmd("XRANGE")
+            .arg(keys::ledger(job, partition))
+            .arg(start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let mut out = Vec::new();
+        for entry in as_array(&reply) {
+            let e = as_array(entry);
+            let (Some(id), Some(fields)) = (e.first().and_then(as_string), e.get(1)) else {
+                continue;
+            };
+            let text = as_array(fields).get(1).and_then(as_string).unwrap_or_default();
+            let call = crate::ledger::PaidCall::decode(&text).map_err(|err| StoreError::Corrupt {
+                key: keys::ledger(job, partition),
+                reason: format!("entry {id}: {err}"),
+            })?;
+            out.push((id, call));
+        }
+        Ok(out)
     }
 
     /// Acknowledges and deletes an entry whose record is already settled.
@@ -461,6 +549,30 @@ impl RedisStore {
             self.wake(job, super::Wake::Work).await;
         }
         Ok((n, u64::try_from(next).ok()))
+    }
+
+    /// Promotes what is due at `now_ms` in every partition of a job, `page`
+    /// a script call. Returns how many moved, when the next retry waiting
+    /// anywhere is due (Unix ms), and the partitions' errors (one failing
+    /// partition does not keep the others' retries waiting).
+    pub async fn promote_job(
+        &self,
+        job: &str,
+        partitions: u32,
+        now_ms: u64,
+        page: usize,
+    ) -> (u64, Option<u64>, Vec<StoreError>) {
+        let (mut moved, mut next, mut errors) = (0, None::<u64>, Vec::new());
+        for p in 0..partitions {
+            match self.promote_due(job, p, now_ms, page).await {
+                Ok((n, due)) => {
+                    moved += n;
+                    next = next.into_iter().chain(due).min();
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        (moved, next, errors)
     }
 
     /// The record's state, if the job knows the record.
@@ -526,31 +638,42 @@ impl RedisStore {
         Ok(r)
     }
 
-    /// Each partition's work left, read in one transaction per partition (a
-    /// retry moving between the delayed set and the stream is counted once).
-    /// Queued is the stream's length less its pending entries (acknowledged
-    /// entries are deleted): unlike `XINFO GROUPS` lag it is never unknown.
+    /// Each partition's work left (see [`RedisStore::partition_work_left`]).
     pub async fn work_left(&self, job: &str, partitions: u32) -> Result<Vec<WorkLeft>, StoreError> {
-        let mut c = self.conn.clone();
         let mut out = Vec::with_capacity(partitions as usize);
         for p in 0..partitions {
-            let (len, pending, delayed): (u64, Value, u64) = redis::pipe()
-                .atomic()
-                .xlen(keys::stream(job, p))
-                .cmd("XPENDING")
-                .arg(keys::stream(job, p))
-                .arg(keys::GROUP)
-                .zcard(keys::delayed(job, p))
-                .query_async(&mut c)
-                .await?;
-            let in_flight = as_array(&pending).first().and_then(as_u64).unwrap_or(0);
-            out.push(WorkLeft {
-                queued: len.saturating_sub(in_flight),
-                in_flight,
-                delayed,
-            });
+            out.push(self.partition_work_left(job, p).await?);
         }
         Ok(out)
+    }
+
+    /// A partition's work left. Queued is the stream's length less its
+    /// pending entries (acknowledged entries are deleted): unlike `XINFO
+    /// GROUPS` lag it is never unknown. The stream and the delayed set are
+    /// read in one transaction (a retry moving between them is counted
+    /// once). A partition whose stream or group does not exist (yet) has
+    /// none queued or in flight.
+    pub async fn partition_work_left(&self, job: &str, p: u32) -> Result<WorkLeft, StoreError> {
+        let (len, delayed): (u64, u64) = redis::pipe()
+            .atomic()
+            .xlen(keys::stream(job, p))
+            .zcard(keys::delayed(job, p))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let in_flight = if len == 0 {
+            0
+        } else {
+            match self.pending_count(job, p).await {
+                Ok(n) => n,
+                Err(StoreError::Redis(e)) if e.code() == Some("NOGROUP") => 0,
+                Err(e) => return Err(e),
+            }
+        };
+        Ok(WorkLeft {
+            queued: len.saturating_sub(in_flight),
+            in_flight,
+            delayed,
+        })
     }
 
     /// A producer is still enqueueing the job (see [`RedisStore::mark_enqueuing`]).
@@ -588,11 +711,9 @@ impl RedisStore {
     /// undelivered and the pending ones: lag = length - pending.
     pub async fn queue_stats(&self, job: &str, partition: u32) -> Result<QueueStats, StoreError> {
         let mut c = self.conn.clone();
-        let stream = keys::stream(job, partition);
-        let len: u64 = c.xlen(&stream).await?;
-        let pending = self.pending_count(job, partition).await?;
+        let w = self.partition_work_left(job, partition).await?;
         let oldest: Value = redis::cmd("XPENDING")
-            .arg(&stream)
+            .arg(keys::stream(job, partition))
             .arg(keys::GROUP)
             .arg("-")
             .arg("+")
@@ -604,10 +725,10 @@ impl RedisStore {
             .and_then(|row| as_array(row).get(2).and_then(as_u64))
             .unwrap_or(0);
         Ok(QueueStats {
-            lag: len.saturating_sub(pending),
-            pending,
+            lag: w.queued,
+            pending: w.in_flight,
             oldest_pending_ms,
-            delayed: c.zcard(keys::delayed(job, partition)).await?,
+            delayed: w.delayed,
             review: c.hlen(keys::review(job, partition)).await?,
         })
     }

@@ -22,15 +22,23 @@
 -- KEYS[7]  partition sink stream   bf:{job:pN}:sink: when it exists (the job
 --          has a sink), a record that became done (`k` r) or went to review,
 --          was dropped or cancelled (`k` f) is handed to the sink through it
+-- KEYS[8]  partition ledger stream  bf:{job:pN}:ledger: the paid calls
+-- KEYS[9]  partition spend hash     bf:{job:pN}:spend: counters that only grow
 -- ARGV[1]  consumer group
--- then 7 per task:
+-- then 9 per task:
 --   stream entry id, record_id,
 --   mode: commit | retry | review | drop | cancel | release (back to the
 --         stream as a new entry, not called: a halted worker hands its tasks back),
 --   value: commit: the encoded result; retry, cancel, release: the encoded
 --          task; review: the encoded entry; drop: the reason (passed through unread),
 --   retry: due time, Unix ms (unused otherwise),
---   the consumer the entry was delivered to, its delivery count at that delivery
+--   the consumer the entry was delivered to, its delivery count at that delivery,
+--   the paid call it made, encoded ('' when none), and what it adds to the
+--   spend: `bucket prompt cached completion nano-USD estimated retried`.
+-- A paid call is recorded once, whatever happens to the outcome: for the live
+-- delivery; for one taken over by another worker (the call was still paid);
+-- but not when the delivery's entry is gone and this is a retry of a call
+-- whose reply was lost (its first run may have recorded it: never twice).
 -- Returns, per task: 1 when it moved the record, 0 when the record was
 -- already settled (acknowledged only), -1 when the delivery is stale (an
 -- entry given twice counts as acknowledged by its first: -1 the second time).
@@ -38,11 +46,38 @@ local stream, states = KEYS[1], KEYS[2]
 local group = ARGV[1]
 local has_sink = redis.call('EXISTS', KEYS[7]) == 1
 local out, acked = {}, {}
-for i = 2, #ARGV, 7 do
+local spend = {}
+local function add(field, n)
+  spend[field] = (spend[field] or 0) + n
+end
+local function paid(i)
+  if ARGV[i + 7] == '' then
+    return
+  end
+  redis.call('XADD', KEYS[8], '*', 'c', ARGV[i + 7])
+  local bucket, p, k, c, n, e = string.match(ARGV[i + 8], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)')
+  add('calls', 1)
+  add('prompt', tonumber(p))
+  add('cached', tonumber(k))
+  add('completion', tonumber(c))
+  add('nusd', tonumber(n))
+  add('calls:' .. bucket, 1)
+  add('nusd:' .. bucket, tonumber(n))
+  if e == '1' then
+    add('est_calls', 1)
+    add('est_nusd', tonumber(n))
+  end
+end
+for i = 2, #ARGV, 9 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local owner = not acked[entry] and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
+  local repeated = acked[entry]
+  local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
   local moved = -1
-  if owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6]) then
+  local live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
+  if not repeated and (owner or string.sub(ARGV[i + 8], -1) == '0') then
+    paid(i)
+  end
+  if live then
     local state = redis.call('HGET', states, rid)
     moved = 0
     if mode == 'release' then
@@ -85,6 +120,9 @@ for i = 2, #ARGV, 7 do
     acked[entry] = true
   end
   out[#out + 1] = moved
+end
+for field, n in pairs(spend) do
+  redis.call('HINCRBY', KEYS[9], field, n)
 end
 if #acked > 0 then
   redis.call('XACK', stream, group, unpack(acked))

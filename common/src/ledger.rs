@@ -1,0 +1,284 @@
+//! The cost ledger: every paid call, recorded once and never removed.
+//!
+//! A call that may be billed (the provider reported usage, or it timed out
+//! and the server may have generated it anyway) becomes one [`PaidCall`]
+//! entry in its partition's ledger stream, written by the same atomic script
+//! as the record's outcome, together with counters that only grow (the
+//! partition's spend hash: calls, tokens and nano-USD, in total and by
+//! [`Bucket`]). A call that left no outcome (cut off at a worker's drain
+//! timeout, or whose outcome Redis could not store in time) is recorded on
+//! its own. Reviewing, requeueing or accepting a record never changes what
+//! was spent: the report reads the counters, not the records' histories.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::spec::Prices;
+use crate::task::{HistoryItem, Task, Usage};
+
+/// Why a call was made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// The record's first call.
+    First,
+    /// After a failure that was not the record's (a timeout, a 5xx, a 429).
+    TransientRetry,
+    /// After an answer that failed validation.
+    ValidationRetry,
+    /// In a round a person started (a review requeue, `retry --from`).
+    Human,
+}
+
+impl Cause {
+    /// Why the next call of `task` is made, from what its history says.
+    pub fn of(task: &Task) -> Cause {
+        if task.base > 0 {
+            return Cause::Human;
+        }
+        match task.history.iter().rev().find_map(HistoryItem::as_attempt) {
+            None => Cause::First,
+            Some(a) if !a.errors.is_empty() || a.outcome.starts_with("invalid") || a.outcome == "truncated" => {
+                Cause::ValidationRetry
+            }
+            Some(_) => Cause::TransientRetry,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Cause::First => "first",
+            Cause::TransientRetry => "transient_retry",
+            Cause::ValidationRetry => "validation_retry",
+            Cause::Human => "human",
+        }
+    }
+}
+
+/// What a paid call came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fate {
+    /// Its outcome was stored with it (an answer, or a timeout: estimated).
+    Settled,
+    /// Cut off at a worker's drain timeout before its answer came (estimated).
+    Abandoned,
+    /// Answered, but its outcome could not be stored before the visibility
+    /// timeout (Redis was away): the answer is lost, the money is not.
+    Lost,
+}
+
+/// One paid call, as the ledger keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PaidCall {
+    pub rid: String,
+    /// The record's attempts so far, this one included.
+    pub attempt: u32,
+    /// The record's calls so far, this one included.
+    pub call: u32,
+    /// The delivery's count (which delivery of the task made the call).
+    pub delivery: u32,
+    pub worker: String,
+    pub cause: Cause,
+    pub fate: Fate,
+    /// As reported, or estimated (`estimated`) when the call timed out or was cut off.
+    pub usage: Usage,
+    /// The prices it was costed at ([`price_version`]).
+    pub prices: String,
+    pub cost_nusd: u64,
+    /// Unix ms.
+    pub at_ms: u64,
+}
+
+/// Where a call's spend is counted: its cause, or `no_result`.
+pub const NO_RESULT: &str = "no_result";
+
+impl PaidCall {
+    /// Costs `usage` at `prices`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        task: &Task,
+        attempt: u32,
+        call: u32,
+        delivery: u32,
+        worker: &str,
+        usage: Usage,
+        prices: &Prices,
+        at_ms: u64,
+    ) -> PaidCall {
+        PaidCall {
+            rid: task.rid.clone(),
+            attempt,
+            call,
+            delivery,
+            worker: worker.to_owned(),
+            cause: Cause::of(task),
+            fate: Fate::Settled,
+            usage,
+            prices: price_version(prices),
+            cost_nusd: nano_usd(usage.cost(prices)),
+            at_ms,
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn decode(text: &str) -> Result<PaidCall, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// The spend bucket: the cause, or [`NO_RESULT`] for a call that left none.
+    pub fn bucket(&self) -> &'static str {
+        match self.fate {
+            Fate::Settled => self.cause.name(),
+            Fate::Abandoned | Fate::Lost => NO_RESULT,
+        }
+    }
+
+    /// What the scripts add to the spend counters, as they parse it:
+    /// `bucket prompt cached completion nano-USD estimated`.
+    pub fn spend_args(&self) -> String {
+        format!(
+            "{} {} {} {} {} {}",
+            self.bucket(),
+            self.usage.prompt,
+            self.usage.cached.min(self.usage.prompt),
+            self.usage.completion,
+            self.cost_nusd,
+            u8::from(self.usage.estimated)
+        )
+    }
+}
+
+/// USD as whole nano-dollars (the counters are integers: they only grow, exactly).
+pub fn nano_usd(usd: f64) -> u64 {
+    (usd.max(0.0) * 1e9).round() as u64
+}
+
+/// A short name of a price list: calls costed at other prices are told apart.
+pub fn price_version(p: &Prices) -> String {
+    use sha2::Digest;
+    let text = format!(
+        "{}:{}:{}",
+        p.input_per_mtok,
+        p.cached_input_per_mtok.unwrap_or(p.input_per_mtok),
+        p.output_per_mtok
+    );
+    hex::encode(&sha2::Sha256::digest(text.as_bytes())[..6])
+}
+
+/// Calls, tokens and cost of one part of a job's spend.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SpendPart {
+    pub calls: u64,
+    pub cost_usd: f64,
+}
+
+/// A job's spend, from its counters (summed over the partitions).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Spend {
+    pub calls: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub cost_usd: f64,
+    /// Of which estimated (timed out, cut off): the server may have billed them.
+    pub estimated_calls: u64,
+    pub estimated_cost_usd: f64,
+    /// By cause (`first`, `transient_retry`, `validation_retry`, `human`) and
+    /// `no_result` (cut off at shutdown, or the outcome lost).
+    pub by_bucket: BTreeMap<String, SpendPart>,
+}
+
+impl Spend {
+    /// Adds one partition's spend hash (`field -> integer`).
+    pub fn add_counters(&mut self, fields: &BTreeMap<String, u64>) {
+        let get = |k: &str| fields.get(k).copied().unwrap_or(0);
+        self.calls += get("calls");
+        self.prompt_tokens += get("prompt");
+        self.cached_tokens += get("cached");
+        self.completion_tokens += get("completion");
+        self.cost_usd += get("nusd") as f64 / 1e9;
+        self.estimated_calls += get("est_calls");
+        self.estimated_cost_usd += get("est_nusd") as f64 / 1e9;
+        for (k, v) in fields {
+            if let Some(bucket) = k.strip_prefix("calls:") {
+                self.by_bucket.entry(bucket.to_owned()).or_default().calls += v;
+            } else if let Some(bucket) = k.strip_prefix("nusd:") {
+                self.by_bucket.entry(bucket.to_owned()).or_default().cost_usd += *v as f64 / 1e9;
+            }
+        }
+    }
+
+    /// The part of one bucket (zero when it has none).
+    pub fn bucket(&self, name: &str) -> SpendPart {
+        self.by_bucket.get(name).cloned().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::task::Attempt;
+
+    fn task() -> Task {
+        serde_json::from_value(serde_json::json!({"rid": "r", "input": {"text": "hi"}})).unwrap()
+    }
+
+    fn attempt(outcome: &str) -> HistoryItem {
+        let a: Attempt =
+            serde_json::from_value(serde_json::json!({"attempt": 1, "call": 1, "outcome": outcome})).unwrap();
+        HistoryItem::Attempt(a)
+    }
+
+    #[test]
+    fn a_call_is_told_by_why_it_was_made() {
+        let mut t = task();
+        assert_eq!(Cause::of(&t), Cause::First);
+        t.history.push(attempt("server_error"));
+        assert_eq!(Cause::of(&t), Cause::TransientRetry);
+        t.history.push(attempt("invalid_output"));
+        assert_eq!(Cause::of(&t), Cause::ValidationRetry);
+        t.base = 2;
+        assert_eq!(Cause::of(&t), Cause::Human, "a round a person started");
+    }
+
+    #[test]
+    fn costs_are_whole_nano_dollars_and_prices_have_a_version() {
+        let p = Prices {
+            input_per_mtok: 0.15,
+            cached_input_per_mtok: Some(0.075),
+            output_per_mtok: 0.6,
+        };
+        let u = Usage {
+            prompt: 1000,
+            cached: 400,
+            completion: 100,
+            total: 1100,
+            ..Usage::default()
+        };
+        let call = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0);
+        assert_eq!(call.cost_nusd, 90_000 + 30_000 + 60_000);
+        assert_eq!(call.spend_args(), "first 1000 400 100 180000 0");
+        assert_eq!(PaidCall::decode(&call.encode()).unwrap(), call);
+        let other = Prices {
+            output_per_mtok: 0.5,
+            ..p
+        };
+        assert_ne!(price_version(&p), price_version(&other));
+        let mut s = Spend::default();
+        s.add_counters(&BTreeMap::from([
+            ("calls".into(), 3),
+            ("nusd".into(), 1_500_000_000),
+            ("calls:first".into(), 2),
+            ("nusd:first".into(), 1_000_000_000),
+        ]));
+        assert_eq!(s.calls, 3);
+        assert!((s.cost_usd - 1.5).abs() < 1e-12);
+        assert_eq!(s.bucket("first").calls, 2);
+        assert_eq!(s.bucket("human"), SpendPart::default());
+    }
+}

@@ -1,0 +1,194 @@
+//! Spend control in the worker (`[budget]`).
+//!
+//! The job's cap is shared in Redis (see `budget.lua`): before a call is
+//! sent it is reserved at its most — every prompt byte a token (a token is
+//! never shorter than a byte) plus a message's overhead, and `max_tokens`
+//! of completion, at the spec's prices — so what the fleet spends can never
+//! pass the cap; after the call the reservation becomes its actual cost.
+//! Reservations and settlements are batched (group commit). A refused
+//! reservation halts the job with reason `budget`.
+//!
+//! A record's own caps are checked before each call against what its
+//! history already used plus the next call (estimated from its length, as
+//! the limiter does, with `max_tokens` of completion): a record that could
+//! pass one goes to review as `budget` instead of another paid call.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::batch::GroupCommit;
+use common::ledger::nano_usd;
+use common::spec::JobSpec;
+use common::store::{RedisStore, StoreError};
+use common::task::{HistoryItem, Task, Usage};
+
+use crate::process::now_ms;
+
+/// Reservations or settlements per script call.
+const BATCH: usize = 128;
+/// Tokens a chat message adds to its text (role, separators).
+const MESSAGE_OVERHEAD: u64 = 16;
+
+type Reserve = (String, u64);
+type Settle = (String, u64, u64);
+
+/// The job's share of its spend cap (only for a job with `max_cost_usd`).
+pub struct JobBudget {
+    reserver: GroupCommit<Reserve, Result<bool, StoreError>>,
+    settler: GroupCommit<Settle, Result<(), StoreError>>,
+    lease_ms: std::sync::Arc<AtomicU64>,
+}
+
+/// A call reserved against the cap, at its most.
+#[derive(Debug)]
+pub struct Reservation {
+    id: String,
+    pub amount_nusd: u64,
+}
+
+impl JobBudget {
+    pub fn new(store: &RedisStore, job: &str) -> JobBudget {
+        let lease_ms = std::sync::Arc::new(AtomicU64::new(600_000));
+        let (rs, rj, rl) = (store.clone(), job.to_owned(), lease_ms.clone());
+        let reserver = GroupCommit::new(BATCH, move |calls: Vec<Reserve>| {
+            let (store, job, lease) = (rs.clone(), rj.clone(), rl.load(Ordering::Relaxed));
+            async move {
+                match store.budget_reserve(&job, now_ms(), lease, &calls).await {
+                    Ok(granted) => granted.into_iter().map(Ok).collect(),
+                    Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
+                }
+            }
+        });
+        let (ss, sj) = (store.clone(), job.to_owned());
+        let settler = GroupCommit::new(BATCH, move |calls: Vec<Settle>| {
+            let (store, job) = (ss.clone(), sj.clone());
+            async move {
+                match store.budget_settle(&job, now_ms(), &calls).await {
+                    Ok(()) => calls.iter().map(|_| Ok(())).collect(),
+                    Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
+                }
+            }
+        });
+        JobBudget {
+            reserver,
+            settler,
+            lease_ms,
+        }
+    }
+
+    /// How long a reservation lives when its worker vanishes (then it is
+    /// charged in full): as long as the task may run.
+    pub fn set_lease(&self, lease: Duration) {
+        self.lease_ms.store(lease.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Reserves a call of at most `amount_nusd`. None: refused, the job is
+    /// halted on its budget.
+    pub async fn reserve(&self, amount_nusd: u64) -> Result<Option<Reservation>, StoreError> {
+        let id = format!("{:016x}", rand::random::<u64>());
+        match self.reserver.call((id.clone(), amount_nusd)).await {
+            Some(Ok(true)) => Ok(Some(Reservation { id, amount_nusd })),
+            Some(Ok(false)) => Ok(None),
+            Some(Err(e)) => Err(e),
+            None => Err(StoreError::ShuttingDown),
+        }
+    }
+
+    /// The call cost `actual_nusd`: its reservation is released.
+    pub async fn settle(&self, r: Reservation, actual_nusd: u64) -> Result<(), StoreError> {
+        self.settler
+            .call((r.id, r.amount_nusd, actual_nusd))
+            .await
+            .unwrap_or(Err(StoreError::ShuttingDown))
+    }
+}
+
+/// The most a call with these messages can cost (nano-USD): every byte a
+/// token, `max_tokens` of completion, nothing cached.
+pub fn at_most_nusd(spec: &JobSpec, messages: &[&str]) -> u64 {
+    let prompt: u64 = messages.iter().map(|m| m.len() as u64 + MESSAGE_OVERHEAD).sum();
+    nano_usd(spec.prices.cost(prompt, 0, u64::from(spec.provider.max_tokens)))
+}
+
+/// Why the record's next call could pass one of its own caps (None: it cannot).
+pub fn over_record_cap(spec: &JobSpec, task: &Task, next: &Usage) -> Option<String> {
+    let b = &spec.budget;
+    let used: Vec<Usage> = task
+        .history
+        .iter()
+        .filter_map(HistoryItem::as_attempt)
+        .filter_map(|a| a.usage)
+        .collect();
+    if let Some(cap) = b.max_tokens_per_record {
+        let spent: u64 = used.iter().map(|u| u.prompt + u.completion).sum();
+        let next_tokens = next.prompt + next.completion;
+        if spent + next_tokens > cap {
+            return Some(format!(
+                "the record used {spent} tokens; the next call could use {next_tokens} more, past budget.max_tokens_per_record = {cap}"
+            ));
+        }
+    }
+    if let Some(cap) = b.max_cost_per_record {
+        let spent: f64 = used.iter().map(|u| u.cost(&spec.prices)).sum();
+        let next_cost = next.cost(&spec.prices);
+        if spent + next_cost > cap {
+            return Some(format!(
+                "the record cost {spent:.6} USD; the next call could cost {next_cost:.6} more, past budget.max_cost_per_record = {cap}"
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(budget: &str) -> JobSpec {
+        let text =
+            include_str!("../../examples/job.toml").replace("[prices]", &format!("[budget]\n{budget}\n[prices]"));
+        JobSpec::parse(&text, "t").unwrap()
+    }
+
+    fn task_with(usage: &[(u64, u64)]) -> Task {
+        let history: Vec<serde_json::Value> = usage
+            .iter()
+            .enumerate()
+            .map(|(i, (p, c))| {
+                serde_json::json!({"attempt": i + 1, "call": i + 1, "outcome": "invalid_output",
+                    "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}})
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({"rid": "r", "input": {"text": "x"}, "history": history})).unwrap()
+    }
+
+    #[test]
+    fn a_record_is_stopped_before_the_call_that_could_pass_its_caps() {
+        let next = Usage::estimate(300, 200);
+        let s = spec("max_tokens_per_record = 1000");
+        assert_eq!(
+            over_record_cap(&s, &task_with(&[(250, 40)]), &next),
+            None,
+            "290 + 500 fits"
+        );
+        let why = over_record_cap(&s, &task_with(&[(250, 40), (260, 40)]), &next).unwrap();
+        assert!(why.contains("used 590 tokens") && why.contains("500 more"), "{why}");
+        // Cost: 0.15 and 0.60 USD per million; the next call at most 300 in, 200 out = 0.000165.
+        let s = spec("max_cost_per_record = 0.0002");
+        assert_eq!(over_record_cap(&s, &task_with(&[]), &next), None);
+        assert!(over_record_cap(&s, &task_with(&[(250, 40)]), &next).is_some());
+        assert_eq!(
+            over_record_cap(&spec(""), &task_with(&[(1_000_000, 1)]), &next),
+            None,
+            "no caps"
+        );
+    }
+
+    #[test]
+    fn a_call_is_reserved_at_its_most() {
+        let s = spec("max_cost_usd = 1.0");
+        // 100 bytes + 16 of overhead in, max_tokens (200) out.
+        let want = nano_usd(s.prices.cost(116, 0, 200));
+        assert_eq!(at_most_nusd(&s, &["x".repeat(100).as_str()]), want);
+    }
+}
