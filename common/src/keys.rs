@@ -170,8 +170,6 @@ pub fn origins(job: &str, partition: u32) -> String {
     format!("bf:{}:origin", partition_tag(job, partition))
 }
 
-/// A job's counters of what left no record: `answers_lost` (paid answers
-/// whose outcome Redis could not store in time).
 /// Hash of the job's spend cap (`cap`, `spent`, `reserved`, nano-USD; see
 /// budget.lua), and its zset of reservations in flight.
 pub fn budget(job: &str) -> String {
@@ -182,6 +180,8 @@ pub fn budget_held(job: &str) -> String {
     format!("bf:{{{job}}}:budget:held")
 }
 
+/// A job's counters of what left no record: `answers_lost` (paid answers
+/// whose outcome Redis could not store in time).
 pub fn counters(job: &str) -> String {
     format!("bf:{{{job}}}:counters")
 }

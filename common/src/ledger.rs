@@ -1,14 +1,18 @@
 //! The cost ledger: every paid call, recorded once and never removed.
 //!
-//! A call that may be billed (the provider reported usage, or it timed out
-//! and the server may have generated it anyway) becomes one [`PaidCall`]
-//! entry in its partition's ledger stream, written by the same atomic script
-//! as the record's outcome, together with counters that only grow (the
-//! partition's spend hash: calls, tokens and nano-USD, in total and by
-//! [`Bucket`]). A call that left no outcome (cut off at a worker's drain
-//! timeout, or whose outcome Redis could not store in time) is recorded on
-//! its own. Reviewing, requeueing or accepting a record never changes what
-//! was spent: the report reads the counters, not the records' histories.
+//! A call that may be billed (the provider reported usage; or it timed out,
+//! or answered without usage, and the server may have billed it anyway:
+//! estimated) becomes one [`PaidCall`] entry in its partition's ledger hash,
+//! under a key unique to the call ([`PaidCall::key`]), written with `HSETNX`
+//! by the same atomic script as the record's outcome, together with
+//! counters that only grow (the partition's spend hash: calls, tokens and
+//! nano-USD, in total and by bucket) — only when the entry is new, so a call
+//! whose store call is retried, or recorded again as lost, counts once. A
+//! call that left no outcome (cut off at a worker's drain timeout, or whose
+//! outcome Redis could not store in time) is recorded on its own. Reviewing,
+//! requeueing or accepting a record never changes what was spent: the report
+//! reads the counters, not the records' histories. (A worker killed mid-call
+//! leaves no entry: its budget reservation is charged when it expires.)
 
 use std::collections::BTreeMap;
 
@@ -32,18 +36,32 @@ pub enum Cause {
 }
 
 impl Cause {
-    /// Why the next call of `task` is made, from what its history says.
+    /// Why the next call of `task` is made, from what its history says: a
+    /// person acted on the record (requeue, retry) before; it carries
+    /// validation feedback; it was called before; or none of these.
     pub fn of(task: &Task) -> Cause {
-        if task.base > 0 {
+        if task.base > 0 || task.history.iter().any(|h| matches!(h, HistoryItem::Action(_))) {
             return Cause::Human;
+        }
+        if !task.feedback.is_empty() {
+            return Cause::ValidationRetry;
         }
         match task.history.iter().rev().find_map(HistoryItem::as_attempt) {
             None => Cause::First,
-            Some(a) if !a.errors.is_empty() || a.outcome.starts_with("invalid") || a.outcome == "truncated" => {
-                Cause::ValidationRetry
-            }
+            Some(a) if a.outcome.starts_with("invalid") || a.outcome == "truncated" => Cause::ValidationRetry,
             Some(_) => Cause::TransientRetry,
         }
+    }
+
+    fn from_name(name: &str) -> Option<Cause> {
+        [
+            Cause::First,
+            Cause::TransientRetry,
+            Cause::ValidationRetry,
+            Cause::Human,
+        ]
+        .into_iter()
+        .find(|c| c.name() == name)
     }
 
     pub fn name(self) -> &'static str {
@@ -70,9 +88,11 @@ pub enum Fate {
 }
 
 /// One paid call, as the ledger keeps it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PaidCall {
     pub rid: String,
+    /// Drawn once per call: the call's key tells it from any other.
+    pub nonce: String,
     /// The record's attempts so far, this one included.
     pub attempt: u32,
     /// The record's calls so far, this one included.
@@ -109,6 +129,7 @@ impl PaidCall {
     ) -> PaidCall {
         PaidCall {
             rid: task.rid.clone(),
+            nonce: format!("{:012x}", rand::random::<u64>() >> 16),
             attempt,
             call,
             delivery,
@@ -122,12 +143,78 @@ impl PaidCall {
         }
     }
 
-    pub fn encode(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
+    /// The call's key in the ledger hash: record id, call number, nonce.
+    pub fn key(&self) -> String {
+        format!("{}:{}:{}", self.rid, self.call, self.nonce)
     }
 
-    pub fn decode(text: &str) -> Result<PaidCall, serde_json::Error> {
-        serde_json::from_str(text)
+    /// The ledger's value (the key holds the record id, call and nonce):
+    /// `[attempt, delivery, worker, cause, fate, prompt, cached, completion,
+    /// estimated, prices, nano-USD, at_ms]`.
+    pub fn encode(&self) -> String {
+        let fate = match self.fate {
+            Fate::Settled => "settled",
+            Fate::Abandoned => "abandoned",
+            Fate::Lost => "lost",
+        };
+        let u = &self.usage;
+        serde_json::json!([
+            self.attempt,
+            self.delivery,
+            self.worker,
+            self.cause.name(),
+            fate,
+            u.prompt,
+            u.cached,
+            u.completion,
+            u8::from(u.estimated),
+            self.prices,
+            self.cost_nusd,
+            self.at_ms
+        ])
+        .to_string()
+    }
+
+    pub fn decode(key: &str, value: &str) -> Result<PaidCall, String> {
+        let bad = |what: &str| format!("ledger entry {key}: {what}");
+        let mut parts = key.rsplitn(3, ':');
+        let (nonce, call, rid) = (parts.next(), parts.next(), parts.next());
+        let (Some(nonce), Some(call), Some(rid)) = (nonce, call.and_then(|c| c.parse().ok()), rid) else {
+            return Err(bad("key is not record:call:nonce"));
+        };
+        let v: Vec<serde_json::Value> = serde_json::from_str(value).map_err(|e| bad(&e.to_string()))?;
+        if v.len() != 12 {
+            return Err(bad("not 12 values"));
+        }
+        let n = |i: usize| v[i].as_u64().ok_or_else(|| bad(&format!("value {i} is not a number")));
+        let t = |i: usize| v[i].as_str().ok_or_else(|| bad(&format!("value {i} is not text")));
+        let (prompt, cached, completion) = (n(5)?, n(6)?, n(7)?);
+        Ok(PaidCall {
+            rid: rid.to_owned(),
+            nonce: nonce.to_owned(),
+            attempt: n(0)? as u32,
+            call,
+            delivery: n(1)? as u32,
+            worker: t(2)?.to_owned(),
+            cause: Cause::from_name(t(3)?).ok_or_else(|| bad("unknown cause"))?,
+            fate: match t(4)? {
+                "settled" => Fate::Settled,
+                "abandoned" => Fate::Abandoned,
+                "lost" => Fate::Lost,
+                _ => return Err(bad("unknown fate")),
+            },
+            usage: Usage {
+                prompt,
+                cached,
+                completion,
+                total: prompt + completion,
+                estimated: n(8)? == 1,
+                ..Usage::default()
+            },
+            prices: t(9)?.to_owned(),
+            cost_nusd: n(10)?,
+            at_ms: n(11)?,
+        })
     }
 
     /// The spend bucket: the cause, or [`NO_RESULT`] for a call that left none.
@@ -187,6 +274,7 @@ pub struct Spend {
     pub cost_usd: f64,
     /// Of which estimated (timed out, cut off): the server may have billed them.
     pub estimated_calls: u64,
+    pub estimated_tokens: u64,
     pub estimated_cost_usd: f64,
     /// By cause (`first`, `transient_retry`, `validation_retry`, `human`) and
     /// `no_result` (cut off at shutdown, or the outcome lost).
@@ -203,6 +291,7 @@ impl Spend {
         self.completion_tokens += get("completion");
         self.cost_usd += get("nusd") as f64 / 1e9;
         self.estimated_calls += get("est_calls");
+        self.estimated_tokens += get("est_tokens");
         self.estimated_cost_usd += get("est_nusd") as f64 / 1e9;
         for (k, v) in fields {
             if let Some(bucket) = k.strip_prefix("calls:") {
@@ -263,7 +352,10 @@ mod tests {
         let call = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0);
         assert_eq!(call.cost_nusd, 90_000 + 30_000 + 60_000);
         assert_eq!(call.spend_args(), "first 1000 400 100 180000 0");
-        assert_eq!(PaidCall::decode(&call.encode()).unwrap(), call);
+        assert_eq!(PaidCall::decode(&call.key(), &call.encode()).unwrap(), call);
+        assert!(call.encode().len() < 100, "{}", call.encode());
+        let again = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0);
+        assert_ne!(again.key(), call.key(), "two calls never share a key");
         let other = Prices {
             output_per_mtok: 0.5,
             ..p

@@ -20,11 +20,32 @@ impl Dataset {
     }
 }
 
-/// A reproducible sample instead of the whole dataset.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+/// A reproducible selection of lines instead of the whole dataset: a plain
+/// sample, a stratified one, or another job's records.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Sample {
+    /// Lines of the sample (with `from_job` and a set: passed records added).
     pub size: u64,
     pub seed: u64,
+    /// Covers the extremes, kinds of text and rare values (`--stratify`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stratify: bool,
+    /// Another job's records (`--from-job`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_job: Option<FromJob>,
+}
+
+/// Records of another job to enqueue again (under a new prompt version).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FromJob {
+    pub job: String,
+    /// `review`, `dropped` or `done`; None: its failures (review and
+    /// dropped), put into a stratified sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub set: Option<String>,
+    /// Records that passed there, added as a regression check.
+    #[serde(default)]
+    pub plus_passed: u64,
 }
 
 /// Per-line counts of one pass over a dataset. All are exact per line, so a
@@ -156,6 +177,12 @@ pub struct Manifest {
     pub dropped_by_reason: BTreeMap<String, u64>,
     pub partitions: u32,
     pub versions: BTreeMap<String, String>,
+    /// The spec's `[versions] note`: what changed in this prompt version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// Enqueued with `--dry-run` (no sink).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dry_run: bool,
     pub spec_sha256: String,
     /// RFC 3339, UTC: the first completed enqueue, and the latest.
     pub created_at: String,

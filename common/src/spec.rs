@@ -183,6 +183,11 @@ pub struct Versions {
     pub prompt: String,
     /// Version of the output spec / validator.
     pub output: String,
+    /// The prompt changelog: what changed in this version and which error
+    /// codes it targets (`"v3: label enum spelled out; targets E_ENUM label"`).
+    /// Not part of record ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

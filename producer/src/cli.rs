@@ -101,6 +101,29 @@ pub enum Command {
         #[arg(long, value_enum, default_value_t = crate::status::ExportSet::Done)]
         what: crate::status::ExportSet,
     },
+    /// After a sample run: the full dataset's cost and duration, with a range.
+    Estimate {
+        #[arg(long)]
+        job: String,
+        /// Records of the full dataset (default: the non-blank lines of the
+        /// dataset the sample was taken from).
+        #[arg(long)]
+        records: Option<u64>,
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Two jobs side by side (e.g. the same records under two prompt versions).
+    Compare {
+        /// The two jobs: A, then B.
+        #[arg(long = "job", num_args = 1, required = true)]
+        jobs: Vec<String>,
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[arg(long)]
+        json: bool,
+    },
     /// Cancel a job: no new claims, in-flight work finishes, the rest is marked
     /// cancelled (kept for reconciliation; `resume` brings it back).
     Cancel {
@@ -259,11 +282,31 @@ pub struct EnqueueCmd {
     #[arg(long)]
     pub restart: bool,
     /// Enqueue a reproducible sample of N lines instead of the whole file.
-    #[arg(long, value_name = "N", requires = "seed")]
+    #[arg(long, value_name = "N", requires = "seed", conflicts_with = "set")]
     pub sample: Option<u64>,
-    /// Seed of the sample.
-    #[arg(long, value_name = "S", requires = "sample")]
+    /// Seed of the sample (and of the passed records `--plus-passed` picks).
+    #[arg(long, value_name = "S")]
     pub seed: Option<u64>,
+    /// With --sample: a sample that covers the shortest and longest rendered
+    /// prompts, texts with newlines, quotes and non-ASCII characters, and
+    /// every value of the template's fields that have few (with --from-job:
+    /// and the records that failed there).
+    #[arg(long, requires = "sample")]
+    pub stratify: bool,
+    /// Records of another job (enqueued from this dataset): with --set, that
+    /// set; with --sample --stratify, its failures go into the sample.
+    #[arg(long, value_name = "JOB")]
+    pub from_job: Option<String>,
+    /// With --from-job: which of its records (under this spec: new record ids).
+    #[arg(long, value_enum, requires = "from_job")]
+    pub set: Option<FromSet>,
+    /// With --set: N records that passed there too, as a regression check.
+    #[arg(long, value_name = "N", requires = "set", default_value_t = 0)]
+    pub plus_passed: u64,
+    /// A trial run: the job's spec is stored without its [sink] (nothing is
+    /// written to the database or files), and the workers log each attempt.
+    #[arg(long)]
+    pub dry_run: bool,
     /// Records per batch confirmed by Redis (the cursor moves per batch).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub batch_size: u64,
@@ -443,6 +486,46 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         }
         Command::Cancel { job, redis } => cancel_job(&job, &redis).await,
         Command::Resume { job, budget, redis } => resume(&job, budget, &redis).await,
+        Command::Estimate {
+            job,
+            records,
+            redis,
+            json,
+        } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let Some(spec) = spec_or_report(&store, &job).await else {
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            match crate::estimate::estimate(&store, &job, &spec, records).await {
+                Ok(e) if json => crate::outln!("{}", serde_json::to_string(&e)?),
+                Ok(e) => crate::estimate::print(&e),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(EXIT_INPUT));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Compare { jobs, redis, json } => {
+            let [a, b] = jobs.as_slice() else {
+                eprintln!("error: --job: give exactly two jobs (A, then B), not {}", jobs.len());
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            let store = RedisStore::connect(&redis.url).await?;
+            for job in [a, b] {
+                if store.load_manifest(job).await?.is_none() {
+                    eprintln!("error: --job {job}: no such job (no manifest)");
+                    return Ok(ExitCode::from(EXIT_INPUT));
+                }
+            }
+            let c = crate::compare::compare(&store, a, b).await?;
+            if json {
+                crate::outln!("{}", serde_json::to_string(&c)?);
+            } else {
+                crate::compare::print(&c);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Retry {
             job,
             redis,
@@ -472,14 +555,54 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
     }
 }
 
+/// The records `enqueue --from-job JOB --set` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FromSet {
+    Review,
+    Dropped,
+    Done,
+}
+
 async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    if cmd.from_job.is_some() && cmd.set.is_none() && !cmd.stratify {
+        eprintln!("error: --from-job takes --set review|dropped|done, or goes with --sample N --seed S --stratify");
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
+    let from_job = cmd.from_job.clone().map(|job| common::manifest::FromJob {
+        job,
+        set: cmd.set.map(|s| {
+            match s {
+                FromSet::Review => "review",
+                FromSet::Dropped => "dropped",
+                FromSet::Done => "done",
+            }
+            .to_owned()
+        }),
+        plus_passed: cmd.plus_passed,
+    });
+    let sample = match (cmd.sample, &from_job) {
+        (Some(size), _) => Some(Sample {
+            size,
+            seed: cmd.seed.unwrap_or_default(),
+            stratify: cmd.stratify,
+            from_job,
+        }),
+        (None, Some(_)) => Some(Sample {
+            size: cmd.plus_passed,
+            seed: cmd.seed.unwrap_or_default(),
+            stratify: false,
+            from_job,
+        }),
+        (None, None) => None,
+    };
     let args = EnqueueArgs {
         dataset: cmd.dataset,
         job: cmd.job,
         spec_path: cmd.spec.display().to_string(),
         redis_url: cmd.redis.url,
         restart: cmd.restart,
-        sample: cmd.sample.zip(cmd.seed).map(|(size, seed)| Sample { size, seed }),
+        sample,
+        dry_run: cmd.dry_run,
         batch_size: cmd.batch_size as usize,
         idem_ttl_secs: cmd.idem_ttl,
         max_backlog: cmd.max_backlog,
@@ -630,6 +753,9 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
     }
     let change = serde_json::json!({"by": by, "at": common::manifest::now_rfc3339(), "changes": diff});
     store.replace_spec(job, &text, &change.to_string()).await?;
+    if let Some(cap) = new.budget.max_cost_usd {
+        store.set_budget_cap(job, cap, false).await?;
+    }
     crate::outln!("job {job}: spec updated by {by}; workers read it when they start:");
     for d in &diff {
         crate::outln!("  {d}");
@@ -789,6 +915,37 @@ fn print_summary(s: &Summary) {
         crate::outln!("    {reason:<28} {n}");
     }
     crate::outln!("  records        {} in this dataset", s.records);
+    if let Some(f) = &s.from_job {
+        crate::outln!(
+            "  from job       {} records of the set, {} that passed there (regression check)",
+            f.records,
+            f.passed
+        );
+        for (why, n) in &f.skipped {
+            crate::outln!("    not taken: {n} ({why})");
+        }
+    }
+    if let Some(c) = &s.coverage {
+        crate::outln!(
+            "  sample covers  {} lines for coverage, {} in all: shortest prompt line {}, longest line {}",
+            c.covering,
+            c.size,
+            c.shortest.map_or("-".into(), |l| l.to_string()),
+            c.longest.map_or("-".into(), |l| l.to_string())
+        );
+        for (kind, line) in &c.texts {
+            crate::outln!("    {kind:<12} line {line}");
+        }
+        for (field, values) in &c.values {
+            crate::outln!("    {field:<12} every value: {}", values.join(", "));
+        }
+        if c.failed_before > 0 {
+            crate::outln!("    failed before: {} lines", c.failed_before);
+        }
+    }
+    if s.dry_run {
+        crate::outln!("  dry run        the job's spec has no sink; the workers log every attempt");
+    }
     if let Some(n) = s.job_records {
         crate::outln!("  job records    {n} (expected in the terminal sets)");
     }

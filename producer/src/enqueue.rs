@@ -34,6 +34,8 @@ pub struct EnqueueArgs {
     /// Start from the first line even when a cursor exists.
     pub restart: bool,
     pub sample: Option<Sample>,
+    /// A trial run: the spec is stored without its `[sink]`.
+    pub dry_run: bool,
     /// Records per confirmed batch.
     pub batch_size: usize,
     /// TTL of the per-record idempotency keys.
@@ -77,6 +79,13 @@ pub struct Summary {
     /// was enqueued is the part the manifest's sha256 describes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dataset_changed: Option<DatasetChange>,
+    /// What a stratified sample covers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub coverage: Option<crate::select::Coverage>,
+    /// What `--from-job` took from the other job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_job: Option<crate::select::FromJobSummary>,
+    pub dry_run: bool,
 }
 
 /// How the dataset changed while it was enqueued.
@@ -103,6 +112,15 @@ pub enum EnqueueError {
     Refused(String),
 }
 
+impl From<crate::select::SelectError> for EnqueueError {
+    fn from(e: crate::select::SelectError) -> EnqueueError {
+        match e {
+            crate::select::SelectError::Store(e) => EnqueueError::Store(e),
+            crate::select::SelectError::Refused(m) => EnqueueError::Refused(m),
+        }
+    }
+}
+
 /// Enqueues a dataset; stops cleanly (cursor saved) when `cancel` fires.
 /// With tracing on (`OTEL_EXPORTER_OTLP_ENDPOINT`), each record added gets an
 /// `enqueue` span whose context travels in its task.
@@ -120,11 +138,18 @@ async fn enqueue_traced(
 ) -> Result<Summary, EnqueueError> {
     let started = Instant::now();
     valid_job_name(&args.job)?;
-    let spec = JobSpec::load(&args.spec_path)?;
-    let spec_text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
+    let mut spec = JobSpec::load(&args.spec_path)?;
+    let mut spec_text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
         path: args.spec_path.clone(),
         source,
     })?;
+    if args.dry_run {
+        // The job's stored spec has no sink: no worker writes anything out.
+        let mut table: toml::Table = toml::from_str(&spec_text).map_err(|e| EnqueueError::Refused(e.to_string()))?;
+        table.remove("sink");
+        spec_text = toml::to_string(&table).map_err(|e| EnqueueError::Refused(e.to_string()))?;
+        spec = JobSpec::parse(&spec_text, &args.spec_path)?;
+    }
     let dataset_err = |source| EnqueueError::Dataset {
         path: args.dataset.display().to_string(),
         source,
@@ -153,7 +178,7 @@ async fn enqueue_traced(
             .map(|(k, v)| (k.to_owned(), v))
             .collect(),
         partitions: spec.job.partitions,
-        sample: args.sample,
+        sample: args.sample.clone(),
     };
     let job_key = identity.job_key();
     let store = RedisStore::connect(&args.redis_url).await?;
@@ -166,7 +191,32 @@ async fn enqueue_traced(
     }
     let start = starting_point(&store, args, &identity, &job_key).await?;
     refuse_changed_spec(&store, &args.job, &spec).await?;
-    let sample_lines = match args.sample {
+    let (mut coverage, mut from_job) = (None, None);
+    let sample_lines = match &args.sample {
+        Some(
+            s @ Sample {
+                from_job: Some(from), ..
+            },
+        ) if from.set.is_some() => {
+            let (lines, found) = crate::select::lines_from_job(&store, from, s.seed, &identity.dataset.sha256).await?;
+            from_job = Some(found);
+            Some(lines)
+        }
+        Some(s) if s.stratify => {
+            let forced = match &s.from_job {
+                Some(from) => {
+                    let (lines, found) =
+                        crate::select::lines_from_job(&store, from, s.seed, &identity.dataset.sha256).await?;
+                    from_job = Some(found);
+                    lines
+                }
+                None => HashSet::new(),
+            };
+            let (lines, covered) =
+                crate::select::stratified(&args.dataset, &spec, s.size, s.seed, &forced).map_err(dataset_err)?;
+            coverage = Some(covered);
+            Some(lines)
+        }
         Some(s) => Some(sample_line_numbers(&args.dataset, s).map_err(dataset_err)?),
         None => None,
     };
@@ -228,7 +278,7 @@ async fn enqueue_traced(
     if !interrupted {
         pass.cursor.complete = true;
         store.save_cursor(&args.job, &pass.cursor).await?;
-        let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor, pass.origin_tag).await?;
+        let manifest = write_manifest(&store, &args.job, &spec, &pass.cursor, pass.origin_tag, args.dry_run).await?;
         job_records = Some(manifest.expected_records);
     }
     let dataset_changed = if interrupted {
@@ -258,6 +308,9 @@ async fn enqueue_traced(
         lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
         backlog_wait_secs: pass.waited.as_secs_f64(),
         dataset_changed,
+        coverage,
+        from_job,
+        dry_run: args.dry_run,
     })
 }
 
@@ -726,6 +779,7 @@ async fn write_manifest(
     spec: &JobSpec,
     cursor: &Cursor,
     tag: u64,
+    dry_run: bool,
 ) -> Result<Manifest, EnqueueError> {
     let previous = store.load_manifest(job).await?;
     let c = &cursor.counts;
@@ -750,12 +804,14 @@ async fn write_manifest(
         job: job.to_owned(),
         job_key: cursor.job_key.clone(),
         datasets,
-        sample: cursor.identity.sample,
+        sample: cursor.identity.sample.clone(),
         expected_records: store.count_records(job, spec.job.partitions).await?,
         dropped_lines: drops.len() as u64,
         dropped_by_reason,
         partitions: spec.job.partitions,
         versions: cursor.identity.versions.clone(),
+        note: spec.versions.note.clone(),
+        dry_run,
         spec_sha256: spec.fingerprint(),
         created_at: previous.map_or_else(|| now.clone(), |m| m.created_at),
         updated_at: now,
@@ -766,7 +822,7 @@ async fn write_manifest(
 
 /// The line numbers of a reproducible sample: the `size` non-blank lines with
 /// the smallest `sha256(seed, line)`. Independent of any RNG implementation.
-fn sample_line_numbers(path: &Path, sample: Sample) -> std::io::Result<HashSet<u64>> {
+fn sample_line_numbers(path: &Path, sample: &Sample) -> std::io::Result<HashSet<u64>> {
     let mut reader = LineReader::open(path, 0, 0, 64)?;
     let mut heap: BinaryHeap<([u8; 8], u64)> = BinaryHeap::new();
     let mut buf = Vec::new();

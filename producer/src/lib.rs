@@ -1,18 +1,23 @@
 //! The `producer` command: puts datasets into jobs and inspects them.
 //!
 //! - [`cli`]: the command line (one typed config per subcommand).
+//! - [`compare`]: two jobs side by side (failures, validity, cost, regressions).
 //! - [`out`]: standard output that survives a closed pipe.
 //! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
+//! - [`estimate`]: after a sample, the full dataset's cost and duration.
 //! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
 //! - [`progress`]: progress bar or periodic log lines.
 //! - [`status`]: where every record of a job is; results export.
 //! - [`reconcile`]: missing / duplicated / unknown records, from the data.
 //! - [`report`]: failure distribution, retries, attempts, tokens and cost.
 //! - [`retry`]: a new round from the review, rejected or missing records.
+//! - [`select`]: a stratified sample, another job's records (`--from-job`).
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 
 pub mod cli;
+pub mod compare;
 pub mod enqueue;
+pub mod estimate;
 pub mod out;
 pub mod progress;
 pub mod reader;
@@ -20,5 +25,6 @@ pub mod reconcile;
 pub mod report;
 pub mod retry;
 pub mod review;
+pub mod select;
 pub mod sink;
 pub mod status;

@@ -50,7 +50,7 @@ impl Usage {
             completion_tokens: s.completion_tokens,
             cost_usd: s.cost_usd,
             estimated_calls: s.estimated_calls,
-            estimated_tokens: 0,
+            estimated_tokens: s.estimated_tokens,
             estimated_cost_usd: s.estimated_cost_usd,
         }
     }
@@ -76,10 +76,65 @@ impl Usage {
     }
 }
 
+/// One job of a prompt's history: its versions and changelog note.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct VersionLink {
+    pub job: String,
+    pub versions: BTreeMap<String, String>,
+    pub note: Option<String>,
+}
+
+/// The job's chain of versions: the job, then the job it was enqueued from
+/// (`--from-job`), and so on back (at most 32).
+pub async fn version_chain(store: &RedisStore, job: &str) -> Result<Vec<VersionLink>, common::store::StoreError> {
+    let mut chain: Vec<VersionLink> = Vec::new();
+    let mut next = Some(job.to_owned());
+    while let Some(name) = next.take() {
+        if chain.len() >= 32 || chain.iter().any(|l| l.job == name) {
+            break;
+        }
+        let Some(m) = store.load_manifest(&name).await? else {
+            break;
+        };
+        next = m
+            .sample
+            .as_ref()
+            .and_then(|s| s.from_job.as_ref())
+            .map(|f| f.job.clone());
+        chain.push(VersionLink {
+            job: name,
+            versions: m.versions,
+            note: m.note,
+        });
+    }
+    Ok(chain)
+}
+
+/// A chain on one line: `job prompt=v2 (note) <- job prompt=v1`.
+pub fn chain_line(chain: &[VersionLink]) -> String {
+    chain
+        .iter()
+        .map(|l| {
+            let v = ["source", "prompt", "output"]
+                .iter()
+                .filter_map(|k| Some(format!("{k}={}", l.versions.get(*k)?)))
+                .collect::<Vec<_>>()
+                .join(" ");
+            match &l.note {
+                Some(n) => format!("{} {v} ({n})", l.job),
+                None => format!("{} {v}", l.job),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("  <-  ")
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     pub job: String,
     pub versions: BTreeMap<String, String>,
+    /// The job's prompt history: it, then the jobs it was enqueued from.
+    pub chain: Vec<VersionLink>,
     /// `E_CODE field` -> attempts that failed with it.
     pub validation_errors: BTreeMap<String, u64>,
     /// Why attempts were retried: outcome -> count.
@@ -125,6 +180,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
     let mut r = Report {
         job: job.to_owned(),
         versions: manifest.as_ref().map(|m| m.versions.clone()).unwrap_or_default(),
+        chain: version_chain(store, job).await?,
         ..Report::default()
     };
     r.paid_answers_lost = store.lost_answers(job).await?;
@@ -245,6 +301,9 @@ pub fn print(r: &Report) {
     crate::outln!("report of job {}", r.job);
     let versions: Vec<String> = r.versions.iter().map(|(k, v)| format!("{k}={v}")).collect();
     crate::outln!("  versions     {}", versions.join(" "));
+    if r.chain.len() > 1 || r.chain.first().is_some_and(|l| l.note.is_some()) {
+        crate::outln!("  history      {}", chain_line(&r.chain));
+    }
     crate::outln!("  done         {} ({} accepted by people)", r.done, r.human_accepted);
     if r.paid_answers_lost > 0 {
         crate::outln!(
@@ -256,7 +315,7 @@ pub fn print(r: &Report) {
         crate::outln!("  processing   {secs:.0}s ({rate:.1} records/s), first call to last outcome");
     }
     if let (Some(secs), Some(rate)) = (r.elapsed_secs, r.records_per_sec) {
-        crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s), enqueue to last commit");
+        crate::outln!("  elapsed      {secs:.0}s ({rate:.1} records/s), enqueue to the last outcome");
     }
     let hist: Vec<String> = r.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     crate::outln!("  attempts     {} (attempts:records)", hist.join(" "));
@@ -311,8 +370,9 @@ pub fn print(r: &Report) {
     );
     if t.estimated_calls > 0 {
         crate::outln!(
-            "    of which estimated: {} calls timed out or cut off at shutdown, {:.6} USD (the server may have billed them)",
+            "    of which estimated: {} calls timed out or cut off at shutdown, {} tokens, {:.6} USD (the server may have billed them)",
             t.estimated_calls,
+            t.estimated_tokens,
             t.estimated_cost_usd
         );
     }

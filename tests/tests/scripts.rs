@@ -680,6 +680,62 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
     assert_eq!(e.state_at_claim, Some(Some(RecordState::Queued)));
 }
 
+#[tokio::test]
+async fn a_paid_call_is_recorded_once_however_often_its_outcome_is_stored() {
+    use common::ledger::{Fate, PaidCall};
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let entries: Vec<TaskEntry> = ["a", "b"].iter().map(|r| entry(r, "{}")).collect();
+    store.enqueue(JOB, 60, &entries).await.unwrap();
+    let ds = claim(&store, "w1").await;
+    let (a, b) = (&ds[0], &ds[1]);
+    let usage = common::task::Usage {
+        prompt: 1000,
+        completion: 100,
+        total: 1100,
+        ..Default::default()
+    };
+    let paid = |d: &Delivery| PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage, &spec().prices, 0);
+    let (pa, pb) = (paid(a), paid(b));
+    let commit_a = Finishing::new(a, &Finish::Commit(result_for(a))).paid(Some(&pa));
+    // Stored, then stored again (a retry after a lost reply): the second
+    // is stale, and the call is not counted again.
+    let first = store.finish_many(JOB, std::slice::from_ref(&commit_a)).await;
+    let again = store.finish_many(JOB, std::slice::from_ref(&commit_a)).await;
+    assert_eq!(first[0].as_ref().unwrap(), &Finished::Moved);
+    assert_eq!(again[0].as_ref().unwrap(), &Finished::Stale);
+    // A stale delivery's call was still paid: recorded (once).
+    let stranger = Delivery {
+        consumer: "w9".into(),
+        ..b.clone()
+    };
+    let late = Finishing::new(&stranger, &Finish::Commit(result_for(&stranger))).paid(Some(&pb));
+    assert_eq!(
+        store.finish_many(JOB, &[late]).await[0].as_ref().unwrap(),
+        &Finished::Stale
+    );
+    // The same calls recorded again as lost (Redis came back): nothing new.
+    let lost = |mut c: PaidCall| {
+        c.fate = Fate::Lost;
+        c
+    };
+    let (la, lb) = (lost(pa.clone()), lost(pb.clone()));
+    let p_of = |d: &Delivery| d.partition;
+    store.record_paid(JOB, &[(p_of(a), la), (p_of(b), lb)]).await.unwrap();
+    let spend = store.spend(JOB, spec().job.partitions).await.unwrap();
+    assert_eq!(spend.calls, 2, "{spend:?}");
+    assert_eq!(spend.prompt_tokens, 2000);
+    assert_eq!(spend.by_bucket["first"].calls, 2);
+    let want = 2.0 * spec().prices.cost(1000, 0, 100);
+    assert!((spend.cost_usd - want).abs() < 1e-12, "{spend:?}");
+    let mut calls = Vec::new();
+    for p in 0..spec().job.partitions {
+        store.ledger_entries(JOB, p, |c| calls.push(c)).await.unwrap();
+    }
+    calls.sort_by(|x, y| x.rid.cmp(&y.rid));
+    assert_eq!(calls, vec![pa, pb], "the first record of each call stands");
+}
+
 /// The bucket hash of limiter `id` after settling `grants` of it, one call
 /// each or all in one call.
 async fn settled_buckets(

@@ -224,8 +224,11 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         .query("SELECT sum((a->'usage'->>'prompt_tokens')::bigint) FROM results, jsonb_array_elements(history) a WHERE job = 'sink'")
         .parse()
         .unwrap();
-    assert_eq!(
-        s["tokens"]["prompt"], prompt,
+    // Status counts every paid call (the cost ledger), what left Redis
+    // for the table included.
+    assert_eq!(s["tokens"]["prompt"], report["spend"]["prompt_tokens"], "{s}");
+    assert!(
+        s["tokens"]["prompt"].as_u64().unwrap() >= prompt,
         "status still counts what left Redis: {s}"
     );
 

@@ -45,7 +45,7 @@ fn ledger_len(redis: &RedisServer, job: &str) -> u64 {
     let mut c = redis.conn();
     (0..P)
         .map(|p| {
-            redis::cmd("XLEN")
+            redis::cmd("HLEN")
                 .arg(keys::ledger(job, p))
                 .query::<u64>(&mut c)
                 .unwrap()
@@ -243,8 +243,26 @@ fn a_record_whose_next_call_could_pass_its_cap_goes_to_review_as_budget() {
     let data = dir.join("d.jsonl");
     let records = 30;
     write_records(&data, 0, records);
-    // One call fits (about 490 tokens counted at its most), a second does not.
-    let cap = 700;
+    // The first call of each record, at its most (every byte a token and
+    // max_tokens), fits under the cap; a second one never does.
+    let example = common::spec::JobSpec::load(harness::example_spec().to_str().unwrap()).unwrap();
+    let system = common::template::system_prompt(&example);
+    let user = common::template::Template::parse(&example.prompt.user).unwrap();
+    let forms = worker::form::Forms::new(&example, "http://sim/v1", None);
+    let first_call_at_most = (0..records)
+        .map(|i| {
+            let line: Value = serde_json::from_str(&harness::record_line(
+                &format!("msg-{i}"),
+                &format!("message number {i}"),
+            ))
+            .unwrap();
+            let rendered = user.render(line.as_object().unwrap()).unwrap();
+            let most = worker::budget::at_most(&example, &[&system, &rendered, ""], forms.current().1);
+            most.prompt + most.completion
+        })
+        .max()
+        .unwrap();
+    let cap = first_call_at_most + 100;
     let spec = spec_with(
         &dir,
         &[(

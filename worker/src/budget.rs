@@ -3,15 +3,17 @@
 //! The job's cap is shared in Redis (see `budget.lua`): before a call is
 //! sent it is reserved at its most — every prompt byte a token (a token is
 //! never shorter than a byte) plus a message's overhead, and `max_tokens`
-//! of completion, at the spec's prices — so what the fleet spends can never
-//! pass the cap; after the call the reservation becomes its actual cost.
-//! Reservations and settlements are batched (group commit). A refused
-//! reservation halts the job with reason `budget`.
+//! of completion, at the spec's prices — so what the fleet spends stays
+//! within the cap unless a call costs more than that (a provider billing
+//! past `max_tokens`); after the call the reservation becomes its actual
+//! cost. Reservations and settlements are batched (group commit). A call
+//! that does not fit waits while the calls in flight may still leave room,
+//! and halts the job with reason `budget` when they cannot.
 //!
 //! A record's own caps are checked before each call against what its
-//! history already used plus the next call (estimated from its length, as
-//! the limiter does, with `max_tokens` of completion): a record that could
-//! pass one goes to review as `budget` instead of another paid call.
+//! history already used plus the next call at its most (the same bound): a
+//! record that could pass one goes to review as `budget` instead of another
+//! paid call.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -19,10 +21,8 @@ use std::time::Duration;
 use common::batch::GroupCommit;
 use common::ledger::nano_usd;
 use common::spec::JobSpec;
-use common::store::{RedisStore, StoreError};
+use common::store::{RedisStore, Reserved, StoreError};
 use common::task::{HistoryItem, Task, Usage};
-
-use crate::process::now_ms;
 
 /// Reservations or settlements per script call.
 const BATCH: usize = 128;
@@ -34,9 +34,18 @@ type Settle = (String, u64, u64);
 
 /// The job's share of its spend cap (only for a job with `max_cost_usd`).
 pub struct JobBudget {
-    reserver: GroupCommit<Reserve, Result<bool, StoreError>>,
+    reserver: GroupCommit<Reserve, Result<Reserved, StoreError>>,
     settler: GroupCommit<Settle, Result<(), StoreError>>,
     lease_ms: std::sync::Arc<AtomicU64>,
+}
+
+/// Why a call was not reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// It could pass the cap whatever the calls in flight cost: the job is halted.
+    Halted,
+    /// The calls in flight still hold the room it needs (waited long enough).
+    Busy,
 }
 
 /// A call reserved against the cap, at its most.
@@ -53,7 +62,7 @@ impl JobBudget {
         let reserver = GroupCommit::new(BATCH, move |calls: Vec<Reserve>| {
             let (store, job, lease) = (rs.clone(), rj.clone(), rl.load(Ordering::Relaxed));
             async move {
-                match store.budget_reserve(&job, now_ms(), lease, &calls).await {
+                match store.budget_reserve(&job, lease, &calls).await {
                     Ok(granted) => granted.into_iter().map(Ok).collect(),
                     Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
                 }
@@ -63,7 +72,7 @@ impl JobBudget {
         let settler = GroupCommit::new(BATCH, move |calls: Vec<Settle>| {
             let (store, job) = (ss.clone(), sj.clone());
             async move {
-                match store.budget_settle(&job, now_ms(), &calls).await {
+                match store.budget_settle(&job, &calls).await {
                     Ok(()) => calls.iter().map(|_| Ok(())).collect(),
                     Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
                 }
@@ -82,15 +91,32 @@ impl JobBudget {
         self.lease_ms.store(lease.as_millis() as u64, Ordering::Relaxed);
     }
 
-    /// Reserves a call of at most `amount_nusd`. None: refused, the job is
-    /// halted on its budget.
-    pub async fn reserve(&self, amount_nusd: u64) -> Result<Option<Reservation>, StoreError> {
-        let id = format!("{:016x}", rand::random::<u64>());
-        match self.reserver.call((id.clone(), amount_nusd)).await {
-            Some(Ok(true)) => Ok(Some(Reservation { id, amount_nusd })),
-            Some(Ok(false)) => Ok(None),
-            Some(Err(e)) => Err(e),
-            None => Err(StoreError::ShuttingDown),
+    /// Reserves a call of at most `amount_nusd`, waiting up to `patience`
+    /// while calls in flight may leave room.
+    pub async fn reserve(
+        &self,
+        amount_nusd: u64,
+        patience: Duration,
+    ) -> Result<Result<Reservation, Refused>, StoreError> {
+        let started = std::time::Instant::now();
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let id = format!("{:016x}", rand::random::<u64>());
+            match self.reserver.call((id.clone(), amount_nusd)).await {
+                Some(Ok(Reserved::Granted)) => return Ok(Ok(Reservation { id, amount_nusd })),
+                Some(Ok(Reserved::Halted)) => return Ok(Err(Refused::Halted)),
+                Some(Ok(Reserved::Wait)) if started.elapsed() + pause < patience => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Some(Ok(Reserved::Wait)) => return Ok(Err(Refused::Busy)),
+                Some(Err(e)) => {
+                    // It may have been reserved before the reply was lost: release it.
+                    let _ = self.settler.call((id, amount_nusd, 0)).await;
+                    return Err(e);
+                }
+                None => return Err(StoreError::ShuttingDown),
+            }
         }
     }
 
@@ -103,14 +129,28 @@ impl JobBudget {
     }
 }
 
-/// The most a call with these messages can cost (nano-USD): every byte a
-/// token, `max_tokens` of completion, nothing cached.
-pub fn at_most_nusd(spec: &JobSpec, messages: &[&str]) -> u64 {
-    let prompt: u64 = messages.iter().map(|m| m.len() as u64 + MESSAGE_OVERHEAD).sum();
-    nano_usd(spec.prices.cost(prompt, 0, u64::from(spec.provider.max_tokens)))
+/// The most a call with these messages (and this `response_format`, which
+/// providers count as input) can use: every byte a token, `max_tokens` of
+/// completion, nothing cached.
+pub fn at_most(spec: &JobSpec, messages: &[&str], response_format: Option<&serde_json::Value>) -> Usage {
+    let format_bytes = response_format.map_or(0, |f| f.to_string().len() as u64);
+    let prompt: u64 = messages.iter().map(|m| m.len() as u64 + MESSAGE_OVERHEAD).sum::<u64>() + format_bytes;
+    let completion = u64::from(spec.provider.max_tokens);
+    Usage {
+        prompt,
+        completion,
+        total: prompt + completion,
+        ..Usage::default()
+    }
 }
 
-/// Why the record's next call could pass one of its own caps (None: it cannot).
+/// [`at_most`] in nano-USD at the spec's prices.
+pub fn at_most_nusd(spec: &JobSpec, most: &Usage) -> u64 {
+    nano_usd(spec.prices.cost(most.prompt, 0, most.completion))
+}
+
+/// Why the record's next call, at its most (`next`), could pass one of its
+/// own caps (None: it cannot).
 pub fn over_record_cap(spec: &JobSpec, task: &Task, next: &Usage) -> Option<String> {
     let b = &spec.budget;
     let used: Vec<Usage> = task
@@ -187,8 +227,14 @@ mod tests {
     #[test]
     fn a_call_is_reserved_at_its_most() {
         let s = spec("max_cost_usd = 1.0");
-        // 100 bytes + 16 of overhead in, max_tokens (200) out.
-        let want = nano_usd(s.prices.cost(116, 0, 200));
-        assert_eq!(at_most_nusd(&s, &["x".repeat(100).as_str()]), want);
+        // 100 bytes and 16 of overhead, and the response format's bytes, in;
+        // max_tokens (200) out: 0.15 and 0.60 USD per million tokens.
+        let format = serde_json::json!({"type": "json_object"});
+        let most = at_most(&s, &["x".repeat(100).as_str()], Some(&format));
+        assert_eq!((most.prompt, most.completion), (116 + 22, 200));
+        assert_eq!(at_most_nusd(&s, &most), (138 * 150 + 200 * 600) as u64);
+        // Never below what a real tokenizer could count: at least a byte a token.
+        let text = "Lieferung verspätet — bitte prüfen 🙂";
+        assert!(at_most(&s, &[text], None).prompt >= text.len() as u64);
     }
 }

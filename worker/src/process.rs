@@ -69,7 +69,7 @@ impl JobCtx {
     /// Stores a task's outcome (with its ack), batched with the job's other
     /// outcomes of the moment.
     pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
-        self.finish_paid(d, how, None, false).await
+        self.finish_paid(d, how, None).await
     }
 
     /// [`JobCtx::finish`] with the paid call the delivery made, recorded in
@@ -79,10 +79,9 @@ impl JobCtx {
         d: &Delivery,
         how: &Finish,
         paid: Option<&PaidCall>,
-        retried: bool,
     ) -> Result<Finished, StoreError> {
         self.finisher
-            .call(Finishing::new(d, how).paid(paid, retried))
+            .call(Finishing::new(d, how).paid(paid))
             .await
             .unwrap_or(Err(StoreError::ShuttingDown))
     }
@@ -112,6 +111,8 @@ pub enum Settled {
     AnswerLost,
     /// The job was cancelled before the task ran: kept for resume.
     Cancelled,
+    /// Not called: its job's budget is held by the calls in flight; handed back.
+    Deferred,
     /// Fleet-level fault: left pending, the job halted.
     Halted(String),
 }
@@ -127,6 +128,7 @@ impl Settled {
             Settled::Stale => "stale",
             Settled::AnswerLost => "answer_lost",
             Settled::Cancelled => "cancelled",
+            Settled::Deferred => "deferred",
             Settled::Halted(_) => "halt",
         }
     }
@@ -403,8 +405,11 @@ async fn run_attempt(
         estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens),
         u64::from(job.spec.provider.max_tokens),
     );
-    // The record's own caps, then the job's.
-    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &estimate) {
+    // The record's own caps, then the job's, against the call at its most.
+    let previous = request.previous.unwrap_or("");
+    let messages = [job.system.as_str(), user.as_str(), previous];
+    let at_most = crate::budget::at_most(&job.spec, &messages, request.response_format);
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most) {
         tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
         let facts = Facts {
             prompt: &user,
@@ -426,23 +431,20 @@ async fn run_attempt(
     }
     let reservation = match &job.budget {
         Some(budget) => {
-            let messages = [
-                job.system.as_str(),
-                user.as_str(),
-                sent_feedback.as_deref().unwrap_or(""),
-            ];
-            let at_most = crate::budget::at_most_nusd(&job.spec, &messages)
-                + request
-                    .previous
-                    .map_or(0, |p| crate::budget::at_most_nusd(&job.spec, &[p]));
-            match budget.reserve(at_most).await? {
-                Some(r) => Some(r),
-                None => {
-                    // The job's cap would pass: halted (by the script), the task handed back.
+            let amount = crate::budget::at_most_nusd(&job.spec, &at_most);
+            match budget.reserve(amount, limits.visibility / 4).await? {
+                Ok(r) => Some(r),
+                Err(crate::budget::Refused::Halted) => {
+                    // The job's cap could pass: halted (by the script), the task handed back.
                     let reason = store.halted(&job.name).await?.unwrap_or_else(|| "budget".into());
                     tracing::error!(job = %job.name, reason = %reason, "job halted on its budget: tasks stay queued");
                     let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
                     return Ok(Settled::Halted(reason));
+                }
+                Err(crate::budget::Refused::Busy) => {
+                    // The calls in flight still hold the room: back to the stream, not an attempt.
+                    let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
+                    return Ok(Settled::Deferred);
                 }
             }
         }
@@ -476,8 +478,9 @@ async fn run_attempt(
     *report = Some(CallReport { used, headers });
     let mut reply = result.into_reply(&job.spec, &before.input, span);
     judge_errors(store, job, &mut reply, form).await;
-    if timed_out && reply.usage.is_none() {
-        // The server may have generated (and billed) it after we gave up.
+    if reply.usage.is_none() && (timed_out || answered) {
+        // The server may have generated (and billed) it after we gave up,
+        // or answered without saying what it used.
         reply.usage = Some(estimate);
     }
     if let (Some(budget), Some(r)) = (&job.budget, reservation) {
@@ -878,12 +881,10 @@ async fn settle(
     commit.set("batchfleet.finish", then.label());
     let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
     let mut pause = std::time::Duration::from_millis(50);
-    let mut retried = false;
     let finished = loop {
-        match job.finish_paid(d, &how, paid, retried).await {
+        match job.finish_paid(d, &how, paid).await {
             Ok(f) => break f,
             Err(e) if called && d.claimed_at.elapsed() + pause < deadline => {
-                retried = true;
                 limits.metrics.store_errors.inc();
                 tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "cannot store a paid answer yet; retrying");
                 tokio::time::sleep(pause).await;
@@ -1041,6 +1042,7 @@ fn log_event(
     elapsed_ms: u64,
     errors: &[String],
 ) {
+    let v = &job.spec.versions;
     tracing::info!(
         job = %job.name,
         record_id = %d.task.rid,
@@ -1049,6 +1051,7 @@ fn log_event(
         decision,
         elapsed_ms,
         errors = ?errors,
+        versions = %format_args!("source={} prompt={} output={}", v.source, v.prompt, v.output),
         "attempt"
     );
 }

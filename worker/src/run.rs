@@ -465,6 +465,10 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     if let Some(learned) = store.accepted_form(&forms.endpoint).await? {
         forms.learned(&learned);
     }
+    if let Some(cap) = spec.budget.max_cost_usd {
+        // The cap the workers reserve against exists (a spec updated to have one, or a lost key).
+        store.set_budget_cap(name, cap, true).await?;
+    }
     let breaker = crate::breaker::Breaker::new(breaker_errors);
     if store.proven(name).await? {
         breaker.set_proven();

@@ -18,22 +18,30 @@ pub struct BudgetState {
     pub reserved_usd: f64,
 }
 
+/// What a reservation against the job's cap came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reserved {
+    Granted,
+    /// Not now: the calls in flight may leave room when they settle.
+    Wait,
+    /// The call could pass the cap whatever the calls in flight cost: the
+    /// job is halted with reason `budget`.
+    Halted,
+}
+
 impl RedisStore {
     /// Reserves `calls` (`(id, nano-USD at most)`) against the job's cap,
-    /// each for `lease_ms`: true for each reserved; the first refused halts
-    /// the job with reason `budget` (and wakes the fleet).
+    /// each for `lease_ms` (see `budget.lua`); a halt wakes the fleet.
     pub async fn budget_reserve(
         &self,
         job: &str,
-        now_ms: u64,
         lease_ms: u64,
         calls: &[(String, u64)],
-    ) -> Result<Vec<bool>, StoreError> {
+    ) -> Result<Vec<Reserved>, StoreError> {
         let mut inv = self.scripts.budget.prepare_invoke();
         inv.key(keys::budget(job))
             .key(keys::budget_held(job))
             .key(keys::halt(job))
-            .arg(now_ms)
             .arg("reserve")
             .arg(lease_ms);
         for (id, amount) in calls {
@@ -43,16 +51,23 @@ impl RedisStore {
         if granted.contains(&0) {
             self.wake(job, super::Wake::Flags).await;
         }
-        Ok(granted.into_iter().map(|g| g == 1).collect())
+        Ok(granted
+            .into_iter()
+            .map(|g| match g {
+                1 => Reserved::Granted,
+                2 => Reserved::Wait,
+                _ => Reserved::Halted,
+            })
+            .collect())
     }
 
-    /// Settles reservations (`(id, reserved, actual)`, nano-USD).
-    pub async fn budget_settle(&self, job: &str, now_ms: u64, calls: &[(String, u64, u64)]) -> Result<(), StoreError> {
+    /// Settles reservations (`(id, reserved, actual)`, nano-USD); one never
+    /// made is ignored (settling with 0 releases a reservation whose reply was lost).
+    pub async fn budget_settle(&self, job: &str, calls: &[(String, u64, u64)]) -> Result<(), StoreError> {
         let mut inv = self.scripts.budget.prepare_invoke();
         inv.key(keys::budget(job))
             .key(keys::budget_held(job))
             .key(keys::halt(job))
-            .arg(now_ms)
             .arg("settle");
         for (id, reserved, actual) in calls {
             inv.arg(format!("{id}:{reserved}")).arg(actual);

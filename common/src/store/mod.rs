@@ -14,7 +14,7 @@ mod sink_ops;
 mod wake_ops;
 mod worker_ops;
 
-pub use budget_ops::BudgetState;
+pub use budget_ops::{BudgetState, Reserved};
 pub use limit_ops::{CallKind, LimitParams, Settlement};
 pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};

@@ -50,20 +50,20 @@ pub struct Finishing {
     mode: &'static str,
     value: String,
     due_ms: u64,
-    /// The paid call the delivery made, encoded, and its spend (see finish.lua).
+    /// The paid call the delivery made: its ledger key, encoding and spend (see finish.lua).
+    paid_key: String,
     paid: String,
     spend: String,
 }
 
 impl Finishing {
     /// With the paid call the delivery made, recorded in the ledger with the
-    /// outcome. `retried`: an earlier store call for this outcome failed (its
-    /// reply may have been lost after it ran: the call is then not recorded
-    /// a second time).
-    pub fn paid(mut self, call: Option<&crate::ledger::PaidCall>, retried: bool) -> Finishing {
+    /// outcome (once, under its key, however often this is stored).
+    pub fn paid(mut self, call: Option<&crate::ledger::PaidCall>) -> Finishing {
         if let Some(call) = call {
+            self.paid_key = call.key();
             self.paid = call.encode();
-            self.spend = format!("{} {}", call.spend_args(), u8::from(retried));
+            self.spend = call.spend_args();
         }
         self
     }
@@ -86,6 +86,7 @@ impl Finishing {
             mode,
             value,
             due_ms,
+            paid_key: String::new(),
             paid: String::new(),
             spend: String::new(),
         }
@@ -406,6 +407,7 @@ impl RedisStore {
                     .arg(f.due_ms)
                     .arg(&f.consumer)
                     .arg(f.deliveries)
+                    .arg(&f.paid_key)
                     .arg(&f.paid)
                     .arg(&f.spend);
             }
@@ -450,7 +452,7 @@ impl RedisStore {
             let mut inv = self.scripts.ledger.prepare_invoke();
             inv.key(keys::ledger(job, p)).key(keys::spend(job, p));
             for c in calls {
-                inv.arg(c.encode()).arg(c.spend_args());
+                inv.arg(c.key()).arg(c.encode()).arg(c.spend_args());
             }
             let _: u64 = inv.invoke_async(&mut self.conn.clone()).await?;
         }
@@ -459,51 +461,34 @@ impl RedisStore {
 
     /// The job's spend from its counters, summed over its partitions.
     pub async fn spend(&self, job: &str, partitions: u32) -> Result<crate::ledger::Spend, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.hgetall(keys::spend(job, p));
-        }
-        let parts: Vec<std::collections::BTreeMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        // One call per partition: each is its own Cluster slot.
         let mut s = crate::ledger::Spend::default();
-        parts.iter().for_each(|f| s.add_counters(f));
+        for p in 0..partitions {
+            let fields: std::collections::BTreeMap<String, u64> =
+                self.conn.clone().hgetall(keys::spend(job, p)).await?;
+            s.add_counters(&fields);
+        }
         Ok(s)
     }
 
-    /// A partition's ledger, oldest call first (`producer ledger`, tests).
-    pub async fn ledger_page(
+    /// Every paid call of a partition's ledger (in no order).
+    pub async fn ledger_entries(
         &self,
         job: &str,
         partition: u32,
-        after: &str,
-        count: usize,
-    ) -> Result<Vec<(String, crate::ledger::PaidCall)>, StoreError> {
-        let start = if after.is_empty() {
-            "-".to_owned()
-        } else {
-            format!("({after}")
-        };
-        let reply: Value = redis::cmd("XRANGE")
-            .arg(keys::ledger(job, partition))
-            .arg(start)
-            .arg("+")
-            .arg("COUNT")
-            .arg(count)
-            .query_async(&mut self.conn.clone())
-            .await?;
-        let mut out = Vec::new();
-        for entry in as_array(&reply) {
-            let e = as_array(entry);
-            let (Some(id), Some(fields)) = (e.first().and_then(as_string), e.get(1)) else {
-                continue;
-            };
-            let text = as_array(fields).get(1).and_then(as_string).unwrap_or_default();
-            let call = crate::ledger::PaidCall::decode(&text).map_err(|err| StoreError::Corrupt {
-                key: keys::ledger(job, partition),
-                reason: format!("entry {id}: {err}"),
-            })?;
-            out.push((id, call));
+        mut f: impl FnMut(crate::ledger::PaidCall),
+    ) -> Result<(), StoreError> {
+        let key = keys::ledger(job, partition);
+        let mut bad = None;
+        self.scan_hash(&key, |k, v| match crate::ledger::PaidCall::decode(&k, &v) {
+            Ok(call) => f(call),
+            Err(reason) => bad = Some(reason),
+        })
+        .await?;
+        match bad {
+            Some(reason) => Err(StoreError::Corrupt { key, reason }),
+            None => Ok(()),
         }
-        Ok(out)
     }
 
     /// Acknowledges and deletes an entry whose record is already settled.

@@ -22,10 +22,10 @@
 -- KEYS[7]  partition sink stream   bf:{job:pN}:sink: when it exists (the job
 --          has a sink), a record that became done (`k` r) or went to review,
 --          was dropped or cancelled (`k` f) is handed to the sink through it
--- KEYS[8]  partition ledger stream  bf:{job:pN}:ledger: the paid calls
+-- KEYS[8]  partition ledger hash    bf:{job:pN}:ledger: call key -> the paid call
 -- KEYS[9]  partition spend hash     bf:{job:pN}:spend: counters that only grow
 -- ARGV[1]  consumer group
--- then 9 per task:
+-- then 10 per task:
 --   stream entry id, record_id,
 --   mode: commit | retry | review | drop | cancel | release (back to the
 --         stream as a new entry, not called: a halted worker hands its tasks back),
@@ -33,12 +33,11 @@
 --          task; review: the encoded entry; drop: the reason (passed through unread),
 --   retry: due time, Unix ms (unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
---   the paid call it made, encoded ('' when none), and what it adds to the
---   spend: `bucket prompt cached completion nano-USD estimated retried`.
--- A paid call is recorded once, whatever happens to the outcome: for the live
--- delivery; for one taken over by another worker (the call was still paid);
--- but not when the delivery's entry is gone and this is a retry of a call
--- whose reply was lost (its first run may have recorded it: never twice).
+--   the paid call it made: its key ('' when none), its encoding, and what it
+--   adds to the spend (`bucket prompt cached completion nano-USD estimated`).
+-- A paid call is recorded whatever happens to the outcome (stale, repeated,
+-- already settled: it was paid), and once: only a key new to the ledger
+-- counts (a retried store call, or the same call recorded as lost, does not).
 -- Returns, per task: 1 when it moved the record, 0 when the record was
 -- already settled (acknowledged only), -1 when the delivery is stale (an
 -- entry given twice counts as acknowledged by its first: -1 the second time).
@@ -51,11 +50,10 @@ local function add(field, n)
   spend[field] = (spend[field] or 0) + n
 end
 local function paid(i)
-  if ARGV[i + 7] == '' then
+  if ARGV[i + 7] == '' or redis.call('HSETNX', KEYS[8], ARGV[i + 7], ARGV[i + 8]) == 0 then
     return
   end
-  redis.call('XADD', KEYS[8], '*', 'c', ARGV[i + 7])
-  local bucket, p, k, c, n, e = string.match(ARGV[i + 8], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)')
+  local bucket, p, k, c, n, e = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
   add('calls', 1)
   add('prompt', tonumber(p))
   add('cached', tonumber(k))
@@ -66,17 +64,16 @@ local function paid(i)
   if e == '1' then
     add('est_calls', 1)
     add('est_nusd', tonumber(n))
+    add('est_tokens', tonumber(p) + tonumber(c))
   end
 end
-for i = 2, #ARGV, 9 do
+for i = 2, #ARGV, 10 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local repeated = acked[entry]
   local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
   local moved = -1
   local live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
-  if not repeated and (owner or string.sub(ARGV[i + 8], -1) == '0') then
-    paid(i)
-  end
+  paid(i)
   if live then
     local state = redis.call('HGET', states, rid)
     moved = 0

@@ -2,31 +2,34 @@
 -- drain timeout; answered, but the outcome could not be stored in time) in
 -- one partition's ledger, with the spend counters, atomically.
 --
--- KEYS[1]  partition ledger stream  bf:{job:pN}:ledger
+-- KEYS[1]  partition ledger hash    bf:{job:pN}:ledger
 -- KEYS[2]  partition spend hash     bf:{job:pN}:spend
--- then 2 per call: the encoded call, and what it adds to the spend
+-- then 3 per call: its key, its encoding, and what it adds to the spend
 -- (`bucket prompt cached completion nano-USD estimated`, as in finish.lua).
+-- A key already in the ledger is not counted again.
 -- Returns the number of calls recorded.
 local spend = {}
 local function add(field, n)
   spend[field] = (spend[field] or 0) + n
 end
 local n = 0
-for i = 1, #ARGV, 2 do
-  redis.call('XADD', KEYS[1], '*', 'c', ARGV[i])
-  local bucket, p, k, c, usd, e = string.match(ARGV[i + 1], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)')
-  add('calls', 1)
-  add('prompt', tonumber(p))
-  add('cached', tonumber(k))
-  add('completion', tonumber(c))
-  add('nusd', tonumber(usd))
-  add('calls:' .. bucket, 1)
-  add('nusd:' .. bucket, tonumber(usd))
-  if e == '1' then
-    add('est_calls', 1)
-    add('est_nusd', tonumber(usd))
+for i = 1, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    local bucket, p, k, c, usd, e = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
+    add('calls', 1)
+    add('prompt', tonumber(p))
+    add('cached', tonumber(k))
+    add('completion', tonumber(c))
+    add('nusd', tonumber(usd))
+    add('calls:' .. bucket, 1)
+    add('nusd:' .. bucket, tonumber(usd))
+    if e == '1' then
+      add('est_calls', 1)
+      add('est_nusd', tonumber(usd))
+      add('est_tokens', tonumber(p) + tonumber(c))
+    end
+    n = n + 1
   end
-  n = n + 1
 end
 for field, v in pairs(spend) do
   redis.call('HINCRBY', KEYS[2], field, v)

@@ -1,0 +1,254 @@
+//! `producer estimate --job NAME`: after a sample run, what the full dataset
+//! will cost and how long it will take, from the sample's measured calls,
+//! tokens, cost and latency per record and the spec's limits, with a range
+//! (the 95% interval of the sample's mean per record).
+
+use common::spec::JobSpec;
+use common::store::RedisStore;
+use common::task::HistoryItem;
+use serde::Serialize;
+
+/// A measured figure per record over the sample: mean, 10th and 90th percentile.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct PerRecord {
+    pub mean: f64,
+    pub p10: f64,
+    pub p90: f64,
+    /// Half-width of the 95% interval of the mean.
+    pub margin: f64,
+}
+
+impl PerRecord {
+    fn of(mut xs: Vec<f64>) -> PerRecord {
+        if xs.is_empty() {
+            return PerRecord::default();
+        }
+        xs.sort_by(f64::total_cmp);
+        let n = xs.len() as f64;
+        let mean = xs.iter().sum::<f64>() / n;
+        let var = if xs.len() > 1 {
+            xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+        } else {
+            0.0
+        };
+        let at = |q: f64| xs[((n - 1.0) * q).round() as usize];
+        PerRecord {
+            mean,
+            p10: at(0.1),
+            p90: at(0.9),
+            margin: 1.96 * (var / n).sqrt(),
+        }
+    }
+
+    fn range(&self, records: f64) -> (f64, f64, f64) {
+        (
+            records * (self.mean - self.margin).max(0.0),
+            records * self.mean,
+            records * (self.mean + self.margin),
+        )
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Estimate {
+    pub job: String,
+    /// Records of the sample with an outcome (done or in review).
+    pub sample_records: u64,
+    /// Records of the full dataset (the non-blank lines of the file the
+    /// sample was taken from, or `--records`).
+    pub records: u64,
+    pub calls: PerRecord,
+    pub prompt_tokens: PerRecord,
+    pub completion_tokens: PerRecord,
+    pub cost_usd: PerRecord,
+    /// Seconds per call.
+    pub latency_secs: PerRecord,
+    /// Projected cost of the full dataset: low, expected, high.
+    pub total_cost_usd: (f64, f64, f64),
+    /// Projected duration in seconds (low, expected, high) and the limit that binds it.
+    pub duration_secs: (f64, f64, f64),
+    pub bound_by: String,
+}
+
+/// Calls a minute the spec's limits allow for calls of this shape.
+fn calls_per_minute(spec: &JobSpec, prompt: f64, completion: f64, latency_secs: f64) -> (f64, String) {
+    let l = &spec.limits;
+    let max_tokens = f64::from(spec.provider.max_tokens);
+    let mut best = (f64::INFINITY, "no limit".to_owned());
+    let mut bound = |rate: f64, what: &str| {
+        if rate.is_finite() && rate < best.0 {
+            best = (rate, what.to_owned());
+        }
+    };
+    if let Some(r) = l.requests_per_minute {
+        bound(r as f64, "limits.requests_per_minute");
+    }
+    // Tokens are reserved as the prompt plus max_tokens, as the limiter does.
+    if let Some(t) = l.tokens_per_minute {
+        bound(t as f64 / (prompt + max_tokens).max(1.0), "limits.tokens_per_minute");
+    }
+    if let Some(t) = l.input_tokens_per_minute {
+        bound(t as f64 / prompt.max(1.0), "limits.input_tokens_per_minute");
+    }
+    if let Some(t) = l.output_tokens_per_minute {
+        bound(
+            t as f64 / completion.max(max_tokens).max(1.0),
+            "limits.output_tokens_per_minute",
+        );
+    }
+    if let Some(c) = l.max_concurrent {
+        bound(
+            c as f64 * 60.0 / latency_secs.max(0.001),
+            "limits.max_concurrent and the measured latency",
+        );
+    }
+    best
+}
+
+/// The non-blank lines of the dataset the sample was taken from (the file
+/// must still be the one the manifest recorded).
+fn dataset_records(m: &common::manifest::Manifest) -> anyhow::Result<u64> {
+    let d = m
+        .datasets
+        .last()
+        .ok_or_else(|| anyhow::anyhow!("the job's manifest lists no dataset: give --records N"))?;
+    let path = std::path::Path::new(&d.dataset.path);
+    match crate::reader::file_sha256(path) {
+        Ok((sha, _)) if sha == d.dataset.sha256 => {}
+        _ => anyhow::bail!(
+            "{} is gone or changed since the sample was taken from it: give the full dataset's size with --records N",
+            d.dataset.path
+        ),
+    }
+    let mut reader = crate::reader::LineReader::open(path, 0, 0, 64)?;
+    let (mut buf, mut n) = (Vec::new(), 0u64);
+    while let Some(pos) = reader.next_line(&mut buf)? {
+        if pos.oversize.is_some() || !buf.iter().all(u8::is_ascii_whitespace) {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Option<u64>) -> anyhow::Result<Estimate> {
+    let manifest = store
+        .load_manifest(job)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("job {job} has no manifest: enqueue (a sample of) the dataset first"))?;
+    let (mut calls, mut prompt, mut completion, mut cost, mut latency) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let prices = &spec.prices;
+    let mut see = |history: &[HistoryItem]| {
+        let attempts: Vec<_> = history.iter().filter_map(HistoryItem::as_attempt).collect();
+        if attempts.is_empty() {
+            return;
+        }
+        calls.push(attempts.len() as f64);
+        let usage: Vec<_> = attempts.iter().filter_map(|a| a.usage).collect();
+        prompt.push(usage.iter().map(|u| u.prompt as f64).sum());
+        completion.push(usage.iter().map(|u| u.completion as f64).sum());
+        cost.push(usage.iter().map(|u| u.cost(prices)).sum());
+        latency.extend(attempts.iter().map(|a| a.elapsed_ms as f64 / 1000.0));
+    };
+    crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |r| see(&r.history)).await?;
+    for p in 0..spec.job.partitions {
+        store.review_entries(job, p, |e| see(&e.history)).await?;
+    }
+    let sample_records = calls.len() as u64;
+    if sample_records == 0 {
+        anyhow::bail!("job {job} has no record with an outcome yet: run the sample first");
+    }
+    let full = match records {
+        Some(n) => n,
+        None => dataset_records(&manifest)?,
+    };
+    let (calls, prompt, completion, cost, latency) = (
+        PerRecord::of(calls),
+        PerRecord::of(prompt),
+        PerRecord::of(completion),
+        PerRecord::of(cost),
+        PerRecord::of(latency),
+    );
+    let per_call = |x: &PerRecord| x.mean / calls.mean.max(1e-9);
+    let (rate, bound_by) = calls_per_minute(spec, per_call(&prompt), per_call(&completion), latency.mean);
+    let n = full as f64;
+    let duration = if rate.is_finite() {
+        let (lo, mid, hi) = calls.range(n);
+        (lo / rate * 60.0, mid / rate * 60.0, hi / rate * 60.0)
+    } else {
+        (0.0, 0.0, 0.0)
+    };
+    Ok(Estimate {
+        job: job.to_owned(),
+        sample_records,
+        records: full,
+        total_cost_usd: cost.range(n),
+        calls,
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cost_usd: cost,
+        latency_secs: latency,
+        duration_secs: duration,
+        bound_by,
+    })
+}
+
+fn hms(secs: f64) -> String {
+    let s = secs.round() as u64;
+    format!("{}h{:02}m{:02}s", s / 3600, s / 60 % 60, s % 60)
+}
+
+pub fn print(e: &Estimate) {
+    crate::outln!(
+        "estimate for job {}: {} records, from {} sampled",
+        e.job,
+        e.records,
+        e.sample_records
+    );
+    crate::outln!("  per record (mean, p10-p90):");
+    for (name, x, digits) in [
+        ("calls", &e.calls, 2),
+        ("prompt tokens", &e.prompt_tokens, 0),
+        ("completion tokens", &e.completion_tokens, 0),
+        ("cost (USD)", &e.cost_usd, 8),
+    ] {
+        crate::outln!(
+            "    {name:<18} {:.digits$} ({:.digits$}-{:.digits$})",
+            x.mean,
+            x.p10,
+            x.p90
+        );
+    }
+    crate::outln!("    {:<18} {:.2} s a call", "latency", e.latency_secs.mean);
+    let (lo, mid, hi) = e.total_cost_usd;
+    crate::outln!("  cost         {mid:.4} USD (95%: {lo:.4}-{hi:.4})");
+    let (lo, mid, hi) = e.duration_secs;
+    if mid > 0.0 {
+        crate::outln!(
+            "  duration     {} ({}-{}), bound by {}",
+            hms(mid),
+            hms(lo),
+            hms(hi),
+            e.bound_by
+        );
+    } else {
+        crate::outln!("  duration     unbounded by the spec's limits (set [limits] to estimate it)");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_record_figures_have_a_mean_percentiles_and_an_interval() {
+        let p = PerRecord::of((1..=10).map(f64::from).collect());
+        assert!((p.mean - 5.5).abs() < 1e-12);
+        assert_eq!((p.p10, p.p90), (2.0, 9.0));
+        // sd of 1..=10 is 3.02765; 1.96 * sd / sqrt(10) = 1.8766
+        assert!((p.margin - 1.8766).abs() < 1e-3, "{}", p.margin);
+        let (lo, mid, hi) = p.range(100.0);
+        assert!((mid - 550.0).abs() < 1e-9 && lo < mid && hi > mid);
+        assert_eq!(PerRecord::of(vec![]), PerRecord::default());
+    }
+}

@@ -1,0 +1,285 @@
+//! Which dataset lines a job takes, other than all of them: a stratified
+//! sample (`enqueue --sample N --seed S --stratify`), and another job's
+//! records (`enqueue --from-job JOB --set review|dropped|done --plus-passed N`).
+//!
+//! Every choice is reproducible: a line's rank is `sha256(seed, line)` (as in
+//! the plain sample), and each stratum takes its lowest-ranked line.
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
+use std::path::Path;
+
+use common::manifest::FromJob;
+use common::spec::JobSpec;
+use common::store::{RedisStore, StoreError};
+use common::task::RecordState;
+use common::template::{Template, lookup};
+use serde::Serialize;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::reader::LineReader;
+
+/// An input field with more distinct values than this is not a stratum.
+const FEW_VALUES: usize = 20;
+
+type Rank = [u8; 8];
+
+fn rank(seed: u64, number: u64) -> Rank {
+    let mut h = Sha256::new();
+    h.update(seed.to_be_bytes());
+    h.update(number.to_be_bytes());
+    let mut r = [0u8; 8];
+    r.copy_from_slice(&h.finalize()[..8]);
+    r
+}
+
+/// What a stratified sample covers, for the enqueue's summary.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Coverage {
+    /// Line numbers of the shortest and longest rendered prompts.
+    pub shortest: Option<u64>,
+    pub longest: Option<u64>,
+    /// Lines picked for a kind of text (`newline`, `quote`, `non_ascii`).
+    pub texts: BTreeMap<String, u64>,
+    /// Input fields the template uses with few distinct values: each value, covered.
+    pub values: BTreeMap<String, Vec<String>>,
+    /// Lines of another job's failed records, taken first.
+    pub failed_before: u64,
+    /// Lines picked for coverage, and in all (coverage first, then by rank).
+    pub covering: u64,
+    pub size: u64,
+}
+
+/// The best (lowest-ranked) line of a stratum.
+#[derive(Default)]
+struct Best(Option<(Rank, u64)>);
+
+impl Best {
+    fn offer(&mut self, r: Rank, line: u64) {
+        if self.0.is_none_or(|(b, _)| r < b) {
+            self.0 = Some((r, line));
+        }
+    }
+}
+
+/// A stratified sample of `size` lines: the shortest and longest rendered
+/// prompts, a line with a newline, one with a quote and one with non-ASCII
+/// text in the fields the template uses, one line for every value of each
+/// such field with few distinct values, and the lines in `forced` (another
+/// job's failures); the rest by rank. Coverage comes first: when it needs
+/// more than `size` lines the sample is larger (the summary says so).
+pub fn stratified(
+    path: &Path,
+    spec: &JobSpec,
+    size: u64,
+    seed: u64,
+    forced: &HashSet<u64>,
+) -> std::io::Result<(HashSet<u64>, Coverage)> {
+    let template = Template::parse(&spec.prompt.user).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let fields: Vec<String> = template.fields().into_iter().map(str::to_owned).collect();
+    let mut reader = LineReader::open(path, 0, 0, spec.job.max_record_bytes.max(64))?;
+    let mut buf = Vec::new();
+    // (rendered length, rank, line) of the shortest and the longest prompt.
+    let mut shortest: Option<(usize, Rank, u64)> = None;
+    let mut longest: Option<(usize, Rank, u64)> = None;
+    let mut texts: BTreeMap<&'static str, Best> = BTreeMap::new();
+    // Per field: value -> best line, until it has too many values (None).
+    let mut values: HashMap<String, Option<BTreeMap<String, Best>>> =
+        fields.iter().map(|f| (f.clone(), Some(BTreeMap::new()))).collect();
+    let mut fill: BinaryHeap<(Rank, u64)> = BinaryHeap::new();
+    while let Some(pos) = reader.next_line(&mut buf)? {
+        if pos.oversize.is_some() || buf.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let text = String::from_utf8_lossy(&buf);
+        let Ok(Value::Object(record)) = serde_json::from_str::<Value>(text.trim_start_matches('\u{feff}')) else {
+            continue;
+        };
+        let Ok(rendered) = template.render(&record) else {
+            continue;
+        };
+        let r = rank(seed, pos.number);
+        let len = rendered.chars().count();
+        if shortest.is_none_or(|(l, b, _)| (len, r) < (l, b)) {
+            shortest = Some((len, r, pos.number));
+        }
+        if longest.is_none_or(|(l, b, _)| len > l || (len == l && r < b)) {
+            longest = Some((len, r, pos.number));
+        }
+        let used: Vec<String> = fields
+            .iter()
+            .filter_map(|f| lookup(&record, f))
+            .map(|v| match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+            .collect();
+        for (kind, hit) in [
+            ("newline", used.iter().any(|v| v.contains('\n'))),
+            ("quote", used.iter().any(|v| v.contains('"') || v.contains('\''))),
+            ("non_ascii", used.iter().any(|v| !v.is_ascii())),
+        ] {
+            if hit {
+                texts.entry(kind).or_default().offer(r, pos.number);
+            }
+        }
+        for f in &fields {
+            let Some(Some(by_value)) = values.get_mut(f) else {
+                continue;
+            };
+            let Some(v) = lookup(&record, f) else { continue };
+            let key = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            if !by_value.contains_key(&key) && by_value.len() == FEW_VALUES {
+                values.insert(f.clone(), None);
+                continue;
+            }
+            by_value.entry(key).or_default().offer(r, pos.number);
+        }
+        fill.push((r, pos.number));
+        if fill.len() as u64 > size {
+            fill.pop();
+        }
+    }
+    let mut cov = Coverage {
+        shortest: shortest.map(|(_, _, l)| l),
+        longest: longest.map(|(_, _, l)| l),
+        failed_before: forced.len() as u64,
+        ..Coverage::default()
+    };
+    let mut chosen: HashSet<u64> = forced.clone();
+    chosen.extend(cov.shortest);
+    chosen.extend(cov.longest);
+    for (kind, best) in &texts {
+        if let Some((_, line)) = best.0 {
+            cov.texts.insert((*kind).to_owned(), line);
+            chosen.insert(line);
+        }
+    }
+    for (field, by_value) in values {
+        // A field with one value for every line is no stratum either.
+        let Some(by_value) = by_value.filter(|v| v.len() > 1) else {
+            continue;
+        };
+        for best in by_value.values() {
+            chosen.extend(best.0.map(|(_, l)| l));
+        }
+        cov.values.insert(field, by_value.into_keys().collect());
+    }
+    cov.covering = chosen.len() as u64;
+    let mut by_rank: Vec<(Rank, u64)> = fill.into_vec();
+    by_rank.sort();
+    for (_, line) in by_rank {
+        if chosen.len() as u64 >= size {
+            break;
+        }
+        chosen.insert(line);
+    }
+    cov.size = chosen.len() as u64;
+    Ok((chosen, cov))
+}
+
+/// What `--from-job` found in the other job.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct FromJobSummary {
+    /// Records of the set, and passed ones added as a regression check.
+    pub records: u64,
+    pub passed: u64,
+    /// Records whose dataset line is not recorded, or in another dataset
+    /// than the one given.
+    pub skipped: BTreeMap<String, u64>,
+}
+
+/// The other job's records of `from.set` (or, with no set, its failures:
+/// review and dropped) plus `from.plus_passed` done ones (by rank), as line
+/// numbers of the dataset whose sha256 is `sha256` (it must be one the other
+/// job was enqueued from).
+pub async fn lines_from_job(
+    store: &RedisStore,
+    from: &FromJob,
+    seed: u64,
+    sha256: &str,
+) -> Result<(HashSet<u64>, FromJobSummary), SelectError> {
+    let job = from.job.as_str();
+    let manifest = store
+        .load_manifest(job)
+        .await?
+        .ok_or_else(|| SelectError::Refused(format!("--from-job {job}: no such job (no manifest)")))?;
+    let Some(pass) = manifest.datasets.iter().find(|d| d.dataset.sha256 == sha256) else {
+        return Err(SelectError::Refused(format!(
+            "--from-job {job}: the dataset given is not one that job was enqueued from (its sha256 differs: \
+             the lines of its records would be others)"
+        )));
+    };
+    let names: HashSet<String> = std::iter::once(pass.dataset.short().to_owned())
+        .chain(pass.tag.map(|t| t.to_string()))
+        .collect();
+    let wanted = |state: &RecordState| {
+        matches!(
+            (from.set.as_deref(), state),
+            (None | Some("review"), RecordState::Review)
+                | (None | Some("dropped"), RecordState::Dropped(_))
+                | (Some("done"), RecordState::Done)
+        )
+    };
+    let mut picked: Vec<(u32, String)> = Vec::new();
+    let mut passed: BinaryHeap<(Rank, u32, String)> = BinaryHeap::new();
+    let plus = from.plus_passed;
+    for p in 0..manifest.partitions {
+        store
+            .record_states(job, p, |rid, state| {
+                let Some(state) = state else { return };
+                if wanted(&state) {
+                    picked.push((p, rid));
+                } else if plus > 0 && state == RecordState::Done {
+                    let mut h = Sha256::new();
+                    h.update(seed.to_be_bytes());
+                    h.update(rid.as_bytes());
+                    let mut r = [0u8; 8];
+                    r.copy_from_slice(&h.finalize()[..8]);
+                    passed.push((r, p, rid));
+                    if passed.len() as u64 > plus {
+                        passed.pop();
+                    }
+                }
+            })
+            .await?;
+    }
+    let mut out = FromJobSummary::default();
+    let mut lines = HashSet::new();
+    let regression = passed.into_iter().map(|(_, p, rid)| (p, rid, true));
+    for (p, rid, is_passed) in picked.into_iter().map(|(p, rid)| (p, rid, false)).chain(regression) {
+        let origin = store.record_origin(job, p, &rid).await?;
+        let line = origin.as_deref().and_then(|o| {
+            let (name, line) = o.split_once(':')?;
+            names.contains(name).then(|| line.parse::<u64>().ok()).flatten()
+        });
+        match (origin, line) {
+            (None, _) => {
+                *out.skipped
+                    .entry("its dataset line is not recorded".into())
+                    .or_default() += 1
+            }
+            (Some(_), None) => *out.skipped.entry("from another dataset".into()).or_default() += 1,
+            (Some(_), Some(line)) => {
+                lines.insert(line);
+                if is_passed {
+                    out.passed += 1;
+                } else {
+                    out.records += 1;
+                }
+            }
+        }
+    }
+    Ok((lines, out))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SelectError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Refused(String),
+}
