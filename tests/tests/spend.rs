@@ -170,10 +170,25 @@ fn a_job_budget_is_never_passed_halts_the_job_and_resume_raises_it() {
     enqueue(&redis, &data, "bud", &spec);
     let sim = LlmSim::start(&["--latency-ms", "50"]);
 
-    // Halted before the cap would pass: the worker exits 3 (halted).
-    let (code, log) = drain(&redis, "bud", &sim, &["--concurrency", "4"]);
-    assert_eq!(code, Some(3), "{log}");
-    assert!(log.contains("job halted on its budget"), "{log}");
+    // Two workers share the cap; halted before it would pass: each exits 3 (halted).
+    let workers: Vec<Running> = (0..2)
+        .map(|_| Running::spawn(worker_cmd(&redis, "bud", &sim, &["--drain", "--concurrency", "4"])))
+        .collect();
+    let logs: Vec<(Option<i32>, String)> = workers
+        .into_iter()
+        .map(|w| {
+            let (status, log) = w.finish(Duration::from_secs(120));
+            (status.code(), log)
+        })
+        .collect();
+    for (code, log) in &logs {
+        assert_eq!(*code, Some(3), "{log}");
+    }
+    assert!(
+        logs.iter().any(|(_, log)| log.contains("job halted on its budget")),
+        "{}",
+        logs[0].1
+    );
     let (_, s) = status_json(&redis, "bud");
     assert!(s["halted"].as_str().unwrap().starts_with("budget: "), "{s}");
     let done = s["done"].as_u64().unwrap();
