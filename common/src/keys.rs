@@ -113,11 +113,11 @@ pub fn results(job: &str, partition: u32) -> String {
     format!("bf:{}:results", partition_tag(job, partition))
 }
 
-/// Stream of a partition's paid calls (see [`crate::ledger`]): field `c`,
-/// the encoded call; appended by the script that settles the record, never
-/// trimmed or deleted from.
+/// Hash of a partition's paid calls (see [`crate::ledger`]): the call's key
+/// (record id, call number, nonce) -> the encoded call; written once per key
+/// (HSETNX) by the script that settles the record, never deleted from.
 pub fn ledger(job: &str, partition: u32) -> String {
-    format!("bf:{}:ledger", partition_tag(job, partition))
+    format!("bf:{}:paid", partition_tag(job, partition))
 }
 
 /// A partition's spend counters (see [`crate::ledger`]): they only grow.

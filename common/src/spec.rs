@@ -1061,8 +1061,16 @@ impl JobSpec {
                 p.add(key, "must be a positive number of USD");
             }
         }
-        if b.max_tokens_per_record == Some(0) {
-            p.add("budget.max_tokens_per_record", "must be at least 1");
+        if let Some(cap) = b.max_tokens_per_record
+            && cap <= u64::from(self.provider.max_tokens)
+        {
+            p.add(
+                "budget.max_tokens_per_record",
+                format!(
+                    "{cap} is not more than provider.max_tokens ({}): no call could fit (each is counted at its most: its prompt and max_tokens)",
+                    self.provider.max_tokens
+                ),
+            );
         }
         if (b.max_cost_usd.is_some() || b.max_cost_per_record.is_some())
             && pr.input_per_mtok == 0.0
@@ -1357,6 +1365,25 @@ mod tests {
         assert_eq!(names, ["label", "reason", "confidence", "task_type", "items"]);
         assert_eq!(spec.job.partitions, 4);
         assert!(spec.output.fields.get("confidence").unwrap().nullable);
+    }
+
+    #[test]
+    fn a_budget_is_checked_field_by_field() {
+        let with = |b: &str| edited("[prices]", &format!("[budget]\n{b}\n\n[prices]"));
+        assert_problem(&with("max_cost_usd = -1"), "budget.max_cost_usd");
+        assert_problem(&with("max_tokens_per_record = 150"), "no call could fit");
+        assert_problem(&with("max_cost_typo = 1"), "unknown field `max_cost_typo`");
+        let free = edited("input_per_mtok = 0.15", "input_per_mtok = 0.0").replacen(
+            "output_per_mtok = 0.60",
+            "output_per_mtok = 0.0",
+            1,
+        );
+        assert_problem(
+            &free.replacen("[prices]", "[budget]\nmax_cost_usd = 1.0\n\n[prices]", 1),
+            "a cost cap needs [prices]",
+        );
+        let ok = JobSpec::parse(&with("max_cost_usd = 2.5\nmax_tokens_per_record = 5000"), "t").unwrap();
+        assert_eq!(ok.budget.max_cost_usd, Some(2.5));
     }
 
     #[test]

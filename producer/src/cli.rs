@@ -564,6 +564,10 @@ pub enum FromSet {
 }
 
 async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    if cmd.seed.is_some() && cmd.sample.is_none() && cmd.set.is_none() {
+        eprintln!("error: --seed goes with --sample N or --from-job JOB --set ...");
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
     if cmd.from_job.is_some() && cmd.set.is_none() && !cmd.stratify {
         eprintln!("error: --from-job takes --set review|dropped|done, or goes with --sample N --seed S --stratify");
         return Ok(ExitCode::from(EXIT_INPUT));
@@ -752,8 +756,20 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
         return Ok(ExitCode::SUCCESS);
     }
     let change = serde_json::json!({"by": by, "at": common::manifest::now_rfc3339(), "changes": diff});
+    // A changed cap is the operator's: set it (never below what is spent and in flight).
+    let new_cap = new.budget.max_cost_usd.filter(|c| Some(*c) != old.budget.max_cost_usd);
+    if let Some(cap) = new_cap {
+        let b = store.budget(job).await?;
+        if cap <= b.spent_usd + b.reserved_usd {
+            eprintln!(
+                "error: budget.max_cost_usd = {cap}: job {job} already spent {:.6} USD and has {:.6} USD in flight",
+                b.spent_usd, b.reserved_usd
+            );
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+    }
     store.replace_spec(job, &text, &change.to_string()).await?;
-    if let Some(cap) = new.budget.max_cost_usd {
+    if let Some(cap) = new_cap {
         store.set_budget_cap(job, cap, false).await?;
     }
     crate::outln!("job {job}: spec updated by {by}; workers read it when they start:");

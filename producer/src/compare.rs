@@ -36,14 +36,23 @@ pub struct Side {
 pub struct Comparison {
     pub a: Side,
     pub b: Side,
-    /// Business keys done in A (by the model) and in review in B.
+    /// Business keys the model got done in A, in review in B.
     pub regressions: Vec<String>,
-    /// Business keys in review in A and done in B.
+    /// Business keys in review in A, done by the model in B.
     pub fixed: Vec<String>,
 }
 
-/// What a job's records came to, by business key: done by the model (true) or in review (false).
-async fn outcomes(store: &RedisStore, job: &str) -> anyhow::Result<(Report, HashMap<String, bool>, u64)> {
+/// What a record came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Came {
+    Done,
+    /// Accepted by a person from review.
+    Accepted,
+    Review,
+}
+
+/// What a job's records came to, by business key.
+async fn outcomes(store: &RedisStore, job: &str) -> anyhow::Result<(Report, HashMap<String, Came>, u64)> {
     let spec = crate::review::job_spec(store, job).await?;
     let report = crate::report::report(store, job, &spec).await?;
     let mut by_key = HashMap::new();
@@ -55,14 +64,14 @@ async fn outcomes(store: &RedisStore, job: &str) -> anyhow::Result<(Report, Hash
     };
     crate::sink::each_result(store, job, Some(&spec), spec.job.partitions, |r| {
         first_valid += u64::from(first_ok(&r.history));
-        by_key.insert(r.key.clone(), !r.human);
+        by_key.insert(r.key.clone(), if r.human { Came::Accepted } else { Came::Done });
     })
     .await?;
     for p in 0..spec.job.partitions {
         store
             .review_entries(job, p, |e| {
                 first_valid += u64::from(first_ok(&e.history));
-                by_key.insert(e.key.clone(), false);
+                by_key.insert(e.key.clone(), Came::Review);
             })
             .await?;
     }
@@ -99,12 +108,12 @@ pub async fn compare(store: &RedisStore, a: &str, b: &str) -> anyhow::Result<Com
     let (rb, kb, fb) = outcomes(store, b).await?;
     let mut regressions: Vec<String> = ka
         .iter()
-        .filter(|(k, done)| **done && kb.get(*k) == Some(&false))
+        .filter(|(k, came)| **came == Came::Done && kb.get(*k) == Some(&Came::Review))
         .map(|(k, _)| k.clone())
         .collect();
     let mut fixed: Vec<String> = ka
         .iter()
-        .filter(|(k, done)| !**done && kb.get(*k) == Some(&true))
+        .filter(|(k, came)| **came == Came::Review && kb.get(*k) == Some(&Came::Done))
         .map(|(k, _)| k.clone())
         .collect();
     regressions.sort();

@@ -68,6 +68,9 @@ pub struct Estimate {
     /// Projected duration in seconds (low, expected, high) and the limit that binds it.
     pub duration_secs: (f64, f64, f64),
     pub bound_by: String,
+    /// Why the projection may lean one way (a sample that was not drawn at random).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// Calls a minute the spec's limits allow for calls of this shape.
@@ -178,7 +181,17 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     } else {
         (0.0, 0.0, 0.0)
     };
+    let warning = manifest.sample.as_ref().and_then(|s| {
+        if s.from_job.is_some() {
+            Some("the sample is another job's records (--from-job), not drawn at random: the projection leans to them".to_owned())
+        } else if s.stratify {
+            Some("the sample is stratified (its extremes and rare values on purpose): the projection leans to them; a plain --sample estimates better".to_owned())
+        } else {
+            None
+        }
+    });
     Ok(Estimate {
+        warning,
         job: job.to_owned(),
         sample_records,
         records: full,
@@ -220,6 +233,9 @@ pub fn print(e: &Estimate) {
         );
     }
     crate::outln!("    {:<18} {:.2} s a call", "latency", e.latency_secs.mean);
+    if let Some(w) = &e.warning {
+        crate::outln!("  warning      {w}");
+    }
     let (lo, mid, hi) = e.total_cost_usd;
     crate::outln!("  cost         {mid:.4} USD (95%: {lo:.4}-{hi:.4})");
     let (lo, mid, hi) = e.duration_secs;

@@ -240,7 +240,8 @@ pub async fn lines_from_job(
                     let mut r = [0u8; 8];
                     r.copy_from_slice(&h.finalize()[..8]);
                     passed.push((r, p, rid));
-                    if passed.len() as u64 > plus {
+                    // Spares, for passed records whose line is not found.
+                    if passed.len() as u64 > plus.saturating_mul(4) {
                         passed.pop();
                     }
                 }
@@ -249,8 +250,11 @@ pub async fn lines_from_job(
     }
     let mut out = FromJobSummary::default();
     let mut lines = HashSet::new();
-    let regression = passed.into_iter().map(|(_, p, rid)| (p, rid, true));
+    let regression = passed.into_sorted_vec().into_iter().map(|(_, p, rid)| (p, rid, true));
     for (p, rid, is_passed) in picked.into_iter().map(|(p, rid)| (p, rid, false)).chain(regression) {
+        if is_passed && out.passed >= plus {
+            break;
+        }
         let origin = store.record_origin(job, p, &rid).await?;
         let line = origin.as_deref().and_then(|o| {
             let (name, line) = o.split_once(':')?;

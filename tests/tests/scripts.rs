@@ -681,6 +681,54 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
 }
 
 #[tokio::test]
+async fn a_budget_reserves_within_its_cap_waits_for_room_and_halts_only_when_nothing_could_make_room() {
+    use common::store::Reserved;
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.set_budget_cap(JOB, 1e-6, true).await.unwrap(); // 1,000 nano-USD
+    store.set_budget_cap(JOB, 5.0, true).await.unwrap(); // only if unset: still 1,000
+    let reserve = |calls: Vec<(&'static str, u64)>, lease: u64| {
+        let store = store.clone();
+        let calls: Vec<(String, u64)> = calls.into_iter().map(|(i, a)| (i.to_owned(), a)).collect();
+        async move { store.budget_reserve(JOB, lease, &calls).await.unwrap() }
+    };
+    // 400 + 400 fit; 300 more does not while they are in flight, but could after.
+    assert_eq!(
+        reserve(vec![("a", 400), ("b", 400), ("c", 300)], 60_000).await,
+        [Reserved::Granted, Reserved::Granted, Reserved::Wait]
+    );
+    let b = store.budget(JOB).await.unwrap();
+    assert_eq!((b.cap_usd, b.reserved_usd, b.spent_usd), (Some(1e-6), 8e-7, 0.0));
+    assert!(store.halted(JOB).await.unwrap().is_none());
+    // a cost 100, b was never made (its reply lost: released with 0); an unknown one is ignored.
+    let settle = vec![
+        ("a".to_owned(), 400, 100),
+        ("b".to_owned(), 400, 0),
+        ("zz".to_owned(), 50, 0),
+    ];
+    store.budget_settle(JOB, &settle).await.unwrap();
+    let b = store.budget(JOB).await.unwrap();
+    assert_eq!((b.reserved_usd, b.spent_usd), (0.0, 1e-7));
+    // 950 could pass the cap whatever was in flight: the job halts, and later calls are refused.
+    assert_eq!(
+        reserve(vec![("d", 950), ("e", 10)], 60_000).await,
+        [Reserved::Halted, Reserved::Halted]
+    );
+    let why = store.halted(JOB).await.unwrap().unwrap();
+    assert!(why.starts_with("budget: spent 0.000000 USD"), "{why}");
+    // A reservation whose worker vanished is charged in full when its lease runs out.
+    store.set_budget_cap(JOB, 1.0, false).await.unwrap();
+    assert_eq!(reserve(vec![("f", 700)], 1).await, [Reserved::Granted]);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(reserve(vec![], 60_000).await, []);
+    let b = store.budget(JOB).await.unwrap();
+    assert_eq!((b.reserved_usd, b.spent_usd), (0.0, 8e-7));
+    // Its late settlement adds only what it cost beyond the charge.
+    store.budget_settle(JOB, &[("f".to_owned(), 700, 900)]).await.unwrap();
+    assert!((store.budget(JOB).await.unwrap().spent_usd - 1e-6).abs() < 1e-15);
+}
+
+#[tokio::test]
 async fn a_paid_call_is_recorded_once_however_often_its_outcome_is_stored() {
     use common::ledger::{Fate, PaidCall};
     let redis = RedisServer::start();

@@ -406,8 +406,12 @@ async fn run_attempt(
         u64::from(job.spec.provider.max_tokens),
     );
     // The record's own caps, then the job's, against the call at its most.
-    let previous = request.previous.unwrap_or("");
-    let messages = [job.system.as_str(), user.as_str(), previous];
+    // As the body sends them: system, user, and after invalid output the
+    // model's answer and the feedback as messages of their own.
+    let messages: Vec<&str> = match (request.previous, request.feedback) {
+        (Some(previous), Some(fb)) => vec![job.system.as_str(), rendered.as_str(), previous, fb],
+        _ => vec![job.system.as_str(), user.as_str()],
+    };
     let at_most = crate::budget::at_most(&job.spec, &messages, request.response_format);
     if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most) {
         tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
@@ -432,7 +436,15 @@ async fn run_attempt(
     let reservation = match &job.budget {
         Some(budget) => {
             let amount = crate::budget::at_most_nusd(&job.spec, &at_most);
-            match budget.reserve(amount, limits.visibility / 4).await? {
+            // Waiting for room must leave the call its whole timeout before
+            // the task could be taken over (a second paid call).
+            let room = limits
+                .visibility
+                .saturating_sub(
+                    std::time::Duration::from_secs(job.spec.provider.timeout_secs) + crate::run::DRAIN_MARGIN,
+                )
+                .saturating_sub(d.claimed_at.elapsed());
+            match budget.reserve(amount, room.min(limits.visibility / 4)).await? {
                 Ok(r) => Some(r),
                 Err(crate::budget::Refused::Halted) => {
                     // The job's cap could pass: halted (by the script), the task handed back.

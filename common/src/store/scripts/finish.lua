@@ -22,7 +22,7 @@
 -- KEYS[7]  partition sink stream   bf:{job:pN}:sink: when it exists (the job
 --          has a sink), a record that became done (`k` r) or went to review,
 --          was dropped or cancelled (`k` f) is handed to the sink through it
--- KEYS[8]  partition ledger hash    bf:{job:pN}:ledger: call key -> the paid call
+-- KEYS[8]  partition ledger hash    bf:{job:pN}:paid: call key -> the paid call
 -- KEYS[9]  partition spend hash     bf:{job:pN}:spend: counters that only grow
 -- ARGV[1]  consumer group
 -- then 10 per task:
@@ -67,13 +67,20 @@ local function paid(i)
     add('est_tokens', tonumber(p) + tonumber(c))
   end
 end
+-- The paid calls first, with their counters: nothing the outcomes do
+-- afterwards (an error included) can leave a call recorded but not counted.
+for i = 2, #ARGV, 10 do
+  paid(i)
+end
+for field, n in pairs(spend) do
+  redis.call('HINCRBY', KEYS[9], field, n)
+end
 for i = 2, #ARGV, 10 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local repeated = acked[entry]
   local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
   local moved = -1
   local live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
-  paid(i)
   if live then
     local state = redis.call('HGET', states, rid)
     moved = 0
@@ -117,9 +124,6 @@ for i = 2, #ARGV, 10 do
     acked[entry] = true
   end
   out[#out + 1] = moved
-end
-for field, n in pairs(spend) do
-  redis.call('HINCRBY', KEYS[9], field, n)
 end
 if #acked > 0 then
   redis.call('XACK', stream, group, unpack(acked))

@@ -2,7 +2,7 @@
 -- drain timeout; answered, but the outcome could not be stored in time) in
 -- one partition's ledger, with the spend counters, atomically.
 --
--- KEYS[1]  partition ledger hash    bf:{job:pN}:ledger
+-- KEYS[1]  partition ledger hash    bf:{job:pN}:paid
 -- KEYS[2]  partition spend hash     bf:{job:pN}:spend
 -- then 3 per call: its key, its encoding, and what it adds to the spend
 -- (`bucket prompt cached completion nano-USD estimated`, as in finish.lua).
