@@ -97,7 +97,8 @@ pub enum Command {
         /// Output file (`-` for stdout).
         #[arg(long)]
         out: PathBuf,
-        /// Which set: results (`done`), review entries (`review`) or dropped records.
+        /// Which set: results (`done`), review entries (`review`), dropped
+        /// records, or every paid call of the cost ledger (`ledger`).
         #[arg(long, value_enum, default_value_t = crate::status::ExportSet::Done)]
         what: crate::status::ExportSet,
     },

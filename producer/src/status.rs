@@ -147,6 +147,8 @@ pub enum ExportSet {
     Done,
     Review,
     Dropped,
+    /// Every paid call of the cost ledger.
+    Ledger,
 }
 
 impl ExportSet {
@@ -155,6 +157,7 @@ impl ExportSet {
             ExportSet::Done => "done",
             ExportSet::Review => "review",
             ExportSet::Dropped => "dropped",
+            ExportSet::Ledger => "ledger",
         }
     }
 }
@@ -196,6 +199,7 @@ pub async fn export(
                     })
                     .await?
             }
+            ExportSet::Ledger => store.ledger_entries(job, p, |c| write(ledger_line(&c))).await?,
         }
     }
     if let Some(e) = failed {
@@ -203,6 +207,30 @@ pub async fn export(
     }
     out.flush()?;
     Ok(n)
+}
+
+/// A line of `export --what ledger`: one paid call.
+fn ledger_line(c: &common::ledger::PaidCall) -> String {
+    let fate = match c.fate {
+        common::ledger::Fate::Settled => "settled",
+        common::ledger::Fate::Abandoned => "abandoned",
+        common::ledger::Fate::Lost => "lost",
+    };
+    serde_json::json!({
+        "call_key": c.key(),
+        "record_id": c.rid,
+        "attempt": c.attempt,
+        "call": c.call,
+        "delivery": c.delivery,
+        "worker": c.worker,
+        "cause": c.cause.name(),
+        "fate": fate,
+        "usage": c.usage,
+        "prices": c.prices,
+        "cost_usd": c.cost_nusd as f64 / 1e9,
+        "at_ms": c.at_ms,
+    })
+    .to_string()
 }
 
 /// A line of `export --what dropped`.

@@ -99,6 +99,35 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
         .sum();
     assert_eq!(by_bucket_cost, nano(&spend["cost_usd"]));
     assert_eq!(r1["total"]["calls"], spend["calls"]);
+    // The ledger itself, one line per paid call: its costs add up to the counters.
+    let out_file = dir.join("ledger.jsonl");
+    let out = producer(&[
+        "export",
+        "--job",
+        "led",
+        "--redis",
+        &redis.url(),
+        "--out",
+        out_file.to_str().unwrap(),
+        "--what",
+        "ledger",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let calls: Vec<Value> = std::fs::read_to_string(&out_file)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(calls.len() as u64, spend["calls"].as_u64().unwrap());
+    assert_eq!(
+        calls.iter().map(|c| nano(&c["cost_usd"])).sum::<i64>(),
+        nano(&spend["cost_usd"])
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|c| c["fate"] == "settled" && c["usage"]["prompt_tokens"].as_u64().unwrap() > 0)
+    );
 
     // Status shows the same spend (every paid call, the records in review too)
     // and the refused line apart from the records.
