@@ -264,18 +264,57 @@ pub struct SpendPart {
     pub cost_usd: f64,
 }
 
-/// A job's spend, from its counters (summed over the partitions).
+/// Calls, tokens and cost: of a job (its counters), or of a set of
+/// records (their histories, in `producer report`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Spend {
+pub struct Totals {
     pub calls: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub completion_tokens: u64,
     pub cost_usd: f64,
-    /// Of which estimated (timed out, cut off): the server may have billed them.
+    /// Of which estimated (timed out, cut off, answered without usage): the
+    /// server may have billed them. Included above, and shown here.
     pub estimated_calls: u64,
     pub estimated_tokens: u64,
     pub estimated_cost_usd: f64,
+}
+
+impl Totals {
+    /// One call, with its usage when there is one.
+    pub fn add_call(&mut self, usage: Option<&Usage>, prices: &Prices) {
+        self.calls += 1;
+        if let Some(u) = usage {
+            let cost = u.cost(prices);
+            self.prompt_tokens += u.prompt;
+            self.cached_tokens += u.cached;
+            self.completion_tokens += u.completion;
+            self.cost_usd += cost;
+            if u.estimated {
+                self.estimated_calls += 1;
+                self.estimated_tokens += u.prompt + u.completion;
+                self.estimated_cost_usd += cost;
+            }
+        }
+    }
+
+    pub fn merge(&mut self, o: &Totals) {
+        self.calls += o.calls;
+        self.prompt_tokens += o.prompt_tokens;
+        self.cached_tokens += o.cached_tokens;
+        self.completion_tokens += o.completion_tokens;
+        self.cost_usd += o.cost_usd;
+        self.estimated_calls += o.estimated_calls;
+        self.estimated_tokens += o.estimated_tokens;
+        self.estimated_cost_usd += o.estimated_cost_usd;
+    }
+}
+
+/// A job's spend, from its counters (summed over the partitions).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Spend {
+    #[serde(flatten)]
+    pub totals: Totals,
     /// By cause (`first`, `transient_retry`, `validation_retry`, `human`) and
     /// `no_result` (cut off at shutdown, or the outcome lost).
     pub by_bucket: BTreeMap<String, SpendPart>,
@@ -285,14 +324,16 @@ impl Spend {
     /// Adds one partition's spend hash (`field -> integer`).
     pub fn add_counters(&mut self, fields: &BTreeMap<String, u64>) {
         let get = |k: &str| fields.get(k).copied().unwrap_or(0);
-        self.calls += get("calls");
-        self.prompt_tokens += get("prompt");
-        self.cached_tokens += get("cached");
-        self.completion_tokens += get("completion");
-        self.cost_usd += get("nusd") as f64 / 1e9;
-        self.estimated_calls += get("est_calls");
-        self.estimated_tokens += get("est_tokens");
-        self.estimated_cost_usd += get("est_nusd") as f64 / 1e9;
+        self.totals.merge(&Totals {
+            calls: get("calls"),
+            prompt_tokens: get("prompt"),
+            cached_tokens: get("cached"),
+            completion_tokens: get("completion"),
+            cost_usd: get("nusd") as f64 / 1e9,
+            estimated_calls: get("est_calls"),
+            estimated_tokens: get("est_tokens"),
+            estimated_cost_usd: get("est_nusd") as f64 / 1e9,
+        });
         for (k, v) in fields {
             if let Some(bucket) = k.strip_prefix("calls:") {
                 self.by_bucket.entry(bucket.to_owned()).or_default().calls += v;
@@ -368,8 +409,8 @@ mod tests {
             ("calls:first".into(), 2),
             ("nusd:first".into(), 1_000_000_000),
         ]));
-        assert_eq!(s.calls, 3);
-        assert!((s.cost_usd - 1.5).abs() < 1e-12);
+        assert_eq!(s.totals.calls, 3);
+        assert!((s.totals.cost_usd - 1.5).abs() < 1e-12);
         assert_eq!(s.bucket("first").calls, 2);
         assert_eq!(s.bucket("human"), SpendPart::default());
     }

@@ -4,76 +4,22 @@
 
 use std::collections::BTreeMap;
 
-use common::ledger::Spend;
+use common::ledger::{Spend, Totals};
 use common::spec::{JobSpec, Prices};
 use common::store::RedisStore;
-use common::task::{self, HistoryItem};
+use common::task::HistoryItem;
 use serde::Serialize;
 
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
-pub struct Usage {
-    pub calls: u64,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub completion_tokens: u64,
-    pub cost_usd: f64,
-    /// Calls that timed out: the server may have generated and billed them.
-    /// Their tokens (prompt estimated from its length, completion counted as
-    /// `max_tokens`) and cost are included above, and also shown here.
-    pub estimated_calls: u64,
-    pub estimated_tokens: u64,
-    pub estimated_cost_usd: f64,
-}
+/// Calls, tokens and cost of a set of records (or the job's, from the ledger).
+pub type Usage = Totals;
 
-impl Usage {
-    fn add_call(&mut self, usage: Option<&task::Usage>, prices: &Prices) {
-        self.calls += 1;
-        if let Some(u) = usage {
-            self.prompt_tokens += u.prompt;
-            self.cached_tokens += u.cached;
-            self.completion_tokens += u.completion;
-            self.cost_usd += u.cost(prices);
-            if u.estimated {
-                self.estimated_calls += 1;
-                self.estimated_tokens += u.prompt + u.completion;
-                self.estimated_cost_usd += u.cost(prices);
-            }
-        }
+/// The calls of a record's history.
+fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
+    let mut u = Usage::default();
+    for a in history.iter().filter_map(HistoryItem::as_attempt) {
+        u.add_call(a.usage.as_ref(), prices);
     }
-
-    /// The ledger's totals.
-    fn of_spend(s: &Spend) -> Usage {
-        Usage {
-            calls: s.calls,
-            prompt_tokens: s.prompt_tokens,
-            cached_tokens: s.cached_tokens,
-            completion_tokens: s.completion_tokens,
-            cost_usd: s.cost_usd,
-            estimated_calls: s.estimated_calls,
-            estimated_tokens: s.estimated_tokens,
-            estimated_cost_usd: s.estimated_cost_usd,
-        }
-    }
-
-    /// The calls of a record's history.
-    fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
-        let mut u = Usage::default();
-        for a in history.iter().filter_map(HistoryItem::as_attempt) {
-            u.add_call(a.usage.as_ref(), prices);
-        }
-        u
-    }
-
-    fn merge(&mut self, o: &Usage) {
-        self.calls += o.calls;
-        self.prompt_tokens += o.prompt_tokens;
-        self.cached_tokens += o.cached_tokens;
-        self.completion_tokens += o.completion_tokens;
-        self.cost_usd += o.cost_usd;
-        self.estimated_calls += o.estimated_calls;
-        self.estimated_tokens += o.estimated_tokens;
-        self.estimated_cost_usd += o.estimated_cost_usd;
-    }
+    u
 }
 
 /// One job of a prompt's history: its versions and changelog note.
@@ -205,7 +151,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
         }
         r.count_history(&res.history);
         *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
-        let usage = Usage::of_history(&res.history, prices);
+        let usage = of_history(&res.history, prices);
         r.done += 1;
         if res.human {
             r.human_accepted += 1;
@@ -224,13 +170,13 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
                 r.count_history(&e.history);
                 *r.attempts_histogram.entry(u64::from(e.attempts)).or_default() += 1;
                 *r.review_by_reason.entry(e.reason.clone()).or_default() += 1;
-                r.ended_in_review.merge(&Usage::of_history(&e.history, prices));
+                r.ended_in_review.merge(&of_history(&e.history, prices));
             })
             .await?;
     }
     r.spend = store.spend(job, spec.job.partitions).await?;
-    if r.spend.calls > 0 {
-        r.total = Usage::of_spend(&r.spend);
+    if r.spend.totals.calls > 0 {
+        r.total = r.spend.totals.clone();
     } else {
         // A job older than the ledger: what its histories still hold.
         for part in [

@@ -105,13 +105,14 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     // Every paid call, from the ledger (the done records' tokens for a job
     // older than it).
     let spend = store.spend(job, partitions).await?;
-    if spend.calls > 0 {
+    let spent = &spend.totals;
+    if spent.calls > 0 {
         s.tokens = Tokens {
-            prompt: spend.prompt_tokens,
-            completion: spend.completion_tokens,
-            cached: spend.cached_tokens,
+            prompt: spent.prompt_tokens,
+            completion: spent.completion_tokens,
+            cached: spent.cached_tokens,
         };
-        s.cost_usd = spend.cost_usd;
+        s.cost_usd = spent.cost_usd;
     }
     let budget = store.budget(job).await?;
     s.budget = budget.cap_usd.is_some().then_some(budget);

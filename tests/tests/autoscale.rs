@@ -474,6 +474,55 @@ impl<'a> Fleet<'a> {
         self.log.push("--- the chart as it is now".into());
     }
 
+    /// Retries waiting in the job's delayed sets.
+    fn delayed(&mut self) -> u64 {
+        (0..PARTITIONS)
+            .map(|p| {
+                redis::cmd("ZCARD")
+                    .arg(keys::delayed(JOB, p))
+                    .query::<u64>(&mut self.conn)
+                    .unwrap()
+            })
+            .sum()
+    }
+
+    /// Under a chart that cannot see the work left: the fleet scales to
+    /// zero with work left.
+    fn scale_to_zero_with_work(&mut self, chart: &Chart, sim: &LlmSim) {
+        let stalled = self.drive(chart, None, sim, Duration::from_secs(30), |f| f.idle_with_work());
+        assert!(
+            stalled,
+            "the lag-only chart was expected to scale to zero:\n{}",
+            self.history()
+        );
+    }
+
+    /// Then nothing moves for `hold` and after (no worker comes back, nothing
+    /// finishes). Returns the records finished.
+    fn stays_stalled(&mut self, chart: &Chart, sim: &LlmSim, hold: Duration) -> u64 {
+        let finished = self.finished();
+        std::thread::sleep(hold);
+        assert!(!self.drive(chart, None, sim, Duration::from_secs(2), |f| f.replicas > 0));
+        assert_eq!(self.finished(), finished, "stalled: nothing finishes with no worker");
+        finished
+    }
+
+    /// Under the chart as it is (and the scaler at `addr`): the job finishes
+    /// and the fleet scales to zero, never leaving work without a worker.
+    fn finishes(&mut self, chart: &Chart, addr: &str, sim: &LlmSim, records: u64) {
+        self.next_phase();
+        let done = self.drive(chart, Some(addr), sim, Duration::from_secs(120), |f| {
+            f.finished() == records && f.replicas == 0 && f.pods.is_empty()
+        });
+        assert!(done, "the job did not finish and scale to zero:\n{}", self.history());
+        assert_eq!(
+            self.zero_with_work,
+            0,
+            "no worker while work was left:\n{}",
+            self.history()
+        );
+    }
+
     fn idle_with_work(&mut self) -> bool {
         self.replicas == 0 && self.pods.is_empty() && self.work_left() > 0
     }
@@ -572,16 +621,8 @@ fn slow_calls_with_no_lag_keep_their_workers_and_a_scale_down_never_cuts_a_call(
     let slow = LlmSim::start(&["--latency-ms", "8000", "--steady-latency"]);
     let old = render_with("8").before_19("2");
     let mut fleet = Fleet::new(&redis);
-    let stalled = fleet.drive(&old, None, &slow, Duration::from_secs(30), |f| f.idle_with_work());
-    assert!(
-        stalled,
-        "the lag-only chart was expected to scale to zero:\n{}",
-        fleet.history()
-    );
-    let finished = fleet.finished();
-    std::thread::sleep(Duration::from_secs(3));
-    assert!(!fleet.drive(&old, None, &slow, Duration::from_secs(2), |f| f.replicas > 0));
-    assert_eq!(fleet.finished(), finished, "stalled: nothing finishes with no worker");
+    fleet.scale_to_zero_with_work(&old, &slow);
+    let finished = fleet.stays_stalled(&old, &slow, Duration::from_secs(3));
     let cut: u64 = fleet
         .exited
         .iter()
@@ -617,17 +658,7 @@ fn slow_calls_with_no_lag_keep_their_workers_and_a_scale_down_never_cuts_a_call(
         left["jobs"][JOB]["partitions"].as_array().unwrap().len(),
         PARTITIONS as usize
     );
-    fleet.next_phase();
-    let done = fleet.drive(&now, Some(&addr), &varied, Duration::from_secs(120), |f| {
-        f.finished() == records && f.replicas == 0 && f.pods.is_empty()
-    });
-    assert!(done, "the job did not finish and scale to zero:\n{}", fleet.history());
-    assert_eq!(
-        fleet.zero_with_work,
-        0,
-        "no worker while work was left:\n{}",
-        fleet.history()
-    );
+    fleet.finishes(&now, &addr, &varied, records);
     assert!(
         fleet.terminated_with_calls > 0,
         "a scale-down came while the pod held calls:\n{}",
@@ -677,34 +708,12 @@ fn a_retry_tail_longer_than_the_cooldown_keeps_a_worker_and_due_retries_are_prom
     // are 0; scaled to zero, nobody promotes the retries when they come due.
     let old = render(&sets).before_19("25");
     let mut fleet = Fleet::new(&redis);
-    let stalled = fleet.drive(&old, None, &sim, Duration::from_secs(30), |f| f.idle_with_work());
-    assert!(
-        stalled,
-        "the lag-only chart was expected to scale to zero:\n{}",
-        fleet.history()
-    );
-    let waiting: u64 = (0..PARTITIONS)
-        .map(|p| {
-            redis::cmd("ZCARD")
-                .arg(keys::delayed(JOB, p))
-                .query::<u64>(&mut fleet.conn)
-                .unwrap()
-        })
-        .sum();
+    fleet.scale_to_zero_with_work(&old, &sim);
+    let waiting = fleet.delayed();
     assert!(waiting > 0, "retries wait in the delayed sets:\n{}", fleet.history());
-    let finished = fleet.finished();
     // Past every retry's due time (4 s), nothing moves.
-    std::thread::sleep(Duration::from_secs(4));
-    assert!(!fleet.drive(&old, None, &sim, Duration::from_secs(2), |f| f.replicas > 0));
-    assert_eq!(fleet.finished(), finished, "stalled: nothing finishes with no worker");
-    let still: u64 = (0..PARTITIONS)
-        .map(|p| {
-            redis::cmd("ZCARD")
-                .arg(keys::delayed(JOB, p))
-                .query::<u64>(&mut fleet.conn)
-                .unwrap()
-        })
-        .sum();
+    fleet.stays_stalled(&old, &sim, Duration::from_secs(4));
+    let still = fleet.delayed();
     assert_eq!(
         still, waiting,
         "due retries stay in the delayed sets: nobody promotes them"
@@ -720,17 +729,7 @@ fn a_retry_tail_longer_than_the_cooldown_keeps_a_worker_and_due_retries_are_prom
     assert_eq!(left["queued"], waiting, "{left}");
     assert_eq!(left["delayed"], 0, "{left}");
     assert_eq!(http_get(&addr, "/remaining?job=nope").0, 404);
-    fleet.next_phase();
-    let done = fleet.drive(&chart, Some(&addr), &sim, Duration::from_secs(120), |f| {
-        f.finished() == records && f.replicas == 0 && f.pods.is_empty()
-    });
-    assert!(done, "the job did not finish and scale to zero:\n{}", fleet.history());
-    assert_eq!(
-        fleet.zero_with_work,
-        0,
-        "no worker while work was left:\n{}",
-        fleet.history()
-    );
+    fleet.finishes(&chart, &addr, &sim, records);
     assert!(
         fleet.only_scaler_saw > 0,
         "a retry wait that only the scaler's metric saw kept the worker:\n{}",

@@ -771,11 +771,11 @@ async fn a_paid_call_is_recorded_once_however_often_its_outcome_is_stored() {
     let p_of = |d: &Delivery| d.partition;
     store.record_paid(JOB, &[(p_of(a), la), (p_of(b), lb)]).await.unwrap();
     let spend = store.spend(JOB, spec().job.partitions).await.unwrap();
-    assert_eq!(spend.calls, 2, "{spend:?}");
-    assert_eq!(spend.prompt_tokens, 2000);
+    assert_eq!(spend.totals.calls, 2, "{spend:?}");
+    assert_eq!(spend.totals.prompt_tokens, 2000);
     assert_eq!(spend.by_bucket["first"].calls, 2);
     let want = 2.0 * spec().prices.cost(1000, 0, 100);
-    assert!((spend.cost_usd - want).abs() < 1e-12, "{spend:?}");
+    assert!((spend.totals.cost_usd - want).abs() < 1e-12, "{spend:?}");
     let mut calls = Vec::new();
     for p in 0..spec().job.partitions {
         store.ledger_entries(JOB, p, |c| calls.push(c)).await.unwrap();

@@ -340,3 +340,37 @@ fn a_record_whose_next_call_could_pass_its_cap_goes_to_review_as_budget() {
         assert!(tokens <= cap, "{e}");
     }
 }
+
+#[test]
+fn answers_without_usage_are_estimated_in_the_ledger_and_keep_their_whole_reservation() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("no-usage");
+    let data = dir.join("d.jsonl");
+    let records = 20;
+    write_records(&data, 0, records);
+    let spec = spec_with(&dir, &[("[prices]", "[budget]\nmax_cost_usd = 1.0\n\n[prices]")]);
+    enqueue(&redis, &data, "nou", &spec);
+    // A server (or proxy) that never says what an answer used.
+    let sim = LlmSim::start(&["--no-usage"]);
+    let (code, log) = drain(&redis, "nou", &sim, &[]);
+    assert_eq!(code, Some(0), "{log}");
+    let served = sim.stats()["served"].as_u64().unwrap();
+    assert_eq!(served, records, "{}", sim.stats());
+    let r = report(&redis, "nou");
+    let spend = &r["spend"];
+    // Every answer is a paid call, estimated: completion counted as max_tokens.
+    assert_eq!(spend["calls"], served, "{r}");
+    assert_eq!(spend["estimated_calls"], served, "{r}");
+    assert_eq!(spend["completion_tokens"], served * 200, "{r}");
+    assert!(spend["cost_usd"].as_f64().unwrap() > 0.0);
+    // Against the cap each keeps its reservation at its most: more than the estimate.
+    let (_, s) = status_json(&redis, "nou");
+    assert_eq!(s["done"], records, "{s}");
+    assert!(
+        nano(&s["budget"]["spent_usd"]) > nano(&spend["cost_usd"]),
+        "budget {} vs ledger {}",
+        s["budget"],
+        spend
+    );
+    assert_eq!(s["budget"]["reserved_usd"], 0.0);
+}

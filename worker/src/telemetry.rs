@@ -348,7 +348,7 @@ impl Metrics {
             if let Ok(spend) = store.spend(job, *partitions).await {
                 self.spend_usd
                     .with_label_values(&[job.as_str(), "spent"])
-                    .set(spend.cost_usd);
+                    .set(spend.totals.cost_usd);
             }
             if let Ok(b) = store.budget(job).await
                 && let Some(cap) = b.cap_usd

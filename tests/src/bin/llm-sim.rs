@@ -114,6 +114,10 @@ struct Args {
     /// Every request takes exactly `--latency-ms` (no random spread).
     #[arg(long)]
     steady_latency: bool,
+    /// Answers carry no `usage` object (some OpenAI-compatible servers and
+    /// proxies leave it out): the client cannot know what it was billed.
+    #[arg(long)]
+    no_usage: bool,
 }
 
 /// See [`Args::limit_headers`].
@@ -829,6 +833,12 @@ fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers
             "completion_tokens_details": {"reasoning_tokens": 0},
         },
     });
+    let mut body = body;
+    if sim.args.no_usage
+        && let Some(o) = body.as_object_mut()
+    {
+        o.remove("usage");
+    }
     let mut r = (StatusCode::OK, Json(body)).into_response();
     r.headers_mut().extend(limit_headers);
     r
