@@ -115,9 +115,19 @@ pub fn results(job: &str, partition: u32) -> String {
 
 /// Hash of a partition's paid calls (see [`crate::ledger`]): the call's key
 /// (record id, call number, nonce) -> the encoded call; written once per key
-/// (HSETNX) by the script that settles the record, never deleted from.
+/// (HSETNX) by the script that settles the record. For a job without a sink
+/// never deleted from; with one, a call leaves it a while after the sink
+/// holds it (see [`ledger_sunk`]).
 pub fn ledger(job: &str, partition: u32) -> String {
     format!("bf:{}:paid", partition_tag(job, partition))
+}
+
+/// Sorted set of a partition's paid calls the sink holds, scored by when
+/// they may leave the ledger hash (Unix ms): kept until then so that the
+/// same call stored again (a store call retried after a lost reply, a call
+/// recorded again as lost) is still known and not counted twice.
+pub fn ledger_sunk(job: &str, partition: u32) -> String {
+    format!("bf:{}:paid:sunk", partition_tag(job, partition))
 }
 
 /// A partition's spend counters (see [`crate::ledger`]): they only grow.
@@ -127,7 +137,8 @@ pub fn spend(job: &str, partition: u32) -> String {
 
 /// Stream of outcomes to hand to the job's sink (only for a job with one):
 /// `rid` and `k` (`r` a committed result, `f` a record in review or
-/// dropped), added by the same script that settles the record; read through
+/// dropped, `l` a paid call of the record, its key in `c`), added by the
+/// same script that settles the record or records the call; read through
 /// [`SINK_GROUP`], acknowledged and deleted once the sink's transaction is
 /// durable. It exists exactly when the job has a sink.
 pub fn sink(job: &str, partition: u32) -> String {
@@ -234,6 +245,9 @@ mod tests {
             delayed("j1", 3),
             sink("j1", 3),
             sunk("j1", 3),
+            ledger("j1", 3),
+            ledger_sunk("j1", 3),
+            spend("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));

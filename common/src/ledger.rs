@@ -53,7 +53,7 @@ impl Cause {
         }
     }
 
-    fn from_name(name: &str) -> Option<Cause> {
+    pub fn from_name(name: &str) -> Option<Cause> {
         [
             Cause::First,
             Cause::TransientRetry,
@@ -85,6 +85,22 @@ pub enum Fate {
     /// Answered, but its outcome could not be stored before the visibility
     /// timeout (Redis was away): the answer is lost, the money is not.
     Lost,
+}
+
+impl Fate {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fate::Settled => "settled",
+            Fate::Abandoned => "abandoned",
+            Fate::Lost => "lost",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Fate> {
+        [Fate::Settled, Fate::Abandoned, Fate::Lost]
+            .into_iter()
+            .find(|f| f.name() == name)
+    }
 }
 
 /// One paid call, as the ledger keeps it.
@@ -152,18 +168,13 @@ impl PaidCall {
     /// `[attempt, delivery, worker, cause, fate, prompt, cached, completion,
     /// estimated, prices, nano-USD, at_ms]`.
     pub fn encode(&self) -> String {
-        let fate = match self.fate {
-            Fate::Settled => "settled",
-            Fate::Abandoned => "abandoned",
-            Fate::Lost => "lost",
-        };
         let u = &self.usage;
         serde_json::json!([
             self.attempt,
             self.delivery,
             self.worker,
             self.cause.name(),
-            fate,
+            self.fate.name(),
             u.prompt,
             u.cached,
             u.completion,
@@ -197,12 +208,7 @@ impl PaidCall {
             delivery: n(1)? as u32,
             worker: t(2)?.to_owned(),
             cause: Cause::from_name(t(3)?).ok_or_else(|| bad("unknown cause"))?,
-            fate: match t(4)? {
-                "settled" => Fate::Settled,
-                "abandoned" => Fate::Abandoned,
-                "lost" => Fate::Lost,
-                _ => return Err(bad("unknown fate")),
-            },
+            fate: Fate::from_name(t(4)?).ok_or_else(|| bad("unknown fate"))?,
             usage: Usage {
                 prompt,
                 cached,
@@ -215,6 +221,61 @@ impl PaidCall {
             cost_nusd: n(10)?,
             at_ms: n(11)?,
         })
+    }
+
+    /// The call as one JSON line: of `producer export --what ledger`, and of
+    /// the files sink's ledger segments ([`PaidCall::from_line`] reads it back).
+    pub fn line(&self) -> String {
+        serde_json::json!({
+            "call_key": self.key(),
+            "record_id": self.rid,
+            "attempt": self.attempt,
+            "call": self.call,
+            "delivery": self.delivery,
+            "worker": self.worker,
+            "cause": self.cause.name(),
+            "fate": self.fate.name(),
+            "usage": self.usage,
+            "prices": self.prices,
+            "cost_usd": self.cost_nusd as f64 / 1e9,
+            "cost_nusd": self.cost_nusd,
+            "at_ms": self.at_ms,
+        })
+        .to_string()
+    }
+
+    /// A line [`PaidCall::line`] wrote.
+    pub fn from_line(line: &str) -> Result<PaidCall, String> {
+        #[derive(Deserialize)]
+        struct Line {
+            call_key: String,
+            attempt: u32,
+            delivery: u32,
+            worker: String,
+            cause: String,
+            fate: String,
+            usage: Usage,
+            prices: String,
+            cost_nusd: u64,
+            at_ms: u64,
+        }
+        let l: Line = serde_json::from_str(line).map_err(|e| format!("ledger line: {e}"))?;
+        let u = &l.usage;
+        let encoded = serde_json::json!([
+            l.attempt,
+            l.delivery,
+            l.worker,
+            l.cause,
+            l.fate,
+            u.prompt,
+            u.cached,
+            u.completion,
+            u8::from(u.estimated),
+            l.prices,
+            l.cost_nusd,
+            l.at_ms
+        ]);
+        PaidCall::decode(&l.call_key, &encoded.to_string())
     }
 
     /// The spend bucket: the cause, or [`NO_RESULT`] for a call that left none.
@@ -394,6 +455,7 @@ mod tests {
         assert_eq!(call.cost_nusd, 90_000 + 30_000 + 60_000);
         assert_eq!(call.spend_args(), "first 1000 400 100 180000 0");
         assert_eq!(PaidCall::decode(&call.key(), &call.encode()).unwrap(), call);
+        assert_eq!(PaidCall::from_line(&call.line()).unwrap(), call, "{}", call.line());
         assert!(call.encode().len() < 100, "{}", call.encode());
         let again = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0);
         assert_ne!(again.key(), call.key(), "two calls never share a key");

@@ -14,6 +14,7 @@ use serde_json::value::RawValue;
 use tokio_postgres::Client;
 use tokio_postgres::types::Json;
 
+use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::secret::Scrubber;
 use crate::spec::{FieldType, JobSpec, Prices};
@@ -130,6 +131,25 @@ const REVISION_COLUMNS: &[(&str, &str)] = &[
     ("revised_at", "timestamp with time zone"),
 ];
 
+const LEDGER_COLUMNS: &[(&str, &str)] = &[
+    ("call_key", "text"),
+    ("job", "text"),
+    ("record_id", "text"),
+    ("call_number", "integer"),
+    ("attempt", "integer"),
+    ("delivery", "integer"),
+    ("worker", "text"),
+    ("cause", "text"),
+    ("fate", "text"),
+    ("prompt_tokens", "bigint"),
+    ("cached_tokens", "bigint"),
+    ("completion_tokens", "bigint"),
+    ("estimated", "boolean"),
+    ("prices", "text"),
+    ("cost_nusd", "bigint"),
+    ("at", "timestamp with time zone"),
+];
+
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
     ("record_id", "text"),
     ("job", "text"),
@@ -141,7 +161,8 @@ const FAILURE_COLUMNS: &[(&str, &str)] = &[
     ("resolved_at", "timestamp with time zone"),
 ];
 
-/// The DDL of a results table and its failures table (`<table>_failures`).
+/// The DDL of a results table and its companions: failures
+/// (`<table>_failures`), jobs, revisions, and the cost ledger (`<table>_ledger`).
 pub fn ddl(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {table} (\n\
@@ -198,7 +219,26 @@ pub fn ddl(table: &str) -> String {
          \x20   note       text,\n\
          \x20   revised_at timestamptz NOT NULL,\n\
          \x20   PRIMARY KEY (record_id, revision)\n\
-         );\n",
+         );\n\
+         CREATE TABLE IF NOT EXISTS {table}_ledger (\n\
+         \x20   call_key          text PRIMARY KEY,  -- record id, call number, nonce\n\
+         \x20   job               text NOT NULL,\n\
+         \x20   record_id         text NOT NULL,\n\
+         \x20   call_number       integer NOT NULL,  -- the record's calls so far, this one included\n\
+         \x20   attempt           integer NOT NULL,\n\
+         \x20   delivery          integer NOT NULL,\n\
+         \x20   worker            text NOT NULL,\n\
+         \x20   cause             text NOT NULL,     -- first | transient_retry | validation_retry | human\n\
+         \x20   fate              text NOT NULL,     -- settled | abandoned | lost (no result)\n\
+         \x20   prompt_tokens     bigint NOT NULL,\n\
+         \x20   cached_tokens     bigint NOT NULL,\n\
+         \x20   completion_tokens bigint NOT NULL,\n\
+         \x20   estimated         boolean NOT NULL,  -- no usage reported (timed out, cut off...): estimated\n\
+         \x20   prices            text NOT NULL,     -- the version of the prices it was costed at\n\
+         \x20   cost_nusd         bigint NOT NULL,   -- nano-USD: sum(cost_nusd) / 1e9 is USD, exactly\n\
+         \x20   at                timestamptz NOT NULL\n\
+         );\n\
+         CREATE INDEX IF NOT EXISTS {index}_ledger_job ON {table}_ledger (job);\n",
         index = table.replace('.', "_"),
     )
 }
@@ -514,6 +554,7 @@ pub struct PgSink {
     failures: String,
     jobs: String,
     revisions: String,
+    ledger: String,
     typed: Vec<TypedColumn>,
     scrub: Scrubber,
 }
@@ -549,6 +590,7 @@ impl PgSink {
             failures: format!("{table}_failures"),
             jobs: format!("{table}_jobs"),
             revisions: format!("{table}_revisions"),
+            ledger: format!("{table}_ledger"),
             typed,
             scrub,
         };
@@ -572,6 +614,7 @@ impl PgSink {
             (&self.failures, FAILURE_COLUMNS),
             (&self.jobs, JOB_COLUMNS),
             (&self.revisions, REVISION_COLUMNS),
+            (&self.ledger, LEDGER_COLUMNS),
         ] {
             let found = self.columns(table).await?;
             if found.is_empty() {
@@ -648,14 +691,16 @@ impl PgSink {
     /// Writes one batch in one transaction: the failures (a record already
     /// in the results table is never a failure again), then the results
     /// (`ON CONFLICT (record_id) DO NOTHING`: a redelivered batch adds
-    /// nothing), then marks the failures those results resolve. Returns the
-    /// result rows that were new.
+    /// nothing), then marks the failures those results resolve, and the
+    /// paid calls into the ledger table (`ON CONFLICT (call_key) DO
+    /// NOTHING`). Returns the result rows that were new.
     pub async fn write(
         &mut self,
         job: &str,
         partition: u32,
         results: &[ResultRow],
         failures: &[FailureRow],
+        paid: &[PaidCall],
     ) -> Result<u64, SinkError> {
         let scrub = self.scrub.clone();
         let err = |e: tokio_postgres::Error| SinkError::of(&e, &scrub);
@@ -772,6 +817,54 @@ impl PgSink {
             .await
             .map_err(err)?;
         }
+        if !paid.is_empty() {
+            let int = |f: fn(&PaidCall) -> u64| -> Vec<i64> {
+                paid.iter().map(|c| i64::try_from(f(c)).unwrap_or(i64::MAX)).collect()
+            };
+            let small = |f: fn(&PaidCall) -> u32| -> Vec<i32> {
+                paid.iter().map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX)).collect()
+            };
+            let keys: Vec<String> = paid.iter().map(PaidCall::key).collect();
+            let rids: Vec<&str> = paid.iter().map(|c| c.rid.as_str()).collect();
+            let workers: Vec<&str> = paid.iter().map(|c| c.worker.as_str()).collect();
+            let causes: Vec<&str> = paid.iter().map(|c| c.cause.name()).collect();
+            let fates: Vec<&str> = paid.iter().map(|c| c.fate.name()).collect();
+            let estimated: Vec<bool> = paid.iter().map(|c| c.usage.estimated).collect();
+            let prices: Vec<&str> = paid.iter().map(|c| c.prices.as_str()).collect();
+            tx.execute(
+                &format!(
+                    "INSERT INTO {l} (call_key, job, record_id, call_number, attempt, delivery, worker, cause, fate, \
+                     prompt_tokens, cached_tokens, completion_tokens, estimated, prices, cost_nusd, at) \
+                     SELECT u.a, $1, u.b, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, \
+                     to_timestamp(u.o / 1000.0) \
+                     FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::int4[], $6::int4[], $7::text[], $8::text[], \
+                     $9::text[], $10::int8[], $11::int8[], $12::int8[], $13::bool[], $14::text[], $15::int8[], $16::int8[]) \
+                     AS u(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o) \
+                     ON CONFLICT (call_key) DO NOTHING",
+                    l = self.ledger
+                ),
+                &[
+                    &job,
+                    &keys,
+                    &rids,
+                    &small(|c| c.call),
+                    &small(|c| c.attempt),
+                    &small(|c| c.delivery),
+                    &workers,
+                    &causes,
+                    &fates,
+                    &int(|c| c.usage.prompt),
+                    &int(|c| c.usage.cached),
+                    &int(|c| c.usage.completion),
+                    &estimated,
+                    &prices,
+                    &int(|c| c.cost_nusd),
+                    &int(|c| c.at_ms),
+                ],
+            )
+            .await
+            .map_err(err)?;
+        }
         tx.commit().await.map_err(err)?;
         Ok(written)
     }
@@ -783,17 +876,30 @@ impl PgSink {
     /// dropped (and `status --require-complete` lists it as missing from the
     /// table). Returns the new result rows and the refused records with
     /// their messages.
+    /// The paid calls go in one transaction of their own: a ledger row the
+    /// database refuses is an error (the batch is retried; the calls wait
+    /// in Redis), never a silent gap in what was spent.
     pub async fn write_each(
         &mut self,
         job: &str,
         partition: u32,
         results: &[ResultRow],
         failures: &[FailureRow],
+        paid: &[PaidCall],
     ) -> Result<(u64, Vec<(String, String)>), SinkError> {
+        match self.write(job, partition, &[], &[], paid).await {
+            Err(SinkError::Rejected(m)) => {
+                return Err(SinkError::Rejected(format!(
+                    "the cost ledger's rows (table {}): {m}",
+                    self.ledger
+                )));
+            }
+            other => other?,
+        };
         let mut written = 0;
         let mut refused = Vec::new();
         for f in failures {
-            match self.write(job, partition, &[], std::slice::from_ref(f)).await {
+            match self.write(job, partition, &[], std::slice::from_ref(f), &[]).await {
                 Ok(_) => {}
                 Err(SinkError::Rejected(m)) => {
                     self.keep_refused(job, partition, &f.record_id, "", &m).await?;
@@ -803,7 +909,7 @@ impl PgSink {
             }
         }
         for r in results {
-            match self.write(job, partition, std::slice::from_ref(r), &[]).await {
+            match self.write(job, partition, std::slice::from_ref(r), &[], &[]).await {
                 Ok(n) => written += n,
                 Err(SinkError::Rejected(m)) => {
                     self.keep_refused(job, partition, &r.record_id, &r.business_key, &m)
@@ -836,13 +942,14 @@ impl PgSink {
             business_key: key.to_owned(),
             ..FailureRow::of_state(rid, "rejected", reason)
         };
-        match self.write(job, partition, &[], &[row(key, &message[..cut])]).await {
+        match self.write(job, partition, &[], &[row(key, &message[..cut])], &[]).await {
             Err(SinkError::Rejected(_)) => self
                 .write(
                     job,
                     partition,
                     &[],
                     &[row("", "the database refused this outcome and its message")],
+                    &[],
                 )
                 .await
                 .map(|_| ()),
@@ -1047,6 +1154,59 @@ impl PgSink {
         Ok(out)
     }
 
+    /// The job's rows in the ledger table (each paid call once: its key is
+    /// the primary key).
+    pub async fn ledger_rows(&self, job: &str) -> Result<u64, SinkError> {
+        let row = self
+            .client
+            .query_one(&format!("SELECT count(*) FROM {} WHERE job = $1", self.ledger), &[&job])
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(row.get::<_, i64>(0).max(0) as u64)
+    }
+
+    /// Every paid call of the job in the ledger table, streamed.
+    pub async fn ledger(&self, job: &str, mut f: impl FnMut(PaidCall)) -> Result<u64, SinkError> {
+        use futures_util::StreamExt;
+        let rows = self
+            .client
+            .query_raw(
+                &format!(
+                    "SELECT call_key, attempt, delivery, worker, cause, fate, prompt_tokens, cached_tokens, \
+                     completion_tokens, estimated, prices, cost_nusd, (extract(epoch FROM at) * 1000)::int8 \
+                     FROM {} WHERE job = $1",
+                    self.ledger
+                ),
+                [job],
+            )
+            .await
+            .map_err(|e| self.err(&e))?;
+        let mut rows = std::pin::pin!(rows);
+        let mut n = 0;
+        while let Some(row) = rows.next().await {
+            let row = row.map_err(|e| self.err(&e))?;
+            let key: String = row.get(0);
+            let encoded = serde_json::json!([
+                row.get::<_, i32>(1),
+                row.get::<_, i32>(2),
+                row.get::<_, String>(3),
+                row.get::<_, String>(4),
+                row.get::<_, String>(5),
+                row.get::<_, i64>(6),
+                row.get::<_, i64>(7),
+                row.get::<_, i64>(8),
+                u8::from(row.get::<_, bool>(9)),
+                row.get::<_, String>(10),
+                row.get::<_, i64>(11),
+                row.get::<_, i64>(12),
+            ]);
+            f(PaidCall::decode(&key, &encoded.to_string())
+                .map_err(|e| SinkError::Schema(format!("table {}: {e}", self.ledger)))?);
+            n += 1;
+        }
+        Ok(n)
+    }
+
     /// Open failures of the job by state (`review`, `dropped`, `cancelled`).
     pub async fn open_failures(&self, job: &str) -> Result<BTreeMap<String, u64>, SinkError> {
         let rows = self
@@ -1196,7 +1356,12 @@ mod tests {
     #[test]
     fn the_ddl_names_every_column_it_checks() {
         let ddl = ddl("s.results");
-        for (name, _) in RESULT_COLUMNS.iter().chain(FAILURE_COLUMNS).chain(REVISION_COLUMNS) {
+        for (name, _) in RESULT_COLUMNS
+            .iter()
+            .chain(FAILURE_COLUMNS)
+            .chain(REVISION_COLUMNS)
+            .chain(LEDGER_COLUMNS)
+        {
             assert!(ddl.contains(&format!("    {name} ")), "{name}");
         }
         assert!(ddl.contains("CREATE TABLE IF NOT EXISTS s.results_failures"));

@@ -9,6 +9,7 @@
 //! J/manifest.json                 the job (expected records...) and every finished segment
 //! J/results/p003-00000017.jsonl   one line per done record (the results table's columns)
 //! J/failures/p003-00000017.jsonl  review, dropped, cancelled records (a log: the last line of a record wins)
+//! J/ledger/p003-00000017.jsonl    the cost ledger: one line per paid call
 //! J/revisions/<record id>-000001.jsonl  a person's edit of a written result (the output it replaced kept)
 //! J/.open/                        segments being written, and a finished batch's pending acknowledgement
 //! J/.locks/                       one lock file per partition, and one for the manifest
@@ -26,7 +27,8 @@
 //! written again. A line is never counted unless its segment was renamed
 //! whole, and the ids of the partition's last segments are kept to skip a
 //! record that Redis hands over again (an acknowledgement an AOF restart
-//! lost), so each record has exactly one line over all segments.
+//! lost), so each record has exactly one line over all segments (and each
+//! paid call one ledger line).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::{self, File, OpenOptions};
@@ -37,6 +39,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::sink::{FailureRow, ResultRow, RevisionRow, SinkError};
 use crate::store::{SinkEntry, SunkResult};
@@ -64,10 +67,13 @@ pub struct SegmentLimits {
     pub age: Duration,
 }
 
+/// The kinds of segments a batch is written into, each a directory.
+const KINDS: [&str; 3] = ["results", "failures", "ledger"];
+
 /// One finished segment, as the manifest lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Segment {
-    /// `results` or `failures`.
+    /// `results`, `failures`, `ledger` or `revisions`.
     pub kind: String,
     /// Relative to the job's directory.
     pub file: String,
@@ -108,6 +114,9 @@ pub struct Pending {
     pub entries: Vec<SinkEntry>,
     /// The results whose lines the sink holds: they leave Redis at the acknowledgement.
     pub sunk: Vec<SunkResult>,
+    /// The keys of the paid calls whose lines the sink holds.
+    #[serde(default)]
+    pub paid: Vec<String>,
     /// Result lines that were new.
     pub written: u64,
     /// Found by the writer that took the partition over (its rows are not
@@ -155,8 +164,11 @@ struct Open {
     started: Instant,
     results: SegWriter,
     failures: SegWriter,
+    ledger: SegWriter,
     entries: Vec<SinkEntry>,
     sunk: Vec<SunkResult>,
+    paid: Vec<String>,
+    /// The record ids of its result lines and the keys of its ledger lines.
     ids: HashSet<String>,
 }
 
@@ -264,7 +276,7 @@ impl FileSink {
     /// The sink of `job` in `dir` (created when absent).
     pub fn open(dir: &Path, job: &str, limits: SegmentLimits) -> Result<FileSink, SinkError> {
         let root = job_dir(dir, job)?;
-        for sub in ["results", "failures", ".open", ".locks"] {
+        for sub in KINDS.iter().chain(&[".open", ".locks"]) {
             let d = root.join(sub);
             fs::create_dir_all(&d).map_err(|e| disk("cannot create directory", &d, e))?;
         }
@@ -336,7 +348,7 @@ impl FileSink {
                     fs::rename(&tmp, &dest).map_err(|e| disk("cannot rename into place", &dest, e))?;
                 }
             }
-            for d in ["results", "failures"] {
+            for d in KINDS {
                 sync_dir(&self.root.join(d))?;
             }
             self.add_to_manifest(&pend.segments)?;
@@ -358,7 +370,7 @@ impl FileSink {
     /// The highest segment number of the partition on disk (0 when none).
     fn last_seq(&self, p: u32) -> Result<u64, SinkError> {
         let mut last = 0;
-        for d in ["results", "failures"] {
+        for d in KINDS {
             for (part, seq, _) in list_segments(&self.root.join(d))? {
                 if part == p {
                     last = last.max(seq);
@@ -368,23 +380,28 @@ impl FileSink {
         Ok(last)
     }
 
-    /// The record ids of the partition's last results segments.
+    /// The record ids of the partition's last results segments, and the
+    /// call keys of its last ledger segments (by segment number).
     fn recent_ids(&self, p: u32) -> Result<(VecDeque<Vec<String>>, HashSet<String>), SinkError> {
-        let mut segs: Vec<(u64, PathBuf)> = list_segments(&self.root.join("results"))?
-            .into_iter()
-            .filter(|(part, _, _)| *part == p)
-            .map(|(_, seq, path)| (seq, path))
-            .collect();
-        segs.sort();
+        let mut segs: BTreeMap<u64, Vec<PathBuf>> = BTreeMap::new();
+        for d in ["results", "ledger"] {
+            for (part, seq, path) in list_segments(&self.root.join(d))? {
+                if part == p {
+                    segs.entry(seq).or_default().push(path);
+                }
+            }
+        }
         let mut recent = VecDeque::new();
         let mut ids = HashSet::new();
-        for (_, path) in segs.iter().rev().take(RECENT_SEGMENTS).rev() {
+        for paths in segs.values().rev().take(RECENT_SEGMENTS).rev() {
             let mut these = Vec::new();
-            each_line(path, |line| {
-                if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
-                    these.push(id.record_id);
-                }
-            })?;
+            for path in paths {
+                each_line(path, |line| {
+                    if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
+                        these.push(id.key());
+                    }
+                })?;
+            }
             ids.extend(these.iter().cloned());
             recent.push_back(these);
         }
@@ -434,8 +451,9 @@ impl FileSink {
     }
 
     /// Appends a batch to the partition's open segments (opened when none
-    /// is). A result already in the sink (in this segment or the recent
-    /// ones) gets no second line; it still leaves Redis with the rest.
+    /// is). A result or paid call already in the sink (in this segment or
+    /// the recent ones) gets no second line; it still leaves Redis with the
+    /// rest.
     pub fn append(
         &mut self,
         p: u32,
@@ -443,6 +461,7 @@ impl FileSink {
         rows: &[ResultRow],
         sunk: &[SunkResult],
         failures: &[FailureRow],
+        paid: &[PaidCall],
     ) -> Result<(), SinkError> {
         let open_dir = self.root.join(".open");
         let part = self
@@ -458,8 +477,10 @@ impl FileSink {
                 started: Instant::now(),
                 results: SegWriter::new("results", tmp("results")),
                 failures: SegWriter::new("failures", tmp("failures")),
+                ledger: SegWriter::new("ledger", tmp("ledger")),
                 entries: Vec::new(),
                 sunk: Vec::new(),
+                paid: Vec::new(),
                 ids: HashSet::new(),
             });
         }
@@ -473,6 +494,13 @@ impl FileSink {
             }
             open.sunk.push(s.clone());
         }
+        for call in paid {
+            let key = call.key();
+            if !part.recent_ids.contains(&key) && open.ids.insert(key.clone()) {
+                open.ledger.append(call.line().as_bytes())?;
+            }
+            open.paid.push(key);
+        }
         open.entries.extend_from_slice(entries);
         Ok(())
     }
@@ -483,8 +511,9 @@ impl FileSink {
             return false;
         };
         let l = &self.limits;
-        open.results.lines as usize + open.failures.lines as usize >= l.records
-            || open.results.bytes + open.failures.bytes >= l.bytes
+        let writers = [&open.results, &open.failures, &open.ledger];
+        writers.iter().map(|w| w.lines as usize).sum::<usize>() >= l.records
+            || writers.iter().map(|w| w.bytes).sum::<u64>() >= l.bytes
             || open.started.elapsed() >= l.age
     }
 
@@ -506,7 +535,7 @@ impl FileSink {
         };
         let mut segments = Vec::new();
         let mut tmps = Vec::new();
-        for w in [&mut open.results, &mut open.failures] {
+        for w in [&mut open.results, &mut open.failures, &mut open.ledger] {
             if let Some(s) = w.seal(p, open.seq)? {
                 tmps.push((w.tmp.clone(), root.join(&s.file)));
                 segments.push(s);
@@ -519,6 +548,7 @@ impl FileSink {
             segments,
             entries: open.entries,
             sunk: open.sunk,
+            paid: open.paid,
             recovered: false,
         };
         let bytes = serde_json::to_vec(&pending).unwrap_or_default();
@@ -526,7 +556,7 @@ impl FileSink {
         for (tmp, dest) in &tmps {
             fs::rename(tmp, dest).map_err(|e| disk("cannot rename into place", dest, e))?;
         }
-        for d in ["results", "failures"] {
+        for d in KINDS {
             sync_dir(&root.join(d))?;
         }
         let ids: Vec<String> = open.ids.into_iter().collect();
@@ -759,9 +789,19 @@ fn written_output(root: &Path, rid: &str) -> Result<Option<serde_json::Value>, S
     Ok(found)
 }
 
+/// What tells a line of a results segment (its record id) or of a ledger
+/// segment (its call key) from any other.
 #[derive(Deserialize)]
 struct IdOnly {
     record_id: String,
+    #[serde(default)]
+    call_key: Option<String>,
+}
+
+impl IdOnly {
+    fn key(self) -> String {
+        self.call_key.unwrap_or(self.record_id)
+    }
 }
 
 /// `(partition, seq, path)` of every finished segment in `dir`.
@@ -824,6 +864,10 @@ pub struct FilesCheck {
     /// Unresolved failures by state: the last line of each record in the
     /// failures segments, unless it has a result line.
     pub open_failures: BTreeMap<String, u64>,
+    /// Paid calls in the ledger segments (each once), and the lines that
+    /// repeat a call already there.
+    pub ledger_calls: u64,
+    pub ledger_duplicates: u64,
 }
 
 /// Reads and checks every segment of `job` in `dir`.
@@ -835,7 +879,7 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
         ..FilesCheck::default()
     };
     let listed: HashSet<&str> = manifest.segments.iter().map(|s| s.file.as_str()).collect();
-    for d in ["results", "failures"] {
+    for d in KINDS {
         for (_, _, path) in list_segments(&root.join(d))? {
             let rel = format!("{d}/{}", path.file_name().unwrap_or_default().to_string_lossy());
             if !listed.contains(rel.as_str()) {
@@ -847,6 +891,7 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
     // Failures in order (partition, then segment number: a record's lines
     // are in its partition, oldest first): the last line of a record wins.
     let mut last: HashMap<String, String> = HashMap::new();
+    let mut calls: Vec<String> = Vec::new();
     for s in &manifest.segments {
         let path = root.join(&s.file);
         let mut sha = Sha256::new();
@@ -863,6 +908,10 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
                 && let Ok(f) = serde_json::from_str::<FailureRow>(line)
             {
                 last.insert(f.record_id, f.state);
+            } else if s.kind == "ledger"
+                && let Ok(id) = serde_json::from_str::<IdOnly>(line)
+            {
+                calls.push(id.key());
             }
         });
         if read.is_err() || lines != s.records || hex::encode(sha.finalize()) != s.sha256 {
@@ -870,6 +919,11 @@ pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
         }
     }
     c.result_ids.sort_unstable();
+    calls.sort_unstable();
+    let lines = calls.len() as u64;
+    calls.dedup();
+    c.ledger_calls = calls.len() as u64;
+    c.ledger_duplicates = lines - c.ledger_calls;
     for (rid, state) in last {
         if c.result_ids.binary_search(&rid).is_err() {
             *c.open_failures.entry(state).or_default() += 1;
@@ -902,6 +956,35 @@ pub fn results(dir: &Path, job: &str, mut f: impl FnMut(ResultRecord)) -> Result
         if let Some(e) = bad {
             return Err(SinkError::Disk(format!(
                 "{} holds a line that is no result: {e}",
+                path.display()
+            )));
+        }
+    }
+    Ok(n)
+}
+
+/// Every paid call in the ledger segments of `job` in `dir`, each once,
+/// one at a time.
+pub fn ledger(dir: &Path, job: &str, mut f: impl FnMut(PaidCall)) -> Result<u64, SinkError> {
+    let root = job_dir(dir, job)?;
+    let manifest = read_manifest(&root)?.unwrap_or_default();
+    let mut seen = HashSet::new();
+    let mut n = 0;
+    for s in manifest.segments.iter().filter(|s| s.kind == "ledger") {
+        let path = root.join(&s.file);
+        let mut bad = None;
+        each_line(&path, |line| match PaidCall::from_line(line) {
+            Ok(call) => {
+                if seen.insert(call.key()) {
+                    f(call);
+                    n += 1;
+                }
+            }
+            Err(e) => bad = Some(e),
+        })?;
+        if let Some(e) = bad {
+            return Err(SinkError::Disk(format!(
+                "{} holds a line that is no paid call: {e}",
                 path.display()
             )));
         }
@@ -972,6 +1055,7 @@ mod tests {
             entry_id: format!("{n}-0"),
             rid: rid.into(),
             result: true,
+            call: None,
         }
     }
 
@@ -981,7 +1065,7 @@ mod tests {
             .map(|r| ResultRow::parse(&result(r).encode(), &Default::default()).unwrap())
             .unzip();
         let entries: Vec<SinkEntry> = rids.iter().enumerate().map(|(i, r)| entry(i as u32, r)).collect();
-        sink.append(0, &entries, &rows, &sunk, &[]).unwrap();
+        sink.append(0, &entries, &rows, &sunk, &[], &[]).unwrap();
     }
 
     #[test]
@@ -1006,6 +1090,55 @@ mod tests {
         append(&mut sink, &["c", "d"]);
         sink.finish(0).unwrap();
         assert_eq!(check(dir.path(), "j").unwrap().result_ids, ["a", "b", "c", "d"]);
+    }
+
+    #[test]
+    fn a_paid_call_is_one_ledger_line_however_often_it_is_handed_over() {
+        let dir = tempdir();
+        let mut sink = FileSink::open(dir.path(), "j", limits()).unwrap();
+        sink.take(0).unwrap();
+        let task: crate::task::Task =
+            serde_json::from_value(serde_json::json!({"rid": "a", "input": {"text": "hi"}})).unwrap();
+        let usage = crate::task::Usage {
+            prompt: 10,
+            completion: 2,
+            total: 12,
+            ..Default::default()
+        };
+        let call = PaidCall::new(&task, 1, 1, 1, "w", usage, &Default::default(), 5);
+        let other = PaidCall::new(&task, 2, 2, 1, "w", usage, &Default::default(), 6);
+        let e = |n: u32| SinkEntry {
+            call: Some(format!("c{n}")),
+            result: false,
+            ..entry(n, "a")
+        };
+        sink.append(0, &[e(1)], &[], &[], &[], std::slice::from_ref(&call))
+            .unwrap();
+        sink.finish(0).unwrap();
+        assert_eq!(sink.pending(0).unwrap().paid, [call.key()]);
+        sink.acknowledged(0).unwrap();
+        // Handed over again (a lost acknowledgement), with a new call: one line more.
+        sink.append(0, &[e(1), e(2)], &[], &[], &[], &[call.clone(), other.clone()])
+            .unwrap();
+        sink.finish(0).unwrap();
+        assert_eq!(sink.pending(0).unwrap().paid.len(), 2, "both leave Redis");
+        let c = check(dir.path(), "j").unwrap();
+        assert_eq!((c.ledger_calls, c.ledger_duplicates), (2, 0));
+        assert!(c.damaged.is_empty() && c.unlisted.is_empty(), "{c:?}");
+        // A writer that takes the partition over remembers the calls too.
+        drop(sink);
+        let mut again = FileSink::open(dir.path(), "j", limits()).unwrap();
+        again.take(0).unwrap();
+        again.acknowledged(0).unwrap();
+        again
+            .append(0, &[e(2)], &[], &[], &[], std::slice::from_ref(&other))
+            .unwrap();
+        again.finish(0).unwrap();
+        assert_eq!(check(dir.path(), "j").unwrap().ledger_duplicates, 0);
+        let mut read = Vec::new();
+        ledger(dir.path(), "j", |c| read.push(c)).unwrap();
+        read.sort_by_key(|c| c.call);
+        assert_eq!(read, [call, other], "read back as they were");
     }
 
     #[test]

@@ -88,8 +88,8 @@ pub struct Sink {
     /// Rows per write (one transaction each); default 500.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_rows: Option<usize>,
-    /// Outcomes committed in Redis and not yet in the sink at which the
-    /// fleet stops claiming (Redis does not grow without bound while the
+    /// Sink stream entries (outcomes committed in Redis, and paid calls)
+    /// not yet in the sink at which the fleet stops claiming (Redis does not grow without bound while the
     /// sink is down or slow); claims resume as the sink catches up.
     /// Default 100,000.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use common::ledger::PaidCall;
 use common::sink::PgSink;
 use common::sink_files;
 use common::spec::{JobSpec, SinkKind};
@@ -24,7 +25,7 @@ pub struct SinkStatus {
     /// Results that left Redis once the sink held them (their records
     /// stay `done` in Redis; the result is read from the sink).
     pub left_redis: u64,
-    /// Outcomes committed in Redis and not yet written (the sink lag).
+    /// Outcomes and paid calls in Redis not yet written (the sink lag).
     pub backlog: u64,
     /// From the table, with `--require-complete` / `--require-done`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -54,8 +55,58 @@ pub struct SinkVerified {
     /// Record ids with more than one result line (files; a table's primary
     /// key rules them out).
     pub duplicates: u64,
-    /// Every done record has its row and nothing else is there.
+    /// The cost ledger in the sink against the spend counters.
+    pub ledger: LedgerCheck,
+    /// Every done record has its row and nothing else is there, and every
+    /// paid call is in the ledger once.
     pub exact: bool,
+}
+
+/// Every paid call the spend counters count is in the sink's ledger or
+/// still only in Redis's, once (checked with nothing waiting for the sink).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LedgerCheck {
+    /// Paid calls the sink's ledger holds (each once).
+    pub in_sink: u64,
+    /// Paid calls only Redis holds (not handed to the sink yet, or from
+    /// before the job's sink received the ledger).
+    pub only_in_redis: u64,
+    /// Paid calls the spend counters count.
+    pub counted: u64,
+    /// Counted calls in neither ledger.
+    pub missing: u64,
+    /// Calls in the sink's ledger beyond the count: Redis lost writes it
+    /// had acknowledged (a restart with `appendfsync everysec`), so its
+    /// counters (and the budget) missed calls that were paid.
+    pub uncounted: u64,
+    /// Files: ledger lines that repeat a call already there.
+    pub duplicates: u64,
+    /// No counted call missing, none twice.
+    pub complete: bool,
+}
+
+impl LedgerCheck {
+    async fn new(
+        store: &RedisStore,
+        job: &str,
+        partitions: u32,
+        in_sink: u64,
+        duplicates: u64,
+    ) -> anyhow::Result<Self> {
+        let counted = store.spend(job, partitions).await?.totals.calls;
+        let only_in_redis = store.ledger_unsunk(job, partitions).await?;
+        let held = in_sink + only_in_redis;
+        let missing = counted.saturating_sub(held);
+        Ok(LedgerCheck {
+            in_sink,
+            only_in_redis,
+            counted,
+            missing,
+            uncounted: held.saturating_sub(counted),
+            duplicates,
+            complete: missing == 0 && duplicates == 0,
+        })
+    }
 }
 
 /// The sink's status; None when the job has no sink. With `verify` (the
@@ -97,8 +148,10 @@ pub async fn sink_status(
             let before = ids.len();
             ids.dedup();
             v.duplicates = (before - ids.len()) as u64;
+            v.ledger = LedgerCheck::new(store, job, partitions, c.ledger_calls, c.ledger_duplicates).await?;
             compare(&done, &ids, &mut v);
-            v.exact = v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty();
+            v.exact =
+                v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty() && v.ledger.complete;
             s.verified = Some(v);
             return Ok(Some(s));
         }
@@ -107,9 +160,11 @@ pub async fn sink_status(
         let mut v = SinkVerified {
             rows: rows.len() as u64,
             open_failures: db.open_failures(job).await?,
+            ledger: LedgerCheck::new(store, job, partitions, db.ledger_rows(job).await?, 0).await?,
             ..SinkVerified::default()
         };
         compare(&done, &rows, &mut v);
+        v.exact = v.exact && v.ledger.complete;
         s.verified = Some(v);
     }
     Ok(Some(s))
@@ -208,6 +263,53 @@ pub async fn each_result(
     Ok(())
 }
 
+/// Every paid call of a job's cost ledger, each once: those still in
+/// Redis, then those only the sink holds (a job with a sink: a call leaves
+/// Redis a while after the sink has it). Reading the sink needs its URL, as
+/// for [`each_result`].
+pub async fn each_paid_call(
+    store: &RedisStore,
+    job: &str,
+    spec: Option<&JobSpec>,
+    partitions: u32,
+    mut f: impl FnMut(PaidCall),
+) -> anyhow::Result<()> {
+    let sink = spec.filter(|s| s.sink.kind != SinkKind::None);
+    let mut seen = HashSet::new();
+    for p in 0..partitions {
+        store
+            .ledger_entries(job, p, |c| {
+                if sink.is_some() {
+                    seen.insert(c.key());
+                }
+                f(c)
+            })
+            .await?;
+    }
+    let Some(spec) = sink else { return Ok(()) };
+    if seen.len() as u64 >= store.spend(job, partitions).await?.totals.calls {
+        return Ok(()); // every call is still in Redis
+    }
+    let mut unseen = |c: PaidCall| {
+        if !seen.contains(&c.key()) {
+            f(c)
+        }
+    };
+    if spec.sink.kind == SinkKind::Files {
+        let dir = spec.sink.dir.as_deref().unwrap_or_default();
+        sink_files::ledger(std::path::Path::new(dir), job, unseen)
+            .map_err(|e| anyhow::anyhow!("the cost ledger of job `{job}` is in the files sink ({dir}): {e}"))?;
+        return Ok(());
+    }
+    let context = format!(
+        "the cost ledger of job `{job}` is in PostgreSQL, table {}_ledger",
+        spec.sink.table()
+    );
+    let db = connect(spec, &context, "to read it").await?;
+    db.ledger(job, &mut unseen).await?;
+    Ok(())
+}
+
 /// The job's PostgreSQL sink, at the URL in the variable `sink.url_env`
 /// names; without it, the error says what it is needed for
 /// (`<context>: set DATABASE_URL (sink.url_env) to the database URL <why>`).
@@ -223,7 +325,7 @@ pub async fn connect(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result
 /// The human lines of a sink status.
 pub fn print(s: &SinkStatus) {
     crate::outln!(
-        "  sink         {} {} {}: {} written, {} waiting in Redis, {} results only in the sink",
+        "  sink         {} {} {}: {} written, {} outcomes and paid calls waiting in Redis, {} results only in the sink",
         s.kind,
         if s.kind == "files" { "dir" } else { "table" },
         s.table,
@@ -258,5 +360,22 @@ pub fn print(s: &SinkStatus) {
         for (state, n) in &v.open_failures {
             crate::outln!("    failures   {state} {n}");
         }
+        let l = &v.ledger;
+        crate::outln!(
+            "    ledger     {} paid calls in the sink + {} only in Redis, {} counted: {} missing, {} duplicated{}",
+            l.in_sink,
+            l.only_in_redis,
+            l.counted,
+            l.missing,
+            l.duplicates,
+            if l.uncounted > 0 {
+                format!(
+                    ", {} paid calls the counters lack (Redis lost acknowledged writes)",
+                    l.uncounted
+                )
+            } else {
+                String::new()
+            }
+        );
     }
 }

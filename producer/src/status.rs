@@ -183,13 +183,17 @@ pub async fn export(
             }
         }
     };
-    if what == ExportSet::Done {
+    if matches!(what, ExportSet::Done | ExportSet::Ledger) {
         let spec = store.job_spec(job).await.ok().flatten();
-        crate::sink::each_result(store, job, spec.as_ref(), partitions, |r| write(r.encode())).await?;
+        if what == ExportSet::Done {
+            crate::sink::each_result(store, job, spec.as_ref(), partitions, |r| write(r.encode())).await?;
+        } else {
+            crate::sink::each_paid_call(store, job, spec.as_ref(), partitions, |c| write(c.line())).await?;
+        }
     }
     for p in 0..partitions {
         match what {
-            ExportSet::Done => {}
+            ExportSet::Done | ExportSet::Ledger => {}
             ExportSet::Review => store.review_entries(job, p, |e| write(e.encode())).await?,
             ExportSet::Dropped => {
                 store
@@ -200,7 +204,6 @@ pub async fn export(
                     })
                     .await?
             }
-            ExportSet::Ledger => store.ledger_entries(job, p, |c| write(ledger_line(&c))).await?,
         }
     }
     if let Some(e) = failed {
@@ -208,30 +211,6 @@ pub async fn export(
     }
     out.flush()?;
     Ok(n)
-}
-
-/// A line of `export --what ledger`: one paid call.
-fn ledger_line(c: &common::ledger::PaidCall) -> String {
-    let fate = match c.fate {
-        common::ledger::Fate::Settled => "settled",
-        common::ledger::Fate::Abandoned => "abandoned",
-        common::ledger::Fate::Lost => "lost",
-    };
-    serde_json::json!({
-        "call_key": c.key(),
-        "record_id": c.rid,
-        "attempt": c.attempt,
-        "call": c.call,
-        "delivery": c.delivery,
-        "worker": c.worker,
-        "cause": c.cause.name(),
-        "fate": fate,
-        "usage": c.usage,
-        "prices": c.prices,
-        "cost_usd": c.cost_nusd as f64 / 1e9,
-        "at_ms": c.at_ms,
-    })
-    .to_string()
 }
 
 /// A line of `export --what dropped`.

@@ -125,12 +125,32 @@ pub fn status_json_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> (Opt
 /// `producer export --what done --out -` with environment variables set:
 /// its output (the caller checks the exit status).
 pub fn export_done_env(redis_url: &str, job: &str, env: &[(&str, &str)]) -> Output {
+    export_env(redis_url, job, "done", env)
+}
+
+/// `producer export --what WHAT --out -` of a job, with `env` set.
+pub fn export_env(redis_url: &str, job: &str, what: &str, env: &[(&str, &str)]) -> Output {
     producer_with_env(
         &[
-            "export", "--job", job, "--redis", redis_url, "--what", "done", "--out", "-",
+            "export", "--job", job, "--redis", redis_url, "--what", what, "--out", "-",
         ],
         env,
     )
+}
+
+/// The paid calls `producer export --what ledger` writes, each as JSON,
+/// checked to be each once; with their total cost in nano-USD.
+pub fn exported_ledger(redis_url: &str, job: &str, env: &[(&str, &str)]) -> (Vec<serde_json::Value>, u64) {
+    let out = export_env(redis_url, job, "ledger", env);
+    assert!(out.status.success(), "{}", crate::stderr(&out));
+    let calls: Vec<serde_json::Value> = crate::stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a ledger line is JSON"))
+        .collect();
+    let keys: std::collections::HashSet<&str> = calls.iter().filter_map(|c| c["call_key"].as_str()).collect();
+    assert_eq!(keys.len(), calls.len(), "each paid call once");
+    let nusd = calls.iter().map(|c| c["cost_nusd"].as_u64().expect("cost_nusd")).sum();
+    (calls, nusd)
 }
 
 /// helm from the project's `.tools/bin` (make installs it there) or PATH.

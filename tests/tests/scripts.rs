@@ -584,7 +584,14 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
     let taken = store.sink_take(JOB, 0, "s", 5000, Some(60_000), false).await.unwrap();
     assert_eq!(taken.len(), n, "every commit handed to the sink");
     let refs: Vec<SunkResult> = results.iter().map(SunkResult::of).collect();
-    assert_eq!(store.sink_ack(JOB, 0, &taken, n as u64, &refs).await.unwrap(), n as u64);
+    let hold = std::time::Duration::from_secs(60);
+    assert_eq!(
+        store
+            .sink_ack(JOB, 0, &taken, n as u64, &refs, &[], hold)
+            .await
+            .unwrap(),
+        n as u64
+    );
     let mut c = redis.conn();
     let left: u64 = c.hlen(keys::results(JOB, 0)).unwrap();
     let origins: u64 = c.hlen(keys::origins(JOB, 0)).unwrap();
@@ -600,7 +607,7 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
         (n as u64, n as u64, Some(&(n as u64)))
     );
     // Acknowledged again (a writer that lost the reply): nothing counted twice.
-    assert_eq!(store.sink_ack(JOB, 0, &taken, 0, &refs).await.unwrap(), 0);
+    assert_eq!(store.sink_ack(JOB, 0, &taken, 0, &refs, &[], hold).await.unwrap(), 0);
     assert_eq!(store.sunk(JOB, 1).await.unwrap().done, n as u64);
     // A re-enqueue adds nothing and names the origin the state entry keeps.
     let again = store.enqueue(JOB, 3600, &entries[7..8]).await.unwrap();
@@ -782,6 +789,88 @@ async fn a_paid_call_is_recorded_once_however_often_its_outcome_is_stored() {
     }
     calls.sort_by(|x, y| x.rid.cmp(&y.rid));
     assert_eq!(calls, vec![pa, pb], "the first record of each call stands");
+}
+
+#[tokio::test]
+async fn a_paid_call_goes_to_the_sink_once_and_leaves_the_ledger_only_after_its_hold() {
+    use common::ledger::{Fate, PaidCall};
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url()).await.unwrap();
+    store.prepare_job(JOB, "", 1, true).await.unwrap();
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}")])
+        .await
+        .unwrap();
+    let ds = claim(&store, "w1").await;
+    let (a, b) = (&ds[0], &ds[1]);
+    let usage = common::task::Usage {
+        prompt: 1000,
+        completion: 100,
+        total: 1100,
+        ..Default::default()
+    };
+    let paid = |d: &Delivery| PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage, &spec().prices, 7);
+    let (pa, pb) = (paid(a), paid(b));
+    let commit_a = Finishing::new(a, &Finish::Commit(result_for(a))).paid(Some(&pa));
+    assert_eq!(
+        store.finish_many(JOB, &[commit_a]).await[0].as_ref().unwrap(),
+        &Finished::Moved
+    );
+    // b's call is cut off at a drain: recorded on its own, handed over too.
+    let mut cut = pb.clone();
+    cut.fate = Fate::Abandoned;
+    store.record_paid(JOB, &[(0, cut.clone())]).await.unwrap();
+    let taken = store.sink_take(JOB, 0, "s", 100, None, false).await.unwrap();
+    let calls: Vec<Option<&str>> = taken.iter().map(|e| e.call.as_deref()).collect();
+    assert_eq!(
+        calls,
+        [Some(pa.key().as_str()), None, Some(cut.key().as_str())],
+        "the call, the result, then the cut-off call: {taken:?}"
+    );
+    assert_eq!(taken[2].rid, "b", "the record id from the call's key");
+    assert!(taken[0].rid == "a" && !taken[0].is_failure() && taken[1].result);
+    let batch = store.sink_read(JOB, 0, &taken, &spec().prices).await.unwrap();
+    assert_eq!(batch.paid, vec![pa.clone(), cut.clone()]);
+    assert!(
+        batch.failures.is_empty(),
+        "a paid call is no failure: {:?}",
+        batch.failures
+    );
+    let sunk: Vec<SunkResult> = batch.results.iter().map(|_| SunkResult::of(&result_for(a))).collect();
+    let keys_held: Vec<String> = batch.paid.iter().map(PaidCall::key).collect();
+    let hold = std::time::Duration::from_millis(1500);
+    store
+        .sink_ack(JOB, 0, &taken, 1, &sunk, &keys_held, hold)
+        .await
+        .unwrap();
+    let hlen = |c: &mut redis::Connection| -> (u64, u64) {
+        (
+            c.hlen(keys::ledger(JOB, 0)).unwrap(),
+            c.zcard(keys::ledger_sunk(JOB, 0)).unwrap(),
+        )
+    };
+    let mut c = redis.conn();
+    assert_eq!(hlen(&mut c), (2, 2), "in the sink, and still in the ledger for a while");
+    assert_eq!(store.ledger_unsunk(JOB, 1).await.unwrap(), 0);
+    // Stored again meanwhile (a lost reply, recorded as lost): counted once, not handed over again.
+    let mut lost = pa.clone();
+    lost.fate = Fate::Lost;
+    store.record_paid(JOB, &[(0, lost)]).await.unwrap();
+    let xlen: u64 = c.xlen(keys::sink(JOB, 0)).unwrap();
+    assert_eq!(xlen, 0);
+    assert_eq!(store.spend(JOB, 1).await.unwrap().totals.calls, 2);
+    // Before its time, an acknowledgement leaves them; after it, one trims them.
+    store.sink_ack(JOB, 0, &[], 0, &[], &[], hold).await.unwrap();
+    assert_eq!(hlen(&mut c), (2, 2));
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    store.sink_ack(JOB, 0, &[], 0, &[], &[], hold).await.unwrap();
+    assert_eq!(hlen(&mut c), (0, 0), "the sink holds them now");
+    let spend = store.spend(JOB, 1).await.unwrap();
+    assert_eq!(
+        (spend.totals.calls, spend.totals.prompt_tokens),
+        (2, 2000),
+        "the counters keep them"
+    );
 }
 
 /// The bucket hash of limiter `id` after settling `grants` of it, one call

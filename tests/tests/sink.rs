@@ -45,6 +45,17 @@ fn status(redis: &RedisServer, db_url: &str) -> (Option<i32>, Value) {
     harness::status_json_env(&redis.url(), "sink", &[(URL_ENV, db_url)])
 }
 
+/// What the job spent, from `producer report`, in nano-USD.
+fn spend_nusd(redis: &RedisServer, db_url: &str) -> u64 {
+    let out = harness::producer_with_env(
+        &["report", "--job", "sink", "--redis", &redis.url(), "--json"],
+        &[(URL_ENV, db_url)],
+    );
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let r: Value = serde_json::from_str(&harness::stdout(&out)).unwrap();
+    (r["spend"]["cost_usd"].as_f64().unwrap() * 1e9).round() as u64
+}
+
 /// The job's rows in the results table (its primary key makes each record once).
 fn rows(pg: &PgServer) -> u64 {
     pg.query("SELECT count(*) FROM results WHERE job = 'sink'")
@@ -213,6 +224,52 @@ fn every_done_record_is_one_row_through_kills_of_the_writer_the_database_and_red
         sample["input"]["message_id"].is_string(),
         "the input is kept beside the result: {sample}"
     );
+    // Every paid call is in the ledger table once, or still in Redis (the
+    // check proves it against the spend counters); export reads both, each
+    // call once, and they add up to what was spent.
+    let l = &s["sink"]["verified"]["ledger"];
+    assert_eq!(
+        (l["complete"].as_bool(), l["missing"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
+    let in_sink = l["in_sink"].as_u64().unwrap();
+    assert!(in_sink >= done, "{s}");
+    let table: u64 = pg
+        .query("SELECT count(*) FROM results_ledger WHERE job = 'sink'")
+        .parse()
+        .unwrap();
+    assert_eq!(table, in_sink);
+    let spent = spend_nusd(&redis, &url);
+    let (calls, nusd) = harness::exported_ledger(&redis.url(), "sink", &[(URL_ENV, &url)]);
+    assert_eq!(calls.len() as u64, l["counted"].as_u64().unwrap(), "{s}");
+    assert_eq!(nusd, spent);
+    let table_nusd: u64 = pg
+        .query("SELECT sum(cost_nusd) FROM results_ledger WHERE job = 'sink'")
+        .parse()
+        .unwrap();
+    assert!(table_nusd > 0 && table_nusd <= spent);
+    // Once held twice the visibility timeout, the calls the table holds
+    // leave Redis; the counters keep them.
+    std::thread::sleep(Duration::from_secs(8));
+    let (exit, log) =
+        Running::spawn(worker(&redis, &sim, &url, &[&fast[..], &["--drain"]].concat())).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(l["only_in_redis"], 0, "every call was handed to the table: {s}");
+    assert_eq!(redis.hlen_sum("sink", keys::ledger), 0, "the calls left Redis");
+    let held: u64 = (0..4)
+        .map(|p| {
+            redis::cmd("ZCARD")
+                .arg(keys::ledger_sunk("sink", p))
+                .query::<u64>(&mut c)
+                .unwrap()
+        })
+        .sum();
+    assert_eq!(held, 0);
+    assert_eq!(spend_nusd(&redis, &url), spent, "spend never shrinks");
+    let (calls, nusd) = harness::exported_ledger(&redis.url(), "sink", &[(URL_ENV, &url)]);
+    assert_eq!((calls.len() as u64, nusd), (l["counted"].as_u64().unwrap(), spent));
+
     let report = harness::producer_with_env(
         &["report", "--job", "sink", "--redis", &redis.url(), "--json"],
         &[(URL_ENV, &url)],
@@ -326,7 +383,10 @@ fn failing_sink(db_url: &str) -> String {
     let (exit, log) = w.finish(Duration::from_secs(30));
     assert!(exit.success(), "the worker keeps working while its sink fails: {log}");
     let s = job_status();
-    assert_eq!(s["sink"]["backlog"], 20, "every outcome waits in Redis: {s}");
+    assert_eq!(
+        s["sink"]["backlog"], 40,
+        "every outcome and its paid call wait in Redis: {s}"
+    );
     log
 }
 
@@ -480,12 +540,13 @@ fn claims_stop_at_the_sink_backlog_limit_and_resume_when_the_database_is_back() 
             .as_u64()
             .unwrap()
     };
-    wait_for("the backlog limit reached", Duration::from_secs(30), || done() >= 10);
+    // 10 entries: each record's outcome and its paid call.
+    wait_for("the backlog limit reached", Duration::from_secs(30), || done() >= 5);
     std::thread::sleep(Duration::from_secs(3));
     let held = done();
     // The limit, plus what was in flight or finished before it was seen
     // (checked 4 times a second; at most 20 records a second here).
-    assert!(held < 30, "claims stopped at the backlog limit: {held} done of 60");
+    assert!(held < 25, "claims stopped at the backlog limit: {held} done of 60");
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(done(), held, "nothing more is claimed while the sink is down");
 

@@ -1,12 +1,15 @@
-//! The sink writer: moves a job's outcomes from its partitions' sink streams
-//! into PostgreSQL in batches, one transaction each, and acknowledges a batch
-//! only after its transaction committed. Every worker runs one per job with
+//! The sink writer: moves a job's outcomes and paid calls from its
+//! partitions' sink streams into PostgreSQL in batches, one transaction
+//! each, and acknowledges a batch only after its transaction committed. Every worker runs one per job with
 //! a sink; they share the streams through a consumer group, and a batch whose
 //! writer died mid-transaction (rolled back by the database) is claimed over
 //! once pending longer than the visibility timeout, and written again:
 //! `ON CONFLICT (record_id) DO NOTHING` makes the second write add nothing.
 //! The acknowledgement also takes the written results out of Redis: from
-//! then on the sink is where a done record's result is read.
+//! then on the sink is where a done record's result is read. A paid call
+//! leaves the ledger hash a while later ([`SinkWriter::hold`]): until then
+//! the same call stored again (a retried store call, a call recorded again
+//! as lost) is still known there and counted once.
 //!
 //! The files sink takes the same path into JSONL segments: a writer holds
 //! each of its partitions alone (a lock file), appends batches to the
@@ -52,6 +55,9 @@ enum Backend {
 
 /// Sink stream entries acknowledged per call.
 const ACK_CHUNK: usize = 1000;
+/// How often an idle writer lets the paid calls whose time has come leave
+/// its partitions' ledger hashes (a busy one does with every acknowledgement).
+const LEDGER_TRIM: Duration = Duration::from_secs(30);
 
 pub struct SinkWriter {
     fleet: Arc<Fleet>,
@@ -92,6 +98,8 @@ pub struct SinkWriter {
     /// The manifest's `updated_at` last written into the jobs table, and
     /// when the manifest was last read (lane 0 keeps the job's row).
     job_row: (Option<String>, Option<Instant>),
+    /// When the ledger hashes were last trimmed while idle (None: not yet).
+    ledger_trimmed: Option<Instant>,
 }
 
 /// How often lane 0 reads the job's manifest for the jobs table.
@@ -129,6 +137,32 @@ impl SinkWriter {
             stale_checked: None,
             next_attempt: None,
             job_row: (None, None),
+            ledger_trimmed: None,
+        }
+    }
+
+    /// How long a paid call the sink holds stays in the ledger hash: twice
+    /// the visibility timeout, past the longest a worker keeps storing an
+    /// outcome again (a second before the visibility timeout) with room for
+    /// a call recorded as lost right after.
+    fn hold(&self) -> Duration {
+        self.fleet.visibility * 2
+    }
+
+    /// While idle, every [`LEDGER_TRIM`]: the paid calls of this writer's
+    /// partitions whose time in the ledger hash is over leave it.
+    async fn trim_ledger(&mut self) {
+        if self.ledger_trimmed.is_some_and(|t| t.elapsed() < LEDGER_TRIM) {
+            return;
+        }
+        self.ledger_trimmed = Some(Instant::now());
+        let (f, hold) = (self.fleet.clone(), self.hold());
+        let (lane, lanes) = (self.lane, self.lanes);
+        for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
+            if let Err(e) = f.store.sink_ack(&self.job.name, p, &[], 0, &[], &[], hold).await {
+                f.store_error(&e).await;
+                return;
+            }
         }
     }
 
@@ -219,6 +253,9 @@ impl SinkWriter {
             // Every partition's own pending entries are written (or there were none).
             self.own_pending_read = true;
         }
+        if moved == 0 {
+            self.trim_ledger().await;
+        }
         Ok(moved)
     }
 
@@ -286,7 +323,12 @@ impl SinkWriter {
         }
         match first_error {
             Some(e) => Err(e),
-            None => Ok(moved),
+            None => {
+                if moved == 0 {
+                    self.trim_ledger().await;
+                }
+                Ok(moved)
+            }
         }
     }
 
@@ -342,7 +384,7 @@ impl SinkWriter {
                     return Ok(0);
                 }
             };
-            blocking(|| sink.append(p, &entries, &read.results, &read.sunk, &read.failures))?;
+            blocking(|| sink.append(p, &entries, &read.results, &read.sunk, &read.failures, &read.paid))?;
         }
         if sink.is_open(p) && (self.flushing || sink.due(p)) {
             blocking(|| sink.finish(p))?;
@@ -356,6 +398,7 @@ impl SinkWriter {
     /// Returns false when Redis failed (tried again next round).
     async fn ack_pending(&mut self, p: u32) -> Result<bool, SinkError> {
         let f = self.fleet.clone();
+        let hold = self.hold();
         let Some(Backend::Files(sink)) = self.sink.as_mut() else {
             return Ok(true);
         };
@@ -368,7 +411,8 @@ impl SinkWriter {
         }
         let entries: Vec<&[SinkEntry]> = pending.entries.chunks(ACK_CHUNK).collect();
         let sunk: Vec<&[SunkResult]> = pending.sunk.chunks(ACK_CHUNK).collect();
-        let chunks = entries.len().max(sunk.len());
+        let paid: Vec<&[String]> = pending.paid.chunks(ACK_CHUNK).collect();
+        let chunks = entries.len().max(sunk.len()).max(paid.len());
         let done = self.acked_chunks.get(&p).copied().unwrap_or(0);
         for i in done..chunks {
             // The rows that were new are counted with the last chunk (and
@@ -378,11 +422,12 @@ impl SinkWriter {
             } else {
                 0
             };
-            let (e, s) = (
+            let (e, s, k) = (
                 entries.get(i).copied().unwrap_or(&[]),
                 sunk.get(i).copied().unwrap_or(&[]),
+                paid.get(i).copied().unwrap_or(&[]),
             );
-            if let Err(err) = f.store.sink_ack(&self.job.name, p, e, written, s).await {
+            if let Err(err) = f.store.sink_ack(&self.job.name, p, e, written, s, k, hold).await {
                 f.store_error(&err).await;
                 self.acked_chunks.insert(p, i);
                 return Ok(false);
@@ -411,18 +456,18 @@ impl SinkWriter {
                 return Ok(0);
             }
         };
-        let (results, failures) = (&read.results, &read.failures);
+        let (results, failures, paid) = (&read.results, &read.failures, &read.paid);
         let Some(Backend::Pg(sink)) = self.sink.as_mut() else {
             self.retry = Some((p, entries));
             return Ok(0);
         };
         // Records the database refused: not in the sink (they go back to review).
         let mut refused_ids = std::collections::HashSet::new();
-        let written = match sink.write(job, p, results, failures).await {
+        let written = match sink.write(job, p, results, failures, paid).await {
             Ok(n) => n,
             Err(SinkError::Rejected(first)) => {
                 // One row the database refuses must not hold back the others.
-                let (n, refused) = match sink.write_each(job, p, results, failures).await {
+                let (n, refused) = match sink.write_each(job, p, results, failures, paid).await {
                     Ok(found) => found,
                     Err(e) => {
                         self.retry = Some((p, entries));
@@ -458,7 +503,9 @@ impl SinkWriter {
             .into_iter()
             .filter(|s| !refused_ids.contains(&s.rid))
             .collect();
-        if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk).await {
+        let paid: Vec<String> = read.paid.iter().map(|c| c.key()).collect();
+        let hold = self.hold();
+        if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk, &paid, hold).await {
             // Written but not acknowledged: the entries are written again
             // later, and add nothing then.
             f.store_error(&e).await;

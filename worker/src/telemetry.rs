@@ -49,7 +49,7 @@ pub struct Metrics {
     /// Result rows new in the sink, and the sink's errors by cause.
     pub sink_written: IntCounterVec,
     pub sink_errors: IntCounterVec,
-    /// Outcomes committed in Redis and not yet in the sink.
+    /// Outcomes and paid calls in Redis not yet in the sink (sink stream entries).
     sink_lag: IntGaugeVec,
     /// What the job spent (the ledger), its cap and what is reserved in flight.
     spend_usd: GaugeVec,
@@ -266,7 +266,7 @@ impl Metrics {
             sink_lag: gauge(
                 &r,
                 &format!("{p}sink_lag"),
-                "Outcomes committed in Redis and not yet written to the job's sink.",
+                "Sink stream entries (committed outcomes and paid calls) not yet written to the job's sink.",
                 &["job"],
             ),
             up,

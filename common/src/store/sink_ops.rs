@@ -1,12 +1,14 @@
 //! The store's sink verbs: take a batch of a partition's sink stream (new
-//! entries, or entries a dead writer left pending), read the outcomes they
-//! name, and acknowledge them once the sink's transaction committed.
+//! entries, or entries a dead writer left pending), read the outcomes and
+//! paid calls they name, and acknowledge them once the sink's transaction
+//! committed.
 
 use redis::Value;
 
 use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
 use crate::keys;
+use crate::ledger::PaidCall;
 use crate::sink::{FailureRow, ResultRow};
 use crate::spec::Prices;
 use crate::task::{RecordState, ResultRecord, ReviewEntry};
@@ -16,8 +18,19 @@ use crate::task::{RecordState, ResultRecord, ReviewEntry};
 pub struct SinkEntry {
     pub entry_id: String,
     pub rid: String,
-    /// A committed result (`r`), or a record in review, dropped or cancelled.
+    /// A committed result (`r`), or a record in review, dropped or
+    /// cancelled (`f`), or one of its paid calls (`l`, with `call`).
     pub result: bool,
+    /// A paid call: its key in the ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
+}
+
+impl SinkEntry {
+    /// A record in review, dropped or cancelled (read from its state now).
+    pub fn is_failure(&self) -> bool {
+        !self.result && self.call.is_none()
+    }
 }
 
 /// Tokens of every call a result's history holds.
@@ -89,6 +102,9 @@ pub struct SinkBatch {
     /// Records whose state is review, dropped or cancelled now, and results
     /// that cannot be read (kept as `rejected`).
     pub failures: Vec<FailureRow>,
+    /// The paid calls the batch names that are still in the ledger hash
+    /// (each once).
+    pub paid: Vec<PaidCall>,
 }
 
 /// The entries of a stream reply (`[[id, [field, value...]]...]`).
@@ -102,10 +118,12 @@ fn sink_entries(reply: &Value) -> Vec<SinkEntry> {
         let fields: Vec<String> = as_array(fields).iter().filter_map(as_string).collect();
         let get = |k: &str| fields.chunks(2).find(|kv| kv[0] == k).and_then(|kv| kv.get(1)).cloned();
         if let Some(rid) = get("rid") {
+            let kind = get("k");
             out.push(SinkEntry {
                 entry_id: id,
                 rid,
-                result: get("k").as_deref() == Some("r"),
+                result: kind.as_deref() == Some("r"),
+                call: if kind.as_deref() == Some("l") { get("c") } else { None },
             });
         }
     }
@@ -279,9 +297,30 @@ impl RedisStore {
                 }
             }
         }
+        let mut calls: Vec<&str> = entries.iter().filter_map(|e| e.call.as_deref()).collect();
+        calls.sort_unstable();
+        calls.dedup();
+        if !calls.is_empty() {
+            let key = keys::ledger(job, partition);
+            let texts = hmget(&mut c, key.clone(), &calls).await?;
+            for (call, t) in calls.iter().zip(texts) {
+                // Gone: it left the ledger after an earlier batch put it in the sink.
+                let Some(t) = t else { continue };
+                batch
+                    .paid
+                    .push(PaidCall::decode(call, &t).map_err(|reason| StoreError::Corrupt {
+                        key: key.clone(),
+                        reason,
+                    })?);
+            }
+        }
         // A record handed over as a failure twice in one batch (review, then
         // rejected) is read once: its state now says which.
-        let mut failed: Vec<&str> = entries.iter().filter(|e| !e.result).map(|e| e.rid.as_str()).collect();
+        let mut failed: Vec<&str> = entries
+            .iter()
+            .filter(|e| e.is_failure())
+            .map(|e| e.rid.as_str())
+            .collect();
         failed.sort_unstable();
         failed.dedup();
         if !failed.is_empty() {
@@ -323,7 +362,11 @@ impl RedisStore {
     /// committed by a writer that stopped before this call is written again
     /// later and is not new then), and removes the results the sink holds
     /// from Redis, their figures added to the partition's `sunk` counters.
-    /// Returns the results removed.
+    /// The paid calls the sink holds (`paid`, their keys) leave the ledger
+    /// hash `hold` from now (the same call stored again meanwhile is still
+    /// counted once); those whose time has come leave now (so a call with
+    /// nothing to acknowledge trims the ledger). Returns the results removed.
+    #[allow(clippy::too_many_arguments)]
     pub async fn sink_ack(
         &self,
         job: &str,
@@ -331,21 +374,27 @@ impl RedisStore {
         entries: &[SinkEntry],
         written: u64,
         sunk: &[SunkResult],
+        paid: &[String],
+        hold: std::time::Duration,
     ) -> Result<u64, StoreError> {
-        if entries.is_empty() && sunk.is_empty() {
-            return Ok(0);
-        }
         let mut inv = self.scripts.sink_ack.prepare_invoke();
         inv.key(keys::sink(job, partition))
             .key(keys::results(job, partition))
             .key(keys::sunk(job, partition))
             .key(keys::state(job, partition))
             .key(keys::origins(job, partition))
+            .key(keys::ledger(job, partition))
+            .key(keys::ledger_sunk(job, partition))
             .arg(keys::SINK_GROUP)
             .arg(written)
-            .arg(entries.len());
+            .arg(hold.as_millis() as u64)
+            .arg(entries.len())
+            .arg(paid.len());
         for e in entries {
             inv.arg(&e.entry_id);
+        }
+        for key in paid {
+            inv.arg(key);
         }
         for r in sunk {
             inv.key(keys::idem(job, partition, &r.rid));
@@ -394,6 +443,19 @@ impl RedisStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(moved == 1)
+    }
+
+    /// Paid calls in the ledger hashes the sink does not hold yet (every
+    /// call minus those kept a while after the sink took them), over the
+    /// job's partitions.
+    pub async fn ledger_unsunk(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.cmd("HLEN").arg(keys::ledger(job, p));
+            pipe.cmd("ZCARD").arg(keys::ledger_sunk(job, p));
+        }
+        let replies: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(replies.chunks(2).map(|c| c[0].saturating_sub(c[1])).sum())
     }
 
     /// What has left Redis for the sink, summed over the job's partitions.

@@ -450,7 +450,9 @@ impl RedisStore {
         }
         for (p, calls) in by_partition {
             let mut inv = self.scripts.ledger.prepare_invoke();
-            inv.key(keys::ledger(job, p)).key(keys::spend(job, p));
+            inv.key(keys::ledger(job, p))
+                .key(keys::spend(job, p))
+                .key(keys::sink(job, p));
             for c in calls {
                 inv.arg(c.key()).arg(c.encode()).arg(c.spend_args());
             }

@@ -21,7 +21,8 @@
 -- KEYS[6]  cancelled hash          bf:{job:pN}:cancelled (cancel, for resume)
 -- KEYS[7]  partition sink stream   bf:{job:pN}:sink: when it exists (the job
 --          has a sink), a record that became done (`k` r) or went to review,
---          was dropped or cancelled (`k` f) is handed to the sink through it
+--          was dropped or cancelled (`k` f), and each paid call new to the
+--          ledger (`k` l, its key in `c`) are handed to the sink through it
 -- KEYS[8]  partition ledger hash    bf:{job:pN}:paid: call key -> the paid call
 -- KEYS[9]  partition spend hash     bf:{job:pN}:spend: counters that only grow
 -- ARGV[1]  consumer group
@@ -52,6 +53,9 @@ end
 local function paid(i)
   if ARGV[i + 7] == '' or redis.call('HSETNX', KEYS[8], ARGV[i + 7], ARGV[i + 8]) == 0 then
     return
+  end
+  if has_sink then
+    redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
   local bucket, p, k, c, n, e = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
   add('calls', 1)

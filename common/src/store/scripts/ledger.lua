@@ -4,10 +4,15 @@
 --
 -- KEYS[1]  partition ledger hash    bf:{job:pN}:paid
 -- KEYS[2]  partition spend hash     bf:{job:pN}:spend
--- then 3 per call: its key, its encoding, and what it adds to the spend
--- (`bucket prompt cached completion nano-USD estimated`, as in finish.lua).
+-- KEYS[3]  partition sink stream    bf:{job:pN}:sink: when it exists (the job
+--          has a sink), each call new to the ledger is handed to the sink
+--          (`rid`, `k` l, `c` its key), as in finish.lua
+-- then 3 per call: its key (`<record id>:<call>:<nonce>`), its encoding, and
+-- what it adds to the spend (`bucket prompt cached completion nano-USD
+-- estimated`, as in finish.lua).
 -- A key already in the ledger is not counted again.
 -- Returns the number of calls recorded.
+local has_sink = redis.call('EXISTS', KEYS[3]) == 1
 local spend = {}
 local function add(field, n)
   spend[field] = (spend[field] or 0) + n
@@ -15,6 +20,9 @@ end
 local n = 0
 for i = 1, #ARGV, 3 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then
+    if has_sink then
+      redis.call('XADD', KEYS[3], '*', 'rid', string.match(ARGV[i], '^(.*):[^:]*:[^:]*$') or '', 'k', 'l', 'c', ARGV[i])
+    end
     local bucket, p, k, c, usd, e = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
     add('calls', 1)
     add('prompt', tonumber(p))

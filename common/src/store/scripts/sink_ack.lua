@@ -4,18 +4,25 @@
 -- a re-enqueue from adding them again) and origins entries: what stays is
 -- the record's state entry, `d@<origin>`, and the partition's `sunk`
 -- counters keep the figures of what left (each result counted once: only
--- when it is removed).
+-- when it is removed). Paid calls the sink holds leave the ledger hash
+-- after `hold_ms` (until then the same call stored again is still known,
+-- and counted once); every call trims those whose time has come.
 --
 -- KEYS[1]  partition sink stream   bf:{job:pN}:sink
 -- KEYS[2]  partition results hash  bf:{job:pN}:results
 -- KEYS[3]  partition sunk counters bf:{job:pN}:sunk
 -- KEYS[4]  partition state hash    bf:{job:pN}:state
 -- KEYS[5]  partition origins hash  bf:{job:pN}:origin
--- KEYS[5+i] the idempotency key of the i-th result below  bf:{job:pN}:idem:<record_id>
+-- KEYS[6]  partition ledger hash   bf:{job:pN}:paid
+-- KEYS[7]  its calls in the sink   bf:{job:pN}:paid:sunk (sorted set, by when they may leave)
+-- KEYS[7+i] the idempotency key of the i-th result below  bf:{job:pN}:idem:<record_id>
 -- ARGV[1]  consumer group
 -- ARGV[2]  rows that were new in the sink
--- ARGV[3]  n, the number of stream entry ids that follow
--- ARGV[4 .. 3+n]  the entry ids
+-- ARGV[3]  hold_ms: how long a paid call the sink holds stays in the ledger hash
+-- ARGV[4]  n, the number of stream entry ids that follow
+-- ARGV[5]  m, the number of paid call keys the sink holds that follow them
+-- ARGV[6 .. 5+n]  the entry ids
+-- ARGV[6+n .. 5+n+m]  the paid call keys
 -- then, per result the sink holds: record_id, attempts, prompt, completion, cached tokens
 -- Returns the number of results removed.
 local call = redis.call
@@ -30,10 +37,25 @@ local function chunked(cmd, key, args, from, to, step)
   end
 end
 local stream, results, sunk, states, origins = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local n = tonumber(ARGV[3])
+local ledger, ledger_sunk = KEYS[6], KEYS[7]
+local n, m = tonumber(ARGV[4]), tonumber(ARGV[5])
+local t = call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Paid calls that may leave now, then those the sink holds from now on.
+local due = call('ZRANGEBYSCORE', ledger_sunk, '-inf', now, 'LIMIT', 0, 1000)
+if #due > 0 then
+  chunked('HDEL', ledger, due, 1, #due, 1000)
+  chunked('ZREM', ledger_sunk, due, 1, #due, 1000)
+end
+local leave = now + tonumber(ARGV[3])
+for i = 6 + n, 5 + n + m do
+  if call('HGET', ledger, ARGV[i]) then
+    call('ZADD', ledger_sunk, 'NX', leave, ARGV[i])
+  end
+end
 if n > 0 then
   local ids = {}
-  for i = 4, 3 + n do
+  for i = 6, 5 + n do
     ids[#ids + 1] = ARGV[i]
   end
   for a = 1, #ids, 1000 do
@@ -47,14 +69,14 @@ if written > 0 then
 end
 -- The results the sink holds, in one read each of their states and origins.
 local rids, nums = {}, {}
-for i = 4 + n, #ARGV, 5 do
+for i = 6 + n + m, #ARGV, 5 do
   rids[#rids + 1] = ARGV[i]
   nums[#nums + 1] = i
 end
 if #rids == 0 then
   return 0
 end
-chunked('DEL', nil, KEYS, 6, 5 + #rids, 1000)
+chunked('DEL', nil, KEYS, 8, 7 + #rids, 1000)
 local st, og = {}, {}
 for a = 1, #rids, 1000 do
   local part = {unpack(rids, a, math.min(a + 999, #rids))}
