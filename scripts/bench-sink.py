@@ -8,8 +8,11 @@
    (exported from the table) into a table of the same shape, primary key and
    index included. Reported: both rates and their ratio.
 2. Redis bytes per record (INFO used_memory deltas): queued (after enqueue),
-   finished with its result still in Redis (before the sink wrote it), and
-   finished once the sink caught up (the result left Redis).
+   finished with its result still in Redis (before the sink wrote it),
+   finished once the sink caught up (the result left Redis; its paid call is
+   still held in the ledger hash for twice the visibility timeout), and
+   after that hold (the paid call left too). The workers run with a 3 s
+   visibility timeout (a 2 s provider timeout), so the hold is 6 s.
 3. Peak Redis memory of a PEAK_RECORDS-record job (default 1,000,000) with the
    default backlog (`enqueue --max-backlog` and `sink.max_backlog` left at
    their defaults), enqueued while two workers drain it into PostgreSQL
@@ -135,7 +138,8 @@ def main():
                       "output_tokens_per_minute = 500000", "max_concurrent = 64"]:
             spec = spec.replace(limit, "")
         spec = spec.replace("[retry]", '[sink]\nkind = "postgres"\nurl_env = "BENCH_DATABASE_URL"\n'
-                                       f'table = "results"\nmax_backlog = {N * 2}\nbatch_rows = {BATCH_ROWS}\nwriters = {WRITERS}\n\n[retry]', 1)
+                                       f'table = "results"\nmax_backlog = {N * 4}\nbatch_rows = {BATCH_ROWS}\nwriters = {WRITERS}\n\n[retry]', 1)
+        spec = spec.replace("timeout_secs = 30", "timeout_secs = 2")
         spec_path = os.path.join(tmp, "job.toml")
         open(spec_path, "w").write(spec)
         env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn", BENCH_DATABASE_URL=db_url)
@@ -152,7 +156,8 @@ def main():
 
         def worker(job, *extra):
             return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", job, "--base-url",
-                                     addr + "/v1", "--concurrency", "64", "--metrics-addr", "127.0.0.1:0", *extra],
+                                     addr + "/v1", "--concurrency", "64", "--metrics-addr", "127.0.0.1:0",
+                                     "--visibility-timeout-ms", "3000", *extra],
                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         # A first small job creates the tables.
@@ -192,6 +197,15 @@ def main():
         busy["postgres"] = postgres_pids(pg_dir)
         sink_cpu = {k: round((cpu_secs(v) - cpu0[k]) / sink_secs, 2) for k, v in busy.items()}
         time.sleep(1)
+        sunk_held = used_memory(url)
+        # The hold (6 s), then an idle writer's next trim (every 30 s).
+        held = lambda: sum(redis_int(url, "ZCARD", f"bf:{{bench:p{p}}}:paid:sunk") for p in range(4))
+        t_hold = time.time()
+        while held() > 0:
+            if time.time() - t_hold > 120:
+                raise SystemExit("the paid calls the sink holds did not leave Redis within 120 s")
+            time.sleep(0.5)
+        time.sleep(1)
         sunk = used_memory(url)
         rows = int(psql(pg_port, "SELECT count(*) FROM results WHERE job = 'bench'"))
 
@@ -212,7 +226,7 @@ def main():
             p.terminate()
             p.wait()
         procs.clear()
-        peak_spec = spec.replace(f"max_backlog = {N * 2}\n", "")
+        peak_spec = spec.replace(f"max_backlog = {N * 4}\n", "")
         peak_spec_path = os.path.join(tmp, "peak.toml")
         open(peak_spec_path, "w").write(peak_spec)
         big = os.path.join(tmp, "big.jsonl")
@@ -247,6 +261,7 @@ def main():
             "sink_cpu_cores_busy": sink_cpu,
             "redis_bytes_per_queued_record": round((queued - base) / N),
             "redis_bytes_per_finished_record_result_in_redis": round((finished_in_redis - base) / N),
+            "redis_bytes_per_finished_record_after_sink_calls_held": round((sunk_held - base) / N),
             "redis_bytes_per_finished_record_after_sink": round(per_finished),
             "large_job_records": PEAK_RECORDS,
             "large_job_peak_redis_mib": round(peak / 2**20, 1),

@@ -565,7 +565,7 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
     for chunk in entries.chunks(1000) {
         store.enqueue(JOB, 3600, chunk).await.unwrap();
     }
-    let mut results = Vec::new();
+    let (mut results, mut calls) = (Vec::new(), Vec::new());
     loop {
         let batch = claim(&store, "w").await;
         if batch.is_empty() {
@@ -573,31 +573,38 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
         }
         for d in batch {
             let r = result_for(&d);
+            let call = common::ledger::PaidCall::new(&d.task, 1, 1, 1, "w", Default::default(), &spec().prices, 0);
+            let commit = Finishing::new(&d, &Finish::Commit(r.clone())).paid(Some(&call));
             assert_eq!(
-                store.finish(JOB, &d, &Finish::Commit(r.clone())).await.unwrap(),
-                Finished::Moved
+                store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(),
+                &Finished::Moved
             );
             results.push(r);
+            calls.push(call.key());
         }
     }
     assert_eq!(results.len(), n);
-    let taken = store.sink_take(JOB, 0, "s", 5000, Some(60_000), false).await.unwrap();
-    assert_eq!(taken.len(), n, "every commit handed to the sink");
+    let taken = store.sink_take(JOB, 0, "s", 10_000, Some(60_000), false).await.unwrap();
+    assert_eq!(taken.len(), 2 * n, "every commit and its paid call handed to the sink");
     let refs: Vec<SunkResult> = results.iter().map(SunkResult::of).collect();
-    let hold = std::time::Duration::from_secs(60);
+    let hold = std::time::Duration::ZERO;
     assert_eq!(
         store
-            .sink_ack(JOB, 0, &taken, n as u64, &refs, &[], hold)
+            .sink_ack(JOB, 0, &taken, n as u64, &refs, &calls, hold)
             .await
             .unwrap(),
         n as u64
     );
+    // Every paid call's time in the ledger is over: all leave, 1,000 a call.
+    assert_eq!(store.ledger_trim(JOB, 0, hold).await.unwrap(), n as u64);
+    assert_eq!(store.spend(JOB, 1).await.unwrap().totals.calls, n as u64);
     let mut c = redis.conn();
     let left: u64 = c.hlen(keys::results(JOB, 0)).unwrap();
     let origins: u64 = c.hlen(keys::origins(JOB, 0)).unwrap();
     let idem: Vec<String> = c.keys(format!("bf:{{{JOB}:p0}}:idem:*")).unwrap();
     let stream: u64 = c.xlen(keys::sink(JOB, 0)).unwrap();
-    assert_eq!((left, origins, idem.len(), stream), (0, 0, 0, 0));
+    let ledger: u64 = c.hlen(keys::ledger(JOB, 0)).unwrap();
+    assert_eq!((left, origins, idem.len(), stream, ledger), (0, 0, 0, 0, 0));
     let st: String = c.hget(keys::state(JOB, 0), "r7").unwrap();
     assert_eq!(st, "d@ds:r7", "the origin moved into the state entry");
     assert_eq!(state(&store, "r7").await, Some(RecordState::Done));
@@ -607,8 +614,10 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
         (n as u64, n as u64, Some(&(n as u64)))
     );
     // Acknowledged again (a writer that lost the reply): nothing counted twice.
-    assert_eq!(store.sink_ack(JOB, 0, &taken, 0, &refs, &[], hold).await.unwrap(), 0);
+    assert_eq!(store.sink_ack(JOB, 0, &taken, 0, &refs, &calls, hold).await.unwrap(), 0);
     assert_eq!(store.sunk(JOB, 1).await.unwrap().done, n as u64);
+    let held: u64 = c.zcard(keys::ledger_sunk(JOB, 0)).unwrap();
+    assert_eq!(held, 0, "a call that left is not held again");
     // A re-enqueue adds nothing and names the origin the state entry keeps.
     let again = store.enqueue(JOB, 3600, &entries[7..8]).await.unwrap();
     assert_eq!(
@@ -859,11 +868,11 @@ async fn a_paid_call_goes_to_the_sink_once_and_leaves_the_ledger_only_after_its_
     let xlen: u64 = c.xlen(keys::sink(JOB, 0)).unwrap();
     assert_eq!(xlen, 0);
     assert_eq!(store.spend(JOB, 1).await.unwrap().totals.calls, 2);
-    // Before its time, an acknowledgement leaves them; after it, one trims them.
-    store.sink_ack(JOB, 0, &[], 0, &[], &[], hold).await.unwrap();
+    // Before its time, a trim leaves them; after it, they leave.
+    assert_eq!(store.ledger_trim(JOB, 0, hold).await.unwrap(), 0);
     assert_eq!(hlen(&mut c), (2, 2));
     std::thread::sleep(std::time::Duration::from_millis(1600));
-    store.sink_ack(JOB, 0, &[], 0, &[], &[], hold).await.unwrap();
+    assert_eq!(store.ledger_trim(JOB, 0, hold).await.unwrap(), 2);
     assert_eq!(hlen(&mut c), (0, 0), "the sink holds them now");
     let spend = store.spend(JOB, 1).await.unwrap();
     assert_eq!(

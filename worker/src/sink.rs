@@ -159,7 +159,7 @@ impl SinkWriter {
         let (f, hold) = (self.fleet.clone(), self.hold());
         let (lane, lanes) = (self.lane, self.lanes);
         for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
-            if let Err(e) = f.store.sink_ack(&self.job.name, p, &[], 0, &[], &[], hold).await {
+            if let Err(e) = f.store.ledger_trim(&self.job.name, p, hold).await {
                 f.store_error(&e).await;
                 return;
             }

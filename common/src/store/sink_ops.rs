@@ -407,7 +407,38 @@ impl RedisStore {
                 .arg(t.completion)
                 .arg(t.cached);
         }
-        Ok(inv.invoke_async(&mut self.conn.clone()).await?)
+        let (removed, _trimmed): (u64, u64) = inv.invoke_async(&mut self.conn.clone()).await?;
+        Ok(removed)
+    }
+
+    /// Lets the paid calls of a partition whose time in the ledger hash is
+    /// over (see [`RedisStore::sink_ack`]) leave it, all of them.
+    pub async fn ledger_trim(&self, job: &str, partition: u32, hold: std::time::Duration) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let (_, trimmed): (u64, u64) = self
+                .scripts
+                .sink_ack
+                .key(keys::sink(job, partition))
+                .key(keys::results(job, partition))
+                .key(keys::sunk(job, partition))
+                .key(keys::state(job, partition))
+                .key(keys::origins(job, partition))
+                .key(keys::ledger(job, partition))
+                .key(keys::ledger_sunk(job, partition))
+                .arg(keys::SINK_GROUP)
+                .arg(0)
+                .arg(hold.as_millis() as u64)
+                .arg(0)
+                .arg(0)
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+            total += trimmed;
+            // At most 1,000 leave per call.
+            if trimmed < 1000 {
+                return Ok(total);
+            }
+        }
     }
 
     /// Outcomes not yet in the sink (queued in its streams or being

@@ -24,7 +24,8 @@
 -- ARGV[6 .. 5+n]  the entry ids
 -- ARGV[6+n .. 5+n+m]  the paid call keys
 -- then, per result the sink holds: record_id, attempts, prompt, completion, cached tokens
--- Returns the number of results removed.
+-- Returns {results removed, paid calls that left the ledger hash} (at most
+-- 1,000 leave per call: a caller that trimmed that many calls again).
 local call = redis.call
 -- `cmd key args...` in chunks (Lua's unpack takes at most a few thousand values).
 local function chunked(cmd, key, args, from, to, step)
@@ -74,7 +75,7 @@ for i = 6 + n + m, #ARGV, 5 do
   nums[#nums + 1] = i
 end
 if #rids == 0 then
-  return 0
+  return {0, #due}
 end
 chunked('DEL', nil, KEYS, 8, 7 + #rids, 1000)
 local st, og = {}, {}
@@ -115,4 +116,4 @@ if removed > 0 then
     call('HINCRBY', sunk, 'a' .. attempts, count)
   end
 end
-return removed
+return {removed, #due}
