@@ -135,6 +135,15 @@ pub fn spend(job: &str, partition: u32) -> String {
     format!("bf:{}:spend", partition_tag(job, partition))
 }
 
+/// Hash of a partition's outcome counters (see `finish.lua`; they only
+/// grow): `e:<CODE> <field>` failed attempts by validation error,
+/// `r:<outcome>` retries by cause, `a:<N>` records done in N attempts, and
+/// per Unix minute `t<minute>:d` records done, `t<minute>:f` to review or
+/// dropped, `t<minute>:c` paid calls, `t<minute>:u` their nano-USD.
+pub fn stats(job: &str, partition: u32) -> String {
+    format!("bf:{}:stats", partition_tag(job, partition))
+}
+
 /// Stream of outcomes to hand to the job's sink (only for a job with one):
 /// `rid` and `k` (`r` a committed result, `f` a record in review or
 /// dropped, `l` a paid call of the record, its key in `c`), added by the
@@ -248,6 +257,7 @@ mod tests {
             ledger("j1", 3),
             ledger_sunk("j1", 3),
             spend("j1", 3),
+            stats("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));

@@ -12,6 +12,7 @@
 //! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
 //! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
+//! - [`stats`]: a job's outcome counters (errors, retries, attempts, per minute).
 //! - [`batch`]: group commit: calls that queue up while one runs go together.
 //! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
 //!   what providers send back; unusable API keys refused.
@@ -30,6 +31,7 @@ pub mod secret;
 pub mod sink;
 pub mod sink_files;
 pub mod spec;
+pub mod stats;
 pub mod store;
 pub mod task;
 pub mod template;

@@ -102,6 +102,20 @@ impl RedisStore {
         }
     }
 
+    /// The job's outcome counters, summed over its partitions.
+    pub async fn stats(&self, job: &str, partitions: u32) -> Result<crate::stats::JobStats, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.cmd("HGETALL").arg(keys::stats(job, p));
+        }
+        let all: Vec<std::collections::BTreeMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut s = crate::stats::JobStats::default();
+        for fields in &all {
+            s.add(fields);
+        }
+        Ok(s)
+    }
+
     /// The review entry of a record, if it is in review.
     pub async fn review_entry(
         &self,

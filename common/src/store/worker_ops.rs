@@ -54,6 +54,8 @@ pub struct Finishing {
     paid_key: String,
     paid: String,
     spend: String,
+    /// The stats fields the outcome counts once it moves the record.
+    stats: String,
 }
 
 impl Finishing {
@@ -89,8 +91,43 @@ impl Finishing {
             paid_key: String::new(),
             paid: String::new(),
             spend: String::new(),
+            stats: stats_fields(d, how).join("\n"),
         }
     }
+}
+
+/// The `stats` fields an outcome counts (see `keys::stats`): the
+/// validation errors of the attempt this delivery made (none when it made
+/// none: a poison or input error, a request that would repeat an answered
+/// one), the cause of a retry, and a commit's attempts.
+fn stats_fields(d: &Delivery, how: &Finish) -> Vec<String> {
+    use crate::task::HistoryItem;
+    let history = match how {
+        Finish::Commit(r) => &r.history,
+        Finish::Retry { task, .. } => &task.history,
+        Finish::Review(e) => &e.history,
+        _ => return Vec::new(),
+    };
+    let mut out = Vec::new();
+    let new_attempt = history
+        .last()
+        .and_then(HistoryItem::as_attempt)
+        .filter(|a| a.call > d.task.calls);
+    if let Some(a) = new_attempt {
+        out.extend(a.errors.iter().map(|e| stat_field("e", &format!("{} {}", e.code.as_str(), e.field))));
+        if matches!(how, Finish::Retry { .. }) {
+            out.push(stat_field("r", &a.outcome));
+        }
+    }
+    if let Finish::Commit(r) = how {
+        out.push(format!("a:{}", r.attempts));
+    }
+    out
+}
+
+/// `kind:name`, the name on one line (the fields are newline-separated).
+fn stat_field(kind: &str, name: &str) -> String {
+    format!("{kind}:{}", name.trim_end().replace(['\n', '\r'], " "))
 }
 
 /// What a [`RedisStore::finish`] came to.
@@ -398,6 +435,7 @@ impl RedisStore {
                 .key(keys::sink(job, p))
                 .key(keys::ledger(job, p))
                 .key(keys::spend(job, p))
+                .key(keys::stats(job, p))
                 .arg(keys::GROUP);
             for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)
@@ -409,7 +447,8 @@ impl RedisStore {
                     .arg(f.deliveries)
                     .arg(&f.paid_key)
                     .arg(&f.paid)
-                    .arg(&f.spend);
+                    .arg(&f.spend)
+                    .arg(&f.stats);
             }
             let mut conn = self.conn.clone();
             async move {
@@ -452,7 +491,8 @@ impl RedisStore {
             let mut inv = self.scripts.ledger.prepare_invoke();
             inv.key(keys::ledger(job, p))
                 .key(keys::spend(job, p))
-                .key(keys::sink(job, p));
+                .key(keys::sink(job, p))
+                .key(keys::stats(job, p));
             for c in calls {
                 inv.arg(c.key()).arg(c.encode()).arg(c.spend_args());
             }

@@ -25,8 +25,12 @@
 --          ledger (`k` l, its key in `c`) are handed to the sink through it
 -- KEYS[8]  partition ledger hash    bf:{job:pN}:paid: call key -> the paid call
 -- KEYS[9]  partition spend hash     bf:{job:pN}:spend: counters that only grow
+-- KEYS[10] partition stats hash     bf:{job:pN}:stats: counters of outcomes
+--          (the task's own fields, and per Unix minute of Redis's clock
+--          `t<minute>:d` records done, `t<minute>:f` to review or dropped,
+--          `t<minute>:c` paid calls, `t<minute>:u` their nano-USD)
 -- ARGV[1]  consumer group
--- then 10 per task:
+-- then 11 per task:
 --   stream entry id, record_id,
 --   mode: commit | retry | review | drop | cancel | release (back to the
 --         stream as a new entry, not called: a halted worker hands its tasks back),
@@ -35,7 +39,9 @@
 --   retry: due time, Unix ms (unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
---   adds to the spend (`bucket prompt cached completion nano-USD estimated`).
+--   adds to the spend (`bucket prompt cached completion nano-USD estimated`),
+--   the stats fields its outcome adds 1 to when it moves the record
+--   (newline-separated; passed through unread).
 -- A paid call is recorded whatever happens to the outcome (stale, repeated,
 -- already settled: it was paid), and once: only a key new to the ledger
 -- counts (a retried store call, or the same call recorded as lost, does not).
@@ -45,10 +51,14 @@
 local stream, states = KEYS[1], KEYS[2]
 local group = ARGV[1]
 local has_sink = redis.call('EXISTS', KEYS[7]) == 1
+local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
 local out, acked = {}, {}
-local spend = {}
+local spend, stats = {}, {}
 local function add(field, n)
   spend[field] = (spend[field] or 0) + n
+end
+local function count(field, n)
+  stats[field] = (stats[field] or 0) + n
 end
 local function paid(i)
   if ARGV[i + 7] == '' or redis.call('HSETNX', KEYS[8], ARGV[i + 7], ARGV[i + 8]) == 0 then
@@ -70,16 +80,18 @@ local function paid(i)
     add('est_nusd', tonumber(n))
     add('est_tokens', tonumber(p) + tonumber(c))
   end
+  count(minute .. ':c', 1)
+  count(minute .. ':u', tonumber(n))
 end
 -- The paid calls first, with their counters: nothing the outcomes do
 -- afterwards (an error included) can leave a call recorded but not counted.
-for i = 2, #ARGV, 10 do
+for i = 2, #ARGV, 11 do
   paid(i)
 end
 for field, n in pairs(spend) do
   redis.call('HINCRBY', KEYS[9], field, n)
 end
-for i = 2, #ARGV, 10 do
+for i = 2, #ARGV, 11 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local repeated = acked[entry]
   local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
@@ -124,6 +136,16 @@ for i = 2, #ARGV, 10 do
     if moved == 1 and has_sink and mode ~= 'retry' and mode ~= 'release' then
       redis.call('XADD', KEYS[7], '*', 'rid', rid, 'k', mode == 'commit' and 'r' or 'f')
     end
+    if moved == 1 then
+      for field in string.gmatch(ARGV[i + 10], '[^\n]+') do
+        count(field, 1)
+      end
+      if mode == 'commit' then
+        count(minute .. ':d', 1)
+      elseif mode == 'review' or mode == 'drop' then
+        count(minute .. ':f', 1)
+      end
+    end
     acked[#acked + 1] = entry
     acked[entry] = true
   end
@@ -132,5 +154,8 @@ end
 if #acked > 0 then
   redis.call('XACK', stream, group, unpack(acked))
   redis.call('XDEL', stream, unpack(acked))
+end
+for field, n in pairs(stats) do
+  redis.call('HINCRBY', KEYS[10], field, n)
 end
 return out

@@ -7,12 +7,15 @@
 -- KEYS[3]  partition sink stream    bf:{job:pN}:sink: when it exists (the job
 --          has a sink), each call new to the ledger is handed to the sink
 --          (`rid`, `k` l, `c` its key), as in finish.lua
+-- KEYS[4]  partition stats hash     bf:{job:pN}:stats: paid calls and their
+--          nano-USD per Unix minute (`t<minute>:c`, `t<minute>:u`), as in finish.lua
 -- then 3 per call: its key (`<record id>:<call>:<nonce>`), its encoding, and
 -- what it adds to the spend (`bucket prompt cached completion nano-USD
 -- estimated`, as in finish.lua).
 -- A key already in the ledger is not counted again.
 -- Returns the number of calls recorded.
 local has_sink = redis.call('EXISTS', KEYS[3]) == 1
+local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
 local spend = {}
 local function add(field, n)
   spend[field] = (spend[field] or 0) + n
@@ -41,5 +44,9 @@ for i = 1, #ARGV, 3 do
 end
 for field, v in pairs(spend) do
   redis.call('HINCRBY', KEYS[2], field, v)
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[4], minute .. ':c', n)
+  redis.call('HINCRBY', KEYS[4], minute .. ':u', spend['nusd'] or 0)
 end
 return n
