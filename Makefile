@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -21,6 +21,12 @@ chaos: deps
 	CHAOS_RECORDS=$${CHAOS_RECORDS:-20000} CHAOS_CONCURRENCY=$${CHAOS_CONCURRENCY:-24} \
 	CHAOS_SUMMARY=$(CURDIR)/.bench/chaos-summary.json \
 	$(CARGO) test -p batchfleet-tests --test chaos -- --nocapture
+
+## console-shots: a PNG of each console page in .bench/console/ (UPDATE_DOCS=1: also docs/console/, which the README shows)
+console-shots: deps
+	$(CARGO) build --workspace --bins
+	CONSOLE_SHOTS=$(CURDIR)/.bench/console $(CARGO) test -p batchfleet-tests --test console console_shots -- --ignored --nocapture
+	if [ -n "$${UPDATE_DOCS:-}" ]; then mkdir -p docs/console && cp .bench/console/*.png docs/console/; fi
 
 ## lint: formatting and clippy, warnings are errors
 lint:

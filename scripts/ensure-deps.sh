@@ -3,7 +3,8 @@
 # and redis-cli (real Redis for every test), promtool (checks the metrics
 # exposition), openssl (makes the TLS test's CA), rotel (the OTLP receiver
 # the trace test exports to), PostgreSQL's server binaries (initdb, pg_ctl:
-# the result sink's tests start their own throwaway server). Installs
+# the result sink's tests start their own throwaway server), Chromium and
+# its WebDriver (the console's tests drive a real headless browser). Installs
 # them with apt-get / pip when this machine allows it, else says exactly what
 # to run.
 set -euo pipefail
@@ -28,6 +29,8 @@ if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb 
   fi
 fi
 command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-dejavu-core)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 [ ${#missing[@]} -eq 0 ] && exit 0
 install="apt-get install -y --no-install-recommends ${missing[*]}"
 if command -v apt-get >/dev/null 2>&1; then

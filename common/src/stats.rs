@@ -58,16 +58,17 @@ impl JobStats {
     }
 
     /// Records settled (done, to review or dropped) per second over the
-    /// `minutes` whole minutes before `now_minute` (the current one is not
-    /// over yet).
-    pub fn throughput(&self, now_minute: u64, minutes: u64) -> f64 {
+    /// `minutes` whole minutes before `now` (Unix seconds) and the part of
+    /// the current one gone by.
+    pub fn throughput(&self, now: u64, minutes: u64) -> f64 {
+        let now_minute = now / 60;
         let from = now_minute.saturating_sub(minutes);
         let settled: u64 = self
             .timeline
-            .range(from..now_minute)
+            .range(from..=now_minute)
             .map(|(_, m)| m.done + m.failed)
             .sum();
-        settled as f64 / (minutes.max(1) * 60) as f64
+        settled as f64 / (minutes * 60 + now % 60).max(1) as f64
     }
 }
 
@@ -92,8 +93,16 @@ mod tests {
         s.add(&p1);
         assert_eq!(s.errors["E_ENUM label"], 4);
         assert_eq!((s.retries["invalid_output"], s.attempts[&1]), (2, 10));
-        assert_eq!(s.timeline[&100], Minute { done: 12, failed: 0, calls: 0, nusd: 500 });
-        // 13 settled over minutes 100 and 101, the minute of 102 not over.
-        assert!((s.throughput(102, 2) - 13.0 / 120.0).abs() < 1e-12);
+        assert_eq!(
+            s.timeline[&100],
+            Minute {
+                done: 12,
+                failed: 0,
+                calls: 0,
+                nusd: 500
+            }
+        );
+        // 13 settled over minutes 100 and 101, and 30 s into minute 102.
+        assert!((s.throughput(102 * 60 + 30, 2) - 13.0 / 150.0).abs() < 1e-12);
     }
 }

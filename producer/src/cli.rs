@@ -170,6 +170,28 @@ pub enum Command {
         #[command(flatten)]
         redis: RedisArgs,
     },
+    /// Serve the web console: jobs, their live status, the review queue.
+    /// Reviewers sign in with a token of their own: `name:token` lines in
+    /// --tokens-file or in the variable BATCHFLEET_CONSOLE_TOKENS.
+    Console(ConsoleArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConsoleArgs {
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Where to listen (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub bind: std::net::SocketAddr,
+    /// A file of `name:token` lines, one per reviewer (tokens of 16
+    /// characters or more).
+    #[arg(long, value_name = "FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// Take the reviewer's name from this request header, set by a reverse
+    /// proxy that signs reviewers in (only for a console the proxy alone
+    /// can reach).
+    #[arg(long, value_name = "HEADER")]
+    pub trusted_header: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -552,6 +574,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             Ok(ExitCode::SUCCESS)
         }
         Command::Review(args) => run_review(args).await,
+        Command::Console(args) => run_console(args, cancel).await,
         Command::Enqueue(cmd) => run_enqueue(cmd, cancel).await,
     }
 }
@@ -645,70 +668,29 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
     }
 }
 
-/// `producer cancel` (`cancel = true`) or `producer resume`.
+/// `producer cancel` or `producer resume` (see [`crate::control`]).
 async fn cancel_job(job: &str, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
     let store = RedisStore::connect(&redis.url).await?;
-    let Some(spec) = spec_or_report(&store, job).await else {
-        return Ok(ExitCode::from(EXIT_INPUT));
-    };
-    let n = store.cancel_job(job, spec.job.partitions).await?;
-    crate::outln!(
-        "job {job} cancelled: {n} records marked cancelled; in-flight work finishes \
-         (producer resume --job {job} brings them back)"
-    );
-    Ok(ExitCode::SUCCESS)
+    control_result(crate::control::cancel(&store, job).await)
 }
 
-/// `producer resume`: lifts a cancel or a halt; a job halted on its budget
-/// resumes only with a new cap above what it spent and has in flight.
 async fn resume(job: &str, budget: Option<f64>, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
     let store = RedisStore::connect(&redis.url).await?;
-    let Some(spec) = spec_or_report(&store, job).await else {
-        return Ok(ExitCode::from(EXIT_INPUT));
-    };
-    let state = store.budget(job).await?;
-    let on_budget = store.halted(job).await?.is_some_and(|r| r.starts_with("budget"));
-    match budget {
-        Some(cap) if !(cap.is_finite() && cap > 0.0) => {
-            eprintln!("error: --budget must be a positive number of USD, not {cap}");
-            return Ok(ExitCode::from(EXIT_INPUT));
+    control_result(crate::control::resume(&store, job, budget).await)
+}
+
+fn control_result(r: Result<String, crate::control::ControlError>) -> anyhow::Result<ExitCode> {
+    match r {
+        Ok(said) => {
+            crate::outln!("{said}");
+            Ok(ExitCode::SUCCESS)
         }
-        Some(_) if spec.budget.max_cost_usd.is_none() => {
-            eprintln!(
-                "error: --budget: job {job}'s spec has no [budget] max_cost_usd (its workers do not reserve against a cap)"
-            );
-            return Ok(ExitCode::from(EXIT_INPUT));
+        Err(crate::control::ControlError::Refused(why)) => {
+            eprintln!("error: {why}");
+            Ok(ExitCode::from(EXIT_INPUT))
         }
-        Some(cap) if cap <= state.spent_usd + state.reserved_usd => {
-            eprintln!(
-                "error: --budget {cap}: job {job} already spent {:.6} USD and has {:.6} USD in flight; give more than {:.6}",
-                state.spent_usd,
-                state.reserved_usd,
-                state.spent_usd + state.reserved_usd
-            );
-            return Ok(ExitCode::from(EXIT_INPUT));
-        }
-        Some(cap) => {
-            store.set_budget_cap(job, cap, false).await?;
-            crate::outln!(
-                "job {job}: budget {cap:.6} USD (spent {:.6}, in flight {:.6})",
-                state.spent_usd,
-                state.reserved_usd
-            );
-        }
-        None if on_budget => {
-            eprintln!(
-                "error: job {job} is halted on its budget (spent {:.6} USD of {:.6}): resume it with --budget USD, more than it spent",
-                state.spent_usd,
-                state.cap_usd.unwrap_or(0.0)
-            );
-            return Ok(ExitCode::from(EXIT_INPUT));
-        }
-        None => {}
+        Err(crate::control::ControlError::Store(e)) => Err(e.into()),
     }
-    let n = store.resume_job(job, spec.job.partitions).await?;
-    crate::outln!("job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted");
-    Ok(ExitCode::SUCCESS)
 }
 
 /// The job's spec as enqueued; prints why when there is none.
@@ -778,6 +760,66 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
         crate::outln!("  {d}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The variable that may hold reviewer tokens (`name:token` lines, or
+/// comma-separated), never a flag: flags show in the process list.
+pub const TOKENS_ENV: &str = "BATCHFLEET_CONSOLE_TOKENS";
+
+async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    use crate::console::auth::Reviewers;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let mut reviewers = Reviewers::default();
+    if let Some(path) = &args.tokens_file {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: --tokens-file {}: {e}", path.display());
+                return Ok(ExitCode::from(EXIT_INPUT));
+            }
+        };
+        match Reviewers::parse(&text, &format!("--tokens-file {}", path.display())) {
+            Ok(r) => reviewers.extend(r),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Ok(ExitCode::from(EXIT_INPUT));
+            }
+        }
+    }
+    if let Ok(text) = std::env::var(TOKENS_ENV) {
+        match Reviewers::parse(&text.replace(',', "\n"), TOKENS_ENV) {
+            Ok(r) => reviewers.extend(r),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return Ok(ExitCode::from(EXIT_INPUT));
+            }
+        }
+    }
+    if let Some(h) = &args.trusted_header
+        && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+    {
+        eprintln!("error: --trusted-header `{h}` is not a header name");
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
+    let store = RedisStore::connect(&args.redis.url).await?;
+    let config = crate::console::ConsoleConfig {
+        bind: args.bind,
+        reviewers,
+        trusted_header: args.trusted_header,
+    };
+    match crate::console::run(config, store, cancel, None).await {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            Ok(ExitCode::from(EXIT_INPUT))
+        }
+    }
 }
 
 /// Exit code when another reviewer acted on the entry first.

@@ -2,6 +2,8 @@
 //!
 //! - [`cli`]: the command line (one typed config per subcommand).
 //! - [`compare`]: two jobs side by side (failures, validity, cost, regressions).
+//! - [`console`]: the web console (jobs, the review queue, spot-checks).
+//! - [`control`]: cancel and resume a job (command line and console).
 //! - [`out`]: standard output that survives a closed pipe.
 //! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
 //! - [`estimate`]: after a sample, the full dataset's cost and duration.
@@ -16,6 +18,8 @@
 
 pub mod cli;
 pub mod compare;
+pub mod console;
+pub mod control;
 pub mod enqueue;
 pub mod estimate;
 pub mod out;

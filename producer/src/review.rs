@@ -97,6 +97,20 @@ pub async fn accept(
 ) -> Result<String, ReviewError> {
     let spec = job_spec(store, job).await?;
     let (entry, p) = find(store, job, id).await?;
+    accept_entry(store, &spec, job, p, &entry, output, reviewer).await
+}
+
+/// [`accept`] of an entry as it was read (only if it is still exactly that).
+pub async fn accept_entry(
+    store: &RedisStore,
+    spec: &JobSpec,
+    job: &str,
+    p: u32,
+    entry: &ReviewEntry,
+    output: &str,
+    reviewer: &str,
+) -> Result<String, ReviewError> {
+    let spec = spec.clone();
     let (out, repairs) = match validate_record(&spec, output, Some(&entry.input.object())) {
         Validation::Valid { output, repairs } => (output, repairs),
         Validation::Invalid { errors, .. } => {
@@ -105,13 +119,13 @@ pub async fn accept(
             ));
         }
     };
-    let mut result = ResultRecord::from_review(&entry, out, repairs, &Stamp::now(&spec), reviewer);
+    let mut result = ResultRecord::from_review(entry, out, repairs, &Stamp::now(&spec), reviewer);
     if !spec.sink.is_none() {
         result.input = Some(entry.input.clone());
     }
     let act = Action::new("accept", reviewer);
-    apply(store, job, p, &entry, act, &ReviewAction::Accept(Box::new(result))).await?;
-    Ok(entry.record_id)
+    apply(store, job, p, entry, act, &ReviewAction::Accept(Box::new(result))).await?;
+    Ok(entry.record_id.clone())
 }
 
 /// Revises a done record's result: the output, validated like a model
@@ -260,13 +274,25 @@ pub async fn requeue(
     reviewer: &str,
 ) -> Result<String, ReviewError> {
     let (entry, p) = find(store, job, id).await?;
+    requeue_entry(store, job, p, &entry, note, reviewer).await
+}
+
+/// [`requeue`] of an entry as it was read (only if it is still exactly that).
+pub async fn requeue_entry(
+    store: &RedisStore,
+    job: &str,
+    p: u32,
+    entry: &ReviewEntry,
+    note: Option<&str>,
+    reviewer: &str,
+) -> Result<String, ReviewError> {
     let act = Action {
         note: note.map(str::to_owned),
         ..Action::new("requeue", reviewer)
     };
     let task = entry.requeue(&act);
-    apply(store, job, p, &entry, act, &ReviewAction::Requeue(task)).await?;
-    Ok(entry.record_id)
+    apply(store, job, p, entry, act, &ReviewAction::Requeue(task)).await?;
+    Ok(entry.record_id.clone())
 }
 
 /// Rejects a record: terminal (`dropped:rejected`), kept in the archive.
@@ -278,6 +304,18 @@ pub async fn reject(
     reviewer: &str,
 ) -> Result<String, ReviewError> {
     let (entry, p) = find(store, job, id).await?;
+    reject_entry(store, job, p, &entry, reason, reviewer).await
+}
+
+/// [`reject`] of an entry as it was read (only if it is still exactly that).
+pub async fn reject_entry(
+    store: &RedisStore,
+    job: &str,
+    p: u32,
+    entry: &ReviewEntry,
+    reason: &str,
+    reviewer: &str,
+) -> Result<String, ReviewError> {
     let act = Action {
         reason: Some(reason.to_owned()),
         ..Action::new("reject", reviewer)
@@ -285,8 +323,8 @@ pub async fn reject(
     let action = ReviewAction::Reject {
         reason: reason.to_owned(),
     };
-    apply(store, job, p, &entry, act, &action).await?;
-    Ok(entry.record_id)
+    apply(store, job, p, entry, act, &action).await?;
+    Ok(entry.record_id.clone())
 }
 
 async fn apply(

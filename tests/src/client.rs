@@ -60,6 +60,52 @@ fn client() -> &'static Client {
     })
 }
 
+/// What a server answered: status, the headers a test looks at, body.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub location: Option<String>,
+    pub set_cookie: Option<String>,
+    pub body: String,
+}
+
+/// A request with headers of the test's choosing and an optional form body
+/// (`application/x-www-form-urlencoded`): the server's [`Answer`].
+pub fn http_send(addr: &str, method: Method, path: &str, headers: &[(&str, &str)], form: Option<&str>) -> Answer {
+    let url = format!("http://{}{path}", addr.trim_start_matches("http://"));
+    let sent = std::thread::scope(|s| {
+        s.spawn(|| -> reqwest::Result<Answer> {
+            let mut request = client().request(method.clone(), &url);
+            for (k, v) in headers {
+                request = request.header(*k, *v);
+            }
+            if let Some(body) = form {
+                request = request
+                    .header("content-type", "application/x-www-form-urlencoded")
+                    .body(body.to_owned());
+            }
+            let response = request.send()?;
+            let header = |name: &str| {
+                response
+                    .headers()
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            };
+            let (location, set_cookie) = (header("location"), header("set-cookie"));
+            Ok(Answer {
+                status: response.status().as_u16(),
+                location,
+                set_cookie,
+                body: response.text()?,
+            })
+        })
+        .join()
+        .expect("the HTTP request thread panicked")
+    });
+    sent.unwrap_or_else(|e| panic!("{method} {url}: {}", error_chain(&e)))
+}
+
 /// An error and its causes, `: `-separated (reqwest's own message names only the URL).
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();

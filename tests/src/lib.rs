@@ -14,7 +14,9 @@
 //! - [`dataset`]: record lines, record files, the example spec.
 //! - [`client`]: HTTP requests to local servers.
 //! - [`otlp`]: a real OTLP receiver for trace tests.
+//! - [`browser`]: headless Chromium over WebDriver, and `producer console`.
 
+pub mod browser;
 pub mod client;
 pub mod commands;
 pub mod dataset;
@@ -23,7 +25,7 @@ pub mod paths;
 pub mod process;
 pub mod servers;
 
-pub use client::{http_get, http_get_json};
+pub use client::{Answer, http_get, http_get_json, http_send};
 pub use commands::{
     enqueue, enqueue_cmd, enqueue_cmd_url, export_done_env, export_env, exported_ledger, helm, producer,
     producer_with_env, status_json, status_json_env, status_json_url, worker_cmd, worker_cmd_url,

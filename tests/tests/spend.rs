@@ -55,7 +55,10 @@ fn ledger_len(redis: &RedisServer, job: &str) -> u64 {
 
 /// The job's outcome counters, as the store reads them.
 fn job_stats(redis: &RedisServer, job: &str) -> common::stats::JobStats {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let store = common::store::RedisStore::connect(&redis.url()).await.unwrap();
         store.stats(job, P).await.unwrap()
@@ -144,7 +147,11 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
     // The outcome counters (what a page shows of a job of any size) agree
     // with the scan of every record's history.
     let st = job_stats(&redis, "led");
-    assert_eq!(serde_json::to_value(&st.errors).unwrap(), r1["validation_errors"], "{st:?}");
+    assert_eq!(
+        serde_json::to_value(&st.errors).unwrap(),
+        r1["validation_errors"],
+        "{st:?}"
+    );
     assert!(!st.errors.is_empty() && !st.retries.is_empty(), "{st:?}");
     assert_eq!(serde_json::to_value(&st.retries).unwrap(), r1["retries_by_cause"]);
     assert_eq!(serde_json::to_value(&st.attempts).unwrap(), s["attempts_histogram"]);
@@ -153,7 +160,10 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
         (t.0 + m.done, t.1 + m.failed, t.2 + m.calls, t.3 + m.nusd)
     });
     assert_eq!((Some(done), Some(calls)), (s["done"].as_u64(), spend["calls"].as_u64()));
-    assert_eq!(Some(failed), s["review"].as_u64().map(|r| r + s["dropped"].as_u64().unwrap()));
+    assert_eq!(
+        Some(failed),
+        s["review"].as_u64().map(|r| r + s["dropped"].as_u64().unwrap())
+    );
     assert_eq!(nusd as i64, nano(&spend["cost_usd"]));
     assert_eq!(s["tokens"]["prompt"], spend["prompt_tokens"], "{s}");
     assert_eq!(s["tokens"]["completion"], spend["completion_tokens"], "{s}");

@@ -116,6 +116,41 @@ impl RedisStore {
         Ok(s)
     }
 
+    /// One page of a partition's review queue from `cursor` (`HSCAN`: 0
+    /// starts, and a next cursor of 0 means the end), about `count` entries
+    /// (undecodable ones skipped): a queue of any length is paged without
+    /// reading it all.
+    pub async fn review_page(
+        &self,
+        job: &str,
+        partition: u32,
+        cursor: u64,
+        count: usize,
+    ) -> Result<(Vec<ReviewEntry>, u64), StoreError> {
+        let (next, items): (u64, Vec<String>) = redis::cmd("HSCAN")
+            .arg(keys::review(job, partition))
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(count.max(1))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let entries = items
+            .chunks(2)
+            .filter_map(|kv| ReviewEntry::decode(kv.get(1)?).ok())
+            .collect();
+        Ok((entries, next))
+    }
+
+    /// Entries in the job's review queue (one `HLEN` per partition).
+    pub async fn review_depth(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
+        let mut pipe = redis::pipe();
+        for p in 0..partitions {
+            pipe.cmd("HLEN").arg(keys::review(job, p));
+        }
+        let lens: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(lens.iter().sum())
+    }
+
     /// The review entry of a record, if it is in review.
     pub async fn review_entry(
         &self,

@@ -114,7 +114,11 @@ fn stats_fields(d: &Delivery, how: &Finish) -> Vec<String> {
         .and_then(HistoryItem::as_attempt)
         .filter(|a| a.call > d.task.calls);
     if let Some(a) = new_attempt {
-        out.extend(a.errors.iter().map(|e| stat_field("e", &format!("{} {}", e.code.as_str(), e.field))));
+        out.extend(
+            a.errors
+                .iter()
+                .map(|e| stat_field("e", &format!("{} {}", e.code.as_str(), e.field))),
+        );
         if matches!(how, Finish::Retry { .. }) {
             out.push(stat_field("r", &a.outcome));
         }

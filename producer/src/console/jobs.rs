@@ -1,0 +1,524 @@
+//! The jobs page, a job's page and its live part, cancel and resume.
+//!
+//! A job's figures come from counters (the queues, the spend and outcome
+//! counters, the sink's backlog), read on each view; its reconciliation (the
+//! five sets, missing, duplicated, unknown) is a scan of the job's state, so
+//! it is cached here and refreshed in the background, never more often than
+//! every few times what it took.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use askama::Template;
+use axum::extract::{Form, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use common::store::RedisStore;
+
+use super::{Chrome, Console, Refusal, Shared, chart, may_act, page, signed_in, thousands};
+use crate::status::JobStatus;
+
+/// How old a cached reconciliation may get, at least.
+const FRESH: Duration = Duration::from_secs(5);
+
+type Slots = Arc<Mutex<HashMap<String, Slot>>>;
+
+/// The latest reconciliation of each job.
+#[derive(Default)]
+pub struct StatusCache {
+    slots: Slots,
+}
+
+struct Slot {
+    status: Option<Arc<JobStatus>>,
+    at: Instant,
+    took: Duration,
+    running: bool,
+}
+
+impl StatusCache {
+    /// The job's latest reconciliation and its age: the first time read now,
+    /// later from the cache, refreshed in the background once stale (older
+    /// than 5 s and than four times what the last one took).
+    pub async fn get(&self, store: &RedisStore, job: &str) -> Result<(Arc<JobStatus>, Duration), Refusal> {
+        let cached = {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            slots.get_mut(job).and_then(|slot| {
+                let status = slot.status.clone()?;
+                let age = slot.at.elapsed();
+                let refresh = age > FRESH.max(slot.took * 4) && !slot.running;
+                slot.running |= refresh;
+                Some((status, age, refresh))
+            })
+        };
+        match cached {
+            Some((status, age, refresh)) => {
+                if refresh {
+                    let (slots, store, job) = (self.slots.clone(), store.clone(), job.to_owned());
+                    tokio::spawn(async move {
+                        let _ = reconcile(&slots, &store, &job).await;
+                    });
+                }
+                Ok((status, age))
+            }
+            None => Ok((reconcile(&self.slots, store, job).await?, Duration::ZERO)),
+        }
+    }
+
+    /// Forgets a job's reconciliation (after cancel or resume: read it again).
+    pub fn forget(&self, job: &str) {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).remove(job);
+    }
+}
+
+async fn reconcile(slots: &Slots, store: &RedisStore, job: &str) -> Result<Arc<JobStatus>, Refusal> {
+    let started = Instant::now();
+    let result = crate::status::status(store, job, false, false).await;
+    let mut map = slots.lock().unwrap_or_else(|e| e.into_inner());
+    let slot = map.entry(job.to_owned()).or_insert(Slot {
+        status: None,
+        at: Instant::now(),
+        took: Duration::ZERO,
+        running: false,
+    });
+    slot.running = false;
+    let status = Arc::new(result?);
+    slot.status = Some(status.clone());
+    slot.at = Instant::now();
+    slot.took = started.elapsed();
+    Ok(status)
+}
+
+/// A job as the jobs page lists it.
+pub struct JobRow {
+    pub name: String,
+    pub state: String,
+    pub state_class: &'static str,
+    pub progress: String,
+    pub percent: u64,
+    pub done: String,
+    pub review: String,
+    pub dropped: String,
+    pub missing: String,
+    pub cost: String,
+    pub throughput: String,
+}
+
+#[derive(Template)]
+#[template(path = "jobs.html")]
+struct JobsPage {
+    chrome: Chrome,
+    jobs: Vec<JobRow>,
+}
+
+pub async fn jobs_page(State(c): State<Shared>, headers: HeaderMap) -> Result<Response, Refusal> {
+    let who = signed_in(&c, &headers)?;
+    let mut jobs = Vec::new();
+    for name in c.store.jobs().await? {
+        let Some(spec) = c.store.job_spec(&name).await.ok().flatten() else {
+            continue;
+        };
+        let v = Live::read(&c, &name, spec.job.partitions).await?;
+        jobs.push(JobRow {
+            state: v.state.clone(),
+            state_class: v.state_class,
+            progress: v.progress.clone(),
+            percent: v.percent,
+            done: thousands(v.status.done),
+            review: thousands(v.status.review),
+            dropped: thousands(v.status.dropped),
+            missing: thousands(v.status.missing),
+            cost: format!("{:.4}", v.spent_usd),
+            throughput: v.throughput.clone(),
+            name,
+        });
+    }
+    Ok(page(
+        StatusCode::OK,
+        &JobsPage {
+            chrome: Chrome::of(&c, &who),
+            jobs,
+        },
+    ))
+}
+
+/// What a job's page shows that changes while it runs (also served alone,
+/// for the page to refresh itself).
+pub struct Live {
+    pub status: Arc<JobStatus>,
+    /// Seconds since the reconciliation was taken.
+    pub age_secs: u64,
+    pub state: String,
+    pub state_class: &'static str,
+    pub halted: Option<String>,
+    pub cancelled: bool,
+    pub progress: String,
+    pub percent: u64,
+    pub queued: u64,
+    pub in_flight: u64,
+    pub delayed: u64,
+    pub spent_usd: f64,
+    pub budget: Option<String>,
+    pub throughput: String,
+    pub verdict: String,
+    pub verdict_class: &'static str,
+    pub sink: Option<String>,
+    pub throughput_chart: String,
+    pub cost_chart: String,
+    pub attempts_chart: String,
+    /// Codes as columns, fields as rows.
+    pub error_codes: Vec<String>,
+    pub error_rows: Vec<(String, Vec<u64>)>,
+    pub retries: Vec<(String, u64)>,
+    pub spend_parts: Vec<(String, u64, String)>,
+}
+
+impl Live {
+    pub async fn read(c: &Console, job: &str, partitions: u32) -> Result<Live, Refusal> {
+        let (status, age) = c.cache.get(&c.store, job).await?;
+        let store = &c.store;
+        let work = store.work_left(job, partitions).await?;
+        let (queued, in_flight, delayed) = work
+            .iter()
+            .fold((0, 0, 0), |t, w| (t.0 + w.queued, t.1 + w.in_flight, t.2 + w.delayed));
+        let halted = store.halted(job).await?;
+        let cancelled = store.cancelled(job).await?;
+        let spend = store.spend(job, partitions).await?;
+        let budget = store.budget(job).await?;
+        let stats = store.stats(job, partitions).await?;
+        let now_minute = now_secs() / 60;
+        let expected = status.expected.unwrap_or(status.known);
+        let settled = status.done + status.review + status.dropped + status.cancelled;
+        let percent = (settled * 100).checked_div(expected).unwrap_or(0).min(100);
+        let (state, state_class) = match (&halted, cancelled, status.complete) {
+            (Some(r), _, _) if r.starts_with("budget") => ("halted: budget".to_owned(), "bad"),
+            (Some(_), _, _) => ("halted".to_owned(), "bad"),
+            (None, true, _) => ("cancelled".to_owned(), "warn"),
+            (None, false, true) => ("complete".to_owned(), "good"),
+            (None, false, false) if queued + in_flight + delayed > 0 => ("running".to_owned(), "run"),
+            _ => ("waiting".to_owned(), "warn"),
+        };
+        let verdict = if status.missing + status.duplicates + status.unknown > 0 {
+            (
+                format!(
+                    "{} missing, {} duplicated, {} unknown",
+                    status.missing, status.duplicates, status.unknown
+                ),
+                "bad",
+            )
+        } else if status.complete {
+            (
+                "every expected record is in exactly one terminal set".to_owned(),
+                "good",
+            )
+        } else {
+            ("nothing missing, duplicated or unknown so far".to_owned(), "run")
+        };
+        let sink = match store.job_spec(job).await.ok().flatten() {
+            Some(spec) if !spec.sink.is_none() => {
+                let backlog = store.sink_backlog(job, partitions).await?.unwrap_or(0);
+                let sunk = store.sunk(job, partitions).await?;
+                let kind = match spec.sink.kind {
+                    common::spec::SinkKind::Files => "files",
+                    _ => "PostgreSQL",
+                };
+                Some(format!(
+                    "{kind}: {} outcomes and paid calls waiting (sink lag), {} results written",
+                    thousands(backlog),
+                    thousands(sunk.written)
+                ))
+            }
+            _ => None,
+        };
+        // The last hour of the job's work, minute by minute.
+        let from = now_minute.saturating_sub(60);
+        let minutes: Vec<(u64, &common::stats::Minute)> =
+            stats.timeline.range(from..=now_minute).map(|(m, v)| (*m, v)).collect();
+        // From the job's first minute within the hour to now.
+        let start = minutes.first().map_or(now_minute, |(m, _)| *m);
+        let throughput_chart = chart::minute_columns(
+            &minutes.iter().map(|(m, v)| (*m, v.done + v.failed)).collect::<Vec<_>>(),
+            start,
+            now_minute,
+            "records settled per minute",
+        );
+        let mut cumulative = stats.timeline.range(..from).map(|(_, v)| v.nusd).sum::<u64>() as f64 / 1e9;
+        // The line starts from what was spent before its first minute.
+        let mut cost_points = Vec::new();
+        if !minutes.is_empty() {
+            cost_points.push((start.saturating_sub(1), cumulative));
+        }
+        for (m, v) in &minutes {
+            cumulative += v.nusd as f64 / 1e9;
+            cost_points.push((*m, cumulative));
+        }
+        let cost_chart = chart::line(&cost_points, "cost so far");
+        let attempts_chart = chart::bars(
+            &stats
+                .attempts
+                .iter()
+                .map(|(a, n)| (a.to_string(), *n))
+                .collect::<Vec<_>>(),
+            "records done by attempts",
+        );
+        let mut codes: Vec<String> = Vec::new();
+        let mut rows: std::collections::BTreeMap<String, HashMap<String, u64>> = Default::default();
+        for (key, n) in &stats.errors {
+            let (code, field) = key.split_once(' ').unwrap_or((key.as_str(), ""));
+            if !codes.iter().any(|c| c == code) {
+                codes.push(code.to_owned());
+            }
+            *rows
+                .entry(if field.is_empty() {
+                    "(the output)".into()
+                } else {
+                    field.to_owned()
+                })
+                .or_default()
+                .entry(code.to_owned())
+                .or_default() += n;
+        }
+        codes.sort();
+        let error_rows = rows
+            .into_iter()
+            .map(|(field, by_code)| {
+                let counts = codes.iter().map(|c| by_code.get(c).copied().unwrap_or(0)).collect();
+                (field, counts)
+            })
+            .collect();
+        let spend_parts = spend
+            .by_bucket
+            .iter()
+            .map(|(b, p)| (b.clone(), p.calls, format!("{:.6}", p.cost_usd)))
+            .collect();
+        Ok(Live {
+            age_secs: age.as_secs(),
+            progress: format!("{} of {}", thousands(settled), thousands(expected)),
+            percent,
+            state,
+            state_class,
+            halted,
+            cancelled,
+            queued,
+            in_flight,
+            delayed,
+            spent_usd: spend.totals.cost_usd,
+            budget: budget.cap_usd.map(|cap| {
+                format!(
+                    "{:.6} USD of {cap:.6} counted against the cap, {:.6} in flight",
+                    budget.spent_usd, budget.reserved_usd
+                )
+            }),
+            throughput: format!("{:.2}/s", stats.throughput(now_secs(), 5)),
+            verdict: verdict.0,
+            verdict_class: verdict.1,
+            sink,
+            throughput_chart,
+            cost_chart,
+            attempts_chart,
+            error_codes: codes,
+            error_rows,
+            retries: stats.retries.into_iter().collect(),
+            spend_parts,
+            status,
+        })
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[derive(Template)]
+#[template(path = "job.html")]
+struct JobPage {
+    chrome: Chrome,
+    job: String,
+    live: Live,
+    versions: Vec<(String, String)>,
+    chain: String,
+    datasets: Vec<String>,
+    review_depth: u64,
+}
+
+#[derive(Template)]
+#[template(path = "job_live.html")]
+struct JobLive {
+    live: Live,
+}
+
+pub async fn job_page(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let who = signed_in(&c, &headers)?;
+    let spec = job_spec(&c, &job).await?;
+    let live = Live::read(&c, &job, spec.job.partitions).await?;
+    let manifest = c.store.load_manifest(&job).await?;
+    let chain = crate::report::version_chain(&c.store, &job).await?;
+    Ok(page(
+        StatusCode::OK,
+        &JobPage {
+            chrome: Chrome::of(&c, &who),
+            versions: manifest
+                .as_ref()
+                .map(|m| m.versions.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+                .unwrap_or_default(),
+            chain: crate::report::chain_line(&chain),
+            datasets: manifest
+                .as_ref()
+                .map(|m| {
+                    m.datasets
+                        .iter()
+                        .map(|d| {
+                            let sha = &d.dataset.sha256;
+                            format!("{} (sha256 {})", d.dataset.path, &sha[..12.min(sha.len())])
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            review_depth: c.store.review_depth(&job, spec.job.partitions).await?,
+            live,
+            job,
+        },
+    ))
+}
+
+pub async fn job_live(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    if super::reviewer(&c, &headers).is_none() {
+        return Ok(StatusCode::UNAUTHORIZED.into_response());
+    }
+    let spec = job_spec(&c, &job).await?;
+    let live = Live::read(&c, &job, spec.job.partitions).await?;
+    Ok(page(StatusCode::OK, &JobLive { live }))
+}
+
+async fn job_spec(c: &Console, job: &str) -> Result<common::spec::JobSpec, Refusal> {
+    c.store
+        .job_spec(job)
+        .await?
+        .ok_or_else(|| Refusal::NotFound(format!("There is no job `{job}`.")))
+}
+
+#[derive(serde::Deserialize)]
+pub struct ConfirmQuery {
+    action: String,
+}
+
+#[derive(Template)]
+#[template(path = "confirm.html")]
+struct ConfirmPage {
+    chrome: Chrome,
+    job: String,
+    action: String,
+    what: String,
+    needs_budget: bool,
+}
+
+/// Asks before a cancel or resume.
+pub async fn confirm_page(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    Query(q): Query<ConfirmQuery>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let who = signed_in(&c, &headers)?;
+    let spec = job_spec(&c, &job).await?;
+    let work = c.store.work_left(&job, spec.job.partitions).await?;
+    let left: u64 = work.iter().map(|w| w.queued + w.delayed).sum();
+    let halted = c.store.halted(&job).await?;
+    let (what, needs_budget) = match q.action.as_str() {
+        "cancel" => (
+            format!(
+                "Cancel job {job}? The fleet stops claiming it; {} records not yet called are marked cancelled \
+                 (kept: resuming brings them back); calls in flight finish.",
+                thousands(left)
+            ),
+            false,
+        ),
+        "resume" => {
+            let on_budget = halted.as_deref().is_some_and(|r| r.starts_with("budget"));
+            (
+                match &halted {
+                    Some(r) => format!("Resume job {job}? It is halted: {r}."),
+                    None => format!("Resume job {job}? Its cancelled records go back to the queue."),
+                },
+                on_budget,
+            )
+        }
+        other => return Err(Refusal::NotFound(format!("No action `{other}`."))),
+    };
+    Ok(page(
+        StatusCode::OK,
+        &ConfirmPage {
+            chrome: Chrome::of(&c, &who),
+            job,
+            action: q.action,
+            what,
+            needs_budget,
+        },
+    ))
+}
+
+#[derive(serde::Deserialize)]
+pub struct ControlForm {
+    csrf: String,
+    #[serde(default)]
+    budget: String,
+}
+
+pub async fn cancel(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+    Form(f): Form<ControlForm>,
+) -> Result<Response, Refusal> {
+    let who = may_act(&c, &headers, &f.csrf)?;
+    let done = crate::control::cancel(&c.store, &job).await;
+    tracing::info!(job = %job, reviewer = %who, "cancelled from the console");
+    controlled(&c, &job, done)
+}
+
+pub async fn resume(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+    Form(f): Form<ControlForm>,
+) -> Result<Response, Refusal> {
+    let who = may_act(&c, &headers, &f.csrf)?;
+    let budget = match f.budget.trim() {
+        "" => None,
+        b => match b.parse::<f64>() {
+            Ok(v) => Some(v),
+            Err(_) => {
+                return Ok(super::message(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "Not resumed",
+                    &format!("The budget `{b}` is not a number of USD."),
+                ));
+            }
+        },
+    };
+    let done = crate::control::resume(&c.store, &job, budget).await;
+    tracing::info!(job = %job, reviewer = %who, "resumed from the console");
+    controlled(&c, &job, done)
+}
+
+fn controlled(c: &Console, job: &str, done: Result<String, crate::control::ControlError>) -> Result<Response, Refusal> {
+    c.cache.forget(job);
+    match done {
+        Ok(_) => Ok(Redirect::to(&format!("/jobs/{}", super::queue::path_part(job))).into_response()),
+        Err(crate::control::ControlError::Refused(why)) => {
+            Ok(super::message(StatusCode::UNPROCESSABLE_ENTITY, "Refused", &why))
+        }
+        Err(crate::control::ControlError::Store(e)) => Err(Refusal::Store(e)),
+    }
+}

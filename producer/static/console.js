@@ -1,0 +1,66 @@
+// batchfleet console: live parts of a page refresh themselves, and keys
+// drive the review queue. No framework, nothing fetched from elsewhere.
+(function () {
+  "use strict";
+
+  // <div data-live="URL" data-every="ms">: replaced by a fresh copy from URL.
+  function live(el) {
+    var every = parseInt(el.getAttribute("data-every") || "3000", 10);
+    function tick() {
+      if (document.hidden) { return; }
+      fetch(el.getAttribute("data-live"), { credentials: "same-origin" })
+        .then(function (r) { return r.ok ? r.text() : null; })
+        .then(function (html) { if (html !== null) { el.innerHTML = html; el.setAttribute("data-refreshed", String(Date.now())); } })
+        .catch(function () {});
+    }
+    setInterval(tick, every);
+  }
+
+  function typing(e) {
+    var t = e.target;
+    return t && (t.tagName === "INPUT" || t.tagName === "TEXTAREA" || t.isContentEditable);
+  }
+
+  function queueKeys() {
+    var rows = Array.prototype.slice.call(document.querySelectorAll("tr[data-href]"));
+    var at = rows.length ? 0 : -1;
+    function mark() {
+      rows.forEach(function (r, i) { r.classList.toggle("selected", i === at); });
+      if (at >= 0) { rows[at].scrollIntoView({ block: "nearest" }); }
+    }
+    mark();
+    document.addEventListener("keydown", function (e) {
+      if (typing(e) || e.ctrlKey || e.metaKey || e.altKey || !rows.length) { return; }
+      if (e.key === "j") { at = Math.min(at + 1, rows.length - 1); mark(); }
+      else if (e.key === "k") { at = Math.max(at - 1, 0); mark(); }
+      else if (e.key === "Enter" || e.key === "o") { window.location = rows[at].getAttribute("data-href"); }
+      else { return; }
+      e.preventDefault();
+    });
+  }
+
+  function entryKeys() {
+    var editor = document.getElementById("editor");
+    document.addEventListener("keydown", function (e) {
+      if (e.key === "Escape" && typing(e)) { e.target.blur(); e.preventDefault(); return; }
+      if (typing(e) || e.ctrlKey || e.metaKey || e.altKey) { return; }
+      var go = {
+        j: function () { document.getElementById("next").click(); },
+        k: function () { history.back(); },
+        a: function () { document.getElementById("accept-form").submit(); },
+        e: function () { editor.focus(); },
+        r: function () { document.getElementById("requeue-note").focus(); },
+        x: function () { document.getElementById("reject-reason").focus(); },
+        s: function () { document.getElementById("skip-form").submit(); }
+      }[e.key];
+      if (go) { e.preventDefault(); go(); }
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    Array.prototype.forEach.call(document.querySelectorAll("[data-live]"), live);
+    var p = document.body.getAttribute("data-page");
+    if (p === "queue") { queueKeys(); }
+    if (p === "entry") { entryKeys(); }
+  });
+})();

@@ -1,0 +1,467 @@
+//! The web console in a real headless Chromium, driven over WebDriver: the
+//! jobs and job pages of a running job (live, without reloading), draining
+//! the review queue with the keyboard, an invalid edit refused inline, two
+//! reviewers racing on one entry, hostile model output kept as text, sign-in
+//! and CSRF refusals. Every server (Redis, llm-sim, the console, the
+//! browser's driver) is a child process on 127.0.0.1 the test stops.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::time::Duration;
+
+use common::keys;
+use harness::browser::{Browser, ConsoleServer};
+use harness::{
+    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, enqueue, http_send, spec_with, status_json, worker_cmd,
+    write_records,
+};
+use redis::Commands;
+use reqwest::Method;
+use serde_json::Value;
+
+const ANN: (&str, &str) = ("ann", "ann-token-0123456789abcdef");
+const BOB: (&str, &str) = ("bob", "bob-token-0123456789abcdef");
+/// A valid output of the example spec.
+const GOOD: &str =
+    r#"{"label": "billing", "reason": "checked by a person", "confidence": 1.0, "task_type": "classify"}"#;
+
+/// A job of `n` records whose model answers go wrong as `faults` say, with
+/// one attempt each: drained, so its failures wait in review.
+struct Reviewed {
+    redis: RedisServer,
+    _sim: LlmSim,
+    _dir: TempDir,
+    console: ConsoleServer,
+}
+
+fn reviewed(job: &str, n: u64, faults: &str) -> Reviewed {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", faults, "--seed", "11"]);
+    let dir = TempDir::new("console");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    enqueue(
+        &redis,
+        &data,
+        job,
+        &spec_with(&dir, &[("max_attempts = 4", "max_attempts = 1")]),
+    );
+    let (exit, log) = Running::spawn(worker_cmd(&redis, job, &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let console = ConsoleServer::start(&redis.url(), &[ANN, BOB], &[]);
+    Reviewed {
+        redis,
+        _sim: sim,
+        _dir: dir,
+        console,
+    }
+}
+
+fn sign_in(b: &Browser, console: &ConsoleServer, (_, token): (&str, &str)) {
+    b.goto(&console.url("/login"));
+    b.fill("#token", token);
+    b.click("#sign-in");
+    b.wait("signed in", Duration::from_secs(10), |b| b.find("#reviewer").is_some());
+}
+
+/// Records of a job in a set, from `producer status`.
+fn count(redis: &RedisServer, job: &str, set: &str) -> u64 {
+    status_json(redis, job).1[set].as_u64().unwrap()
+}
+
+/// The archived review entry of a record (after a person acted on it).
+fn archived(redis: &RedisServer, job: &str, rid: &str) -> Value {
+    let p = common::record::partition_of(rid, 4);
+    let text: String = redis.conn().hget(keys::reviewed(job, p), rid).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn rid_on_page(b: &Browser) -> String {
+    b.text("#rid")
+}
+
+#[test]
+fn the_jobs_and_job_pages_follow_a_running_job_live_and_cancel_and_resume_ask_first() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "150", "--faults", "bad_enum=0.2", "--seed", "5"]);
+    let dir = TempDir::new("console-live");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 400);
+    enqueue(&redis, &data, "live", &spec_with(&dir, &[]));
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let worker = Running::spawn(worker_cmd(&redis, "live", &sim, &["--concurrency", "4"]));
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    assert_eq!(b.text("#reviewer"), "ann");
+    b.wait("the job listed as running", Duration::from_secs(20), |b| {
+        b.goto(&console.url("/"));
+        b.text("tr[data-job=live] .state") == "running"
+    });
+    b.click("tr[data-job=live] a");
+    b.wait("the job page", Duration::from_secs(10), |b| b.find("#live").is_some());
+    // The page refreshes its live part by itself: a mark set on the page
+    // stays (no reload) while the figures move on.
+    b.script("window.__mark = 42; return null;");
+    let done = |b: &Browser| b.text("#done").replace(',', "").parse::<u64>().unwrap();
+    let before = done(&b);
+    b.wait(
+        "the done count to grow without a reload",
+        Duration::from_secs(30),
+        |b| b.find("#live[data-refreshed]").is_some() && done(b) > before,
+    );
+    assert_eq!(
+        b.script("return window.__mark;"),
+        Value::from(42),
+        "the page was not reloaded"
+    );
+    assert!(b.source().matches("<svg").count() >= 3, "the charts are drawn");
+
+    // Cancel asks first; the job then says so, and its records wait as cancelled.
+    b.click("#cancel");
+    b.wait("the confirmation", Duration::from_secs(10), |b| {
+        b.find("#confirm").is_some()
+    });
+    assert!(
+        b.text("#confirm-form").contains("Cancel job live?"),
+        "{}",
+        b.text("#confirm-form")
+    );
+    b.click("#confirm");
+    b.wait("the cancelled job", Duration::from_secs(10), |b| {
+        b.find("#state").is_some_and(|_| b.text("#state") == "cancelled")
+    });
+    assert!(count(&redis, "live", "cancelled") > 0);
+    b.click("#resume");
+    b.wait("the confirmation", Duration::from_secs(10), |b| {
+        b.find("#confirm").is_some()
+    });
+    b.click("#confirm");
+    b.wait("the job running again", Duration::from_secs(10), |b| {
+        b.find("#state").is_some_and(|_| b.text("#state") != "cancelled")
+    });
+    assert_eq!(count(&redis, "live", "cancelled"), 0);
+
+    // It completes: the page says so from its reconciliation.
+    b.wait("the job complete", Duration::from_secs(90), |b| {
+        b.text("#state") == "complete"
+    });
+    assert!(
+        b.text("#verdict")
+            .contains("every expected record is in exactly one terminal set")
+    );
+    let (_, s) = status_json(&redis, "live");
+    assert_eq!(b.text("#done").replace(',', ""), s["done"].to_string());
+    assert_eq!(b.text("#review").replace(',', ""), s["review"].to_string());
+    assert!(b.find("#errors").is_some(), "validation errors by code x field");
+    assert!(b.text("#errors").contains("E_ENUM"), "{}", b.text("#errors"));
+    // Nothing secret reached the pages.
+    b.goto(&console.url("/"));
+    assert!(!b.source().contains(TEST_REDIS_PASSWORD));
+    drop(worker);
+}
+
+#[test]
+fn a_reviewer_drains_the_queue_with_the_keyboard() {
+    let r = reviewed("keys", 30, "bad_enum=1.0");
+    assert_eq!(count(&r.redis, "keys", "review"), 30);
+    let b = Browser::start();
+    sign_in(&b, &r.console, ANN);
+    b.goto(&r.console.url("/jobs/keys/review"));
+    assert!(b.text("#depth").starts_with("30 entries"), "{}", b.text("#depth"));
+    // j/k move the selection; Enter opens it.
+    b.press("jjk");
+    let selected = b.script("return document.querySelector('tr.selected').getAttribute('data-href');");
+    assert!(selected.as_str().unwrap().contains("/jobs/keys/review/"), "{selected}");
+    b.press("\u{E007}");
+    b.wait("the entry page", Duration::from_secs(10), |b| b.find("#rid").is_some());
+    assert_eq!(b.url(), r.console.url(selected.as_str().unwrap()));
+
+    // x: reject with a reason (Enter submits), then the next entry opens.
+    let first = rid_on_page(&b);
+    b.press("x");
+    b.press("spam");
+    b.press("\u{E007}");
+    b.wait("the next entry", Duration::from_secs(10), |b| {
+        b.find("#rid").is_some_and(|_| rid_on_page(b) != first)
+    });
+    // r: requeue with a note.
+    let second = rid_on_page(&b);
+    b.press("rlook at the label");
+    b.press("\u{E007}");
+    b.wait("the next entry", Duration::from_secs(10), |b| rid_on_page(b) != second);
+    // s: skip (it stays in review, and does not come back this session).
+    let third = rid_on_page(&b);
+    b.press("s");
+    b.wait("the next entry", Duration::from_secs(10), |b| rid_on_page(b) != third);
+    // e: edit; Esc leaves the editor; a: accept.
+    let fourth = rid_on_page(&b);
+    b.press("e");
+    assert_eq!(b.script("return document.activeElement.id;"), Value::from("editor"));
+    b.fill("#editor", GOOD);
+    b.press("\u{E00C}a");
+    b.wait("the next entry", Duration::from_secs(10), |b| rid_on_page(b) != fourth);
+
+    let (_, s) = status_json(&r.redis, "keys");
+    assert_eq!(s["dropped_by_reason"]["rejected"], 1, "{s}");
+    assert_eq!(s["done"], 1, "{s}");
+    assert_eq!(s["review"], 27, "one requeued, one rejected, one accepted: {s}");
+    let rejected = archived(&r.redis, "keys", &first);
+    assert_eq!(rejected["actions"][0]["by"], "ann");
+    assert_eq!(rejected["actions"][0]["reason"], "spam");
+    assert_eq!(
+        archived(&r.redis, "keys", &second)["actions"][0]["note"],
+        "look at the label"
+    );
+    assert_eq!(archived(&r.redis, "keys", &fourth)["actions"][0]["action"], "accept");
+    // The skipped entry is still in review, and is not offered again.
+    let p = common::record::partition_of(&third, 4);
+    let still: bool = r.redis.conn().hexists(keys::review("keys", p), &third).unwrap();
+    assert!(still);
+    assert_ne!(rid_on_page(&b), third);
+}
+
+#[test]
+fn an_invalid_edit_is_refused_inline_and_nothing_is_saved_until_it_is_fixed() {
+    let r = reviewed("edit", 6, "bad_enum=1.0");
+    let b = Browser::start();
+    sign_in(&b, &r.console, ANN);
+    b.goto(&r.console.url("/jobs/edit/review"));
+    b.click("#queue tbody tr a");
+    b.wait("the entry page", Duration::from_secs(10), |b| {
+        b.find("#editor").is_some()
+    });
+    let rid = rid_on_page(&b);
+    // The errors are shown at their field.
+    assert!(
+        b.find("tr.has-error[data-field=label] .field-error").is_some(),
+        "{}",
+        b.source()
+    );
+    b.fill(
+        "#editor",
+        r#"{"label": "not-a-label", "reason": "x", "confidence": 3, "task_type": "classify"}"#,
+    );
+    b.click("#accept");
+    b.wait("the refusal", Duration::from_secs(10), |b| b.find("#refused").is_some());
+    let refused = b.text("#refused");
+    assert!(refused.contains("label") && refused.contains("confidence"), "{refused}");
+    assert_eq!(rid_on_page(&b), rid, "the same entry, with the edit kept");
+    assert!(
+        b.script("return document.getElementById('editor').value;")
+            .as_str()
+            .unwrap()
+            .contains("not-a-label")
+    );
+    let p = common::record::partition_of(&rid, 4);
+    let in_review: bool = r.redis.conn().hexists(keys::review("edit", p), &rid).unwrap();
+    assert!(in_review, "nothing was saved");
+    assert_eq!(count(&r.redis, "edit", "done"), 0);
+    // Fixed: accepted, as the reviewer's.
+    b.fill("#editor", GOOD);
+    b.click("#accept");
+    b.wait("the next entry", Duration::from_secs(10), |b| {
+        b.find("#rid").is_some_and(|_| rid_on_page(b) != rid)
+    });
+    let result: String = r.redis.conn().hget(keys::results("edit", p), &rid).unwrap();
+    let result: Value = serde_json::from_str(&result).unwrap();
+    assert_eq!(
+        (result["human"].as_bool(), result["reviewer"].as_str()),
+        (Some(true), Some("ann"))
+    );
+    assert_eq!(result["output"]["reason"], "checked by a person");
+}
+
+#[test]
+fn two_reviewers_race_on_one_entry_and_the_second_is_told_who_decided() {
+    let r = reviewed("race", 4, "bad_enum=1.0");
+    let (ann, bob) = (Browser::start(), Browser::start());
+    sign_in(&ann, &r.console, ANN);
+    sign_in(&bob, &r.console, BOB);
+    ann.goto(&r.console.url("/jobs/race/review"));
+    ann.click("#queue tbody tr a");
+    ann.wait("the entry page", Duration::from_secs(10), |b| b.find("#rid").is_some());
+    let entry = ann.url();
+    let rid = rid_on_page(&ann);
+    bob.goto(&entry);
+    assert_eq!(rid_on_page(&bob), rid);
+    // Ann accepts first; Bob's rejection then finds the entry decided.
+    ann.fill("#editor", GOOD);
+    ann.click("#accept");
+    ann.wait("ann's next entry", Duration::from_secs(10), |b| {
+        b.find("#rid").is_some_and(|_| rid_on_page(b) != rid)
+    });
+    bob.fill("#reject-reason", "duplicate");
+    bob.click("#reject");
+    bob.wait("the answer", Duration::from_secs(10), |b| b.find("#decided").is_some());
+    let said = bob.text("#decided");
+    assert!(
+        said.contains("Already decided by ann at") && said.contains("accept"),
+        "{said}"
+    );
+    let (_, s) = status_json(&r.redis, "race");
+    assert_eq!((s["done"].as_u64(), s["dropped"].as_u64()), (Some(1), Some(0)), "{s}");
+    let a = archived(&r.redis, "race", &rid);
+    assert_eq!(a["actions"].as_array().unwrap().len(), 1, "one decision: {a}");
+}
+
+#[test]
+fn hostile_model_output_is_shown_as_text_and_never_runs() {
+    let r = reviewed("xss", 3, "hostile=1.0");
+    let b = Browser::start();
+    sign_in(&b, &r.console, ANN);
+    b.goto(&r.console.url("/jobs/xss/review"));
+    assert_eq!(b.script("return window.__bf_xss === undefined;"), Value::from(true));
+    b.click("#queue tbody tr a");
+    b.wait("the entry page", Duration::from_secs(10), |b| {
+        b.find("#output").is_some()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(b.script("return window.__bf_xss === undefined;"), Value::from(true));
+    assert!(
+        b.text("#output")
+            .contains("<script>window.__bf_xss=1</script><img src=x"),
+        "{}",
+        b.text("#output")
+    );
+    assert!(b.text("#output").contains("Ignore all previous instructions"));
+    assert_eq!(
+        b.script("return document.querySelectorAll('#output b, #output img, #output script').length;"),
+        Value::from(0),
+        "no markup from the model became elements"
+    );
+    assert!(
+        b.script("return document.getElementById('editor').value;")
+            .as_str()
+            .unwrap()
+            .contains("<script>")
+    );
+}
+
+#[test]
+fn a_wrong_token_a_missing_csrf_token_and_another_site_are_refused() {
+    let r = reviewed("auth", 2, "bad_enum=1.0");
+    let b = Browser::start();
+    b.goto(&r.console.url("/"));
+    b.wait("the sign-in page", Duration::from_secs(10), |b| {
+        b.find("#token").is_some()
+    });
+    b.fill("#token", "not-anyones-token-at-all");
+    b.click("#sign-in");
+    b.wait("the refusal", Duration::from_secs(10), |b| {
+        b.find("#login-error").is_some()
+    });
+    assert!(b.text("#login-error").contains("not a reviewer's token"));
+    b.goto(&r.console.url("/jobs/auth/review"));
+    assert!(b.url().ends_with("/login"), "still signed out: {}", b.url());
+
+    // A session's form without its CSRF token, or from another site, changes nothing.
+    let addr = r.console.addr.clone();
+    let login = http_send(&addr, Method::POST, "/login", &[], Some(&format!("token={}", ANN.1)));
+    assert_eq!(login.status, 303);
+    let cookie = login.set_cookie.unwrap();
+    let cookie = cookie.split(';').next().unwrap();
+    let forged = http_send(
+        &addr,
+        Method::POST,
+        "/jobs/auth/cancel",
+        &[("cookie", cookie)],
+        Some("csrf=guess"),
+    );
+    assert_eq!(forged.status, 403);
+    let page = http_send(
+        &addr,
+        Method::GET,
+        "/jobs/auth/confirm?action=cancel",
+        &[("cookie", cookie)],
+        None,
+    );
+    let csrf = page
+        .body
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
+    let elsewhere = http_send(
+        &addr,
+        Method::POST,
+        "/jobs/auth/cancel",
+        &[("cookie", cookie), ("origin", "http://evil.example")],
+        Some(&format!("csrf={csrf}")),
+    );
+    assert_eq!(elsewhere.status, 403);
+    let redis = &r.redis;
+    let cancelled: bool = redis.conn().exists(keys::cancel("auth")).unwrap();
+    assert!(!cancelled, "nothing was done");
+    // With its token, from the page: done.
+    let done = http_send(
+        &addr,
+        Method::POST,
+        "/jobs/auth/cancel",
+        &[("cookie", cookie)],
+        Some(&format!("csrf={csrf}")),
+    );
+    assert_eq!(done.status, 303, "{}", done.body);
+    let cancelled: bool = redis.conn().exists(keys::cancel("auth")).unwrap();
+    assert!(cancelled);
+    assert!(!page.body.contains(TEST_REDIS_PASSWORD));
+
+    // Behind a reverse proxy: the reviewer is the proxy's header.
+    let proxied = ConsoleServer::start(&redis.url(), &[], &["--trusted-header", "X-Forwarded-User"]);
+    let me = http_send(&proxied.addr, Method::GET, "/", &[("x-forwarded-user", "carol")], None);
+    assert_eq!(me.status, 200);
+    assert!(me.body.contains(">carol<"), "{}", me.body);
+    let anonymous = http_send(&proxied.addr, Method::GET, "/", &[], None);
+    assert_eq!(anonymous.status, 303, "no header, no reviewer");
+}
+
+/// `make console-shots`: a PNG of each page under `.bench/console/` (or
+/// `$CONSOLE_SHOTS`), from a job with a mix of faults: the jobs page, the
+/// job page, the review queue, an entry, an entry with an invalid edit
+/// refused, the answer to a reviewer who came second, the sign-in page.
+#[test]
+#[ignore = "writes pictures: run by make console-shots"]
+fn console_shots() {
+    let out = std::env::var("CONSOLE_SHOTS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| harness::workspace().join(".bench/console"));
+    std::fs::create_dir_all(&out).unwrap();
+    let r = reviewed(
+        "example",
+        300,
+        "bad_enum=0.15,missing_field=0.1,hostile=0.02,server_error=0.05",
+    );
+    let (ann, bob) = (Browser::start(), Browser::start());
+    let shot = |b: &Browser, name: &str| b.screenshot(&out.join(format!("{name}.png")));
+    shot(&ann, "blank");
+    ann.goto(&r.console.url("/login"));
+    shot(&ann, "sign-in");
+    sign_in(&ann, &r.console, ANN);
+    sign_in(&bob, &r.console, BOB);
+    ann.goto(&r.console.url("/"));
+    shot(&ann, "jobs");
+    ann.goto(&r.console.url("/jobs/example"));
+    shot(&ann, "job");
+    ann.goto(&r.console.url("/jobs/example/review"));
+    shot(&ann, "review-queue");
+    ann.click("#queue tbody tr a");
+    ann.wait("the entry page", Duration::from_secs(10), |b| {
+        b.find("#editor").is_some()
+    });
+    shot(&ann, "review-entry");
+    bob.goto(&ann.url());
+    ann.fill("#editor", r#"{"label": "nope", "confidence": 7}"#);
+    ann.click("#accept");
+    ann.wait("the refusal", Duration::from_secs(10), |b| b.find("#refused").is_some());
+    shot(&ann, "review-entry-refused");
+    ann.fill("#editor", GOOD);
+    ann.click("#accept");
+    bob.fill("#reject-reason", "duplicate");
+    bob.click("#reject");
+    bob.wait("the answer", Duration::from_secs(10), |b| b.find("#decided").is_some());
+    shot(&bob, "already-decided");
+    let _ = std::fs::remove_file(out.join("blank.png"));
+    eprintln!("console shots in {}", out.display());
+}
