@@ -144,6 +144,18 @@ pub fn stats(job: &str, partition: u32) -> String {
     format!("bf:{}:stats", partition_tag(job, partition))
 }
 
+/// Hash of a partition's committed records waiting for a person's spot
+/// check (see [`crate::audit`]): record id -> its input as sampled (empty
+/// when its result carries it).
+pub fn audit(job: &str, partition: u32) -> String {
+    format!("bf:{}:audit", partition_tag(job, partition))
+}
+
+/// Hash of a partition's spot-check verdicts: record id -> verdict.
+pub fn audited(job: &str, partition: u32) -> String {
+    format!("bf:{}:audited", partition_tag(job, partition))
+}
+
 /// Stream of outcomes to hand to the job's sink (only for a job with one):
 /// `rid` and `k` (`r` a committed result, `f` a record in review or
 /// dropped, `l` a paid call of the record, its key in `c`), added by the
@@ -258,6 +270,8 @@ mod tests {
             ledger_sunk("j1", 3),
             spend("j1", 3),
             stats("j1", 3),
+            audit("j1", 3),
+            audited("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));

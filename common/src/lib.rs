@@ -13,12 +13,14 @@
 //! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
 //! - [`stats`]: a job's outcome counters (errors, retries, attempts, per minute).
+//! - [`audit`]: spot checks: verdicts and the accuracy they estimate.
 //! - [`batch`]: group commit: calls that queue up while one runs go together.
 //! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
 //!   what providers send back; unusable API keys refused.
 //! - [`sink`], [`sink_files`]: the result sinks (PostgreSQL, JSONL segments).
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 
+pub mod audit;
 pub mod batch;
 pub mod decision;
 pub mod json;

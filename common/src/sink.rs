@@ -1011,16 +1011,7 @@ impl PgSink {
         let revisions = self.revisions(job).await?;
         let rows = self
             .client
-            .query_raw(
-                &format!(
-                    "SELECT record_id, business_key, output, attempts, calls, response_id, repairs, usage, history, \
-                     model, versions, human, reviewer, worker, input, \
-                     to_char(committed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
-                     FROM {} WHERE job = $1",
-                    self.results
-                ),
-                [job],
-            )
+            .query_raw(&self.select_results("job = $1"), [job])
             .await
             .map_err(|e| self.err(&e))?;
         let mut rows = std::pin::pin!(rows);
@@ -1035,6 +1026,33 @@ impl PgSink {
             n += 1;
         }
         Ok(n)
+    }
+
+    /// The results table's rows as [`result_of_row`] reads them, `WHERE filter`.
+    fn select_results(&self, filter: &str) -> String {
+        format!(
+            "SELECT record_id, business_key, output, attempts, calls, response_id, repairs, usage, history, \
+             model, versions, human, reviewer, worker, input, \
+             to_char(committed_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') \
+             FROM {} WHERE {filter}",
+            self.results
+        )
+    }
+
+    /// The job's result of one record as it is now (its revisions applied),
+    /// if the table has it.
+    pub async fn result(&self, job: &str, rid: &str) -> Result<Option<ResultRecord>, SinkError> {
+        let row = self
+            .client
+            .query_opt(&self.select_results("job = $1 AND record_id = $2"), &[&job, &rid])
+            .await
+            .map_err(|e| self.err(&e))?;
+        let Some(row) = row else { return Ok(None) };
+        let mut r = result_of_row(&row).map_err(|e| SinkError::Schema(format!("table {}: {e}", self.results)))?;
+        if let Some(v) = self.revisions(job).await?.remove(rid) {
+            r = with_revisions(r, &v);
+        }
+        Ok(Some(r))
     }
 
     /// A person's edit of a written result, in one transaction: the row

@@ -743,6 +743,8 @@ pub fn revise(
 pub struct Written {
     rid: String,
     output: serde_json::Value,
+    /// The whole line, as the result it was written from.
+    pub result: ResultRecord,
 }
 
 impl Written {
@@ -760,14 +762,18 @@ impl Written {
 /// The result line of a record (None when no segment holds one).
 pub fn find_written(dir: &Path, job: &str, rid: &str) -> Result<Option<Written>, SinkError> {
     let root = job_dir(dir, job)?;
-    Ok(written_output(&root, rid)?.map(|output| Written {
-        rid: rid.to_owned(),
-        output,
+    Ok(written_row(&root, rid)?.and_then(|row| {
+        let output = serde_json::from_str::<serde_json::Value>(row.output.get()).ok()?;
+        Some(Written {
+            rid: rid.to_owned(),
+            output,
+            result: row.into_record(),
+        })
     }))
 }
 
-/// The output a record's result line holds.
-fn written_output(root: &Path, rid: &str) -> Result<Option<serde_json::Value>, SinkError> {
+/// The line of a record's result, as its row.
+fn written_row(root: &Path, rid: &str) -> Result<Option<ResultRow>, SinkError> {
     if rid.is_empty() || !rid.chars().all(|c| c.is_ascii_alphanumeric()) {
         return Ok(None);
     }
@@ -779,7 +785,7 @@ fn written_output(root: &Path, rid: &str) -> Result<Option<serde_json::Value>, S
                 && serde_json::from_str::<IdOnly>(line).is_ok_and(|id| id.record_id == rid)
                 && let Ok(row) = serde_json::from_str::<ResultRow>(line)
             {
-                found = serde_json::from_str::<serde_json::Value>(row.output.get()).ok();
+                found = Some(row);
             }
         })?;
         if found.is_some() {

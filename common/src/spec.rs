@@ -41,6 +41,45 @@ pub struct JobSpec {
     /// Where committed results are written after Redis (`[sink]`; none by default).
     #[serde(default, skip_serializing_if = "Sink::is_none")]
     pub sink: Sink,
+    /// Spot checks of committed results by people (`[audit]`; none by default).
+    #[serde(default, skip_serializing_if = "Audit::is_none")]
+    pub audit: Audit,
+}
+
+/// `[audit]`: a seeded share of the committed results goes to the audit
+/// queue, for people to judge (see the README's "Spot checks").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Audit {
+    /// The share of committed results sampled, above 0 and at most 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<f64>,
+    /// Which records: the same seed always samples the same ones (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+impl Audit {
+    pub fn is_none(&self) -> bool {
+        *self == Audit::default()
+    }
+
+    /// Whether a committed record is in the sample: the first 8 bytes of
+    /// sha256(seed, record id), as a fraction, fall under the rate.
+    pub fn sampled(&self, record_id: &str) -> bool {
+        let Some(rate) = self.rate else { return false };
+        audit_draw(self.seed.unwrap_or(0), record_id) < rate
+    }
+}
+
+/// A record's draw in `[0, 1)` for a seed (the spec's sample, and the rank
+/// of `producer audit --sample`).
+pub fn audit_draw(seed: u64, record_id: &str) -> f64 {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(format!("{seed}:{record_id}").as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    (u64::from_be_bytes(b) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// `[budget]`: what the job may spend (see the README's "Spend control"),
@@ -1081,6 +1120,16 @@ impl JobSpec {
                 "a cost cap needs [prices] (input_per_mtok, output_per_mtok): every call would cost 0",
             );
         }
+        match self.audit.rate {
+            Some(r) if !(r.is_finite() && r > 0.0 && r <= 1.0) => {
+                p.add(
+                    "audit.rate",
+                    "must be above 0 and at most 1 (a share of the committed results)",
+                );
+            }
+            None if self.audit.seed.is_some() => p.add("audit.seed", "goes with audit.rate"),
+            _ => {}
+        }
     }
 
     /// Version of the model configuration: what changes the model's answers.
@@ -1365,6 +1414,28 @@ mod tests {
         assert_eq!(names, ["label", "reason", "confidence", "task_type", "items"]);
         assert_eq!(spec.job.partitions, 4);
         assert!(spec.output.fields.get("confidence").unwrap().nullable);
+    }
+
+    #[test]
+    fn an_audit_rate_is_a_share_and_its_sample_is_seeded() {
+        let with = |a: &str| edited("[prices]", &format!("[audit]\n{a}\n\n[prices]"));
+        assert_problem(&with("rate = 0"), "audit.rate");
+        assert_problem(&with("rate = 1.5"), "audit.rate");
+        assert_problem(&with("seed = 3"), "audit.seed");
+        assert_problem(&with("rate = 0.1\nsample = 3"), "sample");
+        let ok = JobSpec::parse(&with("rate = 0.25\nseed = 7"), "t").unwrap();
+        let sampled = (0..4000).filter(|i| ok.audit.sampled(&format!("r{i}"))).count();
+        assert!((850..1150).contains(&sampled), "about a quarter: {sampled}");
+        let again = JobSpec::parse(&with("rate = 0.25\nseed = 7"), "t").unwrap();
+        assert!((0..100).all(|i| ok.audit.sampled(&format!("r{i}")) == again.audit.sampled(&format!("r{i}"))));
+        let other = JobSpec::parse(&with("rate = 0.25\nseed = 8"), "t").unwrap();
+        assert!((0..100).any(|i| ok.audit.sampled(&format!("r{i}")) != other.audit.sampled(&format!("r{i}"))));
+        assert!(
+            !JobSpec::parse(&edited("[prices]", "[prices]"), "t")
+                .unwrap()
+                .audit
+                .sampled("r1")
+        );
     }
 
     #[test]

@@ -170,6 +170,23 @@ pub enum Command {
         #[command(flatten)]
         redis: RedisArgs,
     },
+    /// Spot checks: with --sample N, put N more committed results of the job
+    /// in its audit queue (people judge them in the console); without, print
+    /// the accuracy the verdicts so far estimate.
+    Audit {
+        #[arg(long)]
+        job: String,
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// How many more results to sample.
+        #[arg(long, value_name = "N")]
+        sample: Option<u64>,
+        /// Which ones: the same job and seed always give the same.
+        #[arg(long, value_name = "S", default_value_t = 0, requires = "sample")]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Serve the web console: jobs, their live status, the review queue.
     /// Reviewers sign in with a token of their own: `name:token` lines in
     /// --tokens-file or in the variable BATCHFLEET_CONSOLE_TOKENS.
@@ -575,6 +592,49 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         }
         Command::Review(args) => run_review(args).await,
         Command::Console(args) => run_console(args, cancel).await,
+        Command::Audit {
+            job,
+            redis,
+            sample,
+            seed,
+            json,
+        } => {
+            let store = RedisStore::connect(&redis.url).await?;
+            let Some(spec) = spec_or_report(&store, &job).await else {
+                return Ok(ExitCode::from(EXIT_INPUT));
+            };
+            if let Some(n) = sample {
+                let s = match crate::audit::sample(&store, &job, n, seed).await {
+                    Ok(s) => s,
+                    Err(crate::review::ReviewError::Store(e)) => return Err(e.into()),
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        return Ok(ExitCode::from(EXIT_INPUT));
+                    }
+                };
+                if json {
+                    crate::outln!("{}", serde_json::to_string(&s)?);
+                } else {
+                    crate::outln!(
+                        "job {job}: {} results sampled for a spot check ({} waiting, of {} done)",
+                        s.sampled,
+                        s.waiting,
+                        s.done
+                    );
+                    for (why, n) in &s.skipped {
+                        crate::outln!("  not sampled: {n} ({why})");
+                    }
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            let a = store.accuracy(&job, spec.job.partitions).await?;
+            if json {
+                crate::outln!("{}", serde_json::to_string(&a)?);
+            } else {
+                crate::report::print_accuracy(&a);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Enqueue(cmd) => run_enqueue(cmd, cancel).await,
     }
 }

@@ -1,5 +1,6 @@
 //! The `producer` command: puts datasets into jobs and inspects them.
 //!
+//! - [`audit`]: spot checks: sample committed results, judge them, the accuracy.
 //! - [`cli`]: the command line (one typed config per subcommand).
 //! - [`compare`]: two jobs side by side (failures, validity, cost, regressions).
 //! - [`console`]: the web console (jobs, the review queue, spot-checks).
@@ -16,6 +17,7 @@
 //! - [`select`]: a stratified sample, another job's records (`--from-job`).
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 
+pub mod audit;
 pub mod cli;
 pub mod compare;
 pub mod console;

@@ -118,6 +118,8 @@ pub struct Report {
     /// the fleet worked, whenever it started after the enqueue.
     pub processing_secs: Option<f64>,
     pub processing_records_per_sec: Option<f64>,
+    /// What people's spot checks of committed results estimate.
+    pub accuracy: common::audit::Accuracy,
 }
 
 /// Builds the report of a job by scanning its results and review entries.
@@ -175,6 +177,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
             .await?;
     }
     r.spend = store.spend(job, spec.job.partitions).await?;
+    r.accuracy = store.accuracy(job, spec.job.partitions).await?;
     if r.spend.totals.calls > 0 {
         r.total = r.spend.totals.clone();
     } else {
@@ -321,6 +324,18 @@ pub fn print(r: &Report) {
             t.estimated_tokens,
             t.estimated_cost_usd
         );
+    }
+    if r.accuracy.overall.audited + r.accuracy.waiting > 0 {
+        print_accuracy(&r.accuracy);
+    }
+}
+
+/// The spot checks' estimate of a job's accuracy.
+pub fn print_accuracy(a: &common::audit::Accuracy) {
+    crate::outln!("  spot checks  accuracy {}", a.overall.text());
+    crate::outln!("    waiting    {} results to judge", a.waiting);
+    for (field, value, rate) in &a.by_label {
+        crate::outln!("    {field} = {value:<24} {}", rate.text());
     }
 }
 

@@ -96,13 +96,8 @@ pub async fn retry(store: &RedisStore, job: &str, from: From, who: &str) -> Resu
     Ok(out)
 }
 
-/// A missing record to rebuild: record id, partition, the state it was seen in.
-type Wanted = (String, u32, RecordState);
-
 /// Missing records: their task is gone, so their input is read back from the
-/// dataset line their origin points at (`<dataset tag>:<line>`, or
-/// `<sha12>:<line>` from an earlier version), after
-/// checking the file still has the sha256 the manifest recorded.
+/// dataset line their origin points at (see [`dataset_inputs`]).
 async fn retry_missing(
     store: &RedisStore,
     job: &str,
@@ -112,6 +107,48 @@ async fn retry_missing(
     mark: &Action,
 ) -> Result<(), ReviewError> {
     let r = reconcile(store, job, partitions, sink).await?;
+    let mut wanted = Vec::new();
+    let mut states = HashMap::new();
+    for a in &r.missing {
+        let Some(state) = a.state.clone() else {
+            out.skip("its state is unreadable");
+            continue;
+        };
+        wanted.push((a.record_id.clone(), a.partition));
+        states.insert(a.record_id.clone(), (a.partition, state));
+    }
+    let (inputs, skipped) = dataset_inputs(store, job, &wanted).await?;
+    for (why, n) in skipped {
+        *out.skipped.entry(why).or_default() += n;
+    }
+    for (rid, input) in inputs {
+        let Some((p, state)) = states.get(&rid) else { continue };
+        let Ok(mut task) = Task::new(&rid, &input, "") else {
+            out.skip("its dataset line no longer parses");
+            continue;
+        };
+        task.history.push(common::task::HistoryItem::Action(mark.clone()));
+        if store.retry_record(job, *p, state, &task).await? {
+            out.requeued += 1;
+        } else {
+            out.skip("changed meanwhile");
+        }
+    }
+    Ok(())
+}
+
+/// The inputs of records read back from the dataset lines their origins
+/// point at (`<dataset tag>:<line>`, or `<sha12>:<line>` from an earlier
+/// version), after checking each file still has the sha256 the manifest
+/// recorded: record id -> the line's JSON, and the records not found, by why.
+pub async fn dataset_inputs(
+    store: &RedisStore,
+    job: &str,
+    wanted: &[(String, u32)],
+) -> Result<(HashMap<String, String>, BTreeMap<String, u64>), ReviewError> {
+    let mut found = HashMap::new();
+    let mut skipped: BTreeMap<String, u64> = BTreeMap::new();
+    let mut skip = |why: &str, n: u64| *skipped.entry(why.to_owned()).or_default() += n;
     let manifest = store.load_manifest(job).await?;
     // Each dataset by its tag and by its sha12 (origins of earlier versions).
     let datasets: HashMap<String, (String, String)> = manifest
@@ -126,43 +163,38 @@ async fn retry_missing(
                 .collect()
         })
         .unwrap_or_default();
-    let mut wanted: HashMap<String, BTreeMap<u64, Vec<Wanted>>> = HashMap::new();
-    for a in &r.missing {
-        let Some(state) = a.state.clone() else {
-            out.skip("its state is unreadable");
+    let mut lines_of: HashMap<String, BTreeMap<u64, Vec<String>>> = HashMap::new();
+    for (rid, p) in wanted {
+        let origin = store.record_origin(job, *p, rid).await?;
+        let Some(origin) = origin else {
+            skip("its idempotency key expired: its dataset line is unknown", 1);
             continue;
         };
-        match store.record_origin(job, a.partition, &a.record_id).await? {
-            Some(origin) => {
-                let Some((short, line)) = origin.split_once(':') else {
-                    out.skip("origin unreadable");
-                    continue;
-                };
-                let Ok(line) = line.parse::<u64>() else {
-                    out.skip("origin unreadable");
-                    continue;
-                };
-                wanted
-                    .entry(short.to_owned())
-                    .or_default()
-                    .entry(line)
-                    .or_default()
-                    .push((a.record_id.clone(), a.partition, state));
-            }
-            None => out.skip("its idempotency key expired: its dataset line is unknown"),
-        }
+        let Some((short, line)) = origin
+            .split_once(':')
+            .and_then(|(s, l)| Some((s, l.parse::<u64>().ok()?)))
+        else {
+            skip("origin unreadable", 1);
+            continue;
+        };
+        lines_of
+            .entry(short.to_owned())
+            .or_default()
+            .entry(line)
+            .or_default()
+            .push(rid.clone());
     }
-    for (short, lines) in wanted {
+    for (short, lines) in lines_of {
         let n: u64 = lines.values().map(|v| v.len() as u64).sum();
         let Some((path, sha)) = datasets.get(&short) else {
-            (0..n).for_each(|_| out.skip("its dataset is not in the manifest"));
+            skip("its dataset is not in the manifest", n);
             continue;
         };
         let path = Path::new(path);
         match file_sha256(path) {
             Ok((actual, _)) if &actual == sha => {}
             _ => {
-                (0..n).for_each(|_| out.skip("its dataset file is gone or changed"));
+                skip("its dataset file is gone or changed", n);
                 continue;
             }
         }
@@ -174,25 +206,15 @@ async fn retry_missing(
             };
             let text = String::from_utf8_lossy(buf.strip_suffix(b"\r").unwrap_or(&buf)).into_owned();
             let text = text.trim_start_matches('\u{feff}');
-            let Ok(input) = serde_json::from_str::<Value>(text) else {
-                records
-                    .iter()
-                    .for_each(|_| out.skip("its dataset line no longer parses"));
-                continue;
-            };
-            for (rid, p, state) in records {
-                let Ok(mut task) = Task::new(rid, &input.to_string(), "") else {
-                    out.skip("its dataset line no longer parses");
-                    continue;
-                };
-                task.history.push(common::task::HistoryItem::Action(mark.clone()));
-                if store.retry_record(job, *p, state, &task).await? {
-                    out.requeued += 1;
-                } else {
-                    out.skip("changed meanwhile");
+            match serde_json::from_str::<Value>(text) {
+                Ok(input) => {
+                    for rid in records {
+                        found.insert(rid.clone(), input.to_string());
+                    }
                 }
+                Err(_) => skip("its dataset line no longer parses", records.len() as u64),
             }
         }
     }
-    Ok(())
+    Ok((found, skipped))
 }

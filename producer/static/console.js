@@ -57,10 +57,26 @@
     });
   }
 
+  function auditKeys() {
+    var editor = document.getElementById("editor");
+    document.addEventListener("keydown", function (e) {
+      if (e.key === "Escape" && typing(e)) { e.target.blur(); e.preventDefault(); return; }
+      if (e.key === "Enter" && e.ctrlKey && e.target === editor) { e.preventDefault(); document.getElementById("incorrect-form").submit(); return; }
+      if (typing(e) || e.ctrlKey || e.metaKey || e.altKey) { return; }
+      var go = {
+        c: function () { document.getElementById("correct-form").submit(); },
+        i: function () { editor.focus(); },
+        s: function () { document.getElementById("skip-form").submit(); }
+      }[e.key];
+      if (go) { e.preventDefault(); go(); }
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
     Array.prototype.forEach.call(document.querySelectorAll("[data-live]"), live);
     var p = document.body.getAttribute("data-page");
     if (p === "queue") { queueKeys(); }
     if (p === "entry") { entryKeys(); }
+    if (p === "audit") { auditKeys(); }
   });
 })();

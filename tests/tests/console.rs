@@ -462,6 +462,130 @@ fn console_shots() {
     bob.click("#reject");
     bob.wait("the answer", Duration::from_secs(10), |b| b.find("#decided").is_some());
     shot(&bob, "already-decided");
+    let out_cmd = harness::producer(&["audit", "--job", "example", "--redis", &r.redis.url(), "--sample", "20"]);
+    assert!(out_cmd.status.success(), "{}", harness::stderr(&out_cmd));
+    ann.goto(&r.console.url("/jobs/example/audit"));
+    ann.wait("a result to judge", Duration::from_secs(10), |b| {
+        b.find("#rid").is_some()
+    });
+    for _ in 0..6 {
+        let rid = rid_on_page(&ann);
+        ann.press("c");
+        ann.wait("the next one", Duration::from_secs(10), |b| {
+            b.find("#rid").is_some_and(|_| rid_on_page(b) != rid)
+        });
+    }
+    shot(&ann, "spot-check");
+    ann.goto(&r.console.url("/jobs/example"));
+    shot(&ann, "job");
     let _ = std::fs::remove_file(out.join("blank.png"));
     eprintln!("console shots in {}", out.display());
+}
+
+#[test]
+fn a_sample_of_results_is_spot_checked_and_the_accuracy_is_shown() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "2"]);
+    let dir = TempDir::new("console-audit");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    let spec_path = spec_with(&dir, &[("[retry]", "[audit]\nrate = 0.3\nseed = 9\n\n[retry]")]);
+    enqueue(&redis, &data, "spot", &spec_path);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "spot", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    // The spec's sample: exactly the committed records whose draw falls under the rate.
+    let spec = common::spec::JobSpec::load(spec_path.to_str().unwrap()).unwrap();
+    let mut c = redis.conn();
+    let keys_of = |c: &mut redis::Connection, key: fn(&str, u32) -> String| -> std::collections::BTreeSet<String> {
+        (0..4)
+            .flat_map(|p| c.hkeys::<_, Vec<String>>(key("spot", p)).unwrap())
+            .collect()
+    };
+    let done = keys_of(&mut c, keys::results);
+    assert_eq!(done.len(), 40);
+    let by_rate: std::collections::BTreeSet<String> = done.iter().filter(|r| spec.audit.sampled(r)).cloned().collect();
+    assert!(!by_rate.is_empty() && by_rate.len() < 25, "{}", by_rate.len());
+    assert_eq!(keys_of(&mut c, keys::audit), by_rate, "the rate's sample, and only it");
+    // Five more, picked afterwards; their inputs read back from the dataset.
+    let out = harness::producer(&[
+        "audit",
+        "--job",
+        "spot",
+        "--redis",
+        &redis.url(),
+        "--sample",
+        "5",
+        "--seed",
+        "3",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let s: Value = serde_json::from_str(&harness::stdout(&out)).unwrap();
+    let waiting = by_rate.len() as u64 + 5;
+    assert_eq!(
+        (s["sampled"].as_u64(), s["waiting"].as_u64()),
+        (Some(5), Some(waiting)),
+        "{s}"
+    );
+    for p in 0..4 {
+        let items: std::collections::HashMap<String, String> = c.hgetall(keys::audit("spot", p)).unwrap();
+        for (rid, input) in items {
+            if !by_rate.contains(&rid) {
+                assert!(
+                    input.contains("message_id"),
+                    "the input of {rid} from its dataset line: {input}"
+                );
+            }
+        }
+    }
+
+    // People judge them all: two are wrong (a correction refused once, then saved).
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.goto(&console.url("/jobs/spot/audit"));
+    let mut wrong = Vec::new();
+    for i in 0..waiting {
+        b.wait("a result to judge", Duration::from_secs(10), |b| {
+            b.find("#rid").is_some()
+        });
+        let rid = rid_on_page(&b);
+        assert!(b.text("#input").contains("message_id"), "{}", b.text("#input"));
+        if i < 2 {
+            b.fill("#editor", r#"{"label": "nonsense"}"#);
+            b.click("#incorrect");
+            b.wait("the refusal", Duration::from_secs(10), |b| b.find("#refused").is_some());
+            assert_eq!(rid_on_page(&b), rid, "nothing saved");
+            b.fill("#editor", GOOD);
+            b.click("#incorrect");
+            wrong.push(rid.clone());
+        } else {
+            b.press("c");
+        }
+        b.wait("the next one", Duration::from_secs(10), |b| {
+            b.find("#rid").is_none_or(|_| rid_on_page(b) != rid)
+        });
+    }
+    let expected = common::audit::Rate::of(waiting - 2, waiting).text();
+    assert_eq!(b.text("#accuracy"), expected);
+    assert!(b.text("#by-label").contains("label"), "{}", b.text("#by-label"));
+    b.goto(&console.url("/jobs/spot"));
+    assert_eq!(b.text("#job-accuracy"), expected);
+    // The corrections are revisions of their results; report says the same.
+    for rid in &wrong {
+        let p = common::record::partition_of(rid, 4);
+        let r: String = c.hget(keys::results("spot", p), rid).unwrap();
+        let r: Value = serde_json::from_str(&r).unwrap();
+        assert_eq!(r["revisions"][0]["by"], "ann", "{r}");
+        assert_eq!(r["output"]["reason"], "checked by a person");
+    }
+    let out = harness::producer(&["report", "--job", "spot", "--redis", &redis.url(), "--json"]);
+    let report: Value = serde_json::from_str(&harness::stdout(&out)).unwrap();
+    let a = &report["accuracy"]["overall"];
+    assert_eq!(
+        (a["correct"].as_u64(), a["audited"].as_u64()),
+        (Some(waiting - 2), Some(waiting)),
+        "{report}"
+    );
+    assert_eq!(report["accuracy"]["waiting"], 0);
 }

@@ -1015,3 +1015,57 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
     let (got, _) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
     assert_eq!(got.len(), 1, "and gets the slot");
 }
+
+#[tokio::test]
+async fn only_done_records_join_the_audit_queue_and_each_is_judged_once() {
+    use common::audit::Verdict;
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store
+        .enqueue(JOB, 60, &[entry("a", "{}"), entry("b", "{}")])
+        .await
+        .unwrap();
+    let ds = claim(&store, "w1").await;
+    let a = ds.iter().find(|d| d.task.rid == "a").unwrap();
+    assert_eq!(
+        store.finish(JOB, a, &Finish::Commit(result_for(a))).await.unwrap(),
+        Finished::Moved
+    );
+    // b is still in flight: not done, not sampled.
+    let items = [("a".to_owned(), "in-a".to_owned()), ("b".to_owned(), String::new())];
+    assert_eq!(store.audit_sample(JOB, 0, &items).await.unwrap(), 1);
+    assert_eq!(store.audit_sample(JOB, 0, &items).await.unwrap(), 0, "not twice");
+    let item = store.audit_item(JOB, 0, "a").await.unwrap().unwrap();
+    assert_eq!(item.input.as_deref(), Some("in-a"));
+    let v = |by: &str| Verdict {
+        correct: true,
+        by: by.into(),
+        at: "t".into(),
+        labels: Default::default(),
+        revision: None,
+        note: None,
+    };
+    assert!(store.audit_judge(JOB, 0, "a", &v("ann")).await.unwrap());
+    assert!(
+        !store.audit_judge(JOB, 0, "a", &v("bob")).await.unwrap(),
+        "judged already"
+    );
+    assert_eq!(store.audit_verdict(JOB, 0, "a").await.unwrap().unwrap().by, "ann");
+    assert_eq!(
+        store.audit_sample(JOB, 0, &items).await.unwrap(),
+        0,
+        "a judged record is not sampled again"
+    );
+    assert_eq!(store.audit_waiting(JOB, 1).await.unwrap(), 0);
+    // A commit in the spec's sample joins the queue in the same step.
+    let b = ds.iter().find(|d| d.task.rid == "b").unwrap();
+    let commit = Finishing::new(b, &Finish::Commit(result_for(b))).audit(true);
+    assert_eq!(
+        store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(),
+        &Finished::Moved
+    );
+    let b_item = store.audit_item(JOB, 0, "b").await.unwrap().unwrap();
+    assert_eq!(b_item.input, None, "its result carries its input");
+    let acc = store.accuracy(JOB, 1).await.unwrap();
+    assert_eq!((acc.overall.correct, acc.overall.audited, acc.waiting), (1, 1, 1));
+}

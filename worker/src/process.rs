@@ -80,8 +80,9 @@ impl JobCtx {
         how: &Finish,
         paid: Option<&PaidCall>,
     ) -> Result<Finished, StoreError> {
+        let sampled = self.spec.audit.sampled(&d.task.rid);
         self.finisher
-            .call(Finishing::new(d, how).paid(paid))
+            .call(Finishing::new(d, how).paid(paid).audit(sampled))
             .await
             .unwrap_or(Err(StoreError::ShuttingDown))
     }
@@ -760,7 +761,8 @@ async fn apply(
                 usage: reply.usage,
             };
             let mut result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
-            if job.sink.is_some() {
+            // The sink's row keeps the input; so does a result a person spot-checks.
+            if job.sink.is_some() || job.spec.audit.sampled(&d.task.rid) {
                 result.input = Some(d.task.input.clone());
             }
             settle(

@@ -3,6 +3,7 @@
 //! Every key comes from [`crate::keys`]; every multi-key step is a Lua script
 //! in `scripts/` whose header lists its KEYS, ARGV and return values.
 
+mod audit_ops;
 mod budget_ops;
 mod job_ops;
 mod limit_ops;
@@ -14,6 +15,7 @@ mod sink_ops;
 mod wake_ops;
 mod worker_ops;
 
+pub use audit_ops::AuditItem;
 pub use budget_ops::{BudgetState, Reserved};
 pub use limit_ops::{CallKind, LimitParams, Settlement};
 pub use read_ops::RecordSet;

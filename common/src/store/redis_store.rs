@@ -114,6 +114,7 @@ pub(super) struct Scripts {
     pub ids_page: Script,
     pub ledger: Script,
     pub budget: Script,
+    pub audit: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -213,6 +214,7 @@ impl RedisStore {
                 finish: Script::new(include_str!("scripts/finish.lua")),
                 ledger: Script::new(include_str!("scripts/ledger.lua")),
                 budget: Script::new(include_str!("scripts/budget.lua")),
+                audit: Script::new(include_str!("scripts/audit.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),

@@ -70,6 +70,15 @@ impl Finishing {
         self
     }
 
+    /// A commit of a record in the spec's spot-check sample: it also joins
+    /// the audit queue, in the same atomic step.
+    pub fn audit(mut self, sampled: bool) -> Finishing {
+        if sampled && self.mode == "commit" {
+            self.mode = "commit_audit";
+        }
+        self
+    }
+
     pub fn new(d: &Delivery, how: &Finish) -> Finishing {
         let (mode, value, due_ms) = match how {
             Finish::Commit(result) => ("commit", result.encode(), 0),
@@ -440,6 +449,7 @@ impl RedisStore {
                 .key(keys::ledger(job, p))
                 .key(keys::spend(job, p))
                 .key(keys::stats(job, p))
+                .key(keys::audit(job, p))
                 .arg(keys::GROUP);
             for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)

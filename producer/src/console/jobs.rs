@@ -172,6 +172,10 @@ pub struct Live {
     pub error_rows: Vec<(String, Vec<u64>)>,
     pub retries: Vec<(String, u64)>,
     pub spend_parts: Vec<(String, u64, String)>,
+    /// The spot checks' estimate, overall and per label.
+    pub accuracy: String,
+    pub audit_waiting: u64,
+    pub accuracy_by_label: Vec<(String, String, String)>,
 }
 
 impl Live {
@@ -187,6 +191,7 @@ impl Live {
         let spend = store.spend(job, partitions).await?;
         let budget = store.budget(job).await?;
         let stats = store.stats(job, partitions).await?;
+        let accuracy = store.accuracy(job, partitions).await?;
         let now_minute = now_secs() / 60;
         let expected = status.expected.unwrap_or(status.known);
         let settled = status.done + status.review + status.dropped + status.cancelled;
@@ -321,6 +326,13 @@ impl Live {
             error_rows,
             retries: stats.retries.into_iter().collect(),
             spend_parts,
+            accuracy: accuracy.overall.text(),
+            audit_waiting: accuracy.waiting,
+            accuracy_by_label: accuracy
+                .by_label
+                .iter()
+                .map(|(f, v, r)| (f.clone(), v.clone(), r.text()))
+                .collect(),
             status,
         })
     }

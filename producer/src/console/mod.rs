@@ -7,6 +7,7 @@
 //! - [`jobs`]: the jobs page, a job's page (live), cancel and resume.
 //! - [`queue`]: the review queue (filters, paging) and an entry's page with
 //!   its actions, through the same atomic scripts as `producer review`.
+//! - [`audit`]: spot checks of committed results, and the accuracy.
 //! - [`chart`]: SVG charts.
 //!
 //! Every page reads Redis through the store's typed verbs. A job's
@@ -14,6 +15,7 @@
 //! it is cached and refreshed in the background; everything else a page
 //! shows comes from counters the scripts keep.
 
+pub mod audit;
 pub mod auth;
 pub mod chart;
 pub mod jobs;
@@ -111,6 +113,8 @@ pub fn router(console: Shared) -> Router {
         .route("/jobs/{job}/review/{rid}/requeue", post(queue::requeue))
         .route("/jobs/{job}/review/{rid}/reject", post(queue::reject))
         .route("/jobs/{job}/review/{rid}/skip", post(queue::skip))
+        .route("/jobs/{job}/audit", get(audit::next))
+        .route("/jobs/{job}/audit/{rid}", get(audit::item).post(audit::judge))
         .with_state(console)
 }
 

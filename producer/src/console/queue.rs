@@ -31,14 +31,14 @@ const SCAN_BUDGET: usize = 2000;
 pub struct Skipped(Mutex<HashMap<(String, String), HashSet<String>>>);
 
 impl Skipped {
-    fn add(&self, reviewer: &str, job: &str, rid: &str) {
+    pub fn add(&self, reviewer: &str, job: &str, rid: &str) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
         m.entry((reviewer.to_owned(), job.to_owned()))
             .or_default()
             .insert(rid.to_owned());
     }
 
-    fn of(&self, reviewer: &str, job: &str) -> HashSet<String> {
+    pub fn of(&self, reviewer: &str, job: &str) -> HashSet<String> {
         let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
         m.get(&(reviewer.to_owned(), job.to_owned()))
             .cloned()
@@ -559,7 +559,7 @@ async fn entry_as_shown(
     let back = format!("/jobs/{}/review{}", path_part(job), form.filters().query());
     match read_entry(c, job, spec, rid).await? {
         Some((e, p)) if version_of(&e) == form.version => Ok(Ok((e, p))),
-        Some(_) => Ok(Err(decided(
+        Some(_) => Ok(Err(decided_page(
             c,
             who,
             job,
@@ -576,12 +576,13 @@ async fn entry_as_shown(
                 ),
                 None => "It is no longer in review. Nothing was done.".to_owned(),
             };
-            Ok(Err(decided(c, who, job, rid, what, back)))
+            Ok(Err(decided_page(c, who, job, rid, what, back)))
         }
     }
 }
 
-fn decided(c: &Console, who: &str, job: &str, rid: &str, what: String, back: String) -> Response {
+/// The answer to a reviewer who came second: who decided (409).
+pub fn decided_page(c: &Console, who: &str, job: &str, rid: &str, what: String, back: String) -> Response {
     page(
         StatusCode::CONFLICT,
         &DecidedPage {
@@ -625,9 +626,9 @@ async fn acted(
                 ),
                 None => "Someone acted on it first. Nothing was done.".to_owned(),
             };
-            Ok(decided(c, who, job, rid, what, back))
+            Ok(decided_page(c, who, job, rid, what, back))
         }
-        Err(ReviewError::AlreadyDone(_)) => Ok(decided(
+        Err(ReviewError::AlreadyDone(_)) => Ok(decided_page(
             c,
             who,
             job,

@@ -1279,7 +1279,7 @@ mod tests {
         );
         let err = parse_faults("fence=0.1,nope=0.1").expect_err("unknown").to_string();
         assert!(err.starts_with("--faults: unknown fault `nope` (known: rate_limit, quota, server_error,"));
-        assert!(err.ends_with("length, unauthorized, deep)"), "{err}");
+        assert!(err.ends_with("length, unauthorized, deep, hostile)"), "{err}");
         assert!("Fence".parse::<Fault>().is_err(), "names are case-sensitive");
     }
 

@@ -29,10 +29,13 @@
 --          (the task's own fields, and per Unix minute of Redis's clock
 --          `t<minute>:d` records done, `t<minute>:f` to review or dropped,
 --          `t<minute>:c` paid calls, `t<minute>:u` their nano-USD)
+-- KEYS[11] partition audit queue   bf:{job:pN}:audit: a commit in mode
+--          `commit_audit` (the record is in the spec's spot-check sample)
+--          also puts the record there (its result carries its input)
 -- ARGV[1]  consumer group
 -- then 11 per task:
 --   stream entry id, record_id,
---   mode: commit | retry | review | drop | cancel | release (back to the
+--   mode: commit | commit_audit | retry | review | drop | cancel | release (back to the
 --         stream as a new entry, not called: a halted worker hands its tasks back),
 --   value: commit: the encoded result; retry, cancel, release: the encoded
 --          task; review: the encoded entry; drop: the reason (passed through unread),
@@ -93,6 +96,10 @@ for field, n in pairs(spend) do
 end
 for i = 2, #ARGV, 11 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local audit = mode == 'commit_audit'
+  if audit then
+    mode = 'commit'
+  end
   local repeated = acked[entry]
   local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
   local moved = -1
@@ -117,6 +124,9 @@ for i = 2, #ARGV, 11 do
         if redis.call('HSETNX', KEYS[3], rid, value) == 1 then
           redis.call('HSET', states, rid, 'done')
           moved = 1
+          if audit then
+            redis.call('HSETNX', KEYS[11], rid, '')
+          end
         end
       elseif mode == 'review' then
         redis.call('HSET', KEYS[5], rid, value)
