@@ -130,6 +130,50 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
+/// The figures side by side: `(what, A, B)`.
+pub fn rows(c: &Comparison) -> Vec<(String, String, String)> {
+    let (a, b) = (&c.a, &c.b);
+    let usd = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.6}"));
+    vec![
+        (
+            "records (done + review)".into(),
+            a.records.to_string(),
+            b.records.to_string(),
+        ),
+        ("done".into(), a.done.to_string(), b.done.to_string()),
+        (
+            "first-attempt valid".into(),
+            pct(a.first_attempt_valid),
+            pct(b.first_attempt_valid),
+        ),
+        (
+            "attempts per record".into(),
+            format!("{:.2}", a.attempts_per_record),
+            format!("{:.2}", b.attempts_per_record),
+        ),
+        ("review rate".into(), pct(a.review_rate), pct(b.review_rate)),
+        (
+            "cost per done record (USD)".into(),
+            usd(a.cost_per_done_usd),
+            usd(b.cost_per_done_usd),
+        ),
+    ]
+}
+
+/// Failed attempts by `E_CODE field` in either job: the key, each side's
+/// `count share` and its share of that side's attempts.
+pub fn code_rows(c: &Comparison) -> Vec<(String, String, String, f64, f64)> {
+    let codes: BTreeSet<&String> = c.a.codes.keys().chain(c.b.codes.keys()).collect();
+    codes
+        .into_iter()
+        .map(|k| {
+            let share = |s: &Side| s.code_shares.get(k).copied().unwrap_or(0.0);
+            let cell = |s: &Side| format!("{} {}", s.codes.get(k).copied().unwrap_or(0), pct(share(s)));
+            (k.clone(), cell(&c.a), cell(&c.b), share(&c.a), share(&c.b))
+        })
+        .collect()
+}
+
 /// The human view.
 pub fn print(c: &Comparison) {
     let (a, b) = (&c.a, &c.b);
@@ -138,37 +182,13 @@ pub fn print(c: &Comparison) {
         crate::outln!("  versions {name}   {}", crate::report::chain_line(&s.chain));
     }
     crate::outln!("  {:<34} {:>14} {:>14}", "", "A", "B");
-    let row = |label: &str, x: String, y: String| crate::outln!("  {label:<34} {x:>14} {y:>14}");
-    row("records (done + review)", a.records.to_string(), b.records.to_string());
-    row("done", a.done.to_string(), b.done.to_string());
-    row(
-        "first-attempt valid",
-        pct(a.first_attempt_valid),
-        pct(b.first_attempt_valid),
-    );
-    row(
-        "attempts per record",
-        format!("{:.2}", a.attempts_per_record),
-        format!("{:.2}", b.attempts_per_record),
-    );
-    row("review rate", pct(a.review_rate), pct(b.review_rate));
-    let usd = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.6}"));
-    row(
-        "cost per done record (USD)",
-        usd(a.cost_per_done_usd),
-        usd(b.cost_per_done_usd),
-    );
+    let row = |label: &str, x: &str, y: &str| crate::outln!("  {label:<34} {x:>14} {y:>14}");
+    for (what, x, y) in rows(c) {
+        row(&what, &x, &y);
+    }
     crate::outln!("  failed attempts by code and field (count, share of attempts):");
-    let codes: BTreeSet<&String> = a.codes.keys().chain(b.codes.keys()).collect();
-    for k in codes {
-        let cell = |s: &Side| {
-            format!(
-                "{} {}",
-                s.codes.get(k).copied().unwrap_or(0),
-                pct(s.code_shares.get(k).copied().unwrap_or(0.0))
-            )
-        };
-        row(&format!("  {k}"), cell(a), cell(b));
+    for (k, x, y, _, _) in code_rows(c) {
+        row(&format!("  {k}"), &x, &y);
     }
     crate::outln!(
         "  regressions (done in A, in review in B): {}",

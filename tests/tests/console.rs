@@ -476,6 +476,8 @@ fn console_shots() {
         });
     }
     shot(&ann, "spot-check");
+    ann.goto(&r.console.url("/compare?a=example&b=example"));
+    shot(&ann, "compare");
     ann.goto(&r.console.url("/jobs/example"));
     shot(&ann, "job");
     let _ = std::fs::remove_file(out.join("blank.png"));
@@ -588,4 +590,66 @@ fn a_sample_of_results_is_spot_checked_and_the_accuracy_is_shown() {
         "{report}"
     );
     assert_eq!(report["accuracy"]["waiting"], 0);
+}
+
+#[test]
+fn two_jobs_are_compared_side_by_side_as_the_command_line_compares_them() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("console-compare");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 12);
+    // A: every answer has a wrong enum, one attempt each; B: the same records, all valid.
+    let bad = LlmSim::start(&["--faults", "bad_enum=1.0", "--seed", "4"]);
+    let good = LlmSim::start(&["--seed", "4"]);
+    let spec_a = spec_with(&dir, &[("max_attempts = 4", "max_attempts = 1")]);
+    enqueue(&redis, &data, "cmp-a", &spec_a);
+    let spec_b_dir = TempDir::new("console-compare-b");
+    let spec_b = spec_with(&spec_b_dir, &[("prompt = \"v1\"", "prompt = \"v2\"")]);
+    enqueue(&redis, &data, "cmp-b", &spec_b);
+    for (job, sim) in [("cmp-a", &bad), ("cmp-b", &good)] {
+        let (exit, log) = Running::spawn(worker_cmd(&redis, job, sim, &["--drain"])).finish(Duration::from_secs(60));
+        assert!(exit.success(), "{log}");
+    }
+    let cli = harness::producer(&[
+        "compare",
+        "--job",
+        "cmp-a",
+        "--job",
+        "cmp-b",
+        "--redis",
+        &redis.url(),
+        "--json",
+    ]);
+    assert!(cli.status.success(), "{}", harness::stderr(&cli));
+    let cli: Value = serde_json::from_str(&harness::stdout(&cli)).unwrap();
+    assert_eq!(cli["fixed"].as_array().unwrap().len(), 12, "{cli}");
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.click("#compare");
+    b.wait("the compare page", Duration::from_secs(10), |b| {
+        b.find("#pick").is_some()
+    });
+    b.script(
+        "document.getElementById('a').value = 'cmp-a'; document.getElementById('b').value = 'cmp-b'; return null;",
+    );
+    b.click("#go");
+    b.wait("the comparison", Duration::from_secs(20), |b| {
+        b.find("#figures").is_some()
+    });
+    let figures = b.text("#figures");
+    assert!(figures.contains("review rate 100.0% 0.0%"), "{figures}");
+    assert!(figures.contains("done 0 12"), "{figures}");
+    assert_eq!(
+        b.script("return document.querySelectorAll('#fixed li').length;"),
+        Value::from(12)
+    );
+    assert_eq!(b.text("#regressions"), "None.");
+    let codes = b.text("#codes");
+    let a_enum = cli["a"]["codes"].as_object().unwrap().iter().next().unwrap();
+    assert!(
+        codes.contains(a_enum.0.as_str()) && codes.contains(&a_enum.1.to_string()),
+        "{codes}"
+    );
+    assert!(b.find("svg rect.col").is_some(), "the paired bars are drawn");
 }

@@ -88,6 +88,41 @@ pub fn bars(items: &[(String, u64)], title: &str) -> String {
     svg
 }
 
+/// Two bars per label, A and B (shares in 0..1, drawn as percentages).
+pub fn paired_bars(items: &[(String, f64, f64)], title: &str) -> String {
+    let mut svg = open(title);
+    if items.is_empty() {
+        return empty(svg);
+    }
+    let top = nice(items.iter().map(|i| i.1.max(i.2) * 100.0).fold(0.0, f64::max));
+    axes(&mut svg, top);
+    let slot = (W - PAD_L - PAD_R) / items.len() as f64;
+    for (i, (label, a, b)) in items.iter().enumerate() {
+        for (j, (v, class)) in [(a, "col"), (b, "col-b")].into_iter().enumerate() {
+            let h = v * 100.0 / top * (H - PAD_B - PAD_T);
+            let x = PAD_L + i as f64 * slot + slot * (0.1 + 0.4 * j as f64);
+            let _ = write!(
+                svg,
+                r#"<rect class="{class}" x="{x:.1}" y="{:.1}" width="{:.1}" height="{h:.1}"><title>{} {}: {:.1}%</title></rect>"#,
+                H - PAD_B - h,
+                slot * 0.38,
+                escape(label),
+                if j == 0 { "A" } else { "B" },
+                v * 100.0
+            );
+        }
+        let _ = write!(
+            svg,
+            r#"<text x="{:.1}" y="{}" class="tick" text-anchor="middle">{}</text>"#,
+            PAD_L + i as f64 * slot + slot * 0.5,
+            H - 6.0,
+            escape(label)
+        );
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
 fn open(title: &str) -> String {
     format!(
         r#"<svg class="chart" viewBox="0 0 {W} {H}" role="img" aria-label="{t}" xmlns="http://www.w3.org/2000/svg"><title>{t}</title>"#,
@@ -197,5 +232,10 @@ mod tests {
         assert_eq!(cols.matches("<rect").count(), 2, "{cols}");
         assert!(minute_columns(&[], 99, 103, "t").contains("nothing yet"));
         assert_eq!((nice(0.0), nice(3.2), nice(42.0), nice(100.0)), (1.0, 5.0, 50.0, 100.0));
+        let pairs = paired_bars(&[("E_ENUM label".into(), 0.2, 0.05)], "t");
+        assert_eq!(
+            (pairs.matches("class=\"col\"").count(), pairs.matches("col-b").count()),
+            (1, 1)
+        );
     }
 }

@@ -9,6 +9,7 @@
 //!   its actions, through the same atomic scripts as `producer review`.
 //! - [`audit`]: spot checks of committed results, and the accuracy.
 //! - [`chart`]: SVG charts.
+//! - [`compare`]: two jobs side by side (`producer compare` as a page).
 //!
 //! Every page reads Redis through the store's typed verbs. A job's
 //! reconciliation (missing, duplicated, unknown records) is a full scan, so
@@ -18,6 +19,7 @@
 pub mod audit;
 pub mod auth;
 pub mod chart;
+pub mod compare;
 pub mod jobs;
 pub mod queue;
 
@@ -101,6 +103,7 @@ pub fn router(console: Shared) -> Router {
         .route("/logout", post(logout))
         .route("/static/console.js", get(script))
         .route("/static/console.css", get(style))
+        .route("/compare", get(compare::compare_page))
         .route("/jobs/{job}", get(jobs::job_page))
         .route("/jobs/{job}/live", get(jobs::job_live))
         .route("/jobs/{job}/confirm", get(jobs::confirm_page))
