@@ -592,7 +592,7 @@ fn default_jitter() -> Jitter {
 }
 
 /// Output field names the system fills in itself; the model never provides them.
-pub const SYSTEM_FIELDS: &[&str] = &["record_id", "_model", "_attempt"];
+pub const SYSTEM_FIELDS: &[&str] = &["record_id", "_model", "_reviewer", "_attempt"];
 
 /// A spec that cannot be used. Each problem names its key path.
 #[derive(Debug, thiserror::Error)]

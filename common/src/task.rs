@@ -359,6 +359,10 @@ pub struct Task {
     /// Fingerprints of the requests that got an answer: none is sent again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub answered: Vec<String>,
+    /// A reviewer's note for the round they requeued it into: shown to the
+    /// model with its last answer on every attempt of that round.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -384,6 +388,7 @@ impl Task {
             tp: traceparent.to_owned(),
             answer: None,
             answered: vec![],
+            note: None,
         })
     }
 
@@ -466,6 +471,7 @@ impl Task {
             tp: self.tp.clone(),
             answer: None,
             answered: self.answered.clone(),
+            note: self.note.clone(),
         }
     }
 }
@@ -588,6 +594,15 @@ impl Stamp {
     pub fn output(&self, mut output: Map<String, Value>, record_id: &str) -> Map<String, Value> {
         output.insert("record_id".into(), Value::String(record_id.to_owned()));
         output.insert("_model".into(), Value::String(self.model.clone()));
+        output
+    }
+
+    /// A person's output with its system fields: the record id and who
+    /// wrote it (`_reviewer`), not the model.
+    pub fn human_output(&self, mut output: Map<String, Value>, record_id: &str, reviewer: &str) -> Map<String, Value> {
+        output.remove("_model");
+        output.insert("record_id".into(), Value::String(record_id.to_owned()));
+        output.insert("_reviewer".into(), Value::String(reviewer.to_owned()));
         output
     }
 }
@@ -721,7 +736,7 @@ impl ResultRecord {
         reviewer: &str,
     ) -> Self {
         ResultRecord {
-            output: stamp.output(output, &entry.record_id),
+            output: stamp.human_output(output, &entry.record_id, reviewer),
             record_id: entry.record_id.clone(),
             key: entry.key.clone(),
             attempts: entry.attempts,
@@ -864,8 +879,10 @@ impl ReviewEntry {
             feedback: vec![],
             history,
             tp: String::new(),
-            answer: None,
+            // With a note, the model sees its last answer and the note on it.
+            answer: mark.note.as_ref().map(|_| self.last_raw_output.clone()),
             answered: vec![],
+            note: mark.note.clone(),
         }
     }
 
@@ -984,6 +1001,7 @@ mod tests {
             tp: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
             answer: Some("{\"label\":\"nope\"}".into()),
             answered: vec!["0123456789abcdef".into()],
+            note: Some("the label is billing".into()),
         };
         let text = t.encode();
         assert!(text.starts_with(&format!("{{\"rid\":\"{}\"", t.rid)), "{text}");

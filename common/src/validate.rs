@@ -409,6 +409,26 @@ pub fn feedback(errors: &[FieldError]) -> String {
     out
 }
 
+/// What the model is told about its previous answer: the validator's
+/// errors, and a reviewer's note when a person requeued the record with one
+/// (None when there is neither).
+pub fn feedback_with_note(errors: &[FieldError], note: Option<&str>) -> Option<String> {
+    let note = note.map(str::trim).filter(|n| !n.is_empty());
+    match (errors.is_empty(), note) {
+        (true, None) => None,
+        (false, None) => Some(feedback(errors)),
+        (_, Some(note)) => {
+            let mut out = format!("A reviewer looked at your previous answer and notes: {note}\n");
+            if !errors.is_empty() {
+                out.push_str(&feedback(errors));
+            } else {
+                out.push_str("Answer again with one corrected JSON object.");
+            }
+            Some(out)
+        }
+    }
+}
+
 /// A field's bounds in a JSON schema: `minimum`, `maximum`, and a string's `maxLength`.
 fn bounds(f: &crate::spec::FieldSpec, prop: &mut Map<String, Value>) {
     if let Some(min) = f.min {

@@ -590,7 +590,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Review(args) => run_review(args).await,
+        Command::Review(args) => run_review(args, cancel).await,
         Command::Console(args) => run_console(args, cancel).await,
         Command::Audit {
             job,
@@ -885,7 +885,7 @@ async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Re
 /// Exit code when another reviewer acted on the entry first.
 pub const EXIT_LOST_RACE: u8 = 5;
 
-async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
+async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
     use crate::review::{self, ReviewError};
     let store = RedisStore::connect(&args.redis.url).await?;
     let job = args.job.as_str();
@@ -917,10 +917,17 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
                     eprintln!("{} entries in review", entries.len());
                 }
             }),
-        ReviewCmd::Show { id } => review::find(&store, job, &id).await.map(|(entry, _)| {
-            let v: serde_json::Value = serde_json::from_str(&entry.seen).unwrap_or_default();
-            crate::outln!("{}", serde_json::to_string_pretty(&v).unwrap_or(entry.seen));
-        }),
+        ReviewCmd::Show { id } => {
+            // In the queue, else among the entries people acted on (with their actions).
+            let found = match review::find(&store, job, &id).await {
+                Err(ReviewError::NotFound(_)) => review::find_archived(&store, job, &id).await,
+                other => other,
+            };
+            found.map(|(entry, _)| {
+                let v: serde_json::Value = serde_json::from_str(&entry.seen).unwrap_or_default();
+                crate::outln!("{}", serde_json::to_string_pretty(&v).unwrap_or(entry.seen));
+            })
+        }
         ReviewCmd::Accept { id, output, edit } => {
             let text = match (output, edit) {
                 (Some(path), _) => std::fs::read_to_string(&path)
@@ -952,7 +959,7 @@ async fn run_review(args: ReviewArgs) -> anyhow::Result<ExitCode> {
         ReviewCmd::Reject { id, reason } => review::reject(&store, job, &id, &reason, who)
             .await
             .map(|rid| crate::outln!("rejected {rid}")),
-        ReviewCmd::Next => review::next_loop(&store, job, who).await.map(|_| ()),
+        ReviewCmd::Next => review::next_loop(&store, job, who, &cancel).await.map(|_| ()),
         ReviewCmd::Export { out } => {
             let written = if out.as_os_str() == "-" {
                 review::export_queue(&store, job, &mut std::io::stdout().lock()).await

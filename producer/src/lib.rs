@@ -16,6 +16,7 @@
 //! - [`retry`]: a new round from the review, rejected or missing records.
 //! - [`select`]: a stratified sample, another job's records (`--from-job`).
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
+//! - [`terminal`]: the reviewer's terminal (raw keys, lines, always restored).
 
 pub mod audit;
 pub mod cli;
@@ -34,3 +35,4 @@ pub mod review;
 pub mod select;
 pub mod sink;
 pub mod status;
+pub mod terminal;

@@ -6,9 +6,13 @@ use std::path::Path;
 
 use common::spec::JobSpec;
 use common::store::{RedisStore, ReviewAction, ReviewOutcome};
-use common::task::{Action, ResultRecord, ReviewEntry, Stamp};
+use common::task::{Action, HistoryItem, ResultRecord, ReviewEntry, Stamp};
 use common::validate::{Validation, validate, validate_record};
 use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::terminal::Terminal;
 
 /// Why a review command did not apply.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +86,25 @@ pub async fn find(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntr
         ))),
         n => Err(ReviewError::NotFound(format!(
             "`{id}` matches {n} review entries: give more of the record id"
+        ))),
+    }
+}
+
+/// The archived entry of a record people acted on, by record id or
+/// business key, and its partition.
+pub async fn find_archived(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntry, u32), ReviewError> {
+    let spec = job_spec(store, job).await?;
+    let partitions = spec.job.partitions;
+    let rid = if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
+        id.to_owned()
+    } else {
+        common::record::IdContext::new(job, &spec).record_id(id)
+    };
+    let p = common::record::partition_of(&rid, partitions);
+    match store.archived_review(job, p, &rid).await? {
+        Some(e) => Ok((e, p)),
+        None => Err(ReviewError::NotFound(format!(
+            "no review entry for `{id}` in job `{job}`, in the queue or among those people acted on"
         ))),
     }
 }
@@ -224,7 +247,7 @@ pub async fn revise(
             ));
         }
     };
-    let out = Stamp::now(&spec).output(out, &rid);
+    let out = Stamp::now(&spec).human_output(out, &rid, reviewer);
     if let (Some(current), Some(read)) = (current, read) {
         let revised = current.revised(out, reviewer, note);
         let n = revised.revisions.last().map_or(0, |v| v.revision);
@@ -528,63 +551,91 @@ pub async fn import(store: &RedisStore, job: &str, text: &str, who: &str) -> Res
     Ok(out)
 }
 
-/// `review next`: one entry at a time for a person at a terminal; one key
-/// per action. Returns how many entries were acted on.
-pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, ReviewError> {
+/// `review next`: one entry at a time at a terminal, one key per decision
+/// (see [`crate::terminal`]). The entry is shown as text (its input and last
+/// output as indented JSON, or as written; the errors, or for an entry with
+/// none what its last attempt came to), with the count left. `e` opens the
+/// reviewer's last edit of the entry if there is one (an invalid edit is
+/// never lost), and an editor left without a change accepts nothing; `r`
+/// and `j` ask for the note (it reaches the model) or the reason (Enter
+/// alone: nothing done). Returns how many entries were acted on.
+pub async fn next_loop(
+    store: &RedisStore,
+    job: &str,
+    who: &str,
+    cancel: &CancellationToken,
+) -> Result<u64, ReviewError> {
+    let spec = job_spec(store, job).await?;
+    let partitions = spec.job.partitions;
+    let io = |e: std::io::Error| ReviewError::Io(e.to_string());
     let mut acted = 0;
-    let mut skipped: std::collections::HashSet<String> = Default::default();
-    let _raw = RawMode::enter();
+    let mut skipped: HashSet<String> = HashSet::new();
+    let mut edits: HashMap<String, String> = HashMap::new();
+    let mut term = Terminal::enter();
     loop {
-        let entries = list(store, job, None, None).await?;
-        let Some(e) = entries.into_iter().find(|e| !skipped.contains(&e.record_id)) else {
-            crate::outln!("\r\nreview queue of {job} is empty (or every entry was skipped): {acted} acted on\r");
+        let left = store.review_depth(job, partitions).await?;
+        let Some((e, p)) = next_not_skipped(store, job, partitions, &skipped).await? else {
+            term.say(&format!(
+                "\nreview queue of {job}: nothing left to review ({} skipped): {acted} acted on\n",
+                skipped.len()
+            ))
+            .map_err(io)?;
             return Ok(acted);
         };
         let rid = e.record_id.clone();
-        let quoted = |s: &str| Value::from(s).to_string();
-        let mut screen = String::new();
-        screen.push_str(&format!("\r\n=== {} ({})\r\n", e.key, &rid[..16.min(rid.len())]));
-        screen.push_str(&format!("reason: {}   attempts: {}\r\n", quoted(&e.reason), e.attempts));
-        for err in &e.errors {
-            screen.push_str(&format!(
-                "error: {} {} {}\r\n",
-                quoted(err.code.as_str()),
-                quoted(&err.field),
-                quoted(&err.message)
-            ));
-        }
-        screen.push_str(&format!("input: {}\r\n", e.input.get()));
-        screen.push_str(&format!("last output: {}\r\n", quoted(&e.last_raw_output)));
-        screen.push_str("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ");
-        crate::out!("{screen}");
-        let key = read_key().map_err(|e| ReviewError::Io(e.to_string()))?;
-        crate::outln!("{key}\r");
+        term.say(&entry_screen(&e, left, skipped.len())).map_err(io)?;
+        term.say("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ")
+            .map_err(io)?;
+        let Some(key) = term.key(cancel).map_err(io)? else {
+            term.say(&format!("\n{acted} acted on\n")).map_err(io)?;
+            return Ok(acted);
+        };
+        term.say(&format!("{key}\n")).map_err(io)?;
         let result = match key {
-            'a' => accept(store, job, &rid, &e.last_raw_output, who)
+            'a' => accept_entry(store, &spec, job, p, &e, &e.last_raw_output, who)
                 .await
                 .map(|_| "accepted"),
             'e' => {
+                let before = edits.get(&rid).cloned().unwrap_or_else(|| editable(&e));
                 let edited = {
-                    let _cooked = RawMode::leave();
-                    edit_in_editor(&editable(&e), &std::env::temp_dir())
+                    let _cooked = term.cooked();
+                    edit_in_editor(&before, &std::env::temp_dir())
                 };
                 match edited {
-                    Ok(text) => accept(store, job, &rid, &text, who).await.map(|_| "accepted"),
+                    Ok(text) if text.trim() == before.trim() => Ok("unchanged: nothing done"),
+                    Ok(text) => {
+                        edits.insert(rid.clone(), text.clone());
+                        accept_entry(store, &spec, job, p, &e, &text, who)
+                            .await
+                            .map(|_| "accepted")
+                    }
                     Err(err) => Err(err),
                 }
             }
-            'r' => requeue(store, job, &rid, Some("requeued from review next"), who)
-                .await
-                .map(|_| "requeued"),
-            'j' => reject(store, job, &rid, "rejected from review next", who)
-                .await
-                .map(|_| "rejected"),
+            'r' => match term
+                .line("note for the next attempt (the model sees it; Enter alone: nothing done) > ")
+                .map_err(io)?
+            {
+                Some(note) if !note.trim().is_empty() => requeue_entry(store, job, p, &e, Some(note.trim()), who)
+                    .await
+                    .map(|_| "requeued"),
+                _ => Ok("nothing done"),
+            },
+            'j' => match term
+                .line("reason for rejecting (Enter alone: nothing done) > ")
+                .map_err(io)?
+            {
+                Some(reason) if !reason.trim().is_empty() => reject_entry(store, job, p, &e, reason.trim(), who)
+                    .await
+                    .map(|_| "rejected"),
+                _ => Ok("nothing done"),
+            },
             's' => {
                 skipped.insert(rid.clone());
                 Ok("skipped")
             }
             'q' => {
-                crate::outln!("{acted} acted on\r");
+                term.say(&format!("{acted} acted on\n")).map_err(io)?;
                 return Ok(acted);
             }
             _ => Ok("unknown key: nothing done"),
@@ -593,66 +644,84 @@ pub async fn next_loop(store: &RedisStore, job: &str, who: &str) -> Result<u64, 
             Ok(what) => {
                 if matches!(what, "accepted" | "requeued" | "rejected") {
                     acted += 1;
+                    edits.remove(&rid);
                 }
-                crate::outln!("{what}\r");
+                term.say(&format!("{what}\n")).map_err(io)?;
             }
             Err(ReviewError::Store(e)) => return Err(ReviewError::Store(e)),
             // An invalid accept or a lost race: say so, stay on the queue.
-            Err(err) => crate::outln!("{}\r", err.to_string().replace('\n', "\r\n")),
+            Err(err) => term.say(&format!("{err}\n")).map_err(io)?,
         }
     }
 }
 
-/// Reads one key from standard input.
-fn read_key() -> std::io::Result<char> {
-    use std::io::Read;
-    let mut b = [0u8; 1];
-    loop {
-        if std::io::stdin().read(&mut b)? == 0 {
-            return Ok('q');
-        }
-        if !b[0].is_ascii_whitespace() {
-            return Ok(b[0] as char);
-        }
-    }
-}
-
-/// Single-key input on a terminal (`stty -icanon -echo`), restored on drop.
-struct RawMode(bool);
-
-impl RawMode {
-    fn enter() -> RawMode {
-        RawMode(stty(&["-icanon", "-echo", "min", "1"]))
-    }
-    fn leave() -> RawModeRestore {
-        stty(&["icanon", "echo"]);
-        RawModeRestore
-    }
-}
-
-impl Drop for RawMode {
-    fn drop(&mut self) {
-        if self.0 {
-            stty(&["icanon", "echo"]);
+/// The first entry of the queue not skipped, and its partition (paged: the
+/// queue is never read whole).
+async fn next_not_skipped(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    skipped: &HashSet<String>,
+) -> Result<Option<(ReviewEntry, u32)>, ReviewError> {
+    for p in 0..partitions {
+        let mut cursor = 0;
+        loop {
+            let (entries, next) = store.review_page(job, p, cursor, 100).await?;
+            if let Some(e) = entries.into_iter().find(|e| !skipped.contains(&e.record_id)) {
+                return Ok(Some((e, p)));
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
         }
     }
+    Ok(None)
 }
 
-/// Back to raw mode after an editor ran.
-struct RawModeRestore;
-
-impl Drop for RawModeRestore {
-    fn drop(&mut self) {
-        stty(&["-icanon", "-echo", "min", "1"]);
+/// An entry as `review next` shows it: text, not JSON strings.
+pub fn entry_screen(e: &ReviewEntry, left: u64, skipped: usize) -> String {
+    let indent = |text: &str| -> String { text.lines().map(|l| format!("  {l}\n")).collect() };
+    let pretty = |text: &str| -> String {
+        serde_json::from_str::<Value>(text)
+            .ok()
+            .and_then(|v| serde_json::to_string_pretty(&v).ok())
+            .unwrap_or_else(|| text.to_owned())
+    };
+    let mut s = format!(
+        "\n=== {} ({})  {left} entries left{}\n",
+        e.key,
+        &e.record_id[..16.min(e.record_id.len())],
+        if skipped > 0 {
+            format!(" ({skipped} skipped)")
+        } else {
+            String::new()
+        }
+    );
+    s.push_str(&format!("reason    {} · {} attempts\n", e.reason, e.attempts));
+    if e.errors.is_empty() {
+        // Not the output's fault, or no output at all: what the last attempt came to.
+        if let Some(a) = e.history.iter().rev().find_map(HistoryItem::as_attempt) {
+            s.push_str(&format!("last call {}", a.outcome));
+            if !a.finish_reason.is_empty() {
+                s.push_str(&format!(" · finish_reason {}", a.finish_reason));
+            }
+            if let Some(m) = &a.error {
+                s.push_str(&format!(" · {m}"));
+            }
+            s.push('\n');
+        }
     }
-}
-
-fn stty(args: &[&str]) -> bool {
-    use std::io::IsTerminal;
-    std::io::stdin().is_terminal()
-        && std::process::Command::new("stty")
-            .args(args)
-            .stdin(std::process::Stdio::inherit())
-            .status()
-            .is_ok_and(|s| s.success())
+    for err in &e.errors {
+        s.push_str(&format!("error     {err}\n"));
+    }
+    s.push_str("input\n");
+    s.push_str(&indent(&pretty(e.input.get())));
+    s.push_str("last output\n");
+    if e.last_raw_output.trim().is_empty() {
+        s.push_str("  (empty)\n");
+    } else {
+        s.push_str(&indent(&pretty(&e.last_raw_output)));
+    }
+    s
 }

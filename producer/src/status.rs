@@ -196,13 +196,35 @@ pub async fn export(
             ExportSet::Done | ExportSet::Ledger => {}
             ExportSet::Review => store.review_entries(job, p, |e| write(e.encode())).await?,
             ExportSet::Dropped => {
+                let mut dropped = Vec::new();
                 store
                     .record_states(job, p, |rid, state| {
                         if let Some(RecordState::Dropped(reason)) = state {
-                            write(DroppedRecord { record_id: rid, reason }.encode());
+                            dropped.push((rid, reason));
                         }
                     })
-                    .await?
+                    .await?;
+                for (record_id, reason) in dropped {
+                    // A person's rejection: who, why and the record, from the archived entry.
+                    let archived = if reason == RecordState::REJECTED {
+                        store.archived_review(job, p, &record_id).await?
+                    } else {
+                        None
+                    };
+                    let act = archived.as_ref().and_then(|e| e.actions.last());
+                    write(
+                        DroppedRecord {
+                            key: archived.as_ref().map(|e| e.key.clone()),
+                            reviewer: act.map(|a| a.by.clone()),
+                            reason_text: act.and_then(|a| a.reason.clone()),
+                            at: act.map(|a| a.at.clone()),
+                            input: archived.as_ref().map(|e| e.input_value()),
+                            record_id,
+                            reason,
+                        }
+                        .encode(),
+                    );
+                }
             }
         }
     }
@@ -213,11 +235,23 @@ pub async fn export(
     Ok(n)
 }
 
-/// A line of `export --what dropped`.
+/// A line of `export --what dropped`: the record and why; for a record a
+/// person rejected, also its business key, who, their reason, when, and
+/// its input.
 #[derive(Serialize)]
 struct DroppedRecord {
     record_id: String,
     reason: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    key: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reviewer: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason_text: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    input: Option<serde_json::Value>,
 }
 
 impl DroppedRecord {

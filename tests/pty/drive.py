@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Runs a command in a pseudo-terminal and types keys into it, as a person would.
+"""Runs a command in a pseudo-terminal and types into it, as a person would.
 
-usage: drive.py KEYS -- COMMAND [ARGS...]
-Each character of KEYS is sent once the program has printed a prompt (`> `).
-Prints everything the program wrote; exits with its exit code.
+usage: drive.py INPUT [INPUT...] -- COMMAND [ARGS...]
+Each INPUT (one key, or a line of text ending with a newline) is sent once
+the program has printed its next prompt (`> `). Prints everything the
+program wrote; exits with its exit code.
 """
 import os
 import pty
@@ -14,12 +15,12 @@ import time
 
 def main():
     sep = sys.argv.index("--")
-    keys, cmd = sys.argv[1], sys.argv[sep + 1:]
+    inputs, cmd = sys.argv[1:sep], sys.argv[sep + 1:]
     pid, fd = pty.fork()
     if pid == 0:
         os.execvp(cmd[0], cmd)
     out = b""
-    pending = list(keys)
+    pending = list(inputs)
     deadline = time.time() + 60
     prompts_seen = 0
     while time.time() < deadline:

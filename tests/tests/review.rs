@@ -332,11 +332,12 @@ fn the_queue_round_trips_through_a_spreadsheet_and_a_terminal() {
         assert_eq!(s[&rid(i)], "review", "line {} changed nothing", i + 1);
     }
 
-    // review next, driven through a pseudo-terminal: requeue, skip, reject, quit.
+    // review next, driven through a pseudo-terminal: requeue (with a note),
+    // skip, reject (with a reason), quit.
     let drive = harness::workspace().join("tests/pty/drive.py");
     let out = Command::new("python3")
         .arg(&drive)
-        .arg("rsjq")
+        .args(["r", "look at the label\n", "s", "j", "spam\n", "q"])
         .arg("--")
         .arg(bin("producer"))
         .args(review_args(&redis, "carol", &["next"]))
@@ -458,5 +459,158 @@ fn a_revision_of_a_done_result_keeps_what_it_replaced_and_is_validated() {
         !none.status.success() && stderr(&none).contains("has no record"),
         "{}",
         stderr(&none)
+    );
+}
+
+/// `review next` in a pseudo-terminal with these inputs and `$EDITOR`: the screen.
+fn drive_next(redis: &RedisServer, inputs: &[&str], editor: &str) -> String {
+    let out = Command::new("python3")
+        .arg(harness::workspace().join("tests/pty/drive.py"))
+        .args(inputs)
+        .arg("--")
+        .arg(bin("producer"))
+        .args(review_args(redis, "carol", &["next"]))
+        .env("EDITOR", editor)
+        .output()
+        .unwrap();
+    let screen = stdout(&out);
+    assert!(out.status.success(), "{screen}\n{}", stderr(&out));
+    screen
+}
+
+#[test]
+fn the_terminal_reviewer_shows_text_keeps_an_edit_asks_before_acting_and_the_note_reaches_the_model() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("review-next");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 8);
+    let spec = harness::spec_with(&dir, &[("max_attempts = 4", "max_attempts = 1")]);
+    enqueue(&redis, &data, "rv", &spec);
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.6,length=0.4", "--seed", "8"]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    assert_eq!(states(&redis).values().filter(|s| *s == "review").count(), 8);
+    // An editor that writes an invalid output marked MARK, and given that back, a valid one.
+    let editor = dir.join("editor.sh");
+    std::fs::write(
+        &editor,
+        format!(
+            "#!/bin/sh\nif grep -q MARK \"$1\"; then printf '%s' '{GOOD}' > \"$1\"; else printf '%s' '{{\"label\": \"nope\", \"reason\": \"MARK\"}}' > \"$1\"; fi\n"
+        ),
+    )
+    .unwrap();
+    std::process::Command::new("chmod")
+        .arg("+x")
+        .arg(&editor)
+        .status()
+        .unwrap();
+    // e: the invalid edit is refused; e again reopens it (not the model's
+    // output), and the fixed one is accepted.
+    let screen = drive_next(&redis, &["e", "e", "q"], editor.to_str().unwrap());
+    assert!(screen.contains("8 entries left"), "{screen}");
+    assert!(
+        screen.contains("the corrected output is invalid") && screen.contains("accepted"),
+        "{screen}"
+    );
+    assert!(!screen.contains("\\\""), "no escaped JSON strings: {screen}");
+    assert!(
+        screen.contains("\"message_id\": \"msg-"),
+        "the input as indented JSON: {screen}"
+    );
+    let accepted: Vec<String> = states(&redis)
+        .into_iter()
+        .filter(|(_, s)| s == "done")
+        .map(|(r, _)| r)
+        .collect();
+    assert_eq!(accepted.len(), 1, "{screen}");
+    let result = hash_entry(&redis, keys::results, &accepted[0]).unwrap();
+    assert_eq!(result["output"]["_reviewer"], "carol", "{result}");
+    assert!(
+        result["output"].get("_model").is_none(),
+        "a person's output is not the model's: {result}"
+    );
+
+    // An editor left without a change accepts nothing; r and j ask first
+    // (Enter alone: nothing done); then requeue with a note and reject with a reason.
+    let screen = drive_next(
+        &redis,
+        &[
+            "e",
+            "r",
+            "\n",
+            "r",
+            "the label must be billing\n",
+            "j",
+            "duplicate ticket\n",
+            "q",
+        ],
+        "true",
+    );
+    assert!(screen.contains("7 entries left"), "{screen}");
+    assert!(
+        screen.contains("unchanged: nothing done") && screen.contains("nothing done"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("requeued") && screen.contains("rejected") && screen.contains("2 acted on"),
+        "{screen}"
+    );
+    let s = states(&redis);
+    let of = |state: &str| {
+        s.iter()
+            .filter(|(_, v)| *v == state)
+            .map(|(r, _)| r.clone())
+            .collect::<Vec<_>>()
+    };
+    let (requeued, rejected) = (of("queued"), of("dropped:rejected"));
+    assert_eq!((requeued.len(), rejected.len(), of("review").len()), (1, 1, 5), "{s:?}");
+
+    // Every entry left, shown: a truncated one says how its last call ended.
+    let screen = drive_next(&redis, &["s", "s", "s", "s", "s"], "true");
+    let truncated = (0..P)
+        .flat_map(|p| redis.conn().hvals::<_, Vec<String>>(keys::review("rv", p)).unwrap())
+        .filter(|e| e.contains("\"finish_reason\":\"length\""))
+        .count();
+    assert!(truncated > 0, "the seed gives a truncated entry");
+    assert!(screen.contains("finish_reason length"), "{screen}");
+
+    // The rejected entry can still be shown (from the archive), and its
+    // export names who, why and the record.
+    let shown = review(&redis, &["show", &rejected[0]]);
+    assert!(shown.status.success(), "{}", stderr(&shown));
+    let shown: Value = serde_json::from_str(&stdout(&shown)).unwrap();
+    assert_eq!(shown["actions"][0]["reason"], "duplicate ticket");
+    let out = harness::producer(&[
+        "export",
+        "--job",
+        "rv",
+        "--redis",
+        &redis.url(),
+        "--what",
+        "dropped",
+        "--out",
+        "-",
+    ]);
+    let line: Value = serde_json::from_str(stdout(&out).lines().next().unwrap()).unwrap();
+    assert_eq!(
+        (
+            line["reviewer"].as_str(),
+            line["reason_text"].as_str(),
+            line["key"].as_str()
+        ),
+        (Some("carol"), Some("duplicate ticket"), shown["key"].as_str()),
+        "{line}"
+    );
+    assert!(line["input"]["message_id"].is_string(), "{line}");
+
+    // The requeued record's next call shows the model the note (and its last answer).
+    let sim = LlmSim::start(&["--seed", "9"]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    let told = sim.log_containing("A reviewer looked at your previous answer and notes: the label must be billing");
+    assert_eq!(told.len(), 1, "the requeued record's one call: {told:?}");
+    assert!(
+        hash_entry(&redis, keys::results, &requeued[0]).is_some(),
+        "and it is done now"
     );
 }

@@ -15,7 +15,7 @@ use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
 };
 use common::template::{Template, lookup};
-use common::validate::{FieldError, feedback};
+use common::validate::{FieldError, feedback_with_note};
 use rand::RngExt;
 use serde_json::{Map, Value};
 
@@ -372,7 +372,7 @@ async fn run_attempt(
             return without_call(store, job, &d, &before, outcome, facts, limits, span).await;
         }
     };
-    let sent_feedback = (!d.task.feedback.is_empty()).then(|| feedback(&d.task.feedback));
+    let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
     let user = match &sent_feedback {
         None => rendered.clone(),
         Some(f) => format!("{rendered}\n\n{f}"),
