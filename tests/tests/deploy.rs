@@ -112,6 +112,31 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_1_30() {
         "the HPA scales on the scaler's work left"
     );
     assert!(prod.contains("kind: Job") && prod.contains("kind: ConfigMap"));
+    // The console (off by default): its Deployment and Service, the
+    // reviewers' tokens and the workers' Secrets by reference.
+    assert!(!default.contains("bf-batchfleet-console"));
+    assert!(
+        prod.contains("name: bf-batchfleet-console")
+            && prod.contains("command: [\"/usr/local/bin/producer\", \"console\", \"--bind\", \"0.0.0.0:8080\"]")
+            && prod.contains("name: BATCHFLEET_CONSOLE_TOKENS")
+            && prod.contains("name: console-reviewers"),
+        "{prod}"
+    );
+    let (ok, text) = helm(&["template", "bf", CHART, "--set", "console.enabled=true"]);
+    assert!(!ok && text.contains("console.tokensSecret.name"), "{text}");
+    let (ok, text) = helm(&[
+        "template",
+        "bf",
+        CHART,
+        "--set",
+        "console.enabled=true",
+        "--set",
+        "console.trustedHeader=X-Forwarded-User",
+    ]);
+    assert!(
+        ok && text.contains("args: [\"--trusted-header\", \"X-Forwarded-User\"]"),
+        "{text}"
+    );
     assert!(
         prod.contains("- --max-backlog\n            - \"100000\""),
         "the producer Job bounds the job's backlog in Redis"

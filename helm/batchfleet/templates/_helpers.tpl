@@ -19,6 +19,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: scaler
 {{- end -}}
 
+{{- define "batchfleet.consoleSelector" -}}
+app.kubernetes.io/name: batchfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: console
+{{- end -}}
+
 {{/* The scaler's work-left URL as the cluster sees it. */}}
 {{- define "batchfleet.scalerUrl" -}}
 http://{{ include "batchfleet.name" . }}-scaler.{{ .Release.Namespace }}.svc:{{ .Values.scaler.port }}/remaining

@@ -100,6 +100,7 @@ pub fn router(console: Shared) -> Router {
     Router::new()
         .route("/", get(jobs::jobs_page))
         .route("/login", get(login_page).post(login))
+        .route("/healthz", get(|| async { "ok" }))
         .route("/logout", post(logout))
         .route("/static/console.js", get(script))
         .route("/static/console.css", get(style))
