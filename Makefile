@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink bench-console deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 demo: deps
@@ -34,7 +34,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink
+bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink bench-console
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -68,6 +68,11 @@ bench-ratelimit: deps
 bench-status: deps
 	$(CARGO) build --release --workspace --bins
 	scripts/bench-status.sh
+
+## bench-console: the console's pages on a 1,000,000-record job and a 100,000-entry review queue, against a static answer of the same server
+bench-console: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-console.py
 
 ## bench-sink: rows/s into PostgreSQL vs a raw COPY of the same rows, Redis bytes per queued and finished record
 bench-sink: deps

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from benchlib import BIN, ROOT, free_port, start_redis, start_sim
+from benchlib import write_records as write
 
 N = int(os.environ.get("N", "50000"))
 PEAK_RECORDS = int(os.environ.get("PEAK_RECORDS", "1000000"))
@@ -149,12 +150,6 @@ def main():
         def enqueue(job, path):
             subprocess.run([os.path.join(BIN, "producer"), "enqueue", path, "--job", job, "--spec", spec_path,
                             "--redis", url, "--no-progress"], check=True, stdout=subprocess.DEVNULL, env=env)
-
-        def write(path, n, prefix):
-            with open(path, "w") as f:
-                for i in range(n):
-                    f.write(json.dumps({"message_id": f"{prefix}{i}", "channel": "chat", "task_type": "classify",
-                                        "text": f"message number {i}: where is my order?"}) + "\n")
 
         def worker(job, *extra):
             return subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", job, "--base-url",

@@ -38,6 +38,14 @@ def start_sim(*args):
     return p, p.stdout.readline().strip().removeprefix("llm-sim listening on ")
 
 
+def write_records(path, n, prefix):
+    """A dataset of n example records whose ids start with prefix."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"message_id": f"{prefix}{i}", "channel": "chat", "task_type": "classify",
+                                "text": f"message number {i}: where is my order?"}) + "\n")
+
+
 def sim_stats(addr):
     with urllib.request.urlopen(addr + "/stats") as r:
         return json.load(r)["stats"]

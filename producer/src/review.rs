@@ -90,17 +90,21 @@ pub async fn find(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntr
     }
 }
 
+/// A record id given as one, or made from the business key it was given as.
+fn record_id_of(job: &str, spec: &JobSpec, id: &str) -> String {
+    if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
+        id.to_owned()
+    } else {
+        common::record::IdContext::new(job, spec).record_id(id)
+    }
+}
+
 /// The archived entry of a record people acted on, by record id or
 /// business key, and its partition.
 pub async fn find_archived(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntry, u32), ReviewError> {
     let spec = job_spec(store, job).await?;
-    let partitions = spec.job.partitions;
-    let rid = if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
-        id.to_owned()
-    } else {
-        common::record::IdContext::new(job, &spec).record_id(id)
-    };
-    let p = common::record::partition_of(&rid, partitions);
+    let rid = record_id_of(job, &spec, id);
+    let p = common::record::partition_of(&rid, spec.job.partitions);
     match store.archived_review(job, p, &rid).await? {
         Some(e) => Ok((e, p)),
         None => Err(ReviewError::NotFound(format!(
@@ -172,12 +176,7 @@ pub async fn revise(
     use common::task::RecordState;
     let spec = job_spec(store, job).await?;
     let partitions = spec.job.partitions;
-    // A record id, or the business key it is made from.
-    let rid = if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
-        id.to_owned()
-    } else {
-        common::record::IdContext::new(job, &spec).record_id(id)
-    };
+    let rid = record_id_of(job, &spec, id);
     let p = common::record::partition_of(&rid, partitions);
     match store.record_state(job, p, &rid).await? {
         Some(RecordState::Done) => {}

@@ -377,15 +377,8 @@ impl RedisStore {
         paid: &[String],
         hold: std::time::Duration,
     ) -> Result<u64, StoreError> {
-        let mut inv = self.scripts.sink_ack.prepare_invoke();
-        inv.key(keys::sink(job, partition))
-            .key(keys::results(job, partition))
-            .key(keys::sunk(job, partition))
-            .key(keys::state(job, partition))
-            .key(keys::origins(job, partition))
-            .key(keys::ledger(job, partition))
-            .key(keys::ledger_sunk(job, partition))
-            .arg(keys::SINK_GROUP)
+        let mut inv = self.sink_ack_call(job, partition);
+        inv.arg(keys::SINK_GROUP)
             .arg(written)
             .arg(hold.as_millis() as u64)
             .arg(entries.len())
@@ -411,28 +404,31 @@ impl RedisStore {
         Ok(removed)
     }
 
+    /// `sink_ack.lua` with the partition's first seven keys.
+    fn sink_ack_call(&self, job: &str, partition: u32) -> redis::ScriptInvocation<'_> {
+        let mut inv = self.scripts.sink_ack.prepare_invoke();
+        inv.key(keys::sink(job, partition))
+            .key(keys::results(job, partition))
+            .key(keys::sunk(job, partition))
+            .key(keys::state(job, partition))
+            .key(keys::origins(job, partition))
+            .key(keys::ledger(job, partition))
+            .key(keys::ledger_sunk(job, partition));
+        inv
+    }
+
     /// Lets the paid calls of a partition whose time in the ledger hash is
     /// over (see [`RedisStore::sink_ack`]) leave it, all of them.
     pub async fn ledger_trim(&self, job: &str, partition: u32, hold: std::time::Duration) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let (_, trimmed): (u64, u64) = self
-                .scripts
-                .sink_ack
-                .key(keys::sink(job, partition))
-                .key(keys::results(job, partition))
-                .key(keys::sunk(job, partition))
-                .key(keys::state(job, partition))
-                .key(keys::origins(job, partition))
-                .key(keys::ledger(job, partition))
-                .key(keys::ledger_sunk(job, partition))
-                .arg(keys::SINK_GROUP)
+            let mut inv = self.sink_ack_call(job, partition);
+            inv.arg(keys::SINK_GROUP)
                 .arg(0)
                 .arg(hold.as_millis() as u64)
                 .arg(0)
-                .arg(0)
-                .invoke_async(&mut self.conn.clone())
-                .await?;
+                .arg(0);
+            let (_, trimmed): (u64, u64) = inv.invoke_async(&mut self.conn.clone()).await?;
             total += trimmed;
             // At most 1,000 leave per call.
             if trimmed < 1000 {

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::queue::path_part;
-use super::{Chrome, Console, Refusal, Shared, may_act, page, signed_in};
+use super::{Chrome, Console, Refusal, Shared, job_spec, may_act, page, signed_in};
 use crate::audit::Judged;
 use crate::review::ReviewError;
 
@@ -44,13 +44,6 @@ struct NothingWaits {
     job: String,
     accuracy: String,
     labels: Vec<(String, String, String)>,
-}
-
-async fn job_spec(c: &Console, job: &str) -> Result<common::spec::JobSpec, Refusal> {
-    c.store
-        .job_spec(job)
-        .await?
-        .ok_or_else(|| Refusal::NotFound(format!("There is no job `{job}`.")))
 }
 
 /// The next result waiting for this reviewer's spot check, or the accuracy

@@ -16,11 +16,13 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use common::store::RedisStore;
 
-use super::{Chrome, Console, Refusal, Shared, chart, may_act, page, signed_in, thousands};
+use super::{Chrome, Console, Refusal, Shared, chart, job_spec, may_act, page, signed_in, thousands};
 use crate::status::JobStatus;
 
 /// How old a cached reconciliation may get, at least.
 const FRESH: Duration = Duration::from_secs(5);
+/// How long a page waits for a job's first reconciliation.
+const FIRST_WAIT: Duration = Duration::from_millis(300);
 
 type Slots = Arc<Mutex<HashMap<String, Slot>>>;
 
@@ -35,34 +37,44 @@ struct Slot {
     at: Instant,
     took: Duration,
     running: bool,
+    failed: Option<common::store::StoreError>,
 }
 
 impl StatusCache {
-    /// The job's latest reconciliation and its age: the first time read now,
-    /// later from the cache, refreshed in the background once stale (older
-    /// than 5 s and than four times what the last one took).
-    pub async fn get(&self, store: &RedisStore, job: &str) -> Result<(Arc<JobStatus>, Duration), Refusal> {
-        let cached = {
-            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-            slots.get_mut(job).and_then(|slot| {
-                let status = slot.status.clone()?;
-                let age = slot.at.elapsed();
-                let refresh = age > FRESH.max(slot.took * 4) && !slot.running;
-                slot.running |= refresh;
-                Some((status, age, refresh))
-            })
-        };
-        match cached {
-            Some((status, age, refresh)) => {
-                if refresh {
-                    let (slots, store, job) = (self.slots.clone(), store.clone(), job.to_owned());
-                    tokio::spawn(async move {
-                        let _ = reconcile(&slots, &store, &job).await;
-                    });
+    /// The job's latest reconciliation and its age, from the cache; a stale
+    /// one (older than 5 s and than four times what the last one took) is
+    /// refreshed in the background. The first time, the reconciliation
+    /// starts in the background and is waited for a moment ([`FIRST_WAIT`]):
+    /// None while it still runs (a large job's first page answers at once,
+    /// and fills in as it refreshes itself).
+    pub async fn get(&self, store: &RedisStore, job: &str) -> Result<Option<(Arc<JobStatus>, Duration)>, Refusal> {
+        let started = Instant::now();
+        loop {
+            let (cached, refresh) = {
+                let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+                let slot = slots.entry(job.to_owned()).or_insert(Slot {
+                    status: None,
+                    at: Instant::now(),
+                    took: Duration::ZERO,
+                    running: false,
+                    failed: None,
+                });
+                if let Some(e) = slot.failed.take() {
+                    return Err(Refusal::Store(e));
                 }
-                Ok((status, age))
+                let stale = slot.status.is_none() || slot.at.elapsed() > FRESH.max(slot.took * 4);
+                let refresh = stale && !slot.running;
+                slot.running |= refresh;
+                (slot.status.clone().map(|s| (s, slot.at.elapsed())), refresh)
+            };
+            if refresh {
+                let (slots, store, job) = (self.slots.clone(), store.clone(), job.to_owned());
+                tokio::spawn(async move { reconcile(&slots, &store, &job).await });
             }
-            None => Ok((reconcile(&self.slots, store, job).await?, Duration::ZERO)),
+            if cached.is_some() || started.elapsed() >= FIRST_WAIT {
+                return Ok(cached);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -72,22 +84,22 @@ impl StatusCache {
     }
 }
 
-async fn reconcile(slots: &Slots, store: &RedisStore, job: &str) -> Result<Arc<JobStatus>, Refusal> {
+/// Reads a job's reconciliation into its slot (a failure is given to the
+/// next page that asks).
+async fn reconcile(slots: &Slots, store: &RedisStore, job: &str) {
     let started = Instant::now();
     let result = crate::status::status(store, job, false, false).await;
     let mut map = slots.lock().unwrap_or_else(|e| e.into_inner());
-    let slot = map.entry(job.to_owned()).or_insert(Slot {
-        status: None,
-        at: Instant::now(),
-        took: Duration::ZERO,
-        running: false,
-    });
+    let Some(slot) = map.get_mut(job) else { return };
     slot.running = false;
-    let status = Arc::new(result?);
-    slot.status = Some(status.clone());
-    slot.at = Instant::now();
-    slot.took = started.elapsed();
-    Ok(status)
+    match result {
+        Ok(status) => {
+            slot.status = Some(Arc::new(status));
+            slot.at = Instant::now();
+            slot.took = started.elapsed();
+        }
+        Err(e) => slot.failed = Some(e),
+    }
 }
 
 /// A job as the jobs page lists it.
@@ -125,10 +137,10 @@ pub async fn jobs_page(State(c): State<Shared>, headers: HeaderMap) -> Result<Re
             state_class: v.state_class,
             progress: v.progress.clone(),
             percent: v.percent,
-            done: thousands(v.status.done),
-            review: thousands(v.status.review),
-            dropped: thousands(v.status.dropped),
-            missing: thousands(v.status.missing),
+            done: v.done.clone(),
+            review: v.review.clone(),
+            dropped: v.dropped.clone(),
+            missing: v.missing.clone(),
             cost: format!("{:.4}", v.spent_usd),
             throughput: v.throughput.clone(),
             name,
@@ -146,9 +158,18 @@ pub async fn jobs_page(State(c): State<Shared>, headers: HeaderMap) -> Result<Re
 /// What a job's page shows that changes while it runs (also served alone,
 /// for the page to refresh itself).
 pub struct Live {
+    /// The five sets, as the job's reconciliation counts them ("…" while
+    /// its first one runs).
+    pub expected: String,
+    pub done: String,
+    pub review: String,
+    pub dropped: String,
+    pub cancelled_records: String,
+    pub missing: String,
+    /// Missing, duplicated, unknown, and how old the reconciliation is.
+    pub anomalies: String,
+    /// For the figures the page checks (the `done` count as a number).
     pub status: Arc<JobStatus>,
-    /// Seconds since the reconciliation was taken.
-    pub age_secs: u64,
     pub state: String,
     pub state_class: &'static str,
     pub halted: Option<String>,
@@ -180,7 +201,9 @@ pub struct Live {
 
 impl Live {
     pub async fn read(c: &Console, job: &str, partitions: u32) -> Result<Live, Refusal> {
-        let (status, age) = c.cache.get(&c.store, job).await?;
+        let cached = c.cache.get(&c.store, job).await?;
+        let reconciled = cached.is_some();
+        let (status, age) = cached.unwrap_or_default();
         let store = &c.store;
         let work = store.work_left(job, partitions).await?;
         let (queued, in_flight, delayed) = work
@@ -204,7 +227,12 @@ impl Live {
             (None, false, false) if queued + in_flight + delayed > 0 => ("running".to_owned(), "run"),
             _ => ("waiting".to_owned(), "warn"),
         };
-        let verdict = if status.missing + status.duplicates + status.unknown > 0 {
+        let verdict = if !reconciled {
+            (
+                "reading the job's records… (its first reconciliation is still running)".to_owned(),
+                "run",
+            )
+        } else if status.missing + status.duplicates + status.unknown > 0 {
             (
                 format!(
                     "{} missing, {} duplicated, {} unknown",
@@ -297,9 +325,34 @@ impl Live {
             .iter()
             .map(|(b, p)| (b.clone(), p.calls, format!("{:.6}", p.cost_usd)))
             .collect();
+        let count = |n: u64| if reconciled { thousands(n) } else { "…".to_owned() };
         Ok(Live {
-            age_secs: age.as_secs(),
-            progress: format!("{} of {}", thousands(settled), thousands(expected)),
+            expected: if reconciled {
+                status.expected.map_or("?".to_owned(), thousands)
+            } else {
+                "…".to_owned()
+            },
+            done: count(status.done),
+            review: count(status.review),
+            dropped: count(status.dropped),
+            cancelled_records: count(status.cancelled),
+            missing: count(status.missing),
+            anomalies: if reconciled {
+                format!(
+                    "missing {}, duplicated {}, unknown {} · as of {} s ago",
+                    status.missing,
+                    status.duplicates,
+                    status.unknown,
+                    age.as_secs()
+                )
+            } else {
+                String::new()
+            },
+            progress: if reconciled {
+                format!("{} of {}", thousands(settled), thousands(expected))
+            } else {
+                "…".to_owned()
+            },
             percent,
             state,
             state_class,
@@ -411,13 +464,6 @@ pub async fn job_live(
     let spec = job_spec(&c, &job).await?;
     let live = Live::read(&c, &job, spec.job.partitions).await?;
     Ok(page(StatusCode::OK, &JobLive { live }))
-}
-
-async fn job_spec(c: &Console, job: &str) -> Result<common::spec::JobSpec, Refusal> {
-    c.store
-        .job_spec(job)
-        .await?
-        .ok_or_else(|| Refusal::NotFound(format!("There is no job `{job}`.")))
 }
 
 #[derive(serde::Deserialize)]

@@ -183,6 +183,14 @@ impl From<common::store::StoreError> for Refusal {
     }
 }
 
+/// A job's spec as enqueued, or a 404 naming the job.
+pub async fn job_spec(c: &Console, job: &str) -> Result<common::spec::JobSpec, Refusal> {
+    c.store
+        .job_spec(job)
+        .await?
+        .ok_or_else(|| Refusal::NotFound(format!("There is no job `{job}`.")))
+}
+
 /// The reviewer of a page request, or to the sign-in page.
 pub fn signed_in(c: &Console, headers: &HeaderMap) -> Result<String, Refusal> {
     reviewer(c, headers).ok_or(Refusal::SignIn)

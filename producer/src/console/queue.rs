@@ -16,7 +16,7 @@ use common::task::{HistoryItem, ReviewEntry};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{Chrome, Console, Refusal, Shared, may_act, page, signed_in, thousands};
+use super::{Chrome, Console, Refusal, Shared, job_spec, may_act, page, signed_in, thousands};
 use crate::review::ReviewError;
 
 /// Entries a page aims at (a scan step may bring a few more).
@@ -275,13 +275,6 @@ fn excerpt(text: &str, max: usize) -> String {
     } else {
         text.to_owned()
     }
-}
-
-async fn job_spec(c: &Console, job: &str) -> Result<common::spec::JobSpec, Refusal> {
-    c.store
-        .job_spec(job)
-        .await?
-        .ok_or_else(|| Refusal::NotFound(format!("There is no job `{job}`.")))
 }
 
 /// A top-level field of the last output, with the errors about it.
@@ -568,17 +561,33 @@ async fn entry_as_shown(
             back,
         ))),
         None => {
-            let p = common::record::partition_of(rid, spec.job.partitions);
-            let what = match c.store.archived_review(job, p, rid).await?.and_then(|a| a.actions.last().cloned()) {
-                Some(a) => format!(
-                    "Already decided by {} at {} ({}). Nothing was done.",
-                    a.by, a.at, a.action
-                ),
-                None => "It is no longer in review. Nothing was done.".to_owned(),
-            };
+            let what = who_decided(c, job, spec, rid, "It is no longer in review.").await?;
             Ok(Err(decided_page(c, who, job, rid, what, back)))
         }
     }
+}
+
+/// Who decided an entry and when, from its archive (else `otherwise`).
+async fn who_decided(
+    c: &Console,
+    job: &str,
+    spec: &common::spec::JobSpec,
+    rid: &str,
+    otherwise: &str,
+) -> Result<String, Refusal> {
+    let p = common::record::partition_of(rid, spec.job.partitions);
+    let last = c
+        .store
+        .archived_review(job, p, rid)
+        .await?
+        .and_then(|a| a.actions.last().cloned());
+    Ok(match last {
+        Some(a) => format!(
+            "Already decided by {} at {} ({}). Nothing was done.",
+            a.by, a.at, a.action
+        ),
+        None => format!("{otherwise} Nothing was done."),
+    })
 }
 
 /// The answer to a reviewer who came second: who decided (409).
@@ -593,6 +602,22 @@ pub fn decided_page(c: &Console, who: &str, job: &str, rid: &str, what: String, 
             back,
         },
     )
+}
+
+/// Who acts, the job's spec, and the entry as the form's page showed it
+/// with its partition; or the answer for a reviewer who came second.
+async fn acting(
+    c: &Console,
+    headers: &HeaderMap,
+    job: &str,
+    rid: &str,
+    form: &ActionForm,
+) -> Result<Result<(String, common::spec::JobSpec, ReviewEntry, u32), Response>, Refusal> {
+    let who = may_act(c, headers, &form.csrf)?;
+    let spec = job_spec(c, job).await?;
+    Ok(entry_as_shown(c, &who, job, &spec, rid, form)
+        .await?
+        .map(|(entry, p)| (who, spec, entry, p)))
 }
 
 /// What an action came to: on to the next entry, or the answer for a race lost.
@@ -613,19 +638,7 @@ async fn acted(
             Ok(Redirect::to(&next).into_response())
         }
         Err(ReviewError::Lost(_)) => {
-            let p = common::record::partition_of(rid, spec.job.partitions);
-            let what = match c
-                .store
-                .archived_review(job, p, rid)
-                .await?
-                .and_then(|a| a.actions.last().cloned())
-            {
-                Some(a) => format!(
-                    "Already decided by {} at {} ({}). Nothing was done.",
-                    a.by, a.at, a.action
-                ),
-                None => "Someone acted on it first. Nothing was done.".to_owned(),
-            };
+            let what = who_decided(c, job, spec, rid, "Someone acted on it first.").await?;
             Ok(decided_page(c, who, job, rid, what, back))
         }
         Err(ReviewError::AlreadyDone(_)) => Ok(decided_page(
@@ -651,9 +664,7 @@ pub async fn accept(
     headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Result<Response, Refusal> {
-    let who = may_act(&c, &headers, &form.csrf)?;
-    let spec = job_spec(&c, &job).await?;
-    let (entry, p) = match entry_as_shown(&c, &who, &job, &spec, &rid, &form).await? {
+    let (who, spec, entry, p) = match acting(&c, &headers, &job, &rid, &form).await? {
         Ok(found) => found,
         Err(answer) => return Ok(answer),
     };
@@ -679,9 +690,7 @@ pub async fn requeue(
     headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Result<Response, Refusal> {
-    let who = may_act(&c, &headers, &form.csrf)?;
-    let spec = job_spec(&c, &job).await?;
-    let (entry, p) = match entry_as_shown(&c, &who, &job, &spec, &rid, &form).await? {
+    let (who, spec, entry, p) = match acting(&c, &headers, &job, &rid, &form).await? {
         Ok(found) => found,
         Err(answer) => return Ok(answer),
     };
@@ -696,8 +705,6 @@ pub async fn reject(
     headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Result<Response, Refusal> {
-    let who = may_act(&c, &headers, &form.csrf)?;
-    let spec = job_spec(&c, &job).await?;
     let reason = form.reason.trim();
     if reason.is_empty() {
         return Ok(super::message(
@@ -706,7 +713,7 @@ pub async fn reject(
             "A rejection needs a reason. Nothing was done.",
         ));
     }
-    let (entry, p) = match entry_as_shown(&c, &who, &job, &spec, &rid, &form).await? {
+    let (who, spec, entry, p) = match acting(&c, &headers, &job, &rid, &form).await? {
         Ok(found) => found,
         Err(answer) => return Ok(answer),
     };
