@@ -110,4 +110,13 @@ fn a_job_runs_end_to_end_on_a_cluster_and_survives_a_node_restart() {
     assert_eq!(lines, n("done"));
     let report = producer(&["report", "--job", "cl", "--redis", &url]);
     assert!(report.status.success(), "{}", stderr(&report));
+    // Reads over every partition are one command per slot (no pipeline spans two).
+    let audit = producer(&["audit", "--job", "cl", "--redis", &url, "--sample", "3", "--json"]);
+    assert!(audit.status.success(), "{}", stderr(&audit));
+    let audit: serde_json::Value = serde_json::from_slice(&audit.stdout).unwrap();
+    assert_eq!(
+        (audit["sampled"].as_u64(), audit["waiting"].as_u64()),
+        (Some(3), Some(3)),
+        "{audit}"
+    );
 }

@@ -43,11 +43,9 @@ impl RedisStore {
 
     /// Records waiting for a spot check, over the job's partitions.
     pub async fn audit_waiting(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("HLEN").arg(keys::audit(job, p));
-        }
-        let lens: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
+        let lens: Vec<u64> = self
+            .per_partition(partitions, |p| redis::cmd("HLEN").arg(keys::audit(job, p)).clone())
+            .await?;
         Ok(lens.iter().sum())
     }
 

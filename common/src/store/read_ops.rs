@@ -104,11 +104,9 @@ impl RedisStore {
 
     /// The job's outcome counters, summed over its partitions.
     pub async fn stats(&self, job: &str, partitions: u32) -> Result<crate::stats::JobStats, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("HGETALL").arg(keys::stats(job, p));
-        }
-        let all: Vec<std::collections::BTreeMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let all: Vec<std::collections::BTreeMap<String, u64>> = self
+            .per_partition(partitions, |p| redis::cmd("HGETALL").arg(keys::stats(job, p)).clone())
+            .await?;
         let mut s = crate::stats::JobStats::default();
         for fields in &all {
             s.add(fields);
@@ -143,11 +141,9 @@ impl RedisStore {
 
     /// Entries in the job's review queue (one `HLEN` per partition).
     pub async fn review_depth(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("HLEN").arg(keys::review(job, p));
-        }
-        let lens: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
+        let lens: Vec<u64> = self
+            .per_partition(partitions, |p| redis::cmd("HLEN").arg(keys::review(job, p)).clone())
+            .await?;
         Ok(lens.iter().sum())
     }
 

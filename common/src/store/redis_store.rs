@@ -456,6 +456,21 @@ impl RedisStore {
 
     /// Calls `f` for every field and value of a hash, scanning in pages
     /// (HSCAN): memory stays flat however large the hash is.
+    /// One command per partition, each on its own (a Redis Cluster puts the
+    /// partitions in different slots: no pipeline may span them), sent
+    /// together over the multiplexed connection; the replies in partition order.
+    pub(super) async fn per_partition<T: redis::FromRedisValue>(
+        &self,
+        partitions: u32,
+        cmd: impl Fn(u32) -> redis::Cmd,
+    ) -> Result<Vec<T>, StoreError> {
+        let calls = (0..partitions).map(|p| {
+            let (cmd, mut c) = (cmd(p), self.conn.clone());
+            async move { cmd.query_async::<T>(&mut c).await }
+        });
+        Ok(futures_util::future::try_join_all(calls).await?)
+    }
+
     pub(super) async fn scan_hash(&self, key: &str, f: impl FnMut(String, String)) -> Result<(), StoreError> {
         self.scan_pairs("HSCAN", key, f).await
     }

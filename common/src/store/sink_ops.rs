@@ -440,19 +440,16 @@ impl RedisStore {
     /// Outcomes not yet in the sink (queued in its streams or being
     /// written), over every partition; None when the job has no sink streams.
     pub async fn sink_backlog(&self, job: &str, partitions: u32) -> Result<Option<u64>, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("EXISTS").arg(keys::sink(job, p));
-            pipe.cmd("XLEN").arg(keys::sink(job, p));
+        let exists: Vec<u64> = self
+            .per_partition(partitions, |p| redis::cmd("EXISTS").arg(keys::sink(job, p)).clone())
+            .await?;
+        if exists.iter().all(|e| *e == 0) {
+            return Ok(None);
         }
-        let replies: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
-        let mut any = false;
-        let mut backlog = 0;
-        for pair in replies.chunks(2) {
-            any |= pair[0] == 1;
-            backlog += pair.get(1).copied().unwrap_or(0);
-        }
-        Ok(any.then_some(backlog))
+        let lens: Vec<u64> = self
+            .per_partition(partitions, |p| redis::cmd("XLEN").arg(keys::sink(job, p)).clone())
+            .await?;
+        Ok(Some(lens.iter().sum()))
     }
 
     /// Sends a done record whose row the database refused back to review
@@ -476,22 +473,22 @@ impl RedisStore {
     /// call minus those kept a while after the sink took them), over the
     /// job's partitions.
     pub async fn ledger_unsunk(&self, job: &str, partitions: u32) -> Result<u64, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("HLEN").arg(keys::ledger(job, p));
-            pipe.cmd("ZCARD").arg(keys::ledger_sunk(job, p));
-        }
-        let replies: Vec<u64> = pipe.query_async(&mut self.conn.clone()).await?;
-        Ok(replies.chunks(2).map(|c| c[0].saturating_sub(c[1])).sum())
+        let calls: Vec<u64> = self
+            .per_partition(partitions, |p| redis::cmd("HLEN").arg(keys::ledger(job, p)).clone())
+            .await?;
+        let held: Vec<u64> = self
+            .per_partition(partitions, |p| {
+                redis::cmd("ZCARD").arg(keys::ledger_sunk(job, p)).clone()
+            })
+            .await?;
+        Ok(calls.iter().zip(&held).map(|(c, h)| c.saturating_sub(*h)).sum())
     }
 
     /// What has left Redis for the sink, summed over the job's partitions.
     pub async fn sunk(&self, job: &str, partitions: u32) -> Result<Sunk, StoreError> {
-        let mut pipe = redis::pipe();
-        for p in 0..partitions {
-            pipe.cmd("HGETALL").arg(keys::sunk(job, p));
-        }
-        let all: Vec<std::collections::HashMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let all: Vec<std::collections::HashMap<String, u64>> = self
+            .per_partition(partitions, |p| redis::cmd("HGETALL").arg(keys::sunk(job, p)).clone())
+            .await?;
         let mut out = Sunk::default();
         for (field, n) in all.into_iter().flatten() {
             match field.as_str() {
