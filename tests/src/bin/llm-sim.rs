@@ -10,6 +10,9 @@
 //!
 //! Binds 127.0.0.1 unless `--bind` says otherwise; prints `llm-sim listening on http://ADDR` first.
 
+#[path = "llm-sim/batch.rs"]
+mod batch;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -118,6 +121,19 @@ struct Args {
     /// proxies leave it out): the client cannot know what it was billed.
     #[arg(long)]
     no_usage: bool,
+    /// Faults of the Batch API (comma-separated; see the `batch` module):
+    /// once, on the first batch: file_invalid, expire, stuck, lost_create,
+    /// download_fail; on every batch: shuffle, error_lines, duplicates.
+    #[arg(long, default_value = "")]
+    batch_faults: String,
+    /// How long a batch takes to process, in seconds (its lines answered
+    /// evenly over it).
+    #[arg(long, default_value_t = 1)]
+    batch_secs: u64,
+    /// A batch's completion window in seconds, whatever the client asks
+    /// (`24h` otherwise).
+    #[arg(long)]
+    batch_window_secs: Option<u64>,
 }
 
 /// See [`Args::limit_headers`].
@@ -218,6 +234,9 @@ impl std::str::FromStr for Fault {
 
 struct Sim {
     args: Args,
+    batch_faults: batch::BatchFaults,
+    /// The Batch API's files and batches.
+    batch: batch::Store,
     faults: Vec<(Fault, f64)>,
     rng: Mutex<StdRng>,
     limits: Mutex<Limits>,
@@ -273,6 +292,7 @@ const LOG_CAP: usize = 20_000;
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let faults = parse_faults(&args.faults)?;
+    let batch_faults = batch::BatchFaults::parse(&args.batch_faults)?;
     let listener = tokio::net::TcpListener::bind((args.bind, args.port)).await?;
     let addr = listener.local_addr()?;
     let sim = Arc::new(Sim {
@@ -292,10 +312,18 @@ async fn main() -> anyhow::Result<()> {
         fail_all: Mutex::new(args.fail_all.as_deref().and_then(parse_fail)),
         slots: (args.slots > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.slots))),
         faults,
+        batch_faults,
+        batch: batch::Store::default(),
         args,
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/files", post(batch::upload))
+        .route("/v1/files/{id}", get(batch::file))
+        .route("/v1/files/{id}/content", get(batch::content))
+        .route("/v1/batches", post(batch::create).get(batch::list))
+        .route("/v1/batches/{id}", get(batch::retrieve))
+        .route("/v1/batches/{id}/cancel", post(batch::cancel))
         .route("/stats", get(stats))
         .route("/log", get(log))
         .route("/served", get(served))
@@ -1118,11 +1146,13 @@ fn value_for(prop: &Value, user: &str, rng: &mut StdRng) -> Value {
 }
 
 async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
-    let s = sim
+    let mut s = sim
         .stats
         .lock()
         .map(|s| serde_json::to_value(&*s).unwrap_or(Value::Null))
         .unwrap_or(Value::Null);
+    // The Batch API: batches created (each a billed run at a provider).
+    s["batches_created"] = json!(sim.batch.created.load(std::sync::atomic::Ordering::Relaxed));
     let l = sim
         .limits
         .lock()
