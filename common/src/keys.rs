@@ -144,6 +144,29 @@ pub fn stats(job: &str, partition: u32) -> String {
     format!("bf:{}:stats", partition_tag(job, partition))
 }
 
+/// Hash of a partition's provider batch shards (batch mode): shard id ->
+/// the shard as JSON (see [`crate::shard`]).
+pub fn shards(job: &str, partition: u32) -> String {
+    format!("bf:{}:shards", partition_tag(job, partition))
+}
+
+/// Hash of the tasks one shard holds: record id -> the task (its stream
+/// entry encoding).
+pub fn shard(job: &str, partition: u32, shard_id: &str) -> String {
+    format!("bf:{}:shard:{shard_id}", partition_tag(job, partition))
+}
+
+/// Counter of a partition's shard numbers.
+pub fn shard_seq(job: &str, partition: u32) -> String {
+    format!("bf:{}:shard_seq", partition_tag(job, partition))
+}
+
+/// Tokens the job's unfinished provider batches may use at most (against
+/// `[batch] max_enqueued_tokens`): a counter, with a field per shard.
+pub fn batch_tokens(job: &str) -> String {
+    format!("bf:{{{job}}}:batch_tokens")
+}
+
 /// Hash of a partition's committed records waiting for a person's spot
 /// check (see [`crate::audit`]): record id -> its input as sampled (empty
 /// when its result carries it).
@@ -272,6 +295,9 @@ mod tests {
             stats("j1", 3),
             audit("j1", 3),
             audited("j1", 3),
+            shards("j1", 3),
+            shard("j1", 3, "p3-000001"),
+            shard_seq("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");
         assert_ne!(tag(&stream("j1", 2)), tag(&stream("j1", 3)));

@@ -443,6 +443,7 @@ mod tests {
             input_per_mtok: 0.15,
             cached_input_per_mtok: Some(0.075),
             output_per_mtok: 0.6,
+            ..Prices::default()
         };
         let u = Usage {
             prompt: 1000,

@@ -17,6 +17,7 @@
 //! - [`batch`]: group commit: calls that queue up while one runs go together.
 //! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
 //!   what providers send back; unusable API keys refused.
+//! - [`shard`]: provider batch mode's shards, their states and output lines.
 //! - [`sink`], [`sink_files`]: the result sinks (PostgreSQL, JSONL segments).
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 
@@ -30,6 +31,7 @@ pub mod manifest;
 pub mod otel;
 pub mod record;
 pub mod secret;
+pub mod shard;
 pub mod sink;
 pub mod sink_files;
 pub mod spec;

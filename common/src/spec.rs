@@ -44,6 +44,90 @@ pub struct JobSpec {
     /// Spot checks of committed results by people (`[audit]`; none by default).
     #[serde(default, skip_serializing_if = "Audit::is_none")]
     pub audit: Audit,
+    /// Provider batch mode's shards (`[batch]`, with `provider.mode = "batch"`).
+    #[serde(default, skip_serializing_if = "BatchSection::is_default")]
+    pub batch: BatchSection,
+}
+
+/// How requests reach the provider.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProviderMode {
+    /// One chat request per attempt, answered within `timeout_secs`.
+    #[default]
+    Online,
+    /// Shards of requests through the provider's Batch API (`/v1/files`,
+    /// `/v1/batches`), answered within the completion window at batch prices.
+    Batch,
+}
+
+/// Where the retries of a batch-mode job go after invalid output.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BatchRetries {
+    /// Into a later shard, with the validator's feedback.
+    #[default]
+    Batch,
+    /// To the model online (one request each), with the feedback.
+    Online,
+}
+
+/// `[batch]`: the shards of `provider.mode = "batch"` (see the README's
+/// "Provider batch mode").
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSection {
+    /// Requests per shard (one input file, one provider batch); at most
+    /// 50,000 (OpenAI's limit per file). Default 50,000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_records: Option<usize>,
+    /// Bytes per shard file; at most 200 MB (OpenAI's limit). Default 100 MB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shard_bytes: Option<u64>,
+    /// The completion window asked for (`24h`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_window: Option<String>,
+    /// How often a submitted batch is looked at, in seconds (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub poll_secs: Option<u64>,
+    /// A shard is packed when it can be full, or once tasks waited this
+    /// long in a partition, in seconds (default 30).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pack_wait_secs: Option<u64>,
+    /// Where a retry after invalid output goes (`batch`, the default, or `online`).
+    #[serde(default)]
+    pub retries: BatchRetries,
+    /// The provider's limit on tokens enqueued in unfinished batches (prompt
+    /// and `max_tokens` of every request), for the model: no shard is
+    /// submitted that would pass it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_enqueued_tokens: Option<u64>,
+}
+
+impl BatchSection {
+    pub fn is_default(&self) -> bool {
+        *self == BatchSection::default()
+    }
+
+    pub fn shard_records(&self) -> usize {
+        self.shard_records.unwrap_or(50_000)
+    }
+
+    pub fn shard_bytes(&self) -> u64 {
+        self.shard_bytes.unwrap_or(100_000_000)
+    }
+
+    pub fn completion_window(&self) -> &str {
+        self.completion_window.as_deref().unwrap_or("24h")
+    }
+
+    pub fn poll(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.poll_secs.unwrap_or(60))
+    }
+
+    pub fn pack_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.pack_wait_secs.unwrap_or(30))
+    }
 }
 
 /// `[audit]`: a seeded share of the committed results goes to the audit
@@ -389,6 +473,14 @@ pub struct Provider {
     /// learned once for the fleet.
     #[serde(default)]
     pub structured_output: StructuredOutput,
+    /// `online` (the default) or `batch`: shards through the provider's
+    /// Batch API (see `[batch]`).
+    #[serde(default, skip_serializing_if = "is_online")]
+    pub mode: ProviderMode,
+}
+
+fn is_online(m: &ProviderMode) -> bool {
+    *m == ProviderMode::Online
 }
 
 impl Provider {
@@ -543,9 +635,28 @@ pub struct Prices {
     pub cached_input_per_mtok: Option<f64>,
     #[serde(default)]
     pub output_per_mtok: f64,
+    /// Through the Batch API (`provider.mode = "batch"`); each defaults to
+    /// half its online price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_input_per_mtok: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_cached_input_per_mtok: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_output_per_mtok: Option<f64>,
 }
 
 impl Prices {
+    /// The prices of a call through the Batch API, as a price list of its own.
+    pub fn batch(&self) -> Prices {
+        let cached = self.cached_input_per_mtok.unwrap_or(self.input_per_mtok);
+        Prices {
+            input_per_mtok: self.batch_input_per_mtok.unwrap_or(self.input_per_mtok / 2.0),
+            cached_input_per_mtok: Some(self.batch_cached_input_per_mtok.unwrap_or(cached / 2.0)),
+            output_per_mtok: self.batch_output_per_mtok.unwrap_or(self.output_per_mtok / 2.0),
+            ..Prices::default()
+        }
+    }
+
     /// USD for one call: uncached prompt, cached prompt and completion tokens.
     pub fn cost(&self, prompt: u64, cached: u64, completion: u64) -> f64 {
         let cached = cached.min(prompt);
@@ -619,6 +730,55 @@ impl fmt::Display for Problem {
 }
 
 impl JobSpec {
+    /// `provider.mode = "batch"` and its `[batch]` section.
+    fn check_batch(&self, p: &mut Problems) {
+        let b = &self.batch;
+        if self.provider.mode == ProviderMode::Online {
+            if !b.is_default() {
+                p.add("batch", "applies to provider.mode = \"batch\"");
+            }
+            return;
+        }
+        let budget = &self.budget;
+        if budget.max_cost_usd.is_some()
+            || budget.max_cost_per_record.is_some()
+            || budget.max_tokens_per_record.is_some()
+        {
+            p.add(
+                "budget",
+                "is not enforced in provider.mode = \"batch\" (a shard's calls are not reserved one by one): leave [budget] out",
+            );
+        }
+        if b.shard_records.is_some_and(|n| !(1..=50_000).contains(&n)) {
+            p.add(
+                "batch.shard_records",
+                "must be between 1 and 50000 (requests per batch file)",
+            );
+        }
+        if b.shard_bytes.is_some_and(|n| !(1_000..=200_000_000).contains(&n)) {
+            p.add(
+                "batch.shard_bytes",
+                "must be between 1000 and 200000000 (bytes per batch file)",
+            );
+        }
+        if let Some(w) = &b.completion_window
+            && !w
+                .strip_suffix('h')
+                .and_then(|h| h.parse::<u32>().ok())
+                .is_some_and(|h| (1..=168).contains(&h))
+        {
+            p.add("batch.completion_window", "must be hours, like \"24h\"");
+        }
+        if b.poll_secs.is_some_and(|n| !(1..=3600).contains(&n)) {
+            p.add("batch.poll_secs", "must be between 1 and 3600");
+        }
+        if b.pack_wait_secs.is_some_and(|n| n > 3600) {
+            p.add("batch.pack_wait_secs", "must be at most 3600");
+        }
+        if b.max_enqueued_tokens == Some(0) {
+            p.add("batch.max_enqueued_tokens", "must be at least 1");
+        }
+    }
     /// Reads and validates a spec file.
     pub fn load(path: &str) -> Result<JobSpec, SpecError> {
         let text = std::fs::read_to_string(path).map_err(|source| SpecError::Read {
@@ -1086,6 +1246,9 @@ impl JobSpec {
             ("prices.input_per_mtok", Some(pr.input_per_mtok)),
             ("prices.cached_input_per_mtok", pr.cached_input_per_mtok),
             ("prices.output_per_mtok", Some(pr.output_per_mtok)),
+            ("prices.batch_input_per_mtok", pr.batch_input_per_mtok),
+            ("prices.batch_cached_input_per_mtok", pr.batch_cached_input_per_mtok),
+            ("prices.batch_output_per_mtok", pr.batch_output_per_mtok),
         ] {
             if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
                 p.add(key, "must be a non-negative number");
@@ -1120,6 +1283,7 @@ impl JobSpec {
                 "a cost cap needs [prices] (input_per_mtok, output_per_mtok): every call would cost 0",
             );
         }
+        self.check_batch(p);
         match self.audit.rate {
             Some(r) if !(r.is_finite() && r > 0.0 && r <= 1.0) => {
                 p.add(

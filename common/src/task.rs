@@ -30,6 +30,9 @@ pub enum RecordState {
     Queued,
     /// Waiting in the delayed set to be retried.
     Delayed,
+    /// Held by a provider batch shard (batch mode): its task is in the
+    /// shard's hash until the batch's answer settles it.
+    Batched,
     /// Has its one result.
     Done,
     /// In the review queue.
@@ -50,6 +53,7 @@ impl RecordState {
         match self {
             RecordState::Queued => "queued".into(),
             RecordState::Delayed => "delayed".into(),
+            RecordState::Batched => "batched".into(),
             RecordState::Done => "done".into(),
             RecordState::Review => "review".into(),
             RecordState::Cancelled => "cancelled".into(),
@@ -76,9 +80,10 @@ impl RecordState {
         if Self::sunk_origin(text).is_some() {
             return Some(RecordState::Done);
         }
-        const FIXED: [RecordState; 5] = [
+        const FIXED: [RecordState; 6] = [
             RecordState::Queued,
             RecordState::Delayed,
+            RecordState::Batched,
             RecordState::Done,
             RecordState::Review,
             RecordState::Cancelled,
@@ -91,7 +96,7 @@ impl RecordState {
 
     /// Done, review, dropped or cancelled: no worker may move it any more.
     pub fn is_terminal(&self) -> bool {
-        !matches!(self, RecordState::Queued | RecordState::Delayed)
+        !matches!(self, RecordState::Queued | RecordState::Delayed | RecordState::Batched)
     }
 }
 
@@ -332,6 +337,12 @@ pub struct Task {
     /// Absent from a stream entry's encoding (the entry's `rid` field holds it).
     #[serde(default)]
     pub rid: String,
+    /// Batch mode: the next attempt calls the model online (`[batch]
+    /// retries = "online"`), not in a shard. Encoded right after the
+    /// record id (`{"rid":"…","online":true`, or `{"online":true` in a
+    /// stream entry), where the packing script looks for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub online: bool,
     /// The record's input object, exactly as enqueued.
     pub input: Input,
     /// Attempts made before this task (deliveries lost to dead workers included).
@@ -379,6 +390,7 @@ impl Task {
     pub fn new(rid: &str, input: &str, traceparent: &str) -> Result<Task, DecodeError> {
         Ok(Task {
             rid: rid.to_owned(),
+            online: false,
             input: Input::parse(input)?,
             attempt: 0,
             calls: 0,
@@ -462,6 +474,7 @@ impl Task {
     pub fn next(&self, attempt: u32, calls: u32, feedback: Vec<FieldError>, history: Vec<HistoryItem>) -> Task {
         Task {
             rid: self.rid.clone(),
+            online: self.online,
             input: self.input.clone(),
             attempt,
             calls,
@@ -557,6 +570,9 @@ pub struct Delivery {
     /// Some(None): the job does not know the record). Fresh, it spares the
     /// check before the call its round trip (the commit is fenced anyway).
     pub state_at_claim: Option<Option<RecordState>>,
+    /// Batch mode: the shard holding the task (no stream entry: the outcome
+    /// is fenced by the shard still holding it).
+    pub shard: Option<String>,
 }
 
 /// The system fields of everything written for a record: the model, the
@@ -872,6 +888,7 @@ impl ReviewEntry {
         history.push(HistoryItem::Action(mark.clone()));
         Task {
             rid: self.record_id.clone(),
+            online: false,
             input: self.input.clone(),
             attempt: self.attempts,
             calls: calls_in(&self.history),
@@ -992,6 +1009,7 @@ mod tests {
     fn task_round_trips_and_starts_with_its_record_id() {
         let t = Task {
             rid: "ab".repeat(32),
+            online: false,
             input: Input::parse(r#"{"id":"m1","n":12345678901234567890123,"x":1.50}"#).unwrap(),
             attempt: 2,
             calls: 3,
@@ -1105,6 +1123,7 @@ mod tests {
             claimed_at: std::time::Instant::now(),
             task: task.clone(),
             state_at_claim: None,
+            shard: None,
         };
         let mut out = Map::new();
         out.insert("label".into(), Value::from("billing"));

@@ -44,6 +44,8 @@ struct Seen {
     state: Known,
     in_stream: u8,
     delayed: u8,
+    /// Held by provider batch shards (batch mode).
+    batched: u8,
     result: bool,
     review: bool,
     cancelled: bool,
@@ -59,6 +61,7 @@ enum Known {
     Unreadable,
     Queued,
     Delayed,
+    Batched,
     Done,
     Review,
     Cancelled,
@@ -71,6 +74,7 @@ impl Known {
             None => Known::Unreadable,
             Some(RecordState::Queued) => Known::Queued,
             Some(RecordState::Delayed) => Known::Delayed,
+            Some(RecordState::Batched) => Known::Batched,
             Some(RecordState::Done) => Known::Done,
             Some(RecordState::Review) => Known::Review,
             Some(RecordState::Cancelled) => Known::Cancelled,
@@ -106,6 +110,8 @@ pub struct Tally {
     pub known: u64,
     pub queued: u64,
     pub delayed: u64,
+    /// Held by provider batch shards.
+    pub batched: u64,
     pub done: u64,
     pub review: u64,
     pub cancelled: u64,
@@ -121,6 +127,7 @@ impl Tally {
         match state {
             Some(RecordState::Queued) => self.queued += 1,
             Some(RecordState::Delayed) => self.delayed += 1,
+            Some(RecordState::Batched) => self.batched += 1,
             Some(RecordState::Done) => {
                 self.done += 1;
                 if let Some(ids) = &mut self.done_ids {
@@ -204,6 +211,12 @@ async fn reconcile_partition(
         })
         .await?;
     store
+        .shard_rids(job, p, |rid| {
+            let s = seen.at(rid);
+            s.batched = s.batched.saturating_add(1);
+        })
+        .await?;
+    store
         .record_ids(job, p, RecordSet::Results, |rid| seen.at(rid).result = true)
         .await?;
     store
@@ -268,18 +281,20 @@ enum Finding {
 fn finding(s: &Seen, sink: bool) -> Option<Finding> {
     let places = u32::from(s.in_stream > 0)
         + u32::from(s.delayed > 0)
+        + u32::from(s.batched > 0)
         + u32::from(s.result)
         + u32::from(s.review)
         + u32::from(s.cancelled);
     if s.state == Known::No {
         return Some(Finding::Unknown);
     }
-    if s.in_stream > 1 || s.delayed > 1 || places > 1 {
+    if s.in_stream > 1 || s.delayed > 1 || s.batched > 1 || places > 1 {
         return Some(Finding::Twice);
     }
     let ok = match s.state {
         Known::Queued => s.in_stream == 1,
         Known::Delayed => s.delayed == 1,
+        Known::Batched => s.batched == 1,
         Known::Done => (s.result || sink) && places == u32::from(s.result),
         Known::Review => s.review && places == 1,
         Known::Cancelled => s.cancelled && places == 1,
@@ -301,6 +316,9 @@ fn describe(s: &Seen) -> String {
     if s.delayed > 0 {
         parts.push(format!("{} waiting retr(ies)", s.delayed));
     }
+    if s.batched > 0 {
+        parts.push(format!("in {} batch shard(s)", s.batched));
+    }
     if s.result {
         parts.push("a result".to_owned());
     }
@@ -311,7 +329,7 @@ fn describe(s: &Seen) -> String {
         parts.push("a cancelled task".to_owned());
     }
     if parts.is_empty() {
-        "found nowhere (no task, retry, result or review entry)".to_owned()
+        "found nowhere (no task, retry, batch shard, result or review entry)".to_owned()
     } else {
         format!("found as {}", parts.join(" and "))
     }

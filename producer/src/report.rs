@@ -349,6 +349,7 @@ mod tests {
             input_per_mtok: 1.0,
             cached_input_per_mtok: Some(0.5),
             output_per_mtok: 4.0,
+            ..Prices::default()
         };
         let c = p.cost(1_000_000, 400_000, 250_000);
         assert!((c - (0.6 + 0.2 + 1.0)).abs() < 1e-9, "{c}");

@@ -25,6 +25,11 @@ pub struct JobStatus {
     pub in_flight: u64,
     /// Waiting to retry.
     pub delayed: u64,
+    /// Held by provider batch shards (batch mode): submitted, or on their way.
+    pub batched: u64,
+    /// Batch mode: the job's shards by state, and the provider batch of each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<common::shard::ShardView>,
     pub done: u64,
     pub review: u64,
     pub dropped: u64,
@@ -124,6 +129,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     let r = reconcile_counting(store, job, partitions, sink, Some(&mut t)).await?;
     s.known = t.known;
     s.delayed = t.delayed;
+    s.batched = t.batched;
     s.done = t.done;
     s.review = t.review;
     s.cancelled = t.cancelled;
@@ -277,6 +283,18 @@ pub fn print(s: &JobStatus) {
     crate::outln!("  queued       {}", s.queued);
     crate::outln!("  in flight    {}", s.in_flight);
     crate::outln!("  delayed      {}", s.delayed);
+    if s.batched > 0 || !s.shards.is_empty() {
+        crate::outln!("  in batches   {}", s.batched);
+        for sh in &s.shards {
+            crate::outln!(
+                "    shard {:<12} {:<11} {:>7} records  {}",
+                sh.id,
+                sh.state,
+                sh.records,
+                sh.batch_id.as_deref().unwrap_or("-")
+            );
+        }
+    }
     crate::outln!("  done         {}", s.done);
     crate::outln!("  review       {}", s.review);
     crate::outln!("  dropped      {}", s.dropped);

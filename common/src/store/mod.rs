@@ -11,6 +11,7 @@ mod permissions;
 mod read_ops;
 mod redis_store;
 mod review_ops;
+mod shard_ops;
 mod sink_ops;
 mod wake_ops;
 mod worker_ops;
@@ -23,6 +24,7 @@ pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 
 pub use crate::secret::{cluster_seeds, redact_url};
 pub use review_ops::{ReviewAction, ReviewOutcome};
+pub use shard_ops::Packed;
 pub use sink_ops::{SinkBatch, SinkEntry, Sunk, SunkResult, Tokens};
 pub use wake_ops::Wake;
 pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining, WorkLeft};

@@ -115,6 +115,8 @@ pub(super) struct Scripts {
     pub ledger: Script,
     pub budget: Script,
     pub audit: Script,
+    pub shard: Script,
+    pub batch_tokens: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -215,6 +217,8 @@ impl RedisStore {
                 ledger: Script::new(include_str!("scripts/ledger.lua")),
                 budget: Script::new(include_str!("scripts/budget.lua")),
                 audit: Script::new(include_str!("scripts/audit.lua")),
+                shard: Script::new(include_str!("scripts/shard.lua")),
+                batch_tokens: Script::new(include_str!("scripts/batch_tokens.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),

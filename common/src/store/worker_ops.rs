@@ -908,5 +908,6 @@ fn parse_entry(partition: u32, consumer: &str, entry: &Value, deliveries: u32) -
         claimed_at: std::time::Instant::now(),
         task,
         state_at_claim: None,
+        shard: None,
     })
 }

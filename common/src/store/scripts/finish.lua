@@ -32,6 +32,11 @@
 -- KEYS[11] partition audit queue   bf:{job:pN}:audit: a commit in mode
 --          `commit_audit` (the record is in the spec's spot-check sample)
 --          also puts the record there (its result carries its input)
+-- KEYS[12] the shard's task hash     bf:{job:pN}:shard:<id> (batch mode): a
+--          task with no stream entry id is held by this shard, and its
+--          outcome is fenced by the shard still holding it (taken out of
+--          the hash by the same step); its record is `batched`, which every
+--          move treats as `queued`
 -- ARGV[1]  consumer group
 -- then 11 per task:
 --   stream entry id, record_id,
@@ -100,16 +105,25 @@ for i = 2, #ARGV, 11 do
   if audit then
     mode = 'commit'
   end
-  local repeated = acked[entry]
-  local owner = not repeated and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
+  local held = entry == ''
   local moved = -1
-  local live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
+  local live
+  if held then
+    live = redis.call('HDEL', KEYS[12], rid) == 1
+  else
+    local owner = not acked[entry] and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
+    live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
+  end
   if live then
     local state = redis.call('HGET', states, rid)
+    if state == 'batched' then
+      state = 'queued'
+    end
     moved = 0
     if mode == 'release' then
       if state == 'queued' then
         redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
+        redis.call('HSET', states, rid, 'queued')
         moved = 1
       end
     elseif mode == 'retry' then
@@ -156,8 +170,10 @@ for i = 2, #ARGV, 11 do
         count(minute .. ':f', 1)
       end
     end
-    acked[#acked + 1] = entry
-    acked[entry] = true
+    if not held then
+      acked[#acked + 1] = entry
+      acked[entry] = true
+    end
   end
   out[#out + 1] = moved
 end
