@@ -156,9 +156,21 @@ pub fn shard(job: &str, partition: u32, shard_id: &str) -> String {
     format!("bf:{}:shard:{shard_id}", partition_tag(job, partition))
 }
 
+/// Set of the record ids packed into one shard (its batch's answers are
+/// joined on them: a line for any other record is unknown).
+pub fn shard_packed(job: &str, partition: u32, shard_id: &str) -> String {
+    format!("bf:{}:shard:{shard_id}:packed", partition_tag(job, partition))
+}
+
 /// Counter of a partition's shard numbers.
 pub fn shard_seq(job: &str, partition: u32) -> String {
     format!("bf:{}:shard_seq", partition_tag(job, partition))
+}
+
+/// Counter of the job's provider batches that failed validation in a row
+/// (batch mode: at 3 the job halts; a completed batch or a resume resets it).
+pub fn batch_failures(job: &str) -> String {
+    format!("bf:{{{job}}}:batch_failures")
 }
 
 /// Tokens the job's unfinished provider batches may use at most (against
@@ -297,6 +309,7 @@ mod tests {
             audited("j1", 3),
             shards("j1", 3),
             shard("j1", 3, "p3-000001"),
+            shard_packed("j1", 3, "p3-000001"),
             shard_seq("j1", 3),
         ];
         assert!(keys.iter().all(|k| tag(k) == "j1:p3"), "{keys:?}");

@@ -85,6 +85,9 @@ pub enum Fate {
     /// Answered, but its outcome could not be stored before the visibility
     /// timeout (Redis was away): the answer is lost, the money is not.
     Lost,
+    /// A second answer to the same request in a provider batch's output
+    /// (batch mode): billed by the provider, not used.
+    Duplicate,
 }
 
 impl Fate {
@@ -93,11 +96,12 @@ impl Fate {
             Fate::Settled => "settled",
             Fate::Abandoned => "abandoned",
             Fate::Lost => "lost",
+            Fate::Duplicate => "duplicate",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Fate> {
-        [Fate::Settled, Fate::Abandoned, Fate::Lost]
+        [Fate::Settled, Fate::Abandoned, Fate::Lost, Fate::Duplicate]
             .into_iter()
             .find(|f| f.name() == name)
     }
@@ -125,6 +129,10 @@ pub struct PaidCall {
     pub cost_nusd: u64,
     /// Unix ms.
     pub at_ms: u64,
+    /// A call through the provider's Batch API: what it would have cost
+    /// online, in nano-USD (counted with the spend, for the saving; not
+    /// kept in the entry).
+    pub online_nusd: Option<u64>,
 }
 
 /// Where a call's spend is counted: its cause, or `no_result`.
@@ -156,7 +164,23 @@ impl PaidCall {
             prices: price_version(prices),
             cost_nusd: nano_usd(usage.cost(prices)),
             at_ms,
+            online_nusd: None,
         }
+    }
+
+    /// The same call made through the provider's Batch API: costed at
+    /// `batch` prices (the online cost kept for the saving), under a key
+    /// drawn from `line` (the batch and the output line that answered it),
+    /// so settling the same line again records nothing new.
+    pub fn batched(mut self, batch: &Prices, online: &Prices, line: &str) -> PaidCall {
+        use sha2::Digest;
+        self.online_nusd = Some(nano_usd(self.usage.cost(online)));
+        self.cost_nusd = nano_usd(self.usage.cost(batch));
+        self.prices = price_version(batch);
+        let mut nonce = hex::encode(sha2::Sha256::digest(line.as_bytes()));
+        nonce.truncate(12);
+        self.nonce = nonce;
+        self
     }
 
     /// The call's key in the ledger hash: record id, call number, nonce.
@@ -220,6 +244,7 @@ impl PaidCall {
             prices: t(9)?.to_owned(),
             cost_nusd: n(10)?,
             at_ms: n(11)?,
+            online_nusd: None,
         })
     }
 
@@ -282,14 +307,15 @@ impl PaidCall {
     pub fn bucket(&self) -> &'static str {
         match self.fate {
             Fate::Settled => self.cause.name(),
-            Fate::Abandoned | Fate::Lost => NO_RESULT,
+            Fate::Abandoned | Fate::Lost | Fate::Duplicate => NO_RESULT,
         }
     }
 
     /// What the scripts add to the spend counters, as they parse it:
-    /// `bucket prompt cached completion nano-USD estimated`.
+    /// `bucket prompt cached completion nano-USD estimated`, and for a call
+    /// through the Batch API what it would have cost online (nano-USD).
     pub fn spend_args(&self) -> String {
-        format!(
+        let mut args = format!(
             "{} {} {} {} {} {}",
             self.bucket(),
             self.usage.prompt,
@@ -297,7 +323,11 @@ impl PaidCall {
             self.usage.completion,
             self.cost_nusd,
             u8::from(self.usage.estimated)
-        )
+        );
+        if let Some(online) = self.online_nusd {
+            args.push_str(&format!(" {online}"));
+        }
+        args
     }
 }
 
@@ -379,6 +409,30 @@ pub struct Spend {
     /// By cause (`first`, `transient_retry`, `validation_retry`, `human`) and
     /// `no_result` (cut off at shutdown, or the outcome lost).
     pub by_bucket: BTreeMap<String, SpendPart>,
+    /// Calls made through the provider's Batch API (batch mode), included
+    /// above: what they cost, and what they would have cost online.
+    #[serde(skip_serializing_if = "BatchSpend::is_empty")]
+    pub batch: BatchSpend,
+}
+
+/// The part of a job's spend made through the Batch API.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct BatchSpend {
+    pub calls: u64,
+    pub cost_usd: f64,
+    /// The same calls at online prices.
+    pub online_cost_usd: f64,
+}
+
+impl BatchSpend {
+    pub fn is_empty(&self) -> bool {
+        self.calls == 0
+    }
+
+    /// What batch prices saved against online ones, in USD.
+    pub fn saving_usd(&self) -> f64 {
+        (self.online_cost_usd - self.cost_usd).max(0.0)
+    }
 }
 
 impl Spend {
@@ -395,6 +449,9 @@ impl Spend {
             estimated_tokens: get("est_tokens"),
             estimated_cost_usd: get("est_nusd") as f64 / 1e9,
         });
+        self.batch.calls += get("batch_calls");
+        self.batch.cost_usd += get("batch_nusd") as f64 / 1e9;
+        self.batch.online_cost_usd += get("batch_online_nusd") as f64 / 1e9;
         for (k, v) in fields {
             if let Some(bucket) = k.strip_prefix("calls:") {
                 self.by_bucket.entry(bucket.to_owned()).or_default().calls += v;

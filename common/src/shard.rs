@@ -104,6 +104,30 @@ pub struct LineCounts {
 }
 
 impl Shard {
+    /// A new shard of `partition`, packed now, held by `owner` until `lease_until_ms`.
+    pub fn new(id: String, partition: u32, owner: &str, now_ms: u64, lease_until_ms: u64) -> Shard {
+        Shard {
+            id,
+            partition,
+            state: ShardState::Packed,
+            records: 0,
+            tokens: 0,
+            created_ms: now_ms,
+            file_id: None,
+            file_sha256: None,
+            batch_id: None,
+            submits: 0,
+            provider_status: None,
+            output_file_id: None,
+            error_file_id: None,
+            owner: Some(owner.to_owned()),
+            lease_until_ms,
+            polled_ms: 0,
+            notes: Vec::new(),
+            lines: LineCounts::default(),
+        }
+    }
+
     pub fn encode(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
@@ -158,6 +182,8 @@ impl From<&Shard> for ShardView {
 /// `{custom_id, response: {status_code, body}, error: {code, message}}`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutputLine {
+    /// The provider's id of the line (`batch_req_...`), when it gives one.
+    pub id: Option<String>,
     pub custom_id: String,
     /// The response's status and body (its JSON as text), when there is one.
     pub response: Option<(u16, String)>,
@@ -180,6 +206,7 @@ impl OutputLine {
             (text("code"), text("message"))
         });
         Ok(OutputLine {
+            id: v["id"].as_str().map(str::to_owned),
             custom_id,
             response,
             error,
@@ -189,6 +216,17 @@ impl OutputLine {
     /// A 2xx response.
     pub fn answered(&self) -> bool {
         self.response.as_ref().is_some_and(|(s, _)| (200..300).contains(s))
+    }
+
+    /// The request never ran: its batch expired or was cancelled first
+    /// (`batch_expired`, `batch_cancelled`). Not an attempt: it goes into
+    /// another shard, as if it had no line.
+    pub fn not_run(&self) -> bool {
+        self.response.is_none()
+            && self
+                .error
+                .as_ref()
+                .is_some_and(|(code, _)| matches!(code.as_str(), "batch_expired" | "batch_cancelled"))
     }
 }
 

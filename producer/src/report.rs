@@ -325,6 +325,21 @@ pub fn print(r: &Report) {
             t.estimated_cost_usd
         );
     }
+    let b = &r.spend.batch;
+    if b.calls > 0 {
+        crate::outln!(
+            "    of which through the provider's Batch API: {} calls, {:.6} USD at batch prices; {:.6} USD online: saved {:.6} USD ({:.0}%)",
+            b.calls,
+            b.cost_usd,
+            b.online_cost_usd,
+            b.saving_usd(),
+            if b.online_cost_usd > 0.0 {
+                100.0 * b.saving_usd() / b.online_cost_usd
+            } else {
+                0.0
+            }
+        );
+    }
     if r.accuracy.overall.audited + r.accuracy.waiting > 0 {
         print_accuracy(&r.accuracy);
     }

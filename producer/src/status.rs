@@ -72,6 +72,9 @@ pub struct JobStatus {
 /// Reads the status of a job from Redis, with its reconciliation.
 /// `with_ids` keeps the record ids of every anomaly; `keep_done` the ids of
 /// the done records (in [`JobStatus::done_ids`], read in the same pass).
+/// Unfinished shards listed one by one (`--json` has them all).
+const SHARDS_SHOWN: usize = 20;
+
 pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bool) -> Result<JobStatus, StoreError> {
     let manifest = store.load_manifest(job).await?;
     let spec = store.job_spec(job).await.ok().flatten();
@@ -90,6 +93,10 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     };
     for p in 0..partitions {
         s.in_flight += store.pending_count(job, p).await?;
+        let mut shards = store.shards(job, p).await?;
+        shards.sort_by(|a, b| a.1.created_ms.cmp(&b.1.created_ms));
+        s.shards
+            .extend(shards.iter().map(|(_, sh)| common::shard::ShardView::from(sh)));
         store
             .results(job, p, |r| {
                 *s.attempts_histogram.entry(u64::from(r.attempts)).or_default() += 1;
@@ -285,13 +292,28 @@ pub fn print(s: &JobStatus) {
     crate::outln!("  delayed      {}", s.delayed);
     if s.batched > 0 || !s.shards.is_empty() {
         crate::outln!("  in batches   {}", s.batched);
+        let mut by_state: BTreeMap<&str, u64> = BTreeMap::new();
         for sh in &s.shards {
+            *by_state.entry(sh.state.as_str()).or_default() += 1;
+        }
+        let states: Vec<String> = by_state.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        crate::outln!("  shards       {}", states.join(", "));
+        // The unfinished ones, each with its provider batch.
+        let open: Vec<_> = s.shards.iter().filter(|sh| sh.state != "reconciled").collect();
+        for sh in open.iter().take(SHARDS_SHOWN) {
             crate::outln!(
-                "    shard {:<12} {:<11} {:>7} records  {}",
+                "    {:<12} {:<11} {:<11} {:>6} records  batch {}",
                 sh.id,
                 sh.state,
+                sh.provider_status.as_deref().unwrap_or("-"),
                 sh.records,
                 sh.batch_id.as_deref().unwrap_or("-")
+            );
+        }
+        if open.len() > SHARDS_SHOWN {
+            crate::outln!(
+                "    ... and {} more (--json lists every shard)",
+                open.len() - SHARDS_SHOWN
             );
         }
     }

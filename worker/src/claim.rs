@@ -71,6 +71,10 @@ impl Claimer {
             if f.is_halted(&job.name) || f.is_cancelled(&job.name) {
                 continue;
             }
+            // Batch mode: its batcher packs the queued tasks into shards.
+            if job.spec.provider.mode == common::spec::ProviderMode::Batch {
+                continue;
+            }
             // Redis does not grow without bound while the sink cannot keep up.
             if job.sink_full.load(Ordering::Relaxed) {
                 continue;

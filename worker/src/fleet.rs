@@ -153,7 +153,7 @@ impl Fleet {
         kept_recent
     }
 
-    fn halted_here(&self, job: &str, reason: &str) {
+    pub fn halted_here(&self, job: &str, reason: &str) {
         let mut f = self.flags.lock().unwrap_or_else(|e| e.into_inner());
         f.halted_here
             .insert(job.to_owned(), (reason.to_owned(), std::time::Instant::now()));
@@ -224,30 +224,33 @@ impl Fleet {
             // Its slot is free, here and in the fleet's budget; a call may
             // also have proven the provider (the breaker's one call at a time).
             me.wake_claimer.notify_one();
-            let Some(settled) = settled else { return };
-            let mut s = me.summary.lock().await;
-            match settled {
-                Ok(settled) => {
-                    *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
-                    me.metrics
-                        .records
-                        .with_label_values(&[job.name.as_str(), settled.label()])
-                        .inc();
-                    if let Settled::Halted(reason) = &settled {
-                        me.halted_here(&job.name, reason);
-                        s.halted.insert(job.name.clone(), reason.clone());
-                    }
-                    if settled == Settled::AnswerLost {
-                        let mut lost = me.lost_answers.lock().unwrap_or_else(|e| e.into_inner());
-                        *lost.entry(job.name.clone()).or_default() += 1;
-                    }
-                }
-                Err(e) => {
-                    s.store_errors += 1;
-                    tracing::warn!(error = %e, "store error: the task stays pending and will be retried");
-                }
+            if let Some(settled) = settled {
+                me.count_settled(&job.name, &settled).await;
             }
         });
+    }
+
+    /// Counts how a task ended, in the run's summary and the metrics.
+    pub async fn count_settled(&self, job: &str, settled: &Result<Settled, StoreError>) {
+        let mut s = self.summary.lock().await;
+        match settled {
+            Ok(settled) => {
+                *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
+                self.metrics.records.with_label_values(&[job, settled.label()]).inc();
+                if let Settled::Halted(reason) = settled {
+                    self.halted_here(job, reason);
+                    s.halted.insert(job.to_owned(), reason.clone());
+                }
+                if *settled == Settled::AnswerLost {
+                    let mut lost = self.lost_answers.lock().unwrap_or_else(|e| e.into_inner());
+                    *lost.entry(job.to_owned()).or_default() += 1;
+                }
+            }
+            Err(e) => {
+                s.store_errors += 1;
+                tracing::warn!(error = %e, "store error: the task stays pending and will be retried");
+            }
+        }
     }
 
     async fn cancel_task(&self, job: &JobCtx, d: &Delivery) -> Result<Settled, StoreError> {

@@ -16,6 +16,8 @@
 //!   autoscaler and promotes due retries while no worker runs (`scaler` binary).
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod batch_api;
+pub mod batcher;
 pub mod breaker;
 pub mod budget;
 pub mod claim;

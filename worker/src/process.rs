@@ -323,12 +323,105 @@ pub async fn process(
 }
 
 /// What a delivery is before any call: attempts so far, its input and key.
-struct Before {
+pub struct Before {
     /// Attempts made before this delivery; each redelivery beyond the first
     /// is an attempt whose worker died, and counts.
     attempts: u32,
     input: Map<String, Value>,
     key: String,
+}
+
+/// A task's request before any call: what the model is sent, and what its
+/// answer is judged with. Built the same way for an online call and for a
+/// line of a provider batch (the same body, byte for byte).
+pub struct Prepared {
+    before: Before,
+    /// The user prompt with the feedback, as the review entry shows it.
+    user: String,
+    sent_feedback: Option<String>,
+    form: common::spec::StructuredOutput,
+    /// The request body.
+    pub body: Value,
+    fp: String,
+    /// What the call may cost if the server generates it and we never see it.
+    estimate: Usage,
+    /// At most what the call can use: its messages and `max_tokens`.
+    pub at_most: Usage,
+}
+
+impl Prepared {
+    /// The request's fingerprint (see [`crate::provider::fingerprint`]).
+    pub fn fingerprint(&self) -> &str {
+        &self.fp
+    }
+}
+
+/// Before any call: a poison task or an input error is decided without one
+/// (returned with the delivery's facts); otherwise the request.
+pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, (Before, Outcome)> {
+    let input = d.task.input_object();
+    let before = Before {
+        attempts: d.task.attempt + d.deliveries.saturating_sub(1),
+        key: business_key(&input, &job.spec.job.id_field),
+        input,
+    };
+    let rendered = match pre_call(job, d, &before, limits) {
+        Ok(rendered) => rendered,
+        Err(outcome) => return Err((before, outcome)),
+    };
+    let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
+    let user = match &sent_feedback {
+        None => rendered.clone(),
+        Some(f) => format!("{rendered}\n\n{f}"),
+    };
+    let (form, response_format) = job.forms.current();
+    let in_round = (before.attempts + 1).saturating_sub(d.task.base);
+    let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
+    let request = Request {
+        system: &job.system,
+        user: &rendered,
+        feedback: sent_feedback.as_deref(),
+        previous,
+        temperature: job.spec.retry.temperature(in_round),
+        response_format,
+        record: &d.task.rid,
+        worker: &limits.worker,
+    };
+    let body = job.provider.body(&request);
+    let estimate = Usage::estimate(
+        estimate_tokens(&job.system) + estimate_tokens(&user) + previous.map_or(0, estimate_tokens),
+        u64::from(job.spec.provider.max_tokens),
+    );
+    // As the body sends them: system, user, and after invalid output the
+    // model's answer and the feedback as messages of their own.
+    let messages: Vec<&str> = match (previous, sent_feedback.as_deref()) {
+        (Some(previous), Some(fb)) => vec![job.system.as_str(), rendered.as_str(), previous, fb],
+        _ => vec![job.system.as_str(), user.as_str()],
+    };
+    let at_most = crate::budget::at_most(&job.spec, &messages, response_format);
+    Ok(Prepared {
+        fp: crate::provider::fingerprint(&body),
+        before,
+        user,
+        sent_feedback,
+        form,
+        body,
+        estimate,
+        at_most,
+    })
+}
+
+/// How a call was made, for its paid call.
+enum Via<'a> {
+    /// Online: waiting in [`CallsInFlight`] until its outcome is stored,
+    /// with its budget reservation.
+    Online {
+        waiting: CallInFlight<'a>,
+        reservation: Option<crate::budget::Reservation>,
+    },
+    /// Through the provider's Batch API: at batch prices, its ledger key
+    /// drawn from the output line that answered it.
+    Batch { line: String },
 }
 
 async fn run_attempt(
@@ -353,90 +446,34 @@ async fn run_attempt(
         tracing::warn!(job = %job.name, record_id = %d.task.rid, "the task was taken over by another worker before its call: not called");
         return Ok(Settled::Stale);
     }
-    let input = d.task.input_object();
-    let before = Before {
-        attempts: d.task.attempt + d.deliveries.saturating_sub(1),
-        key: business_key(&input, &job.spec.job.id_field),
-        input,
-    };
     // Poison and input errors are decided before any call.
-    let rendered = match pre_call(job, &d, &before, limits) {
-        Ok(rendered) => rendered,
-        Err(outcome) => {
-            let facts = Facts {
-                prompt: "",
-                raw: "",
-                errors: &[],
-                attempts: before.attempts,
-            };
-            return without_call(store, job, &d, &before, outcome, facts, limits, span).await;
-        }
+    let prep = match prepare(job, &d, limits) {
+        Ok(prep) => prep,
+        Err((before, outcome)) => return without_call(store, job, &d, &before, outcome, None, limits, span).await,
     };
-    let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
-    let user = match &sent_feedback {
-        None => rendered.clone(),
-        Some(f) => format!("{rendered}\n\n{f}"),
-    };
-    let (form, response_format) = job.forms.current();
-    let in_round = (before.attempts + 1).saturating_sub(d.task.base);
-    let request = Request {
-        system: &job.system,
-        user: &rendered,
-        feedback: sent_feedback.as_deref(),
-        previous: d.task.answer.as_deref().filter(|_| sent_feedback.is_some()),
-        temperature: job.spec.retry.temperature(in_round),
-        response_format,
-        record: &d.task.rid,
-        worker: &limits.worker,
-    };
-    let body = job.provider.body(&request);
-    let fp = crate::provider::fingerprint(&body);
-    if d.task.answered.contains(&fp) {
+    if d.task.answered.contains(&prep.fp) {
         // The same request already got its answer: sending it again buys the same one.
-        let facts = Facts {
-            prompt: &user,
-            raw: d.task.answer.as_deref().unwrap_or(""),
-            errors: &d.task.feedback,
-            attempts: before.attempts,
-        };
-        return without_call(store, job, &d, &before, Outcome::NoNewAttempt, facts, limits, span).await;
-    }
-    // What the call may cost if the server generates it and we never see it.
-    let estimate = Usage::estimate(
-        estimate_tokens(&job.system) + estimate_tokens(&user) + request.previous.map_or(0, estimate_tokens),
-        u64::from(job.spec.provider.max_tokens),
-    );
-    // The record's own caps, then the job's, against the call at its most.
-    // As the body sends them: system, user, and after invalid output the
-    // model's answer and the feedback as messages of their own.
-    let messages: Vec<&str> = match (request.previous, request.feedback) {
-        (Some(previous), Some(fb)) => vec![job.system.as_str(), rendered.as_str(), previous, fb],
-        _ => vec![job.system.as_str(), user.as_str()],
-    };
-    let at_most = crate::budget::at_most(&job.spec, &messages, request.response_format);
-    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most) {
-        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
-        let facts = Facts {
-            prompt: &user,
-            raw: d.task.answer.as_deref().unwrap_or(""),
-            errors: &d.task.feedback,
-            attempts: before.attempts,
-        };
         return without_call(
             store,
             job,
             &d,
-            &before,
-            Outcome::OverBudget { why },
-            facts,
+            &prep.before,
+            Outcome::NoNewAttempt,
+            Some(&prep.user),
             limits,
             span,
         )
         .await;
     }
+    // The record's own caps, then the job's, against the call at its most.
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &prep.at_most) {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
+        let outcome = Outcome::OverBudget { why };
+        return without_call(store, job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
+    }
     let reservation = match &job.budget {
         Some(budget) => {
-            let amount = crate::budget::at_most_nusd(&job.spec, &at_most);
+            let amount = crate::budget::at_most_nusd(&job.spec, &prep.at_most);
             // Waiting for room must leave the call its whole timeout before
             // the task could be taken over (a second paid call).
             let room = limits
@@ -465,61 +502,153 @@ async fn run_attempt(
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let paid_call = |usage: Usage| {
-        PaidCall::new(
-            &d.task,
-            before.attempts + 1,
-            d.task.calls + 1,
-            d.deliveries,
-            &limits.worker,
-            usage,
-            &job.spec.prices,
-            now_ms(),
-        )
-    };
-    let mut if_cut_off = paid_call(estimate);
+    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate);
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
-    let (result, headers, elapsed) = job.provider.call(&request, &body).await;
-    let answered = matches!(result, CallResult::Message { .. });
-    let used = used_of(&result);
-    let timed_out = used.timed_out;
+    let (result, headers, elapsed) = job.provider.call(&d.task.rid, &limits.worker, &prep.body).await;
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &result);
     call_span.end();
-    *report = Some(CallReport { used, headers });
-    let mut reply = result.into_reply(&job.spec, &before.input, span);
-    judge_errors(store, job, &mut reply, form).await;
+    *report = Some(CallReport {
+        used: used_of(&result),
+        headers,
+    });
+    let via = Via::Online { waiting, reservation };
+    conclude(store, job, &d, limits, span, &prep, result, Some(elapsed), via).await
+}
+
+/// The paid call an attempt makes, at online prices.
+fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u32, usage: Usage) -> PaidCall {
+    PaidCall::new(
+        &d.task,
+        attempt,
+        d.task.calls + 1,
+        d.deliveries,
+        &limits.worker,
+        usage,
+        &job.spec.prices,
+        now_ms(),
+    )
+}
+
+/// Settles one line of a provider batch's output or error file, answering
+/// the task `d` a shard held (its delivery fenced by the shard): the same
+/// validate, decide and apply as an online answer, at batch prices. `line`
+/// names the line (the batch and its line id): its paid call is recorded
+/// once however often the line is settled.
+pub async fn settle_batch_line(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    result: CallResult,
+    line: String,
+) -> Result<Settled, StoreError> {
+    let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.task.tp));
+    if span.is_on() {
+        span.set("batchfleet.job", job.name.clone());
+        span.set("batchfleet.record_id", d.task.rid.clone());
+        span.set("batchfleet.partition", i64::from(d.partition));
+        span.set("batchfleet.shard", d.shard.clone().unwrap_or_default());
+        span.set("batchfleet.worker", limits.worker.clone());
+    }
+    let settled = match prepare(job, d, limits) {
+        Ok(prep) => conclude(store, job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
+        // Its template no longer renders (a spec changed under the shard):
+        // decided as before a call; the answer is not used.
+        Err((before, outcome)) => without_call(store, job, d, &before, outcome, None, limits, &span).await,
+    };
+    match &settled {
+        Ok(s) => span.set("batchfleet.settled", s.label()),
+        Err(e) => span.fail(format!("store error: {e}")),
+    }
+    span.end();
+    settled
+}
+
+/// Decides a task a shard held that was left out of the shard's file:
+/// poison, an input error, or a request that would repeat one already
+/// answered (decided as online, without a call).
+pub async fn settle_unsent(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+) -> Result<Settled, StoreError> {
+    let span = Span::none();
+    match prepare(job, d, limits) {
+        Err((before, outcome)) => without_call(store, job, d, &before, outcome, None, limits, &span).await,
+        Ok(prep) => {
+            let outcome = Outcome::NoNewAttempt;
+            without_call(store, job, d, &prep.before, outcome, Some(&prep.user), limits, &span).await
+        }
+    }
+}
+
+/// From a call's result to its stored outcome: validate, judge, decide,
+/// record the paid call, apply. `elapsed` is the online call's (a batch
+/// line's latency is the batch's).
+#[allow(clippy::too_many_arguments)]
+async fn conclude(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    span: &Span,
+    prep: &Prepared,
+    result: CallResult,
+    elapsed: Option<std::time::Duration>,
+    via: Via<'_>,
+) -> Result<Settled, StoreError> {
+    let answered = matches!(result, CallResult::Message { .. });
+    let timed_out = used_of(&result).timed_out;
+    let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
+    judge_errors(store, job, &mut reply, prep.form).await;
     if reply.usage.is_none() && (timed_out || answered) {
         // The server may have generated (and billed) it after we gave up,
         // or answered without saying what it used.
-        reply.usage = Some(estimate);
+        reply.usage = Some(prep.estimate);
     }
-    if let (Some(budget), Some(r)) = (&job.budget, reservation) {
-        // An estimated call keeps its whole reservation: it may have cost that.
-        let actual = match reply.usage {
-            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
-            Some(_) => r.amount_nusd,
-            None => 0,
-        };
-        if let Err(e) = budget.settle(r, actual).await {
-            tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+    let (waiting, line) = match via {
+        Via::Online { waiting, reservation } => {
+            if let (Some(budget), Some(r)) = (&job.budget, reservation) {
+                // An estimated call keeps its whole reservation: it may have cost that.
+                let actual = match reply.usage {
+                    Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
+                    Some(_) => r.amount_nusd,
+                    None => 0,
+                };
+                if let Err(e) = budget.settle(r, actual).await {
+                    tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+                }
+            }
+            (Some(waiting), None)
         }
-    }
+        Via::Batch { line } => (None, Some(line)),
+    };
 
     // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
     let counts_as_attempt = !matches!(
         reply.outcome,
         Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. } | Outcome::FormRefused
     );
+    let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
+    let batch_prices = line.as_ref().map(|_| job.spec.prices.batch());
+    let call = reply.usage.map(|u| {
+        let call = paid_call(job, d, limits, attempt, u);
+        match (&line, &batch_prices) {
+            (Some(line), Some(prices)) => call.batched(prices, &job.spec.prices, line),
+            _ => call,
+        }
+    });
     // A call that may be billed goes to the ledger with its outcome (once:
     // not when a drain recorded it as cut off meanwhile).
-    let paid = waiting.answered(reply.usage.map(|u| PaidCall {
-        attempt,
-        ..paid_call(u)
-    }));
+    let paid = match &waiting {
+        Some(w) => w.answered(call),
+        None => call,
+    };
     let calls = d.task.calls + 1;
     let decision = decide(
         attempt.saturating_sub(d.task.base).max(1),
@@ -535,7 +664,7 @@ async fn run_attempt(
         call: calls,
         at: stamp.at.clone(),
         worker: limits.worker.clone(),
-        elapsed_ms: elapsed.as_millis() as u64,
+        elapsed_ms: elapsed.map_or(0, |e| e.as_millis() as u64),
         status: reply.status,
         response_id: reply.response_id.clone(),
         finish_reason: reply.finish_reason.clone(),
@@ -545,7 +674,7 @@ async fn run_attempt(
         usage: reply.usage,
         decision: decision_label(&decision).to_owned(),
         error: reply.error.as_ref().and_then(|e| e.message.clone()),
-        feedback: sent_feedback,
+        feedback: prep.sent_feedback.clone(),
     }));
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));
@@ -554,7 +683,7 @@ async fn run_attempt(
     }
     attempt_event(
         job,
-        &d,
+        d,
         limits,
         AttemptFacts {
             attempt,
@@ -563,12 +692,15 @@ async fn run_attempt(
             elapsed,
             status: reply.status,
             usage: reply.usage.as_ref(),
+            cost: reply
+                .usage
+                .map_or(0.0, |u| u.cost(batch_prices.as_ref().unwrap_or(&job.spec.prices))),
             errors: reply.errors(),
         },
     );
     // The review entry shows the prompt as the model last saw it, feedback included.
     let facts = Facts {
-        prompt: &user,
+        prompt: &prep.user,
         raw: &reply.raw,
         errors: reply.errors(),
         attempts: attempt,
@@ -576,15 +708,15 @@ async fn run_attempt(
     let answer = Call {
         calls,
         reply: &reply,
-        fingerprint: answered.then_some(fp),
+        fingerprint: answered.then(|| prep.fp.clone()),
         paid,
     };
     apply(
         store,
         job,
-        &d,
+        d,
         decision.clone(),
-        &before,
+        before,
         facts,
         Some(answer),
         history,
@@ -671,10 +803,26 @@ async fn without_call(
     d: &Delivery,
     before: &Before,
     outcome: Outcome,
-    facts: Facts<'_>,
+    prompt: Option<&str>,
     limits: &Limits,
     span: &Span,
 ) -> Result<Settled, StoreError> {
+    // Before a call (poison, an input error) the entry shows nothing sent;
+    // otherwise the prompt and the last answer with its errors.
+    let facts = match prompt {
+        None => Facts {
+            prompt: "",
+            raw: "",
+            errors: &[],
+            attempts: before.attempts,
+        },
+        Some(prompt) => Facts {
+            prompt,
+            raw: d.task.answer.as_deref().unwrap_or(""),
+            errors: &d.task.feedback,
+            attempts: before.attempts,
+        },
+    };
     let decision = decide(before.attempts.max(1), d.task.calls, &outcome, &job.spec.retry, 0.0);
     log_event(
         job,
@@ -782,6 +930,13 @@ async fn apply(
             let mut task = d
                 .task
                 .next(facts.attempts, calls, feedback.unwrap_or_default(), history);
+            // Batch mode with `[batch] retries = "online"`: the retry calls online.
+            let batch = &job.spec;
+            if batch.provider.mode == common::spec::ProviderMode::Batch
+                && batch.batch.retries == common::spec::BatchRetries::Online
+            {
+                task.online = true;
+            }
             if let Some(call) = &answer {
                 task.answered.extend(call.fingerprint.clone());
                 // The model sees its own answer beside the feedback on it.
@@ -1004,9 +1159,12 @@ struct AttemptFacts<'a> {
     attempt: u32,
     decision: &'a str,
     outcome: &'a str,
-    elapsed: std::time::Duration,
+    /// The online call's (none for a batch's line).
+    elapsed: Option<std::time::Duration>,
     status: Option<u16>,
     usage: Option<&'a Usage>,
+    /// USD, at the prices it was made at.
+    cost: f64,
     errors: &'a [FieldError],
 }
 
@@ -1016,9 +1174,11 @@ fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_
     let name = job.name.as_str();
     let class = status_class(f.status);
     m.provider_requests.with_label_values(&[name, class]).inc();
-    m.model_latency
-        .with_label_values(&[name, class])
-        .observe(f.elapsed.as_secs_f64());
+    if let Some(elapsed) = f.elapsed {
+        m.model_latency
+            .with_label_values(&[name, class])
+            .observe(elapsed.as_secs_f64());
+    }
     m.attempts.with_label_values(&[name, f.outcome]).inc();
     if f.status == Some(429) && f.outcome == "rate_limited" {
         m.rate_limited.with_label_values(&[name]).inc();
@@ -1034,7 +1194,7 @@ fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_
             m.tokens.with_label_values(&[name, kind]).inc_by(n);
         }
     }
-    m.cost.with_label_values(&[name]).inc_by(u.cost(&job.spec.prices));
+    m.cost.with_label_values(&[name]).inc_by(f.cost);
     let codes = error_codes(f.errors);
     log_event(
         job,
@@ -1042,7 +1202,7 @@ fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_
         f.attempt,
         f.decision,
         f.outcome,
-        f.elapsed.as_millis() as u64,
+        f.elapsed.map_or(0, |e| e.as_millis() as u64),
         &codes,
     );
 }

@@ -94,7 +94,10 @@ pub struct Request<'a> {
 #[derive(Clone)]
 pub struct Provider {
     http: reqwest::Client,
+    /// The base URL (`.../v1`) and its chat completions endpoint.
+    base: String,
     url: String,
+    timeout: Duration,
     model: String,
     api_key: String,
     max_tokens: u32,
@@ -117,7 +120,9 @@ impl Provider {
         let base = base_url.unwrap_or(&spec.provider.base_url).trim_end_matches('/');
         Ok(Provider {
             http,
+            base: base.to_owned(),
             url: format!("{base}/chat/completions"),
+            timeout: Duration::from_secs(spec.provider.timeout_secs),
             model: spec.provider.model.clone(),
             api_key,
             max_tokens: spec.provider.max_tokens,
@@ -130,6 +135,11 @@ impl Provider {
     /// provider or proxy may echo the request's Authorization header).
     pub fn set_scrubber(&mut self, scrubber: common::secret::Scrubber) {
         self.scrubber = scrubber;
+    }
+
+    /// A client of the same provider's Batch API (batch mode).
+    pub fn batch_api(&self) -> Result<crate::batch_api::BatchApi, reqwest::Error> {
+        crate::batch_api::BatchApi::new(&self.base, self.api_key.clone(), self.timeout, self.scrubber.clone())
     }
 
     /// The request body: system and user messages, and after an invalid
@@ -157,17 +167,17 @@ impl Provider {
         body
     }
 
-    /// Sends one request body (see [`Provider::body`]). Never returns an
-    /// error: every failure is classified. Also returns the rate-limit
-    /// headers, when there was a response.
-    pub async fn call(&self, req: &Request<'_>, body: &Value) -> (CallResult, RateHeaders, Duration) {
+    /// Sends one request body (see [`Provider::body`]) for `record`, from
+    /// `worker` (its headers). Never returns an error: every failure is
+    /// classified. Also returns the rate-limit headers, when there was a response.
+    pub async fn call(&self, record: &str, worker: &str, body: &Value) -> (CallResult, RateHeaders, Duration) {
         let started = Instant::now();
         let sent = self
             .http
             .post(&self.url)
             .bearer_auth(&self.api_key)
-            .header("x-batchfleet-record", req.record)
-            .header("x-batchfleet-worker", req.worker)
+            .header("x-batchfleet-record", record)
+            .header("x-batchfleet-worker", worker)
             .json(body)
             .send()
             .await;

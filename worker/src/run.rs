@@ -175,6 +175,9 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         for writer in SinkWriter::for_job(&fleet, job) {
             loops.spawn(service::run(writer, stop.clone()));
         }
+        if let Some(batcher) = crate::batcher::Batcher::for_job(&fleet, job) {
+            loops.spawn(service::run(batcher, stop.clone()));
+        }
     }
     loops.close();
     stop.cancelled().await;

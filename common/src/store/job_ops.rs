@@ -65,7 +65,12 @@ impl RedisStore {
         let _: () = self
             .conn
             .clone()
-            .del(&[keys::cancel(job), keys::halt(job), keys::breaker(job)])
+            .del(&[
+                keys::cancel(job),
+                keys::halt(job),
+                keys::breaker(job),
+                keys::batch_failures(job),
+            ])
             .await?;
         self.wake(job, Wake::Flags).await;
         Ok(total)

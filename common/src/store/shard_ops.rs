@@ -49,6 +49,7 @@ impl RedisStore {
             .key(keys::state(job, partition))
             .key(keys::shards(job, partition))
             .key(keys::shard(job, partition, &shard.id))
+            .key(keys::shard_packed(job, partition, &shard.id))
             .arg("pack")
             .arg(keys::GROUP)
             .arg(consumer)
@@ -113,6 +114,7 @@ impl RedisStore {
             .key(keys::state(job, partition))
             .key(keys::shards(job, partition))
             .key(keys::shard(job, partition, &new.id))
+            .key(keys::shard_packed(job, partition, &new.id))
             .arg("cas")
             .arg(&new.id)
             .arg(read)
@@ -140,6 +142,52 @@ impl RedisStore {
         }
     }
 
+    /// The record ids packed into a shard.
+    pub async fn shard_packed(
+        &self,
+        job: &str,
+        partition: u32,
+        shard_id: &str,
+    ) -> Result<std::collections::HashSet<String>, StoreError> {
+        Ok(self
+            .conn
+            .clone()
+            .smembers(keys::shard_packed(job, partition, shard_id))
+            .await?)
+    }
+
+    /// When the oldest entry of a partition's stream was added (Unix ms).
+    pub async fn stream_oldest_ms(&self, job: &str, partition: u32) -> Result<Option<u64>, StoreError> {
+        let first: redis::streams::StreamRangeReply = self
+            .conn
+            .clone()
+            .xrange_count(keys::stream(job, partition), "-", "+", 1)
+            .await?;
+        Ok(first.ids.first().and_then(|e| e.id.split('-').next()?.parse().ok()))
+    }
+
+    /// Counts a provider batch that failed validation (`failed`), or a
+    /// completed one (resets the count). Returns the failures in a row.
+    pub async fn batch_failures(&self, job: &str, failed: bool) -> Result<u64, StoreError> {
+        let mut c = self.conn.clone();
+        if failed {
+            Ok(c.incr(keys::batch_failures(job), 1).await?)
+        } else {
+            let _: () = c.del(keys::batch_failures(job)).await?;
+            Ok(0)
+        }
+    }
+
+    /// A reconciled shard no longer needs its packed set.
+    pub async fn shard_forget(&self, job: &str, partition: u32, shard_id: &str) -> Result<(), StoreError> {
+        let _: () = self
+            .conn
+            .clone()
+            .del(keys::shard_packed(job, partition, shard_id))
+            .await?;
+        Ok(())
+    }
+
     /// How many tasks a shard still holds.
     pub async fn shard_held(&self, job: &str, partition: u32, shard_id: &str) -> Result<u64, StoreError> {
         Ok(self.conn.clone().hlen(keys::shard(job, partition, shard_id)).await?)
@@ -161,6 +209,7 @@ impl RedisStore {
                 .key(keys::state(job, partition))
                 .key(keys::shards(job, partition))
                 .key(keys::shard(job, partition, shard_id))
+                .key(keys::shard_packed(job, partition, shard_id))
                 .arg("release")
                 .arg(shard_id);
             for rid in chunk {

@@ -43,6 +43,9 @@ pub enum Finish {
 #[derive(Debug, Clone)]
 pub struct Finishing {
     pub partition: u32,
+    /// Batch mode: the shard holding the task (its outcome is fenced by the
+    /// shard, not by a stream entry).
+    shard: Option<String>,
     entry_id: String,
     rid: String,
     consumer: String,
@@ -90,6 +93,7 @@ impl Finishing {
         };
         Finishing {
             partition: d.partition,
+            shard: d.shard.clone(),
             entry_id: d.entry_id.clone(),
             rid: d.task.rid.clone(),
             consumer: d.consumer.clone(),
@@ -162,6 +166,8 @@ pub struct Remaining {
     pub in_streams: u64,
     /// Tasks waiting to retry.
     pub delayed: u64,
+    /// Tasks held by provider batch shards (batch mode).
+    pub batched: u64,
     /// A producer is still enqueueing the job (bounded backlog): more comes.
     pub enqueuing: bool,
 }
@@ -205,7 +211,7 @@ impl WorkLeft {
 
 impl Remaining {
     pub fn is_empty(&self) -> bool {
-        self.in_streams == 0 && self.delayed == 0 && !self.enqueuing
+        self.in_streams == 0 && self.delayed == 0 && self.batched == 0 && !self.enqueuing
     }
 
     /// The tasks a job holds in Redis: queued, in flight and waiting to retry.
@@ -432,12 +438,13 @@ impl RedisStore {
     /// the order given. Outcomes come back in that order; a partition whose
     /// call failed gives its error to its own tasks only.
     pub async fn finish_many(&self, job: &str, items: &[Finishing]) -> Vec<Result<Finished, StoreError>> {
-        // Each partition's tasks (their places in `items`), in order.
-        let mut groups: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        // Each partition's tasks (their places in `items`), in order; a
+        // shard's tasks by shard (its hash is one more key).
+        let mut groups: std::collections::BTreeMap<(u32, Option<&str>), Vec<usize>> = Default::default();
         for (i, f) in items.iter().enumerate() {
-            groups.entry(f.partition).or_default().push(i);
+            groups.entry((f.partition, f.shard.as_deref())).or_default().push(i);
         }
-        let calls = groups.iter().map(|(&p, slots)| {
+        let calls = groups.iter().map(|(&(p, shard), slots)| {
             let mut inv = self.scripts.finish.prepare_invoke();
             inv.key(keys::stream(job, p))
                 .key(keys::state(job, p))
@@ -450,6 +457,7 @@ impl RedisStore {
                 .key(keys::spend(job, p))
                 .key(keys::stats(job, p))
                 .key(keys::audit(job, p))
+                .key(keys::shard(job, p, shard.unwrap_or("-")))
                 .arg(keys::GROUP);
             for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)
@@ -675,6 +683,11 @@ impl RedisStore {
                 .await?;
             r.in_streams += n;
             r.delayed += z;
+            for (_, s) in self.shards(job, p).await? {
+                if s.state != crate::shard::ShardState::Reconciled {
+                    r.batched += self.shard_held(job, p, &s.id).await?;
+                }
+            }
         }
         Ok(r)
     }

@@ -47,7 +47,9 @@
 --   retry: due time, Unix ms (unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
---   adds to the spend (`bucket prompt cached completion nano-USD estimated`),
+--   adds to the spend (`bucket prompt cached completion nano-USD estimated`,
+--   then for a call through the Batch API its online cost in nano-USD:
+--   `batch_calls`, `batch_nusd`, `batch_online_nusd`),
 --   the stats fields its outcome adds 1 to when it moves the record
 --   (newline-separated; passed through unread).
 -- A paid call is recorded whatever happens to the outcome (stale, repeated,
@@ -75,7 +77,7 @@ local function paid(i)
   if has_sink then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
-  local bucket, p, k, c, n, e = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
+  local bucket, p, k, c, n, e, o = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%d*)$')
   add('calls', 1)
   add('prompt', tonumber(p))
   add('cached', tonumber(k))
@@ -87,6 +89,11 @@ local function paid(i)
     add('est_calls', 1)
     add('est_nusd', tonumber(n))
     add('est_tokens', tonumber(p) + tonumber(c))
+  end
+  if o ~= '' then
+    add('batch_calls', 1)
+    add('batch_nusd', tonumber(n))
+    add('batch_online_nusd', tonumber(o))
   end
   count(minute .. ':c', 1)
   count(minute .. ':u', tonumber(n))

@@ -11,7 +11,8 @@
 --          nano-USD per Unix minute (`t<minute>:c`, `t<minute>:u`), as in finish.lua
 -- then 3 per call: its key (`<record id>:<call>:<nonce>`), its encoding, and
 -- what it adds to the spend (`bucket prompt cached completion nano-USD
--- estimated`, as in finish.lua).
+-- estimated`, and the online cost of a call through the Batch API, as in
+-- finish.lua).
 -- A key already in the ledger is not counted again.
 -- Returns the number of calls recorded.
 local has_sink = redis.call('EXISTS', KEYS[3]) == 1
@@ -26,7 +27,7 @@ for i = 1, #ARGV, 3 do
     if has_sink then
       redis.call('XADD', KEYS[3], '*', 'rid', string.match(ARGV[i], '^(.*):[^:]*:[^:]*$') or '', 'k', 'l', 'c', ARGV[i])
     end
-    local bucket, p, k, c, usd, e = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)$')
+    local bucket, p, k, c, usd, e, o = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%d*)$')
     add('calls', 1)
     add('prompt', tonumber(p))
     add('cached', tonumber(k))
@@ -38,6 +39,11 @@ for i = 1, #ARGV, 3 do
       add('est_calls', 1)
       add('est_nusd', tonumber(usd))
       add('est_tokens', tonumber(p) + tonumber(c))
+    end
+    if o ~= '' then
+      add('batch_calls', 1)
+      add('batch_nusd', tonumber(usd))
+      add('batch_online_nusd', tonumber(o))
     end
     n = n + 1
   end

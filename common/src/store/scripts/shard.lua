@@ -4,6 +4,8 @@
 -- KEYS[2]  partition state hash    bf:{job:pN}:state
 -- KEYS[3]  partition shards hash   bf:{job:pN}:shards: shard id -> its JSON
 -- KEYS[4]  the shard's task hash   bf:{job:pN}:shard:<id>: record id -> task
+-- KEYS[5]  the shard's packed set  bf:{job:pN}:shard:<id>:packed: every
+--          record id packed into it (its answers are joined on them)
 -- ARGV[1]  the verb:
 --
 -- `pack`  ARGV[2] consumer group, ARGV[3] consumer, ARGV[4] at most this
@@ -75,6 +77,7 @@ if read then
       gone[#gone + 1] = id
       if rid and task and redis.call('HGET', states, rid) == 'queued' then
         redis.call('HSET', held, rid, task)
+        redis.call('SADD', KEYS[5], rid)
         redis.call('HSET', states, rid, 'batched')
         moved = moved + 1
       end

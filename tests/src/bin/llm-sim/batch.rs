@@ -14,7 +14,8 @@
 //! `--batch-faults` injects what users of batch APIs run into. Once, on the
 //! first batch created: `file_invalid` (the file fails validation: status
 //! `failed`, `errors.data[]` with a line number), `expire` (half the lines
-//! are answered, then `expired`), `stuck` (stays `in_progress` past its
+//! are answered, then `expired`, the others in the error file as
+//! `batch_expired`), `stuck` (stays `in_progress` past its
 //! window until cancelled), `lost_create` (the batch is created but the
 //! response is held until the client has given up), `download_fail` (the
 //! first download of its output fails with a 500). On every batch:
@@ -424,7 +425,8 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
     let total = lines.len();
     let stop_after = if first && faults.expire { total / 2 } else { total };
     let per_line = Duration::from_millis(sim.args.batch_secs * 1000 / total.max(1) as u64);
-    let mut answered: Vec<(String, u16, Value, bool)> = Vec::new();
+    // Per line: custom_id, status, body, or the code of its error line.
+    let mut answered: Vec<(String, u16, Value, Option<&str>)> = Vec::new();
     let cancelled = |sim: &Sim| sim.batch.cancelled.lock().is_ok_and(|c| c.contains(&id));
     for (i, (cid, body)) in lines.iter().enumerate() {
         if cancelled(&sim) || i >= stop_after {
@@ -433,7 +435,7 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
         tokio::time::sleep(per_line).await;
         let erred = faults.error_lines && i % 5 == 4;
         if erred {
-            answered.push((cid.clone(), 0, Value::Null, true));
+            answered.push((cid.clone(), 0, Value::Null, Some("server_error")));
             continue;
         }
         let resp = super::chat(State(sim.clone()), auth.clone(), body.to_string()).await;
@@ -442,7 +444,13 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
             .await
             .unwrap_or_default();
         let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        answered.push((cid.clone(), status, body, false));
+        answered.push((cid.clone(), status, body, None));
+    }
+    // An expired batch lists the requests it never ran in its error file.
+    if !cancelled(&sim) && stop_after < total {
+        for (cid, _) in &lines[answered.len()..] {
+            answered.push((cid.clone(), 0, Value::Null, Some("batch_expired")));
+        }
     }
     // Past its window while stuck: it stays in_progress until cancelled.
     if first && faults.stuck {
@@ -454,10 +462,14 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
     let (mut completed, mut failed) = (0u64, 0u64);
     for (n, (cid, status, body, erred)) in answered.into_iter().enumerate() {
         let line_id = format!("batch_req_{id}_{n}");
-        if erred {
+        if let Some(code) = erred {
             failed += 1;
+            let message = match code {
+                "batch_expired" => "This request could not be executed before the completion window expired.",
+                _ => "The request could not be completed.",
+            };
             err.push(json!({"id": line_id, "custom_id": cid, "response": null,
-                            "error": {"code": "server_error", "message": "The request could not be completed."}}));
+                            "error": {"code": code, "message": message}}));
             continue;
         }
         let line = json!({"id": line_id, "custom_id": cid,

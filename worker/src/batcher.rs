@@ -1,0 +1,734 @@
+//! Provider batch mode's service (`provider.mode = "batch"`): one per job,
+//! in every worker. Each round, per partition, it packs the queued tasks
+//! into a shard when one is due, and moves every shard it may work on one
+//! step along its life (see [`common::shard`]):
+//!
+//! packed -> uploaded (its JSONL input file at the provider) -> submitting
+//! (persisted before the create: after a crash or a lost answer the
+//! provider's batches are searched by metadata before any new create, so a
+//! shard never has two batches) -> submitted (polled) -> ended (the
+//! provider's `completed`, `failed`, `expired` or `cancelled`) ->
+//! reconciled (every line joined on `custom_id` and settled through the
+//! same validate -> decide -> commit / retry / review path as an online
+//! answer; records with no line go back to the stream for a later shard).
+//!
+//! A shard is leased to the worker working on it (the visibility timeout):
+//! any worker takes over a shard whose owner died. Every record leaves its
+//! shard in the same atomic step as its outcome, so a line settled twice
+//! (a take-over mid-way) moves its record once, and its paid call, keyed by
+//! the line, is recorded once.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::ledger::{Fate, PaidCall};
+use common::shard::{LineCounts, OutputLine, Shard, ShardState};
+use common::store::{Finish, StoreError};
+use common::task::{Delivery, RecordState, Task, Usage};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+use crate::batch_api::{ApiError, BatchApi};
+use crate::fleet::Fleet;
+use crate::process::{JobCtx, Settled, now_ms, prepare, settle_batch_line, settle_unsent};
+use crate::provider::{CallError, CallResult, ErrorKind, classify};
+use crate::service::Service;
+
+/// Lines settled at once (their outcomes are stored in groups).
+const SETTLE_AT_ONCE: usize = 64;
+
+/// Batches failing validation in a row before the job halts.
+const FAILURES_TO_HALT: u64 = 3;
+
+/// The batch-mode service of one job.
+pub struct Batcher {
+    fleet: Arc<Fleet>,
+    job: Arc<JobCtx>,
+    api: BatchApi,
+}
+
+/// A step that could not be taken now.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{what}: {error}")]
+    Api { what: &'static str, error: ApiError },
+}
+
+type Step = Result<bool, StepError>;
+
+fn api(what: &'static str) -> impl FnOnce(ApiError) -> StepError {
+    move |error| StepError::Api { what, error }
+}
+
+impl Batcher {
+    /// The job's batcher, when its spec says `provider.mode = "batch"`.
+    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Option<Batcher> {
+        if job.spec.provider.mode != common::spec::ProviderMode::Batch {
+            return None;
+        }
+        let api = match job.provider.batch_api() {
+            Ok(api) => api,
+            Err(e) => {
+                tracing::error!(job = %job.name, error = %e, "no HTTP client for the Batch API");
+                return None;
+            }
+        };
+        Some(Batcher {
+            fleet: fleet.clone(),
+            job: job.clone(),
+            api,
+        })
+    }
+
+    fn me(&self) -> &str {
+        &self.fleet.config.consumer
+    }
+
+    fn lease_until(&self) -> u64 {
+        now_ms() + self.fleet.visibility.as_millis() as u64
+    }
+
+    /// One round over the job's partitions. Returns whether it moved
+    /// anything (another round follows at once).
+    pub async fn round(&mut self) -> bool {
+        let (f, job) = (self.fleet.clone(), self.job.clone());
+        let mut busy = false;
+        for p in 0..job.spec.job.partitions {
+            if !f.is_halted(&job.name) && !f.is_cancelled(&job.name) {
+                busy |= self.outcome(self.pack_if_due(p).await).await;
+            }
+            let shards = match f.store.shards(&job.name, p).await {
+                Ok(s) => s,
+                Err(e) => {
+                    f.store_error(&e).await;
+                    continue;
+                }
+            };
+            for (read, shard) in shards {
+                if shard.state == ShardState::Reconciled || !shard.free_for(self.me(), now_ms()) {
+                    continue;
+                }
+                let step = self.step(p, read, shard).await;
+                busy |= self.outcome(step).await;
+            }
+        }
+        f.health.loop_ok();
+        busy
+    }
+
+    /// What a step came to: a provider's refusal halts the job; anything
+    /// else is tried again next round.
+    async fn outcome(&self, step: Step) -> bool {
+        let f = &self.fleet;
+        let job = &self.job.name;
+        match step {
+            Ok(busy) => busy,
+            Err(StepError::Store(e)) => {
+                f.store_error(&e).await;
+                false
+            }
+            Err(StepError::Api {
+                what,
+                error: ApiError::Transient(m),
+            }) => {
+                tracing::warn!(job = %job, step = what, error = %m, "the provider's Batch API failed; trying again next round");
+                false
+            }
+            Err(StepError::Api { what, error }) => {
+                let reason = format!("provider Batch API, {what}: {error}");
+                tracing::error!(job = %job, reason = %reason, "job halted: records stay in their shards and queues");
+                if let Err(e) = f.store.halt(job, &reason).await {
+                    f.store_error(&e).await;
+                }
+                f.halted_here(job, &reason);
+                false
+            }
+        }
+    }
+
+    /// A task a shard holds, as a delivery fenced by the shard.
+    fn delivery(&self, p: u32, shard: &str, task: Task) -> Delivery {
+        Delivery {
+            partition: p,
+            entry_id: String::new(),
+            deliveries: 1,
+            consumer: self.me().to_owned(),
+            claimed_at: std::time::Instant::now(),
+            task,
+            state_at_claim: Some(Some(RecordState::Batched)),
+            shard: Some(shard.to_owned()),
+        }
+    }
+
+    /// Replaces the shard's state if nobody changed it since `read`.
+    /// Returns what it now reads, or None when it was changed.
+    async fn save(&self, p: u32, read: &str, shard: &Shard) -> Result<Option<String>, StoreError> {
+        let saved = self.fleet.store.shard_cas(&self.job.name, p, read, shard).await?;
+        Ok(saved.then(|| shard.encode()))
+    }
+
+    /// Packs a shard of the partition's queued tasks when one is due: a
+    /// full one's worth waits, or the oldest waited `pack_wait_secs`, or
+    /// nothing more is coming (enqueued, no retry waiting).
+    async fn pack_if_due(&self, p: u32) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let b = &job.spec.batch;
+        let left = f.store.partition_work_left(&job.name, p).await?;
+        if left.queued == 0 {
+            return Ok(false);
+        }
+        let due = left.queued >= b.shard_records() as u64
+            || f.store
+                .stream_oldest_ms(&job.name, p)
+                .await?
+                .is_some_and(|at| now_ms().saturating_sub(at) >= b.pack_wait().as_millis() as u64)
+            || (left.delayed == 0 && !f.store.enqueuing(&job.name).await?);
+        if !due {
+            return Ok(false);
+        }
+        let id = f.store.next_shard_id(&job.name, p).await?;
+        let shard = Shard::new(id, p, self.me(), now_ms(), self.lease_until());
+        let packed = f
+            .store
+            .shard_pack(&job.name, p, self.me(), b.shard_records(), &shard)
+            .await?;
+        let online = packed.online.len();
+        for d in packed.online {
+            self.run_online(d).await;
+        }
+        if packed.moved > 0 {
+            let read = shard.encode();
+            let mut counted = shard.clone();
+            counted.records = packed.moved;
+            f.store.shard_cas(&job.name, p, &read, &counted).await?;
+            tracing::info!(job = %job.name, shard = %counted.id, records = packed.moved, "shard packed");
+        }
+        Ok(packed.moved > 0 || online > 0)
+    }
+
+    /// A retry marked to run online (`[batch] retries = "online"`): called
+    /// as the claimer would, under a concurrency slot and the fleet's budget.
+    async fn run_online(&self, d: Delivery) {
+        let f = &self.fleet;
+        let Ok(permit) = f.permits.clone().acquire_owned().await else {
+            return;
+        };
+        loop {
+            let (mut grants, wait) = f.grants(&self.job, 1).await;
+            if let Some(grant) = grants.pop() {
+                f.spawn(self.job.clone(), d, permit, Some(grant));
+                return;
+            }
+            tokio::time::sleep(wait.clamp(Duration::from_millis(5), Duration::from_secs(10))).await;
+        }
+    }
+
+    /// One step of a shard's life, under its lease.
+    async fn step(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let now = now_ms();
+        let mut read = read;
+        let mine = shard.owner.as_deref() == Some(self.me());
+        if !mine || shard.lease_until_ms < now + self.fleet.visibility.as_millis() as u64 / 2 {
+            if !mine {
+                tracing::info!(job = %self.job.name, shard = %shard.id, state = shard.state.name(),
+                    owner = shard.owner.as_deref().unwrap_or(""), "taking over a shard");
+            }
+            shard.owner = Some(self.me().to_owned());
+            shard.lease_until_ms = self.lease_until();
+            match self.save(p, &read, &shard).await? {
+                Some(now_read) => read = now_read,
+                None => return Ok(false),
+            }
+        }
+        match shard.state {
+            ShardState::Packed => self.build(p, read, shard).await,
+            ShardState::Uploaded | ShardState::Submitting => self.submit(p, read, shard).await,
+            ShardState::Submitted => self.poll(p, read, shard).await,
+            ShardState::Ended => self.settle(p, read, shard).await,
+            ShardState::Reconciled => Ok(false),
+        }
+    }
+
+    /// Every task the shard holds is cancelled (kept for resume): the job
+    /// was cancelled before its batch was created.
+    async fn cancel_held(&self, p: u32, shard: &Shard) -> Result<u64, StoreError> {
+        let (f, job) = (&self.fleet, &self.job);
+        let tasks = f.store.shard_tasks(&job.name, p, &shard.id).await?;
+        let n = tasks.len() as u64;
+        for task in tasks {
+            let d = self.delivery(p, &shard.id, task);
+            job.finish(&d, &Finish::Cancel(d.task.clone())).await?;
+        }
+        Ok(n)
+    }
+
+    /// Marks the shard reconciled once it holds no task.
+    async fn close(&self, p: u32, read: &str, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        if f.store.shard_held(&job.name, p, &shard.id).await? > 0 {
+            return Ok(false);
+        }
+        shard.state = ShardState::Reconciled;
+        shard.owner = None;
+        if self.save(p, read, &shard).await?.is_some() {
+            f.store.shard_forget(&job.name, p, &shard.id).await?;
+            f.store.batch_tokens_give(&job.name, &shard.id).await?;
+            tracing::info!(job = %job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
+                settled = shard.lines.settled, duplicates = shard.lines.duplicates, unknown = shard.lines.unknown,
+                missing = shard.lines.missing, "shard reconciled");
+        }
+        Ok(true)
+    }
+
+    /// Packed -> uploaded: the shard's input file, each line exactly the
+    /// request online mode would send, uploaded.
+    async fn build(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        if f.is_cancelled(&job.name) {
+            self.cancel_held(p, &shard).await?;
+            return self.close(p, &read, shard).await;
+        }
+        let tasks = f.store.shard_tasks(&job.name, p, &shard.id).await?;
+        let limit = job.spec.batch.shard_bytes();
+        let (mut file, mut lines, mut tokens) = (Vec::new(), 0u64, 0u64);
+        let (mut unsent, mut over) = (Vec::new(), Vec::new());
+        for task in tasks {
+            let d = self.delivery(p, &shard.id, task);
+            let prep = match prepare(job, &d, &f.limits) {
+                Ok(prep) if !d.task.answered.iter().any(|a| a == prep.fingerprint()) => prep,
+                _ => {
+                    unsent.push(d);
+                    continue;
+                }
+            };
+            let line = json!({
+                "custom_id": d.task.rid,
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": prep.body,
+            })
+            .to_string();
+            if lines > 0 && (file.len() + line.len() + 1) as u64 > limit {
+                over.push(d.task.rid.clone());
+                continue;
+            }
+            file.extend_from_slice(line.as_bytes());
+            file.push(b'\n');
+            lines += 1;
+            tokens += prep.at_most.prompt + prep.at_most.completion;
+        }
+        for d in unsent {
+            let settled = settle_unsent(&f.store, job, &d, &f.limits).await;
+            f.count_settled(&job.name, &settled).await;
+            settled?;
+        }
+        if !over.is_empty() {
+            // Past `shard_bytes`: into a later shard.
+            f.store.shard_release(&job.name, p, &shard.id, &over).await?;
+        }
+        if lines == 0 {
+            return self.close(p, &read, shard).await;
+        }
+        let sha = {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(&file))
+        };
+        let name = format!("{}-{}.jsonl", job.name, shard.id);
+        let file_id = self
+            .api
+            .upload(&name, file)
+            .await
+            .map_err(api("uploading the input file"))?;
+        shard.file_id = Some(file_id);
+        shard.file_sha256 = Some(sha);
+        shard.records = lines;
+        shard.tokens = tokens;
+        shard.state = ShardState::Uploaded;
+        Ok(self.save(p, &read, &shard).await?.is_some())
+    }
+
+    /// Uploaded or submitting -> submitted. `submitting` is persisted
+    /// before every create; a shard found `submitting` (a create whose
+    /// answer was lost, or whose worker died) is looked up by its metadata
+    /// first: never two batches for one shard.
+    async fn submit(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let metadata = shard.metadata(&job.name);
+        if shard.state == ShardState::Submitting {
+            let since = (shard.created_ms / 1000).saturating_sub(3600);
+            if let Some(batch) = self
+                .api
+                .find(&metadata, since)
+                .await
+                .map_err(api("looking up a batch by its metadata"))?
+            {
+                tracing::info!(job = %job.name, shard = %shard.id, batch = batch["id"].as_str().unwrap_or(""),
+                    "found the shard's batch created before (its create's answer was lost): not created again");
+                return self.submitted(p, &read, shard, &batch).await;
+            }
+        }
+        if f.is_cancelled(&job.name) {
+            // Never created: its tasks are kept for resume.
+            self.cancel_held(p, &shard).await?;
+            return self.close(p, &read, shard).await;
+        }
+        if f.is_halted(&job.name) {
+            return Ok(false);
+        }
+        if let Some(limit) = job.spec.batch.max_enqueued_tokens
+            && !f
+                .store
+                .batch_tokens_take(&job.name, &shard.id, shard.tokens, limit)
+                .await?
+        {
+            // The provider's enqueued-token limit: after a batch ends.
+            return Ok(false);
+        }
+        shard.state = ShardState::Submitting;
+        shard.submits += 1;
+        let Some(read) = self.save(p, &read, &shard).await? else {
+            return Ok(false);
+        };
+        pause_at("submitting").await;
+        let file_id = shard.file_id.clone().unwrap_or_default();
+        let batch = self
+            .api
+            .create(&file_id, job.spec.batch.completion_window(), &metadata)
+            .await
+            .map_err(api("creating a batch"))?;
+        self.submitted(p, &read, shard, &batch).await
+    }
+
+    async fn submitted(&self, p: u32, read: &str, mut shard: Shard, batch: &Value) -> Step {
+        shard.batch_id = batch["id"].as_str().map(str::to_owned);
+        shard.provider_status = batch["status"].as_str().map(str::to_owned);
+        shard.state = ShardState::Submitted;
+        shard.polled_ms = now_ms();
+        tracing::info!(job = %self.job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
+            records = shard.records, "batch submitted");
+        Ok(self.save(p, read, &shard).await?.is_some())
+    }
+
+    /// Submitted -> ended, when the provider says the batch is. A cancelled
+    /// job's batches are cancelled; so is a batch still running well past
+    /// its window (`expires_at`): either way its partial results are kept.
+    async fn poll(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let poll = job.spec.batch.poll();
+        let cancelling = shard.provider_status.as_deref() == Some("cancelling");
+        let cancel = f.is_cancelled(&job.name) && !cancelling;
+        if !cancel && now_ms() < shard.polled_ms + poll.as_millis() as u64 {
+            return Ok(false);
+        }
+        let id = shard.batch_id.clone().unwrap_or_default();
+        let batch = self.api.retrieve(&id).await.map_err(api("looking at a batch"))?;
+        let status = batch["status"].as_str().unwrap_or("").to_owned();
+        shard.polled_ms = now_ms();
+        shard.output_file_id = batch["output_file_id"].as_str().map(str::to_owned);
+        shard.error_file_id = batch["error_file_id"].as_str().map(str::to_owned);
+        let running = matches!(status.as_str(), "validating" | "in_progress" | "finalizing");
+        let past_window = batch["expires_at"]
+            .as_u64()
+            .is_some_and(|at| now_ms() / 1000 > at + 3 * poll.as_secs());
+        shard.provider_status = Some(status.clone());
+        if running && (cancel || past_window) {
+            let why = if cancel {
+                "the job was cancelled"
+            } else {
+                "still running past its completion window"
+            };
+            tracing::warn!(job = %job.name, shard = %shard.id, batch = %id, why, "cancelling the batch (its finished lines are kept)");
+            self.api.cancel(&id).await.map_err(api("cancelling a batch"))?;
+            shard.notes.push(format!("cancelled: {why}"));
+            shard.provider_status = Some("cancelling".into());
+        }
+        if matches!(status.as_str(), "completed" | "failed" | "expired" | "cancelled") {
+            if status == "failed" {
+                let errors = batch["errors"]["data"].as_array().cloned().unwrap_or_default();
+                for e in errors.iter().take(10) {
+                    shard.notes.push(format!(
+                        "provider: {} (line {}): {}",
+                        e["code"].as_str().unwrap_or("error"),
+                        e["line"].as_u64().map_or("-".into(), |l| l.to_string()),
+                        e["message"].as_str().unwrap_or("")
+                    ));
+                }
+            }
+            shard.state = ShardState::Ended;
+            tracing::info!(job = %job.name, shard = %shard.id, batch = %id, status = %status, "batch ended");
+        }
+        Ok(self.save(p, &read, &shard).await?.is_some() && shard.state == ShardState::Ended)
+    }
+
+    /// Ended -> reconciled: the output and error files joined on
+    /// `custom_id` against the records packed into the shard, each answer
+    /// settled as an online one would be.
+    async fn settle(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let status = shard.provider_status.clone().unwrap_or_default();
+        if status == "failed" {
+            return self.failed(p, read, shard).await;
+        }
+        let mut text = String::new();
+        for file in [&shard.output_file_id, &shard.error_file_id].into_iter().flatten() {
+            text.push_str(
+                &self
+                    .api
+                    .content(file)
+                    .await
+                    .map_err(api("downloading a batch's results"))?,
+            );
+            text.push('\n');
+        }
+        pause_at("download").await;
+        if status == "completed" {
+            f.store.batch_failures(&job.name, false).await?;
+        }
+        let packed = f.store.shard_packed(&job.name, p, &shard.id).await?;
+        let mut held: HashMap<String, Task> = f
+            .store
+            .shard_tasks(&job.name, p, &shard.id)
+            .await?
+            .into_iter()
+            .map(|t| (t.rid.clone(), t))
+            .collect();
+        // Each record's lines, in file order.
+        let mut order: Vec<String> = Vec::new();
+        let mut lines: HashMap<String, Vec<OutputLine>> = HashMap::new();
+        let mut unreadable = 0u64;
+        for raw in text.lines().filter(|l| !l.trim().is_empty()) {
+            match OutputLine::parse(raw) {
+                Ok(line) => {
+                    if !lines.contains_key(&line.custom_id) {
+                        order.push(line.custom_id.clone());
+                    }
+                    lines.entry(line.custom_id.clone()).or_default().push(line);
+                }
+                Err(_) => unreadable += 1,
+            }
+        }
+        let batch = shard.batch_id.clone().unwrap_or_default();
+        let mut counts = LineCounts::default();
+        let mut answers = Vec::new();
+        let mut copies = Vec::new();
+        for rid in order {
+            let ls = lines.remove(&rid).unwrap_or_default();
+            if !packed.contains(&rid) {
+                counts.unknown += ls.len() as u64;
+                continue;
+            }
+            counts.duplicates += ls.len().saturating_sub(1) as u64;
+            let Some(task) = held.remove(&rid) else {
+                // Settled before (a worker that took the shard over).
+                counts.settled += 1;
+                continue;
+            };
+            let ran: Vec<&OutputLine> = ls.iter().filter(|l| !l.not_run()).collect();
+            if ran.is_empty() {
+                held.insert(rid, task);
+                continue;
+            }
+            counts.settled += 1;
+            let d = self.delivery(p, &shard.id, task);
+            let chosen = self.first_valid(&d, &ran);
+            for (i, line) in ran.iter().enumerate() {
+                let name = line_name(&batch, line, i);
+                if i == chosen {
+                    answers.push((d.clone(), line_result(line), name));
+                } else if let Some(usage) = line_usage(line) {
+                    copies.push((p, self.duplicate_call(job, &d.task, usage, &name)));
+                }
+            }
+        }
+        // The answers, through the same path as online ones.
+        let limits = &f.limits;
+        let store = &f.store;
+        let settled: Vec<Result<Settled, StoreError>> = futures_util::stream::iter(answers)
+            .map(|(d, result, name)| async move { settle_batch_line(store, job, &d, limits, result, name).await })
+            .buffer_unordered(SETTLE_AT_ONCE)
+            .collect()
+            .await;
+        for s in &settled {
+            f.count_settled(&job.name, s).await;
+        }
+        if !copies.is_empty() {
+            // A copy the provider answered (and billed) is recorded, not used.
+            f.store.record_paid(&job.name, &copies).await?;
+        }
+        // Records with no line at all, or never run (expired, cancelled).
+        let missing: Vec<String> = held.into_keys().collect();
+        counts.missing = missing.len() as u64;
+        if f.is_cancelled(&job.name) {
+            for task in f.store.shard_tasks(&job.name, p, &shard.id).await? {
+                let d = self.delivery(p, &shard.id, task);
+                job.finish(&d, &Finish::Cancel(d.task.clone())).await?;
+            }
+        } else if !missing.is_empty() {
+            f.store.shard_release(&job.name, p, &shard.id, &missing).await?;
+            f.wake_claimer.notify_one();
+        }
+        if settled.iter().any(Result::is_err) {
+            return Ok(false);
+        }
+        for (n, what) in [
+            (counts.duplicates, "duplicate lines (the first valid one counted)"),
+            (counts.unknown, "lines for records the shard does not hold (ignored)"),
+            (counts.missing, "records with no answer (into a later shard)"),
+            (unreadable, "unreadable lines"),
+        ] {
+            if n > 0 {
+                tracing::warn!(job = %job.name, shard = %shard.id, batch = %batch, n, what, "batch reconciliation");
+                shard.notes.push(format!("{n} {what}"));
+            }
+        }
+        shard.lines = counts;
+        self.close(p, &read, shard).await
+    }
+
+    /// Of a record's lines, the first whose answer is valid (else the first).
+    fn first_valid(&self, d: &Delivery, lines: &[&OutputLine]) -> usize {
+        if lines.len() < 2 {
+            return 0;
+        }
+        let input = d.task.input_object();
+        let span = common::otel::Span::none();
+        lines
+            .iter()
+            .position(|l| {
+                let reply = line_result(l).into_reply(&self.job.spec, &input, &span);
+                matches!(reply.outcome, common::decision::Outcome::Valid)
+            })
+            .unwrap_or(0)
+    }
+
+    /// The paid call of a duplicate line: billed, never used.
+    fn duplicate_call(&self, job: &JobCtx, task: &Task, usage: Usage, name: &str) -> PaidCall {
+        let prices = &job.spec.prices;
+        let mut call = PaidCall::new(
+            task,
+            task.attempt + 1,
+            task.calls + 1,
+            1,
+            self.me(),
+            usage,
+            prices,
+            now_ms(),
+        )
+        .batched(&prices.batch(), prices, name);
+        call.fate = Fate::Duplicate;
+        call
+    }
+
+    /// A batch that failed validation: its records go into a new shard,
+    /// unless batches keep failing (then the job halts with the provider's
+    /// words, its records queued).
+    async fn failed(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let rids: Vec<String> = f
+            .store
+            .shard_tasks(&job.name, p, &shard.id)
+            .await?
+            .into_iter()
+            .map(|t| t.rid)
+            .collect();
+        // The provider's limit on enqueued tokens passes by itself; anything else counts.
+        let limit_only = !shard.notes.is_empty() && shard.notes.iter().all(|n| n.contains("limit"));
+        let failures = if limit_only {
+            0
+        } else {
+            f.store.batch_failures(&job.name, true).await?
+        };
+        let released = f.store.shard_release(&job.name, p, &shard.id, &rids).await?;
+        shard.lines.missing = released;
+        shard
+            .notes
+            .push(format!("failed validation: {released} records into a new shard"));
+        tracing::warn!(job = %job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
+            notes = ?shard.notes, released, "a batch failed validation");
+        if failures >= FAILURES_TO_HALT {
+            let reason = format!(
+                "{failures} provider batches in a row failed validation; the last ({}): {}",
+                shard.batch_id.as_deref().unwrap_or(""),
+                shard.notes.join("; ")
+            );
+            tracing::error!(job = %job.name, reason = %reason, "job halted");
+            f.store.halt(&job.name, &reason).await?;
+            f.halted_here(&job.name, &reason);
+        }
+        self.close(p, &read, shard).await
+    }
+}
+
+impl Service for Batcher {
+    fn name(&self) -> &'static str {
+        "batch"
+    }
+
+    /// A round; at once again when it moved something, else after the
+    /// shorter of the poll interval and a second.
+    async fn run_once(&mut self) -> Option<Duration> {
+        if self.round().await {
+            return Some(Duration::ZERO);
+        }
+        Some(self.job.spec.batch.poll().min(Duration::from_secs(1)))
+    }
+}
+
+/// A line's own name in the ledger: the batch and the provider's line id.
+fn line_name(batch: &str, line: &OutputLine, i: usize) -> String {
+    match &line.id {
+        Some(id) => format!("{batch}:{id}"),
+        None => format!("{batch}:{}:{i}", line.custom_id),
+    }
+}
+
+/// A line as an online call's result: its response classified as an online
+/// response would be, or its own error (a request the batch could not run:
+/// transient).
+fn line_result(line: &OutputLine) -> CallResult {
+    match (&line.response, &line.error) {
+        (Some((status, body)), _) => {
+            let status = reqwest::StatusCode::from_u16(*status).unwrap_or(reqwest::StatusCode::BAD_GATEWAY);
+            classify(status, &reqwest::header::HeaderMap::new(), body)
+        }
+        (None, Some((code, message))) => CallResult::Failed(CallError {
+            kind: ErrorKind::Transient,
+            cause: format!(
+                "batch_{}",
+                code.chars()
+                    .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .take(40)
+                    .collect::<String>()
+            ),
+            status: None,
+            retry_after_ms: None,
+            message: Some(message.chars().filter(|c| !c.is_control()).take(300).collect()),
+        }),
+        (None, None) => CallResult::Failed(CallError {
+            kind: ErrorKind::Transient,
+            cause: "batch_empty_line".into(),
+            status: None,
+            retry_after_ms: None,
+            message: None,
+        }),
+    }
+}
+
+/// What a line's answer used, when it says.
+fn line_usage(line: &OutputLine) -> Option<Usage> {
+    let (_, body) = line.response.as_ref()?;
+    let v: Value = serde_json::from_str(body).ok()?;
+    v.get("usage").and_then(Usage::from_provider)
+}
+
+/// A fault test's pause (`BATCHFLEET_PAUSE_AT=submitting|download`): the
+/// worker stops there (logging it) until it is killed.
+async fn pause_at(point: &str) {
+    if std::env::var("BATCHFLEET_PAUSE_AT").is_ok_and(|v| v == point) {
+        tracing::warn!(point, "paused for a fault test (BATCHFLEET_PAUSE_AT)");
+        std::future::pending::<()>().await;
+    }
+}
