@@ -162,12 +162,12 @@ pub fn shard_packed(job: &str, partition: u32, shard_id: &str) -> String {
     format!("bf:{}:shard:{shard_id}:packed", partition_tag(job, partition))
 }
 
-/// Counter of a partition's shard numbers.
+/// Counter of a partition's shard numbers (a hash: field `n`).
 pub fn shard_seq(job: &str, partition: u32) -> String {
     format!("bf:{}:shard_seq", partition_tag(job, partition))
 }
 
-/// Counter of the job's provider batches that failed validation in a row
+/// Counter (a hash: field `n`) of the job's provider batches that failed validation in a row
 /// (batch mode: at 3 the job halts; a completed batch or a resume resets it).
 pub fn batch_failures(job: &str) -> String {
     format!("bf:{{{job}}}:batch_failures")

@@ -265,6 +265,9 @@ pub struct Attempt {
     /// The validator's feedback this call carried to the model, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub feedback: Option<String>,
+    /// Batch mode: the provider batch that answered it (priced at batch prices).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<String>,
 }
 
 /// What a person or an operator did to a record (accept, requeue, reject, retry).
@@ -965,6 +968,7 @@ mod tests {
             decision: "retry".into(),
             error: None,
             feedback: None,
+            batch: None,
         })
     }
 

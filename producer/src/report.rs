@@ -13,11 +13,13 @@ use serde::Serialize;
 /// Calls, tokens and cost of a set of records (or the job's, from the ledger).
 pub type Usage = Totals;
 
-/// The calls of a record's history.
+/// The calls of a record's history (those a provider batch answered at
+/// batch prices).
 fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
     let mut u = Usage::default();
+    let batch = prices.batch();
     for a in history.iter().filter_map(HistoryItem::as_attempt) {
-        u.add_call(a.usage.as_ref(), prices);
+        u.add_call(a.usage.as_ref(), if a.batch.is_some() { &batch } else { prices });
     }
     u
 }

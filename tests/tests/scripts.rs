@@ -311,6 +311,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         decision: "review".into(),
         error: None,
         feedback: None,
+        batch: None,
     })];
     ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
 }

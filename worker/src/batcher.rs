@@ -677,12 +677,11 @@ impl Service for Batcher {
     }
 }
 
-/// A line's own name in the ledger: the batch and the provider's line id.
+/// A line's own name in the ledger: the batch, the provider's line id (or
+/// the record's), and its place among the record's lines (a duplicate may
+/// repeat the id): the same each time the same file is settled.
 fn line_name(batch: &str, line: &OutputLine, i: usize) -> String {
-    match &line.id {
-        Some(id) => format!("{batch}:{id}"),
-        None => format!("{batch}:{}:{i}", line.custom_id),
-    }
+    format!("{batch}:{}:{i}", line.id.as_deref().unwrap_or(&line.custom_id))
 }
 
 /// A line as an online call's result: its response classified as an online

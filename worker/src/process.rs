@@ -675,6 +675,7 @@ async fn conclude(
         decision: decision_label(&decision).to_owned(),
         error: reply.error.as_ref().and_then(|e| e.message.clone()),
         feedback: prep.sent_feedback.clone(),
+        batch: line.as_ref().and_then(|l| l.split(':').next()).map(str::to_owned),
     }));
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));

@@ -27,7 +27,7 @@ pub struct Packed {
 impl RedisStore {
     /// The next shard id of a partition (`p<partition>-<number>`).
     pub async fn next_shard_id(&self, job: &str, partition: u32) -> Result<String, StoreError> {
-        let n: u64 = self.conn.clone().incr(keys::shard_seq(job, partition), 1).await?;
+        let n: u64 = self.conn.clone().hincr(keys::shard_seq(job, partition), "n", 1).await?;
         Ok(format!("p{partition}-{n:06}"))
     }
 
@@ -171,7 +171,7 @@ impl RedisStore {
     pub async fn batch_failures(&self, job: &str, failed: bool) -> Result<u64, StoreError> {
         let mut c = self.conn.clone();
         if failed {
-            Ok(c.incr(keys::batch_failures(job), 1).await?)
+            Ok(c.hincr(keys::batch_failures(job), "n", 1).await?)
         } else {
             let _: () = c.del(keys::batch_failures(job)).await?;
             Ok(0)

@@ -13,7 +13,8 @@
 --         (passed through). Reads new entries of the stream for the
 --         consumer here, in the script (`XREADGROUP`): no entry is ever
 --         delivered without a place. A task marked online (its encoding
---         starts `{"online":true,`) stays pending for the consumer: it is
+--         starts `{"online":true,`, or `{"rid":"…","online":true,` as a
+--         promoted retry holds it) stays pending for the consumer: it is
 --         returned, for an online call. Every other entry is acknowledged
 --         and deleted: the task of a record still `queued` goes into the
 --         shard's hash (the record becomes `batched`); a late copy of a
@@ -69,7 +70,7 @@ if read then
       end
     end
     -- An entry of an old version (one field per item) is run online too.
-    if not task or string.sub(task, 1, 15) == '{"online":true,' then
+    if not task or string.sub(task, 1, 15) == '{"online":true,' or string.find(task, '^{"rid":"[^"]*","online":true,') then
       out[#out + 1] = id
       out[#out + 1] = rid
       out[#out + 1] = task
