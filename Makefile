@@ -2,12 +2,13 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink bench-console deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink bench-console bench-batch deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
+## (MODE=batch: the same job through the provider's Batch API, at batch prices)
 demo: deps
 	$(CARGO) build --release --workspace --bins
-	scripts/demo.sh
+	MODE=$(MODE) scripts/demo.sh
 
 ## test: every test (unit, and integration against real redis-server processes)
 test: deps
@@ -34,7 +35,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink bench-console
+bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink bench-console bench-batch
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -73,6 +74,11 @@ bench-status: deps
 bench-console: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-console.py
+
+## bench-batch: the same job online and in provider batch mode: paid cost per done record, HTTP calls per 10,000 records
+bench-batch: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-batch.py
 
 ## bench-sink: rows/s into PostgreSQL vs a raw COPY of the same rows, Redis bytes per queued and finished record
 bench-sink: deps

@@ -7,7 +7,8 @@
 # PostgreSQL (when its server binaries are installed; `make demo` installs
 # them), and prints the job status, a psql query and its first rows; where
 # PostgreSQL cannot be installed, into the files sink (JSONL segments in
-# .demo/sink), and says so.
+# .demo/sink), and says so. MODE=batch (`make demo MODE=batch`) runs the
+# same job in provider batch mode: shards through llm-sim's Batch API.
 # Everything it starts binds to 127.0.0.1 and is stopped at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,9 @@ if [ -n "${OPENAI_API_KEY:-}" ] && [ -n "${BATCHFLEET_BASE_URL:-}" ]; then
   echo "using the model endpoint in BATCHFLEET_BASE_URL"
 else
   faults="rate_limit=0.02,server_error=0.01,unavailable=0.01,empty=0.005,broken_json=0.02,fence=0.03,prose=0.02,missing_field=0.02,bad_enum=0.02,bool_number=0.02,content_filter=0.005,length=0.01"
-  $bin/llm-sim --latency-ms 150 --rpm 10000 --faults "$faults" --seed 7 >"$work/llm-sim.out" 2>"$work/llm-sim.log" &
+  # Batch mode: each batch takes 3 s, its output lines shuffled.
+  $bin/llm-sim --latency-ms 150 --rpm 10000 --faults "$faults" --seed 7 --batch-secs 3 --batch-faults shuffle \
+    >"$work/llm-sim.out" 2>"$work/llm-sim.log" &
   pids+=($!)
   for _ in $(seq 1 100); do grep -q listening "$work/llm-sim.out" 2>/dev/null && break; sleep 0.05; done
   addr=$(sed -n 's/^llm-sim listening on //p' "$work/llm-sim.out")
@@ -55,6 +58,17 @@ else
   sed "s|^\[retry\]\$|[sink]\nkind = \"files\"\ndir = \"$PWD/$work/sink\"\n\n[retry]|" examples/job.toml >"$spec"
   echo "PostgreSQL's server binaries are not installed (or DEMO_SINK=files): results go to the files sink instead, JSONL segments in $work/sink ($spec adds [sink])"
 fi
+
+case "${MODE:-online}" in
+  online) ;;
+  batch)
+    # Shards of up to 200 requests, looked at every second; a shard is
+    # packed once its tasks waited 2 s.
+    sed -i 's/^structured_output = true$/structured_output = true\nmode = "batch"/; s/^\[retry\]$/[batch]\nshard_records = 200\npoll_secs = 1\npack_wait_secs = 2\n\n[retry]/' "$spec"
+    echo "MODE=batch: $spec sets provider.mode = \"batch\" and [batch] (shards of 200 requests)"
+    ;;
+  *) echo "MODE must be online or batch, not ${MODE}" >&2; exit 2 ;;
+esac
 
 job=demo-$(date +%Y%m%d-%H%M%S)
 echo

@@ -1622,6 +1622,48 @@ mod tests {
     }
 
     #[test]
+    fn batch_mode_is_checked_field_by_field() {
+        let batch = |b: &str| {
+            edited("temperature = 0.0", "temperature = 0.0\nmode = \"batch\"").replacen(
+                "[retry]",
+                &format!("[batch]\n{b}\n\n[retry]"),
+                1,
+            )
+        };
+        let ok = JobSpec::parse(&batch("shard_records = 1000\nretries = \"online\""), "t").unwrap();
+        assert_eq!(ok.provider.mode, ProviderMode::Batch);
+        assert_eq!(
+            (ok.batch.shard_records(), ok.batch.retries),
+            (1000, BatchRetries::Online)
+        );
+        assert_eq!(ok.batch.completion_window(), "24h");
+        assert_problem(&batch("shard_records = 50001"), "batch.shard_records");
+        assert_problem(&batch("shard_bytes = 300000000"), "batch.shard_bytes");
+        assert_problem(&batch("completion_window = \"1d\""), "batch.completion_window");
+        assert_problem(&batch("poll_secs = 0"), "batch.poll_secs");
+        assert_problem(&batch("max_enqueued_tokens = 0"), "batch.max_enqueued_tokens");
+        assert_problem(&batch("retries = \"later\""), "retries");
+        assert_problem(
+            &batch("").replacen("[prices]", "[budget]\nmax_cost_usd = 5.0\n\n[prices]", 1),
+            "not enforced in provider.mode = \"batch\"",
+        );
+        // [batch] without batch mode is a mistake, not a silent no-op.
+        assert_problem(
+            &edited("[retry]", "[batch]\nshard_records = 10\n\n[retry]"),
+            "applies to provider.mode",
+        );
+        // Batch prices: half the online ones unless set.
+        let p = ok.prices.batch();
+        assert!((p.input_per_mtok - 0.075).abs() < 1e-12 && (p.output_per_mtok - 0.30).abs() < 1e-12);
+        let set = JobSpec::parse(
+            &batch("").replacen("[prices]", "[prices]\nbatch_output_per_mtok = 0.5", 1),
+            "t",
+        )
+        .unwrap();
+        assert!((set.prices.batch().output_per_mtok - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
     fn unknown_keys_are_refused_with_their_path() {
         assert_problem(
             &edited("timeout_secs = 30", "timeout_secs = 30\ntimeout_sec = 3"),

@@ -259,6 +259,24 @@ fn a_worker_killed_during_a_download_leaves_each_answer_settled_and_paid_once() 
     a.wait().unwrap();
     let (_, s) = status_json(&redis, "bd");
     assert!(s["batched"].as_u64().unwrap() > 0, "{s}");
+    // With no worker left, the autoscaler still sees the shards to poll.
+    let open = s["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|sh| sh["state"] != "reconciled")
+        .count();
+    assert!(open > 0, "{s}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let work = rt.block_on(async {
+        let store = common::store::RedisStore::connect(&redis.url()).await.unwrap();
+        store.work_left("bd", 4).await.unwrap()
+    });
+    assert_eq!(work.iter().map(|w| w.shards).sum::<u64>(), open as u64, "{work:?}");
+    assert!(work.iter().map(|w| w.total()).sum::<u64>() >= open as u64);
     let log_b = drain(&redis, "bd", &sim);
     assert!(log_b.contains("taking over a shard"), "{log_b}");
     assert_complete(&redis, "bd", 60, &sim);

@@ -283,7 +283,8 @@ async fn metrics_handler(State(s): State<Arc<Scaler>>) -> Response {
     let r = read.ok().flatten().unwrap_or_default();
     out.push_str(
         "# HELP batchfleet_remaining_tasks Tasks of a job not finished yet, by kind: queued (never delivered), \
-         in_flight (delivered, not acknowledged), delayed (retries waiting until due).\n\
+         in_flight (delivered, not acknowledged), delayed (retries waiting until due), shards (provider batches \
+         not reconciled yet, batch mode: one each).\n\
          # TYPE batchfleet_remaining_tasks gauge\n",
     );
     for (job, w) in &r.jobs {
@@ -291,6 +292,7 @@ async fn metrics_handler(State(s): State<Arc<Scaler>>) -> Response {
             ("queued", w.work.queued),
             ("in_flight", w.work.in_flight),
             ("delayed", w.work.delayed),
+            ("shards", w.work.shards),
         ] {
             out.push_str(&format!(
                 "batchfleet_remaining_tasks{{job=\"{}\",kind=\"{kind}\"}} {n}\n",

@@ -40,6 +40,9 @@ pub struct Metrics {
     queue_oldest_pending: GaugeVec,
     queue_delayed: IntGaugeVec,
     queue_review: IntGaugeVec,
+    /// Batch mode: records held by provider batch shards, and the shards by state.
+    queue_batched: IntGaugeVec,
+    batch_shards: IntGaugeVec,
     last_queue_read: Mutex<Option<Instant>>,
     pub up: Gauge,
     /// The spec's limits per job, so dashboards can draw usage against them.
@@ -206,6 +209,18 @@ impl Metrics {
                 "Entries in the review queue.",
                 &["job", "partition"],
             ),
+            queue_batched: gauge(
+                &r,
+                &format!("{p}queue_batched"),
+                "Batch mode: tasks held by provider batch shards (submitted, or on their way).",
+                &["job", "partition"],
+            ),
+            batch_shards: gauge(
+                &r,
+                &format!("{p}batch_shards"),
+                "Batch mode: the job's shards by state (packed, uploaded, submitting, submitted, ended, reconciled).",
+                &["job", "state"],
+            ),
             queue_oldest_pending,
             model_latency,
             rate_limit_wait,
@@ -319,6 +334,7 @@ impl Metrics {
                     }
                 }
             }
+            let mut by_state: std::collections::BTreeMap<&str, i64> = Default::default();
             for p in 0..*partitions {
                 let Ok(q) = store.queue_stats(job, p).await else {
                     self.store_errors.inc();
@@ -333,6 +349,21 @@ impl Metrics {
                     .set(q.oldest_pending_ms as f64 / 1000.0);
                 self.queue_delayed.with_label_values(&labels).set(q.delayed as i64);
                 self.queue_review.with_label_values(&labels).set(q.review as i64);
+                if let Ok(shards) = store.shards(job, p).await {
+                    let mut held = 0;
+                    for (_, s) in &shards {
+                        *by_state.entry(s.state.name()).or_default() += 1;
+                        if s.state != common::shard::ShardState::Reconciled {
+                            held += store.shard_held(job, p, &s.id).await.unwrap_or(0);
+                        }
+                    }
+                    if !shards.is_empty() {
+                        self.queue_batched.with_label_values(&labels).set(held as i64);
+                    }
+                }
+            }
+            for (state, n) in &by_state {
+                self.batch_shards.with_label_values(&[job.as_str(), state]).set(*n);
             }
             if let Ok(Some(backlog)) = store.sink_backlog(job, *partitions).await {
                 self.sink_lag.with_label_values(&[job.as_str()]).set(backlog as i64);

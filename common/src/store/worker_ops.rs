@@ -195,17 +195,21 @@ pub struct WorkLeft {
     pub in_flight: u64,
     /// Retries waiting in the delayed set until they are due.
     pub delayed: u64,
+    /// Batch mode: provider batch shards not reconciled yet, each one task
+    /// (a worker polls it, whatever its size).
+    pub shards: u64,
 }
 
 impl WorkLeft {
     pub fn total(&self) -> u64 {
-        self.queued + self.in_flight + self.delayed
+        self.queued + self.in_flight + self.delayed + self.shards
     }
 
     pub fn add(&mut self, o: &WorkLeft) {
         self.queued += o.queued;
         self.in_flight += o.in_flight;
         self.delayed += o.delayed;
+        self.shards += o.shards;
     }
 }
 
@@ -723,10 +727,17 @@ impl RedisStore {
                 Err(e) => return Err(e),
             }
         };
+        let shards = self
+            .shards(job, p)
+            .await?
+            .iter()
+            .filter(|(_, s)| s.state != crate::shard::ShardState::Reconciled)
+            .count() as u64;
         Ok(WorkLeft {
             queued: len.saturating_sub(in_flight),
             in_flight,
             delayed,
+            shards,
         })
     }
 

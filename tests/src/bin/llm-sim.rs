@@ -252,6 +252,17 @@ struct Sim {
     fail_all: Mutex<Option<(u16, String, String)>>,
     /// `--slots`: the generation slots, taken in arrival order.
     slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// HTTP requests clients sent to `/v1/...` (chat, files, batches): not
+    /// the chat calls a batch makes inside.
+    api_calls: std::sync::atomic::AtomicU64,
+}
+
+/// Counts a client's request to the API.
+async fn count_api(State(sim): State<Arc<Sim>>, req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if req.uri().path().starts_with("/v1/") {
+        sim.api_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    next.run(req).await
 }
 
 /// Token buckets of one minute's budget, refilled continuously.
@@ -314,6 +325,7 @@ async fn main() -> anyhow::Result<()> {
         faults,
         batch_faults,
         batch: batch::Store::default(),
+        api_calls: Default::default(),
         args,
     });
     let app = Router::new()
@@ -330,6 +342,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/calls", get(calls))
         .route("/admin/limits", post(set_limits))
         .route("/admin/fail", post(set_fail))
+        .layer(axum::middleware::from_fn_with_state(sim.clone(), count_api))
         .with_state(sim);
     println!("llm-sim listening on http://{addr}");
     let _ = std::io::Write::flush(&mut std::io::stdout());
@@ -1153,6 +1166,8 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
         .unwrap_or(Value::Null);
     // The Batch API: batches created (each a billed run at a provider).
     s["batches_created"] = json!(sim.batch.created.load(std::sync::atomic::Ordering::Relaxed));
+    // Every HTTP request clients sent to the API (a batch's lines are not).
+    s["api_calls"] = json!(sim.api_calls.load(std::sync::atomic::Ordering::Relaxed));
     let l = sim
         .limits
         .lock()
