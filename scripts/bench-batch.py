@@ -52,7 +52,7 @@ def run(mode, tmp, sim_addr, data):
         cpu0 = redis_cpu(url)
         subprocess.run([os.path.join(BIN, "worker"), "--redis", url, "--job", job, "--base-url", sim_addr + "/v1",
                         "--drain", "--concurrency", "64", "--metrics-addr", "127.0.0.1:0"],
-                       check=True, env=env, stderr=subprocess.DEVNULL)
+                       check=True, env=env, stderr=open(os.path.join(tmp, f"worker-{mode}.log"), "w"))
         cpu = redis_cpu(url) - cpu0
         after = sim_stats(sim_addr)
         report = json.loads(subprocess.run([os.path.join(BIN, "producer"), "report", "--job", job, "--redis", url,

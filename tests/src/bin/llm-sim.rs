@@ -330,7 +330,11 @@ async fn main() -> anyhow::Result<()> {
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat))
-        .route("/v1/files", post(batch::upload))
+        // Input files up to OpenAI's 200 MB (axum's default limit is 2 MB).
+        .route(
+            "/v1/files",
+            post(batch::upload).layer(axum::extract::DefaultBodyLimit::max(201 * 1024 * 1024)),
+        )
         .route("/v1/files/{id}", get(batch::file))
         .route("/v1/files/{id}/content", get(batch::content))
         .route("/v1/batches", post(batch::create).get(batch::list))
