@@ -368,3 +368,78 @@ fn invalid_answers_retry_in_later_shards_or_online_as_the_spec_says() {
         }
     }
 }
+
+#[test]
+fn the_enqueued_token_limit_is_kept_fleet_wide_and_a_provider_refusal_of_it_re_shards() {
+    // The provider takes at most one shard's tokens at a time. A spec that
+    // says so submits one shard at a time (its own count is the messages'
+    // bytes plus max_tokens, above the provider's); one that does not has
+    // batches refused with `token_limit_exceeded`, which re-shard (not
+    // failures that halt the job).
+    for limited in [true, false] {
+        let redis = RedisServer::start();
+        let dir = TempDir::new("batch-tokens");
+        // Each shard is some 11,000 tokens as llm-sim counts them, some
+        // 50,000 as the worker does (a token per byte).
+        let extra = if limited { "max_enqueued_tokens = 70000" } else { "" };
+        let spec = batch_spec(&dir, extra);
+        job(&redis, &dir, "bt", &spec, 100);
+        let sim = LlmSim::start(&["--batch-enqueued-tokens", "20000", "--batch-secs", "1"]);
+        drain(&redis, "bt", &sim);
+        let s = assert_complete(&redis, "bt", 100, &sim);
+        let shards = s["shards"].as_array().unwrap();
+        let refused = shards.iter().filter(|sh| sh["provider_status"] == "failed").count();
+        if limited {
+            assert_eq!(refused, 0, "{s}");
+            // The tokens counted against the limit are given back: none left.
+            let mut c = redis.conn();
+            let held: u64 = redis::cmd("HLEN")
+                .arg(common::keys::batch_tokens("bt"))
+                .query(&mut c)
+                .unwrap();
+            assert_eq!(held, 0);
+        } else {
+            assert!(refused > 0, "{s}");
+            assert!(shard_notes(&s).contains("token_limit_exceeded"), "{}", shard_notes(&s));
+        }
+        assert!(s["halted"].is_null(), "{s}");
+        assert_paid_once(&redis, "bt", &sim, 0);
+    }
+}
+
+#[test]
+fn batches_that_keep_failing_validation_halt_the_job_with_the_providers_words_and_lose_nothing() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("batch-invalid");
+    let spec = batch_spec(&dir, "");
+    job(&redis, &dir, "bi", &spec, 40);
+    let sim = LlmSim::start(&["--batch-faults", "invalid_always"]);
+    let w = Running::spawn(worker_cmd(
+        &redis,
+        "bi",
+        &sim,
+        &["--drain", "--visibility-timeout-ms", "8000"],
+    ));
+    let (status, log) = w.finish(Duration::from_secs(120));
+    assert_eq!(status.code(), Some(3), "halted: {log}");
+    let (code, s) = status_json(&redis, "bi");
+    assert_ne!(code, Some(0), "{s}");
+    let reason = s["halted"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("3 provider batches in a row failed validation") && reason.contains("invalid_json_line"),
+        "{s}"
+    );
+    // Nothing is lost: every record is queued again (or still in a shard).
+    assert_eq!(
+        s["queued"].as_u64().unwrap() + s["batched"].as_u64().unwrap(),
+        40,
+        "{s}"
+    );
+    assert_eq!(s["missing"], 0, "{s}");
+    assert_eq!(sim.stats()["served"], 0);
+    assert_eq!(
+        report(&redis, "bi")["spend"]["calls"],
+        0,
+        "a failed batch bills nothing"
+    );
+}

@@ -604,6 +604,21 @@ impl Batcher {
             .unwrap_or(0)
     }
 
+    /// Whether another shard of the job has a batch at the provider.
+    async fn others_running(&self, shard_id: &str) -> Result<bool, StoreError> {
+        let (f, job) = (&self.fleet, &self.job);
+        for p in 0..job.spec.job.partitions {
+            let shards = f.store.shards(&job.name, p).await?;
+            if shards
+                .iter()
+                .any(|(_, s)| s.id != shard_id && s.state == ShardState::Submitted)
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     /// The paid call of a duplicate line: billed, never used.
     fn duplicate_call(&self, job: &JobCtx, task: &Task, usage: Usage, name: &str) -> PaidCall {
         let prices = &job.spec.prices;
@@ -634,9 +649,12 @@ impl Batcher {
             .into_iter()
             .map(|t| t.rid)
             .collect();
-        // The provider's limit on enqueued tokens passes by itself; anything else counts.
+        // The provider's limit on enqueued tokens passes by itself once the
+        // job's other batches end; anything else counts, and so does that
+        // limit when no other batch of the job was running (the shard alone
+        // is over it: lower `shard_records`).
         let limit_only = !shard.notes.is_empty() && shard.notes.iter().all(|n| n.contains("limit"));
-        let failures = if limit_only {
+        let failures = if limit_only && self.others_running(&shard.id).await? {
             0
         } else {
             f.store.batch_failures(&job.name, true).await?

@@ -134,6 +134,11 @@ struct Args {
     /// (`24h` otherwise).
     #[arg(long)]
     batch_window_secs: Option<u64>,
+    /// The limit on tokens enqueued in unfinished batches (each request's
+    /// prompt and max_tokens): a batch that would pass it fails validation
+    /// with `token_limit_exceeded`, as OpenAI's do.
+    #[arg(long)]
+    batch_enqueued_tokens: Option<u64>,
 }
 
 /// See [`Args::limit_headers`].

@@ -16,8 +16,9 @@ if redis.call('HGET', key, ARGV[2]) then
   return 1
 end
 local total = 0
-for _, v in ipairs(redis.call('HVALS', key)) do
-  total = total + tonumber(v)
+local all = redis.call('HGETALL', key)
+for i = 2, #all, 2 do
+  total = total + tonumber(all[i])
 end
 local tokens, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
 if total > 0 and total + tokens > limit then

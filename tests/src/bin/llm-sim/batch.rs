@@ -21,7 +21,10 @@
 //! first download of its output fails with a 500). On every batch:
 //! `shuffle` (output lines in another order), `error_lines` (every fifth
 //! line in the error file, `error: {code, message}`, no response),
-//! `duplicates` (every seventh answer twice, the copy's content broken).
+//! `duplicates` (every seventh answer twice, the copy's content broken),
+//! `invalid_always` (every batch fails validation). With
+//! `--batch-enqueued-tokens` a batch that would pass the limit on tokens in
+//! unfinished batches fails validation with `token_limit_exceeded`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,6 +50,8 @@ pub struct BatchFaults {
     pub shuffle: bool,
     pub error_lines: bool,
     pub duplicates: bool,
+    /// Every batch fails validation (a file the server will never take).
+    pub invalid_always: bool,
 }
 
 impl BatchFaults {
@@ -62,9 +67,10 @@ impl BatchFaults {
                 "shuffle" => f.shuffle = true,
                 "error_lines" => f.error_lines = true,
                 "duplicates" => f.duplicates = true,
+                "invalid_always" => f.invalid_always = true,
                 other => anyhow::bail!(
                     "--batch-faults: unknown fault `{other}` (known: file_invalid, expire, stuck, lost_create, \
-                     download_fail, shuffle, error_lines, duplicates)"
+                     download_fail, shuffle, error_lines, duplicates, invalid_always)"
                 ),
             }
         }
@@ -92,6 +98,8 @@ pub struct Store {
     cancelled: Mutex<HashSet<String>>,
     /// Output files whose first download already failed.
     failed_once: Mutex<HashSet<String>>,
+    /// Tokens of the batches validated and not ended (`--batch-enqueued-tokens`).
+    enqueued: Mutex<HashMap<String, u64>>,
 }
 
 impl Store {
@@ -404,8 +412,29 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
             _ => errors.push(json!({"code": "invalid_request", "message": "The line is not a POST to /v1/chat/completions with a body.", "param": null, "line": n})),
         }
     }
-    if first && faults.file_invalid {
+    if (first && faults.file_invalid) || faults.invalid_always {
         errors.push(json!({"code": "invalid_json_line", "message": "This line is not parseable as valid JSON.", "param": null, "line": 1}));
+    }
+    // The organization's limit on tokens enqueued in unfinished batches:
+    // each request's prompt (a token per 4 bytes of its messages) and
+    // `max_tokens`, as OpenAI counts them against it.
+    let tokens: u64 = lines
+        .iter()
+        .map(|(_, b)| b["messages"].to_string().len() as u64 / 4 + b["max_tokens"].as_u64().unwrap_or(0))
+        .sum();
+    if let Some(limit) = sim.args.batch_enqueued_tokens
+        && errors.is_empty()
+        && let Ok(mut q) = sim.batch.enqueued.lock()
+    {
+        let queued: u64 = q.values().sum();
+        if queued + tokens > limit {
+            errors.push(json!({"code": "token_limit_exceeded", "message": format!(
+                "Enqueued token limit reached for {}: limit {limit}, {queued} enqueued, this batch {tokens}. \
+                 Please try again once some in_progress batches have been completed.", b_model(&lines)),
+                "param": null, "line": null}));
+        } else {
+            q.insert(id.clone(), tokens);
+        }
     }
     let now = || unix_ms() / 1000;
     if !errors.is_empty() {
@@ -508,6 +537,9 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
     } else {
         ("expired", "expired_at")
     };
+    if let Ok(mut q) = sim.batch.enqueued.lock() {
+        q.remove(&id);
+    }
     sim.batch.update(&id, |v| {
         v["status"] = json!(end.0);
         v[end.1] = json!(now());
@@ -516,6 +548,14 @@ async fn process(sim: Arc<Sim>, id: String, first: bool, auth: HeaderMap) {
         v["error_file_id"] = error.map_or(Value::Null, |f| f["id"].clone());
         v["request_counts"] = json!({"total": total, "completed": completed, "failed": failed});
     });
+}
+
+fn b_model(lines: &[(String, Value)]) -> String {
+    lines
+        .first()
+        .and_then(|(_, b)| b["model"].as_str())
+        .unwrap_or("the model")
+        .to_owned()
 }
 
 fn answered_all(stop_after: usize, total: usize) -> bool {
