@@ -167,8 +167,8 @@ pub fn shard_seq(job: &str, partition: u32) -> String {
     format!("bf:{}:shard_seq", partition_tag(job, partition))
 }
 
-/// Counter (a hash: field `n`) of the job's provider batches that failed validation in a row
-/// (batch mode: at 3 the job halts; a completed batch or a resume resets it).
+/// Counter (a hash: field `n`) of the job's provider batches that failed
+/// validation (batch mode: at 3 the job halts; a resume resets it).
 pub fn batch_failures(job: &str) -> String {
     format!("bf:{{{job}}}:batch_failures")
 }

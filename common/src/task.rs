@@ -296,6 +296,8 @@ impl Action {
 }
 
 /// One item of a record's history: a call, or an action on it.
+// Nearly every item is an attempt: boxing it would cost each one an allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum HistoryItem {

@@ -94,7 +94,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     for p in 0..partitions {
         s.in_flight += store.pending_count(job, p).await?;
         let mut shards = store.shards(job, p).await?;
-        shards.sort_by(|a, b| a.1.created_ms.cmp(&b.1.created_ms));
+        shards.sort_by_key(|(_, s)| s.created_ms);
         s.shards
             .extend(shards.iter().map(|(_, sh)| common::shard::ShardView::from(sh)));
         store

@@ -128,17 +128,21 @@ fn shard_notes(s: &Value) -> String {
 
 #[test]
 fn a_batch_job_completes_under_each_batch_fault_with_one_batch_per_shard() {
-    // (fault, what the shards' notes must say about it)
+    // (fault, what the shards' notes say about it, what the worker logs)
     let cases = [
-        ("", ""),
-        ("file_invalid", "failed validation"),
-        ("expire", "into a later shard"),
-        ("stuck", "past its completion window"),
-        ("lost_create", ""),
-        ("download_fail", ""),
-        ("shuffle,error_lines,duplicates", "duplicate lines"),
+        ("", "", "shard reconciled"),
+        ("file_invalid", "failed validation", "a batch failed validation"),
+        ("expire", "into a later shard", "status\":\"expired"),
+        ("stuck", "past its completion window", "cancelling the batch"),
+        ("lost_create", "", "its create's answer was lost"),
+        ("download_fail", "", "downloading a batch's results"),
+        (
+            "shuffle,error_lines,duplicates",
+            "duplicate lines",
+            "batch_server_error",
+        ),
     ];
-    for (fault, note) in cases {
+    for (fault, note, logged) in cases {
         let redis = RedisServer::start();
         let dir = TempDir::new("batch-fault");
         let spec = batch_spec(&dir, "");
@@ -171,9 +175,7 @@ fn a_batch_job_completes_under_each_batch_fault_with_one_batch_per_shard() {
         };
         assert!(!fault.contains("duplicates") || copies > 0, "{s}");
         assert_paid_once(&redis, "bj", &sim, copies);
-        if fault == "lost_create" {
-            assert!(log.contains("its create's answer was lost"), "{log}");
-        }
+        assert!(log.contains(logged), "{fault}: {log}");
     }
 }
 
@@ -191,8 +193,8 @@ fn read(path: &Path) -> String {
 fn a_worker_killed_after_persisting_submitting_never_leads_to_a_second_batch() {
     let redis = RedisServer::start();
     let dir = TempDir::new("batch-kill-submit");
-    // One partition, one shard: the first create is performed by the
-    // provider, but its answer never reaches the worker.
+    // The first create is performed by the provider, but its answer never
+    // reaches the worker.
     let spec = batch_spec(&dir, "");
     job(&redis, &dir, "bk", &spec, 25);
     let sim = LlmSim::start(&["--batch-faults", "lost_create", "--hang-secs", "30"]);
@@ -251,12 +253,7 @@ fn a_worker_killed_during_a_download_leaves_each_answer_settled_and_paid_once() 
     let log = dir.join("a.log");
     let mut cmd = worker_cmd(&redis, "bd", &sim, &["--visibility-timeout-ms", "5000"]);
     cmd.env("BATCHFLEET_PAUSE_AT", "download");
-    let mut a = spawn_logged(&mut cmd, &log);
-    wait_for("paused in a download", Duration::from_secs(60), || {
-        read(&log).contains("paused for a fault test")
-    });
-    signal(a.id(), "KILL");
-    a.wait().unwrap();
+    kill_where_paused(cmd, &log);
     let (_, s) = status_json(&redis, "bd");
     assert!(s["batched"].as_u64().unwrap() > 0, "{s}");
     // With no worker left, the autoscaler still sees the shards to poll.
@@ -281,6 +278,73 @@ fn a_worker_killed_during_a_download_leaves_each_answer_settled_and_paid_once() 
     assert!(log_b.contains("taking over a shard"), "{log_b}");
     assert_complete(&redis, "bd", 60, &sim);
     assert_paid_once(&redis, "bd", &sim, 0);
+}
+
+/// Runs a worker until it logs its fault-test pause, then kills it -9.
+fn kill_where_paused(mut cmd: Command, log: &Path) {
+    let mut a = spawn_logged(&mut cmd, log);
+    wait_for("the worker's pause", Duration::from_secs(60), || {
+        read(log).contains("paused for a fault test")
+    });
+    signal(a.id(), "KILL");
+    a.wait().unwrap();
+}
+
+#[test]
+fn a_worker_killed_halfway_through_settling_a_shard_leaves_each_answer_and_copy_paid_once() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("batch-kill-settle");
+    let spec = batch_spec(&dir, "");
+    job(&redis, &dir, "bs", &spec, 60);
+    let sim = LlmSim::start(&["--batch-faults", "duplicates,shuffle"]);
+    let mut cmd = worker_cmd(&redis, "bs", &sim, &["--visibility-timeout-ms", "5000"]);
+    cmd.env("BATCHFLEET_PAUSE_AT", "settle");
+    kill_where_paused(cmd, &dir.join("a.log"));
+    let (_, s) = status_json(&redis, "bs");
+    let done = s["done"].as_u64().unwrap();
+    assert!((1..60).contains(&done), "half settled: {s}");
+    let log_b = drain(&redis, "bs", &sim);
+    assert!(log_b.contains("taking over a shard"), "{log_b}");
+    let s = assert_complete(&redis, "bs", 60, &sim);
+    let copies: u64 = s["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
+        .sum();
+    assert!(copies > 0, "{s}");
+    assert_paid_once(&redis, "bs", &sim, copies);
+}
+
+#[test]
+fn two_workers_share_a_batch_job_with_one_batch_per_shard() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("batch-two");
+    let spec = batch_spec(&dir, "");
+    job(&redis, &dir, "b2", &spec, 150);
+    let sim = LlmSim::start(&["--batch-faults", "duplicates,error_lines", "--batch-secs", "2"]);
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            Running::spawn(worker_cmd(
+                &redis,
+                "b2",
+                &sim,
+                &["--drain", "--visibility-timeout-ms", "8000"],
+            ))
+        })
+        .collect();
+    for w in workers {
+        let (status, log) = w.finish(Duration::from_secs(120));
+        assert_eq!(status.code(), Some(0), "{log}");
+    }
+    let s = assert_complete(&redis, "b2", 150, &sim);
+    let copies: u64 = s["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
+        .sum();
+    assert_paid_once(&redis, "b2", &sim, copies);
 }
 
 #[test]
@@ -309,7 +373,7 @@ fn cancel_mid_batch_keeps_its_partial_results_and_resume_finishes_the_rest() {
     let (_, s) = status_json(&redis, "bc");
     let served = sim.stats()["served"].as_u64().unwrap();
     let done = s["done"].as_u64().unwrap();
-    assert!(done >= 8 && done < 30, "the partial results are kept: {s}");
+    assert!((8..30).contains(&done), "the partial results are kept: {s}");
     assert_eq!(done, served, "every answered line is a result: {s}");
     assert_eq!(s["cancelled"].as_u64().unwrap(), 30 - done, "{s}");
     assert!(shard_notes(&s).contains("the job was cancelled"), "{s}");
@@ -426,7 +490,7 @@ fn batches_that_keep_failing_validation_halt_the_job_with_the_providers_words_an
     assert_ne!(code, Some(0), "{s}");
     let reason = s["halted"].as_str().unwrap_or_default();
     assert!(
-        reason.contains("3 provider batches in a row failed validation") && reason.contains("invalid_json_line"),
+        reason.contains("3 provider batches failed validation") && reason.contains("invalid_json_line"),
         "{s}"
     );
     // Nothing is lost: every record is queued again (or still in a shard).

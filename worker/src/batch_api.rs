@@ -119,10 +119,11 @@ impl BatchApi {
             .await
     }
 
-    /// The batch whose metadata holds every pair of `metadata`, looking
-    /// through the provider's batches newest first, down to those created
-    /// before `since_s` (Unix seconds).
-    pub async fn find(&self, metadata: &Value, since_s: u64) -> Result<Option<Value>, ApiError> {
+    /// The batch of input file `file_id` whose metadata holds every pair of
+    /// `metadata`, looking through the provider's batches newest first, down
+    /// to those created before `since_s` (Unix seconds). Not knowing (more
+    /// batches than a lookup pages through) is an error, never "none".
+    pub async fn find(&self, file_id: &str, metadata: &Value, since_s: u64) -> Result<Option<Value>, ApiError> {
         let wanted = metadata.as_object().cloned().unwrap_or_default();
         let mut after: Option<String> = None;
         for _ in 0..LOOKUP_PAGES {
@@ -133,7 +134,7 @@ impl BatchApi {
             let page = self.send(self.http.get(url)).await?;
             let data = page["data"].as_array().cloned().unwrap_or_default();
             for b in &data {
-                if wanted.iter().all(|(k, v)| &b["metadata"][k] == v) {
+                if b["input_file_id"] == file_id && wanted.iter().all(|(k, v)| &b["metadata"][k] == v) {
                     return Ok(Some(b.clone()));
                 }
             }
@@ -146,7 +147,10 @@ impl BatchApi {
             }
             after = data.last().and_then(|b| b["id"].as_str()).map(str::to_owned);
         }
-        Ok(None)
+        Err(ApiError::Transient(format!(
+            "more than {} batches newer than the shard's: its lookup did not reach them all",
+            LOOKUP_PAGES * 100
+        )))
     }
 
     /// A file's content (a batch's output or error file).

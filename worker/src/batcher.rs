@@ -38,7 +38,7 @@ use crate::service::Service;
 /// Lines settled at once (their outcomes are stored in groups).
 const SETTLE_AT_ONCE: usize = 64;
 
-/// Batches failing validation in a row before the job halts.
+/// Batches failing validation (since the job started or was resumed) before the job halts.
 const FAILURES_TO_HALT: u64 = 3;
 
 /// The batch-mode service of one job.
@@ -191,9 +191,11 @@ impl Batcher {
         }
         let id = f.store.next_shard_id(&job.name, p).await?;
         let shard = Shard::new(id, p, self.me(), now_ms(), self.lease_until());
+        // Online retries only as many as this worker has free slots for.
+        let slots = f.permits.available_permits();
         let packed = f
             .store
-            .shard_pack(&job.name, p, self.me(), b.shard_records(), &shard)
+            .shard_pack(&job.name, p, self.me(), (b.shard_records(), slots), &shard)
             .await?;
         let online = packed.online.len();
         for d in packed.online {
@@ -210,20 +212,23 @@ impl Batcher {
     }
 
     /// A retry marked to run online (`[batch] retries = "online"`): called
-    /// as the claimer would, under a concurrency slot and the fleet's budget.
+    /// as the claimer would, under a concurrency slot and the fleet's
+    /// budget, waited for apart from the batcher's round.
     async fn run_online(&self, d: Delivery) {
-        let f = &self.fleet;
-        let Ok(permit) = f.permits.clone().acquire_owned().await else {
-            return;
-        };
-        loop {
-            let (mut grants, wait) = f.grants(&self.job, 1).await;
-            if let Some(grant) = grants.pop() {
-                f.spawn(self.job.clone(), d, permit, Some(grant));
+        let (f, job) = (self.fleet.clone(), self.job.clone());
+        self.fleet.tracker.spawn(async move {
+            let Ok(permit) = f.permits.clone().acquire_owned().await else {
                 return;
+            };
+            loop {
+                let (mut grants, wait) = f.grants(&job, 1).await;
+                if let Some(grant) = grants.pop() {
+                    f.spawn(job, d, permit, Some(grant));
+                    return;
+                }
+                tokio::time::sleep(wait.clamp(Duration::from_millis(5), Duration::from_secs(10))).await;
             }
-            tokio::time::sleep(wait.clamp(Duration::from_millis(5), Duration::from_secs(10))).await;
-        }
+        });
     }
 
     /// One step of a shard's life, under its lease.
@@ -359,9 +364,10 @@ impl Batcher {
         let metadata = shard.metadata(&job.name);
         if shard.state == ShardState::Submitting {
             let since = (shard.created_ms / 1000).saturating_sub(3600);
+            let file_id = shard.file_id.clone().unwrap_or_default();
             if let Some(batch) = self
                 .api
-                .find(&metadata, since)
+                .find(&file_id, &metadata, since)
                 .await
                 .map_err(api("looking up a batch by its metadata"))?
             {
@@ -389,6 +395,9 @@ impl Batcher {
         }
         shard.state = ShardState::Submitting;
         shard.submits += 1;
+        // A whole lease for the create (the visibility timeout exceeds the
+        // provider's timeout): nobody looks the shard up before its answer.
+        shard.lease_until_ms = self.lease_until();
         let Some(read) = self.save(p, &read, &shard).await? else {
             return Ok(false);
         };
@@ -407,9 +416,27 @@ impl Batcher {
         shard.provider_status = batch["status"].as_str().map(str::to_owned);
         shard.state = ShardState::Submitted;
         shard.polled_ms = now_ms();
-        tracing::info!(job = %self.job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
-            records = shard.records, "batch submitted");
-        Ok(self.save(p, read, &shard).await?.is_some())
+        let id = shard.batch_id.clone().unwrap_or_default();
+        if self.save(p, read, &shard).await?.is_some() {
+            tracing::info!(job = %self.job.name, shard = %shard.id, batch = %id, records = shard.records, "batch submitted");
+            return Ok(true);
+        }
+        // Another worker took the shard over meanwhile (this one stalled
+        // past its lease). If it holds another batch, this one is a second
+        // batch for the shard: cancelled, never left running unread.
+        let now = self.fleet.store.shards(&self.job.name, p).await?;
+        let theirs = now
+            .iter()
+            .find(|(_, s)| s.id == shard.id)
+            .and_then(|(_, s)| s.batch_id.clone());
+        if theirs.as_deref() != Some(id.as_str()) {
+            tracing::error!(job = %self.job.name, shard = %shard.id, batch = %id, other = theirs.as_deref().unwrap_or(""),
+                "a second batch for a shard taken over meanwhile: cancelling it");
+            if let Err(e) = self.api.cancel(&id).await {
+                tracing::error!(job = %self.job.name, batch = %id, error = %e, "could not cancel the second batch");
+            }
+        }
+        Ok(false)
     }
 
     /// Submitted -> ended, when the provider says the batch is. A cancelled
@@ -441,9 +468,18 @@ impl Batcher {
                 "still running past its completion window"
             };
             tracing::warn!(job = %job.name, shard = %shard.id, batch = %id, why, "cancelling the batch (its finished lines are kept)");
-            self.api.cancel(&id).await.map_err(api("cancelling a batch"))?;
-            shard.notes.push(format!("cancelled: {why}"));
-            shard.provider_status = Some("cancelling".into());
+            match self.api.cancel(&id).await {
+                Ok(_) => {
+                    shard.notes.push(format!("cancelled: {why}"));
+                    shard.provider_status = Some("cancelling".into());
+                }
+                // It ended meanwhile (a provider refuses to cancel an ended
+                // batch): the next poll sees how.
+                Err(ApiError::Permanent(m)) => {
+                    tracing::info!(job = %job.name, batch = %id, answer = %m, "the batch could not be cancelled: looking again");
+                }
+                Err(e) => return Err(api("cancelling a batch")(e)),
+            }
         }
         if matches!(status.as_str(), "completed" | "failed" | "expired" | "cancelled") {
             if status == "failed" {
@@ -458,6 +494,8 @@ impl Batcher {
                 }
             }
             shard.state = ShardState::Ended;
+            // Its tokens no longer count against the provider's limit.
+            f.store.batch_tokens_give(&job.name, &shard.id).await?;
             tracing::info!(job = %job.name, shard = %shard.id, batch = %id, status = %status, "batch ended");
         }
         Ok(self.save(p, &read, &shard).await?.is_some() && shard.state == ShardState::Ended)
@@ -484,9 +522,6 @@ impl Batcher {
             text.push('\n');
         }
         pause_at("download").await;
-        if status == "completed" {
-            f.store.batch_failures(&job.name, false).await?;
-        }
         let packed = f.store.shard_packed(&job.name, p, &shard.id).await?;
         let mut held: HashMap<String, Task> = f
             .store
@@ -518,6 +553,12 @@ impl Batcher {
             let ls = lines.remove(&rid).unwrap_or_default();
             if !packed.contains(&rid) {
                 counts.unknown += ls.len() as u64;
+                // Not ours, but answered and billed all the same: recorded.
+                for (i, line) in ls.iter().enumerate() {
+                    if let (Some(usage), Ok(task)) = (line_usage(line), Task::new(&rid, "{}", "")) {
+                        copies.push((p, self.duplicate_call(job, &task, usage, &line_name(&batch, line, i))));
+                    }
+                }
                 continue;
             }
             counts.duplicates += ls.len().saturating_sub(1) as u64;
@@ -543,6 +584,18 @@ impl Batcher {
                 }
             }
         }
+        if !copies.is_empty() {
+            // A copy the provider answered (and billed) is recorded, not
+            // used: before the answers, so a worker that dies settling them
+            // leaves the copies recorded (their keys are the lines': the
+            // next worker records nothing twice).
+            f.store.record_paid(&job.name, &copies).await?;
+        }
+        // A fault test stops halfway through.
+        let halfway = pausing_at("settle");
+        if halfway {
+            answers.truncate(answers.len().div_ceil(2));
+        }
         // The answers, through the same path as online ones.
         let limits = &f.limits;
         let store = &f.store;
@@ -554,22 +607,15 @@ impl Batcher {
         for s in &settled {
             f.count_settled(&job.name, s).await;
         }
-        if !copies.is_empty() {
-            // A copy the provider answered (and billed) is recorded, not used.
-            f.store.record_paid(&job.name, &copies).await?;
+        if halfway {
+            pause_at("settle").await;
         }
-        // Records with no line at all, or never run (expired, cancelled).
-        let missing: Vec<String> = held.into_keys().collect();
-        counts.missing = missing.len() as u64;
-        if f.is_cancelled(&job.name) {
-            for task in f.store.shard_tasks(&job.name, p, &shard.id).await? {
-                let d = self.delivery(p, &shard.id, task);
-                job.finish(&d, &Finish::Cancel(d.task.clone())).await?;
-            }
-        } else if !missing.is_empty() {
-            f.store.shard_release(&job.name, p, &shard.id, &missing).await?;
-            f.wake_claimer.notify_one();
-        }
+        // Records with no line at all, or never run (expired, cancelled):
+        // kept for resume when the job is cancelled, else into a new shard.
+        // (An answered one whose outcome could not be stored stays in the
+        // shard for the next round.)
+        counts.missing = held.len() as u64;
+        self.unanswered(p, &shard.id, held.into_values().collect()).await?;
         if settled.iter().any(Result::is_err) {
             return Ok(false);
         }
@@ -586,6 +632,26 @@ impl Batcher {
         }
         shard.lines = counts;
         self.close(p, &read, shard).await
+    }
+
+    /// Tasks of a shard its batch never answered: cancelled with the job
+    /// (kept for resume), or back to the stream for a new shard (not an attempt).
+    async fn unanswered(&self, p: u32, shard_id: &str, tasks: Vec<Task>) -> Result<(), StoreError> {
+        let (f, job) = (&self.fleet, &self.job);
+        if tasks.is_empty() {
+            return Ok(());
+        }
+        if f.is_cancelled(&job.name) {
+            for task in tasks {
+                let d = self.delivery(p, shard_id, task);
+                job.finish(&d, &Finish::Cancel(d.task.clone())).await?;
+            }
+            return Ok(());
+        }
+        let rids: Vec<String> = tasks.into_iter().map(|t| t.rid).collect();
+        f.store.shard_release(&job.name, p, shard_id, &rids).await?;
+        f.wake_claimer.notify_one();
+        Ok(())
     }
 
     /// Of a record's lines, the first whose answer is valid (else the first).
@@ -642,33 +708,37 @@ impl Batcher {
     /// words, its records queued).
     async fn failed(&self, p: u32, read: String, mut shard: Shard) -> Step {
         let (f, job) = (&self.fleet, &self.job);
-        let rids: Vec<String> = f
-            .store
-            .shard_tasks(&job.name, p, &shard.id)
-            .await?
-            .into_iter()
-            .map(|t| t.rid)
-            .collect();
-        // The provider's limit on enqueued tokens passes by itself once the
-        // job's other batches end; anything else counts, and so does that
-        // limit when no other batch of the job was running (the shard alone
-        // is over it: lower `shard_records`).
-        let limit_only = !shard.notes.is_empty() && shard.notes.iter().all(|n| n.contains("limit"));
-        let failures = if limit_only && self.others_running(&shard.id).await? {
-            0
-        } else {
-            f.store.batch_failures(&job.name, true).await?
-        };
-        let released = f.store.shard_release(&job.name, p, &shard.id, &rids).await?;
-        shard.lines.missing = released;
-        shard
-            .notes
-            .push(format!("failed validation: {released} records into a new shard"));
-        tracing::warn!(job = %job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
-            notes = ?shard.notes, released, "a batch failed validation");
+        let tasks = f.store.shard_tasks(&job.name, p, &shard.id).await?;
+        let mut read = read;
+        // Counted once, however often this step is taken (a worker that died
+        // in it): the count is noted in the shard before its tasks move.
+        const NOTED: &str = "failed validation: ";
+        if !shard.notes.iter().any(|n| n.starts_with(NOTED)) {
+            // The provider's limit on enqueued tokens passes by itself once
+            // the job's other batches end; anything else counts, and so does
+            // that limit when no other batch of the job was running (the
+            // shard alone is over it: lower `shard_records`).
+            let codes: Vec<&String> = shard.notes.iter().filter(|n| n.starts_with("provider: ")).collect();
+            let limit_only = !codes.is_empty()
+                && codes.iter().all(|n| n.starts_with("provider: token_limit_exceeded"))
+                && self.others_running(&shard.id).await?;
+            f.store.batch_failed(&job.name, u64::from(!limit_only)).await?;
+            shard
+                .notes
+                .push(format!("{NOTED}{} records into a new shard", tasks.len()));
+            shard.lines.missing = tasks.len() as u64;
+            match self.save(p, &read, &shard).await? {
+                Some(now) => read = now,
+                None => return Ok(false),
+            }
+            tracing::warn!(job = %job.name, shard = %shard.id, batch = shard.batch_id.as_deref().unwrap_or(""),
+                notes = ?shard.notes, "a batch failed validation");
+        }
+        self.unanswered(p, &shard.id, tasks).await?;
+        let failures = f.store.batch_failed(&job.name, 0).await?;
         if failures >= FAILURES_TO_HALT {
             let reason = format!(
-                "{failures} provider batches in a row failed validation; the last ({}): {}",
+                "{failures} provider batches failed validation; the last ({}): {}",
                 shard.batch_id.as_deref().unwrap_or(""),
                 shard.notes.join("; ")
             );
@@ -741,10 +811,16 @@ fn line_usage(line: &OutputLine) -> Option<Usage> {
     v.get("usage").and_then(Usage::from_provider)
 }
 
-/// A fault test's pause (`BATCHFLEET_PAUSE_AT=submitting|download`): the
-/// worker stops there (logging it) until it is killed.
+/// Whether a fault test asked this worker to pause at `point`.
+fn pausing_at(point: &str) -> bool {
+    std::env::var("BATCHFLEET_PAUSE_AT").is_ok_and(|v| v == point)
+}
+
+/// A fault test's pause (`BATCHFLEET_PAUSE_AT=submitting|download|settle`:
+/// before a create, after a download, halfway through settling a shard):
+/// the worker stops there (logging it) until it is killed.
 async fn pause_at(point: &str) {
-    if std::env::var("BATCHFLEET_PAUSE_AT").is_ok_and(|v| v == point) {
+    if pausing_at(point) {
         tracing::warn!(point, "paused for a fault test (BATCHFLEET_PAUSE_AT)");
         std::future::pending::<()>().await;
     }

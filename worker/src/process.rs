@@ -358,7 +358,7 @@ impl Prepared {
 
 /// Before any call: a poison task or an input error is decided without one
 /// (returned with the delivery's facts); otherwise the request.
-pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, (Before, Outcome)> {
+pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, Box<(Before, Outcome)>> {
     let input = d.task.input_object();
     let before = Before {
         attempts: d.task.attempt + d.deliveries.saturating_sub(1),
@@ -367,7 +367,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
     };
     let rendered = match pre_call(job, d, &before, limits) {
         Ok(rendered) => rendered,
-        Err(outcome) => return Err((before, outcome)),
+        Err(outcome) => return Err(Box::new((before, outcome))),
     };
     let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
     let user = match &sent_feedback {
@@ -449,7 +449,10 @@ async fn run_attempt(
     // Poison and input errors are decided before any call.
     let prep = match prepare(job, &d, limits) {
         Ok(prep) => prep,
-        Err((before, outcome)) => return without_call(store, job, &d, &before, outcome, None, limits, span).await,
+        Err(unsent) => {
+            let (before, outcome) = *unsent;
+            return without_call(store, job, &d, &before, outcome, None, limits, span).await;
+        }
     };
     if d.task.answered.contains(&prep.fp) {
         // The same request already got its answer: sending it again buys the same one.
@@ -557,7 +560,10 @@ pub async fn settle_batch_line(
         Ok(prep) => conclude(store, job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
         // Its template no longer renders (a spec changed under the shard):
         // decided as before a call; the answer is not used.
-        Err((before, outcome)) => without_call(store, job, d, &before, outcome, None, limits, &span).await,
+        Err(unsent) => {
+            let (before, outcome) = *unsent;
+            without_call(store, job, d, &before, outcome, None, limits, &span).await
+        }
     };
     match &settled {
         Ok(s) => span.set("batchfleet.settled", s.label()),
@@ -578,7 +584,10 @@ pub async fn settle_unsent(
 ) -> Result<Settled, StoreError> {
     let span = Span::none();
     match prepare(job, d, limits) {
-        Err((before, outcome)) => without_call(store, job, d, &before, outcome, None, limits, &span).await,
+        Err(unsent) => {
+            let (before, outcome) = *unsent;
+            without_call(store, job, d, &before, outcome, None, limits, &span).await
+        }
         Ok(prep) => {
             let outcome = Outcome::NoNewAttempt;
             without_call(store, job, d, &prep.before, outcome, Some(&prep.user), limits, &span).await

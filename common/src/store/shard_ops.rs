@@ -33,13 +33,14 @@ impl RedisStore {
 
     /// Moves up to `max` new entries of a partition's stream into `shard`
     /// (registered as it is given when it holds any), in one atomic step;
-    /// entries marked online are delivered to `consumer` instead.
+    /// up to `max_online` entries marked online are delivered to `consumer`
+    /// instead (any more go back to the stream's end).
     pub async fn shard_pack(
         &self,
         job: &str,
         partition: u32,
         consumer: &str,
-        max: usize,
+        (max, max_online): (usize, usize),
         shard: &Shard,
     ) -> Result<Packed, StoreError> {
         let reply: Vec<redis::Value> = self
@@ -56,6 +57,7 @@ impl RedisStore {
             .arg(max.max(1))
             .arg(&shard.id)
             .arg(shard.encode())
+            .arg(max_online)
             .invoke_async(&mut self.conn.clone())
             .await?;
         let text = |v: &redis::Value| match v {
@@ -166,16 +168,11 @@ impl RedisStore {
         Ok(first.ids.first().and_then(|e| e.id.split('-').next()?.parse().ok()))
     }
 
-    /// Counts a provider batch that failed validation (`failed`), or a
-    /// completed one (resets the count). Returns the failures in a row.
-    pub async fn batch_failures(&self, job: &str, failed: bool) -> Result<u64, StoreError> {
-        let mut c = self.conn.clone();
-        if failed {
-            Ok(c.hincr(keys::batch_failures(job), "n", 1).await?)
-        } else {
-            let _: () = c.del(keys::batch_failures(job)).await?;
-            Ok(0)
-        }
+    /// Counts `n` more provider batches of the job that failed validation
+    /// (0: only reads). Returns how many did since the job started or was
+    /// last resumed.
+    pub async fn batch_failed(&self, job: &str, n: u64) -> Result<u64, StoreError> {
+        Ok(self.conn.clone().hincr(keys::batch_failures(job), "n", n).await?)
     }
 
     /// A reconciled shard no longer needs its packed set.

@@ -179,6 +179,9 @@ pub struct Live {
     pub queued: u64,
     pub in_flight: u64,
     pub delayed: u64,
+    /// Batch mode: records held by provider batch shards, and the shards not reconciled.
+    pub batched: u64,
+    pub shards_open: u64,
     pub spent_usd: f64,
     pub budget: Option<String>,
     pub throughput: String,
@@ -206,9 +209,9 @@ impl Live {
         let (status, age) = cached.unwrap_or_default();
         let store = &c.store;
         let work = store.work_left(job, partitions).await?;
-        let (queued, in_flight, delayed) = work
-            .iter()
-            .fold((0, 0, 0), |t, w| (t.0 + w.queued, t.1 + w.in_flight, t.2 + w.delayed));
+        let (queued, in_flight, delayed, shards_open) = work.iter().fold((0, 0, 0, 0), |t, w| {
+            (t.0 + w.queued, t.1 + w.in_flight, t.2 + w.delayed, t.3 + w.shards)
+        });
         let halted = store.halted(job).await?;
         let cancelled = store.cancelled(job).await?;
         let spend = store.spend(job, partitions).await?;
@@ -224,7 +227,7 @@ impl Live {
             (Some(_), _, _) => ("halted".to_owned(), "bad"),
             (None, true, _) => ("cancelled".to_owned(), "warn"),
             (None, false, true) => ("complete".to_owned(), "good"),
-            (None, false, false) if queued + in_flight + delayed > 0 => ("running".to_owned(), "run"),
+            (None, false, false) if queued + in_flight + delayed + shards_open > 0 => ("running".to_owned(), "run"),
             _ => ("waiting".to_owned(), "warn"),
         };
         let verdict = if !reconciled {
@@ -361,6 +364,8 @@ impl Live {
             queued,
             in_flight,
             delayed,
+            batched: status.batched,
+            shards_open,
             spent_usd: spend.totals.cost_usd,
             budget: budget.cap_usd.map(|cap| {
                 format!(

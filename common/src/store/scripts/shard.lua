@@ -10,7 +10,9 @@
 --
 -- `pack`  ARGV[2] consumer group, ARGV[3] consumer, ARGV[4] at most this
 --         many entries, ARGV[5] the shard id, ARGV[6] the shard's JSON
---         (passed through). Reads new entries of the stream for the
+--         (passed through), ARGV[7] at most this many online tasks
+--         delivered (the consumer's free slots: the others go back to the
+--         stream's end, still queued). Reads new entries of the stream for the
 --         consumer here, in the script (`XREADGROUP`): no entry is ever
 --         delivered without a place. A task marked online (its encoding
 --         starts `{"online":true,`, or `{"rid":"…","online":true,` as a
@@ -58,6 +60,7 @@ if verb ~= 'pack' then
 end
 local read = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', tonumber(ARGV[4]), 'STREAMS', stream, '>')
 local out, moved, gone = {0}, 0, {}
+local online, max_online = 0, tonumber(ARGV[7])
 if read then
   for _, entry in ipairs(read[1][2]) do
     local id, fields = entry[1], entry[2]
@@ -70,10 +73,16 @@ if read then
       end
     end
     -- An entry of an old version (one field per item) is run online too.
-    if not task or string.sub(task, 1, 15) == '{"online":true,' or string.find(task, '^{"rid":"[^"]*","online":true,') then
+    local is_online = not task or string.sub(task, 1, 15) == '{"online":true,'
+      or string.find(task, '^{"rid":"[^"]*","online":true,')
+    if is_online and task and online >= max_online then
+      redis.call('XADD', stream, '*', 'rid', rid, 'task', task)
+      gone[#gone + 1] = id
+    elseif is_online then
+      online = online + 1
       out[#out + 1] = id
       out[#out + 1] = rid
-      out[#out + 1] = task
+      out[#out + 1] = task or ''
     else
       gone[#gone + 1] = id
       if rid and task and redis.call('HGET', states, rid) == 'queued' then
