@@ -32,6 +32,16 @@ fn batch_spec(dir: &TempDir, extra: &str) -> PathBuf {
     )
 }
 
+/// A test's Redis and folder, with a batch-mode job `name` of `n` records
+/// enqueued.
+fn batch_job(tag: &str, name: &str, n: u64) -> (RedisServer, TempDir) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new(tag);
+    let spec = batch_spec(&dir, "");
+    job(&redis, &dir, name, &spec, n);
+    (redis, dir)
+}
+
 /// A job of `n` records enqueued with `spec`.
 fn job(redis: &RedisServer, dir: &TempDir, name: &str, spec: &Path, n: u64) {
     let data = dir.join(&format!("{name}.jsonl"));
@@ -245,10 +255,7 @@ fn a_worker_killed_after_persisting_submitting_never_leads_to_a_second_batch() {
 
 #[test]
 fn a_worker_killed_during_a_download_leaves_each_answer_settled_and_paid_once() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("batch-kill-download");
-    let spec = batch_spec(&dir, "");
-    job(&redis, &dir, "bd", &spec, 60);
+    let (redis, dir) = batch_job("batch-kill-download", "bd", 60);
     let sim = LlmSim::start(&["--batch-faults", "shuffle"]);
     let log = dir.join("a.log");
     let mut cmd = worker_cmd(&redis, "bd", &sim, &["--visibility-timeout-ms", "5000"]);
@@ -292,10 +299,7 @@ fn kill_where_paused(mut cmd: Command, log: &Path) {
 
 #[test]
 fn a_worker_killed_halfway_through_settling_a_shard_leaves_each_answer_and_copy_paid_once() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("batch-kill-settle");
-    let spec = batch_spec(&dir, "");
-    job(&redis, &dir, "bs", &spec, 60);
+    let (redis, dir) = batch_job("batch-kill-settle", "bs", 60);
     let sim = LlmSim::start(&["--batch-faults", "duplicates,shuffle"]);
     let mut cmd = worker_cmd(&redis, "bs", &sim, &["--visibility-timeout-ms", "5000"]);
     cmd.env("BATCHFLEET_PAUSE_AT", "settle");
@@ -318,10 +322,7 @@ fn a_worker_killed_halfway_through_settling_a_shard_leaves_each_answer_and_copy_
 
 #[test]
 fn two_workers_share_a_batch_job_with_one_batch_per_shard() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("batch-two");
-    let spec = batch_spec(&dir, "");
-    job(&redis, &dir, "b2", &spec, 150);
+    let (redis, _dir) = batch_job("batch-two", "b2", 150);
     let sim = LlmSim::start(&["--batch-faults", "duplicates,error_lines", "--batch-secs", "2"]);
     let workers: Vec<_> = (0..2)
         .map(|_| {
@@ -349,10 +350,7 @@ fn two_workers_share_a_batch_job_with_one_batch_per_shard() {
 
 #[test]
 fn cancel_mid_batch_keeps_its_partial_results_and_resume_finishes_the_rest() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("batch-cancel");
-    let spec = batch_spec(&dir, "");
-    job(&redis, &dir, "bc", &spec, 30);
+    let (redis, _dir) = batch_job("batch-cancel", "bc", 30);
     // Slow batches: the cancel comes while lines are being answered.
     let sim = LlmSim::start(&["--batch-secs", "12"]);
     let w = Running::spawn(worker_cmd(&redis, "bc", &sim, &["--visibility-timeout-ms", "8000"]));
@@ -473,10 +471,7 @@ fn the_enqueued_token_limit_is_kept_fleet_wide_and_a_provider_refusal_of_it_re_s
 
 #[test]
 fn batches_that_keep_failing_validation_halt_the_job_with_the_providers_words_and_lose_nothing() {
-    let redis = RedisServer::start();
-    let dir = TempDir::new("batch-invalid");
-    let spec = batch_spec(&dir, "");
-    job(&redis, &dir, "bi", &spec, 40);
+    let (redis, _dir) = batch_job("batch-invalid", "bi", 40);
     let sim = LlmSim::start(&["--batch-faults", "invalid_always"]);
     let w = Running::spawn(worker_cmd(
         &redis,

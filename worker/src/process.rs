@@ -306,20 +306,35 @@ pub async fn process(
     limits: &Limits,
     report: &mut Option<CallReport>,
 ) -> Result<Settled, StoreError> {
+    let span = attempt_span(job, &d, limits);
+    let settled = run_attempt(store, job, d, limits, report, &span).await;
+    attempt_settled(&span, &settled);
+    settled
+}
+
+/// An attempt's span (a child of the record's enqueue span) with the facts
+/// every attempt has: its delivery, or the shard whose batch answered it.
+fn attempt_span(job: &JobCtx, d: &Delivery, limits: &Limits) -> Span {
     let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.task.tp));
     if span.is_on() {
         span.set("batchfleet.job", job.name.clone());
         span.set("batchfleet.record_id", d.task.rid.clone());
         span.set("batchfleet.partition", i64::from(d.partition));
-        span.set("batchfleet.delivery", i64::from(d.deliveries));
+        match &d.shard {
+            Some(shard) => span.set("batchfleet.shard", shard.clone()),
+            None => span.set("batchfleet.delivery", i64::from(d.deliveries)),
+        }
         span.set("batchfleet.worker", limits.worker.clone());
     }
-    let settled = run_attempt(store, job, d, limits, report, &span).await;
-    match &settled {
+    span
+}
+
+/// How the attempt ended, on its span.
+fn attempt_settled(span: &Span, settled: &Result<Settled, StoreError>) {
+    match settled {
         Ok(s) => span.set("batchfleet.settled", s.label()),
         Err(e) => span.fail(format!("store error: {e}")),
     }
-    settled
 }
 
 /// What a delivery is before any call: attempts so far, its input and key.
@@ -548,14 +563,7 @@ pub async fn settle_batch_line(
     result: CallResult,
     line: String,
 ) -> Result<Settled, StoreError> {
-    let span = limits.traces.start("attempt", SpanKind::Consumer, Some(&d.task.tp));
-    if span.is_on() {
-        span.set("batchfleet.job", job.name.clone());
-        span.set("batchfleet.record_id", d.task.rid.clone());
-        span.set("batchfleet.partition", i64::from(d.partition));
-        span.set("batchfleet.shard", d.shard.clone().unwrap_or_default());
-        span.set("batchfleet.worker", limits.worker.clone());
-    }
+    let span = attempt_span(job, d, limits);
     let settled = match prepare(job, d, limits) {
         Ok(prep) => conclude(store, job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
         // Its template no longer renders (a spec changed under the shard):
@@ -565,10 +573,7 @@ pub async fn settle_batch_line(
             without_call(store, job, d, &before, outcome, None, limits, &span).await
         }
     };
-    match &settled {
-        Ok(s) => span.set("batchfleet.settled", s.label()),
-        Err(e) => span.fail(format!("store error: {e}")),
-    }
+    attempt_settled(&span, &settled);
     span.end();
     settled
 }
