@@ -83,9 +83,12 @@ pub fn limit_buckets(limiter: &str) -> String {
 }
 
 /// Grants in flight for one provider key/model: a sorted set of grant ids
-/// scored by their expiry (concurrency slots of dead workers expire).
+/// scored by minus their expiry, Unix ms (concurrency slots of dead workers
+/// expire). Minus: a new grant expires last, and a small set (a listpack)
+/// inserts at its head what it would otherwise walk and parse every score to
+/// append; the expired are found from its tail.
 pub fn limit_inflight(limiter: &str) -> String {
-    format!("bf:{{rl:{limiter}}}:inflight")
+    format!("bf:{{rl:{limiter}}}:slots")
 }
 
 /// Set while the job is cancelled: workers claim nothing for it.

@@ -911,7 +911,7 @@ async fn settled_buckets(
         )
         .unwrap();
     for (g, _) in grants {
-        let _: () = c.zadd(keys::limit_inflight(id), g, 99_999_999_999_999_u64).unwrap();
+        let _: () = c.zadd(keys::limit_inflight(id), g, -99_999_999_999_999_i64).unwrap();
     }
     if together {
         let held = store.limit_settle_many(id, grants).await.unwrap();
@@ -1015,6 +1015,57 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
     );
     let (got, _) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
     assert_eq!(got.len(), 1, "and gets the slot");
+}
+
+#[tokio::test]
+async fn a_dead_workers_slots_expire_oldest_first_and_their_tokens_count_as_used() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut c = redis.conn();
+    let p = |lease_ms| LimitParams {
+        requests: 0,
+        tokens: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        max_concurrent: 3,
+        need_tokens: 10,
+        need_input: 5,
+        need_output: 5,
+        burst_ms: 2000,
+        lease_ms,
+    };
+    // A worker that dies holding two short slots, then one holding a long one.
+    let (dead, _) = store.limit_acquire("exp", &p(300), 2, "dead").await.unwrap();
+    let (alive, _) = store.limit_acquire("exp", &p(60_000), 1, "alive").await.unwrap();
+    assert_eq!((dead.len(), alive.len()), (2, 1));
+    let (none, _) = store.limit_acquire("exp", &p(60_000), 1, "new").await.unwrap();
+    assert!(none.is_empty(), "all three slots are taken");
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    // The two expired slots come back (the live one does not), and their
+    // reserved tokens count as settled.
+    let (got, _) = store.limit_acquire("exp", &p(60_000), 3, "new").await.unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    let slots: Vec<String> = c.zrange(keys::limit_inflight("exp"), 0, -1).unwrap();
+    assert_eq!(slots.len(), 3);
+    assert!(
+        slots.contains(&alive[0]) && !dead.iter().any(|d| slots.contains(d)),
+        "{slots:?}"
+    );
+    let h: std::collections::HashMap<String, u64> = c.hgetall(keys::limit_buckets("exp")).unwrap();
+    assert_eq!((h["reserved"], h["settled"]), (50, 20), "{h:?}");
+    // A settled slot is no longer held; an expired one settles as not held.
+    assert!(
+        store
+            .limit_settle("exp", &alive[0], &Settlement::default())
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .limit_settle("exp", &dead[0], &Settlement::default())
+            .await
+            .unwrap()
+    );
 }
 
 #[tokio::test]

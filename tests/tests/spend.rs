@@ -334,7 +334,11 @@ fn a_record_whose_next_call_could_pass_its_cap_goes_to_review_as_budget() {
             ))
             .unwrap();
             let rendered = user.render(line.as_object().unwrap()).unwrap();
-            let most = worker::budget::at_most(&example, &[&system, &rendered, ""], forms.current().1);
+            let most = worker::budget::at_most(
+                &example,
+                &[&system, &rendered, ""],
+                forms.format_bytes(forms.current().0),
+            );
             most.prompt + most.completion
         })
         .max()

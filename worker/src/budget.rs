@@ -129,11 +129,10 @@ impl JobBudget {
     }
 }
 
-/// The most a call with these messages (and this `response_format`, which
-/// providers count as input) can use: every byte a token, `max_tokens` of
+/// The most a call with these messages (and a `response_format` of
+/// `format_bytes`, which providers count as input) can use: every byte a token, `max_tokens` of
 /// completion, nothing cached.
-pub fn at_most(spec: &JobSpec, messages: &[&str], response_format: Option<&serde_json::Value>) -> Usage {
-    let format_bytes = response_format.map_or(0, |f| f.to_string().len() as u64);
+pub fn at_most(spec: &JobSpec, messages: &[&str], format_bytes: u64) -> Usage {
     let prompt: u64 = messages.iter().map(|m| m.len() as u64 + MESSAGE_OVERHEAD).sum::<u64>() + format_bytes;
     let completion = u64::from(spec.provider.max_tokens);
     Usage {
@@ -230,11 +229,11 @@ mod tests {
         // 100 bytes and 16 of overhead, and the response format's bytes, in;
         // max_tokens (200) out: 0.15 and 0.60 USD per million tokens.
         let format = serde_json::json!({"type": "json_object"});
-        let most = at_most(&s, &["x".repeat(100).as_str()], Some(&format));
+        let most = at_most(&s, &["x".repeat(100).as_str()], format.to_string().len() as u64);
         assert_eq!((most.prompt, most.completion), (116 + 22, 200));
         assert_eq!(at_most_nusd(&s, &most), (138 * 150 + 200 * 600) as u64);
         // Non-ASCII text counts its bytes, not its characters.
         let text = "verspätet 🙂";
-        assert_eq!(at_most(&s, &[text], None).prompt, 15 + 16);
+        assert_eq!(at_most(&s, &[text], 0).prompt, 15 + 16);
     }
 }

@@ -23,6 +23,9 @@ pub struct Forms {
     pub endpoint: String,
     json_schema: Option<Value>,
     json_object: Option<Value>,
+    /// Their bytes as sent (a call's reservation counts them).
+    json_schema_bytes: u64,
+    json_object_bytes: u64,
 }
 
 impl Forms {
@@ -38,6 +41,8 @@ impl Forms {
             StructuredOutput::Auto => learned.unwrap_or(StructuredOutput::JsonSchema),
             fixed => fixed,
         };
+        let json_schema = response_format(spec, StructuredOutput::JsonSchema);
+        let json_object = response_format(spec, StructuredOutput::JsonObject);
         let id = format!("{}|{}", base_url.trim_end_matches('/'), spec.provider.model);
         let mut endpoint = hex::encode(Sha256::digest(id.as_bytes()));
         endpoint.truncate(16);
@@ -45,8 +50,19 @@ impl Forms {
             configured,
             current: Mutex::new(current),
             endpoint,
-            json_schema: response_format(spec, StructuredOutput::JsonSchema),
-            json_object: response_format(spec, StructuredOutput::JsonObject),
+            json_schema_bytes: encoded_len(&json_schema),
+            json_object_bytes: encoded_len(&json_object),
+            json_schema,
+            json_object,
+        }
+    }
+
+    /// The bytes of `form`'s `response_format` as sent (0 for none).
+    pub fn format_bytes(&self, form: StructuredOutput) -> u64 {
+        match form {
+            StructuredOutput::JsonSchema => self.json_schema_bytes,
+            StructuredOutput::JsonObject => self.json_object_bytes,
+            _ => 0,
         }
     }
 
@@ -106,6 +122,10 @@ pub fn refuses_request(message: &str) -> bool {
     ]
     .iter()
     .any(|k| m.contains(k))
+}
+
+fn encoded_len(format: &Option<Value>) -> u64 {
+    format.as_ref().map_or(0, |f| f.to_string().len() as u64)
 }
 
 #[cfg(test)]

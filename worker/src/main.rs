@@ -9,6 +9,13 @@ use common::otel::Traces;
 use tokio_util::sync::CancellationToken;
 use worker::run::{Config, RunError, run};
 
+/// glibc's allocator spent a quarter of the worker's CPU at zero model
+/// latency (arena locks and consolidation across the runtime's threads).
+/// jemalloc's thread caches do not, and keep less memory at 1,000 calls in
+/// flight than mimalloc did (see BENCHMARKS.md, #15).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Exit code when a job's fleet is halted (401/403, insufficient quota).
 const EXIT_HALTED: u8 = 3;
 

@@ -413,7 +413,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         (Some(previous), Some(fb)) => vec![job.system.as_str(), rendered.as_str(), previous, fb],
         _ => vec![job.system.as_str(), user.as_str()],
     };
-    let at_most = crate::budget::at_most(&job.spec, &messages, response_format);
+    let at_most = crate::budget::at_most(&job.spec, &messages, job.forms.format_bytes(form));
     Ok(Prepared {
         fp: crate::provider::fingerprint(&body),
         before,

@@ -352,7 +352,7 @@ pub fn fingerprint(body: &Value) -> String {
 pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResult {
     let retry_after_ms = retry_after_ms(headers);
     let body: Value = serde_json::from_str(text).unwrap_or(Value::Null);
-    let message = {
+    let message = (!status.is_success()).then(|| {
         let m = body["error"]["message"]
             .as_str()
             .map(str::to_owned)
@@ -360,8 +360,9 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
             .or_else(|| body["detail"].as_str().map(str::to_owned))
             .unwrap_or_else(|| text.trim().to_owned());
         let m: String = m.chars().filter(|c| !c.is_control()).take(MESSAGE_CAP).collect();
-        (!m.is_empty() && !status.is_success()).then_some(m)
-    };
+        (!m.is_empty()).then_some(m)
+    });
+    let message = message.flatten();
     let fail = |kind, cause: String| {
         CallResult::Failed(CallError {
             kind,
@@ -375,9 +376,11 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
         if text.trim().is_empty() {
             return fail(ErrorKind::Transient, "empty_body".into());
         }
-        let Ok(v) = serde_json::from_str::<Value>(text) else {
+        // Parsed once, above: a body that is not JSON reads as null.
+        if body.is_null() {
             return fail(ErrorKind::Transient, "bad_body".into());
-        };
+        }
+        let v = &body;
         let choice = &v["choices"][0];
         let message = &choice["message"];
         if message.is_null() {

@@ -62,6 +62,7 @@ local stream, states = KEYS[1], KEYS[2]
 local group = ARGV[1]
 local has_sink = redis.call('EXISTS', KEYS[7]) == 1
 local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
+local per_minute = {c = minute .. ':c', u = minute .. ':u', d = minute .. ':d', f = minute .. ':f'}
 local out, acked = {}, {}
 local spend, stats = {}, {}
 local function add(field, n)
@@ -95,8 +96,8 @@ local function paid(i)
     add('batch_nusd', tonumber(n))
     add('batch_online_nusd', tonumber(o))
   end
-  count(minute .. ':c', 1)
-  count(minute .. ':u', tonumber(n))
+  count(per_minute.c, 1)
+  count(per_minute.u, tonumber(n))
 end
 -- The paid calls first, with their counters: nothing the outcomes do
 -- afterwards (an error included) can leave a call recorded but not counted.
@@ -172,9 +173,9 @@ for i = 2, #ARGV, 11 do
         count(field, 1)
       end
       if mode == 'commit' then
-        count(minute .. ':d', 1)
+        count(per_minute.d, 1)
       elseif mode == 'review' or mode == 'drop' then
-        count(minute .. ':f', 1)
+        count(per_minute.f, 1)
       end
     end
     if not held then

@@ -20,7 +20,9 @@
 --                  the window before, per minute), cw (since when a
 --                  worker waits for a concurrency slot, ms), sw (when a
 --                  freed slot last woke the waiting workers, ms)
--- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight  (member grant id, score expiry ms)
+-- KEYS[2]  in-flight zset    bf:{rl:ID}:slots  (member grant id, score minus its
+--          expiry ms: the newest grant goes to the head of a small set, where
+--          inserting it parses no score, and the expired are at the tail)
 -- ARGV[1..4]  limits per minute: requests, total tokens, input tokens, output tokens (0 = none)
 -- ARGV[5]  max concurrent requests (0 = none)
 -- ARGV[6..8]  per grant: total tokens, input tokens, output tokens
@@ -70,14 +72,14 @@ for k = 1, 4 do
   end
 end
 -- Expired grants (their worker died): their tokens count as used.
-local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now)
+local expired = redis.call('ZRANGE', inflight, '+inf', -now, 'BYSCORE', 'REV')
 if #expired > 0 then
   local gone = 0
   for _, id in ipairs(expired) do
     gone = gone + (tonumber(string.match(id, ':(%d+)$')) or 0)
   end
   redis.call('HINCRBY', b, 'settled', gone)
-  redis.call('ZREMRANGEBYSCORE', inflight, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', inflight, -now, '+inf')
 end
 local maxc = tonumber(ARGV[5])
 local ac = tonumber(s[11])
@@ -119,7 +121,7 @@ if granted > 0 then
   for seq = last - granted + 1, last do
     local id = ARGV[12] .. ':' .. seq .. ':' .. need[2]
     ids[#ids + 1] = id
-    members[#members + 1] = now + lease
+    members[#members + 1] = -(now + lease)
     members[#members + 1] = id
   end
   redis.call('ZADD', inflight, unpack(members))

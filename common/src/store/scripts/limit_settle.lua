@@ -21,7 +21,7 @@
 -- the spec's ceiling is dropped (the spec's own limit applies).
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
--- KEYS[2]  in-flight zset    bf:{rl:ID}:inflight
+-- KEYS[2]  in-flight zset    bf:{rl:ID}:slots (scored by minus the expiry)
 -- ARGV, 13 per grant:
 --   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
 --     the `settled` counter),
@@ -42,7 +42,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw'}
 local got = redis.call('HMGET', b, unpack(names))
--- The hash as it is now, changed here and written back once at the end.
+-- The hash as it is now, changed here and written back once at the end
+-- (numbers turn back into text once, there).
 local h, dirty = {}, {}
 for k, name in ipairs(names) do h[name] = got[k] end
 local function set(field, v)
@@ -51,7 +52,7 @@ local function set(field, v)
 end
 local function add(field, delta)
   local v = tonumber(h[field])
-  if v ~= nil and delta ~= 0 then set(field, tostring(v + delta)) end
+  if v ~= nil and delta ~= 0 then set(field, v + delta) end
 end
 local settled, out = 0, {}
 for g = 1, #ARGV, 13 do
@@ -81,7 +82,7 @@ for g = 1, #ARGV, 13 do
   local kind = ARGV[g + 9]
   if held == 1 and kind == 'timeout' and tonumber(ARGV[g + 10]) > 0 then
     -- Its tokens are settled above; the slot stays taken (0 tokens at expiry).
-    redis.call('ZADD', inflight, now + tonumber(ARGV[g + 10]), id .. ':grace:0')
+    redis.call('ZADD', inflight, -(now + tonumber(ARGV[g + 10])), id .. ':grace:0')
   end
   if kind == 'limited' then
     local seq = tonumber(string.match(id, ':(%d+):%d+$')) or 0
