@@ -670,15 +670,16 @@ impl Batcher {
             .unwrap_or(0)
     }
 
-    /// Whether another shard of the job has a batch at the provider.
-    async fn others_running(&self, shard_id: &str) -> Result<bool, StoreError> {
+    /// Whether another shard of the job had a batch enqueued at the
+    /// provider while `me` was: one still running, or one the provider took
+    /// (not refused) that was still seen running after `me` was packed.
+    /// Batches of one round often end together, so a batch that ended just
+    /// before this one's refusal was read still counts.
+    async fn others_running(&self, me: &Shard) -> Result<bool, StoreError> {
         let (f, job) = (&self.fleet, &self.job);
         for p in 0..job.spec.job.partitions {
             let shards = f.store.shards(&job.name, p).await?;
-            if shards
-                .iter()
-                .any(|(_, s)| s.id != shard_id && s.state == ShardState::Submitted)
-            {
+            if shards.iter().any(|(_, s)| enqueued_beside(s, me)) {
                 return Ok(true);
             }
         }
@@ -721,7 +722,7 @@ impl Batcher {
             let codes: Vec<&String> = shard.notes.iter().filter(|n| n.starts_with("provider: ")).collect();
             let limit_only = !codes.is_empty()
                 && codes.iter().all(|n| n.starts_with("provider: token_limit_exceeded"))
-                && self.others_running(&shard.id).await?;
+                && self.others_running(&shard).await?;
             f.store.batch_failed(&job.name, u64::from(!limit_only)).await?;
             shard
                 .notes
@@ -748,6 +749,19 @@ impl Batcher {
         }
         self.close(p, &read, shard).await
     }
+}
+
+/// Whether `other`'s batch was enqueued at the provider while `me`'s was
+/// (see [`Batcher::others_running`]).
+fn enqueued_beside(other: &Shard, me: &Shard) -> bool {
+    let taken = other.batch_id.is_some() && other.provider_status.as_deref() != Some("failed");
+    other.id != me.id
+        && taken
+        && match other.state {
+            ShardState::Submitted => true,
+            ShardState::Ended | ShardState::Reconciled => other.polled_ms >= me.created_ms,
+            _ => false,
+        }
 }
 
 impl Service for Batcher {
@@ -823,5 +837,46 @@ async fn pause_at(point: &str) {
     if pausing_at(point) {
         tracing::warn!(point, "paused for a fault test (BATCHFLEET_PAUSE_AT)");
         std::future::pending::<()>().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(id: &str, created_ms: u64, state: ShardState, status: &str, polled_ms: u64) -> Shard {
+        let mut s = Shard::new(id.to_owned(), 0, "w", created_ms, 0);
+        s.state = state;
+        s.batch_id = Some(format!("batch-{id}"));
+        s.provider_status = Some(status.to_owned());
+        s.polled_ms = polled_ms;
+        s
+    }
+
+    #[test]
+    fn a_refusal_for_the_enqueued_limit_is_the_fleets_load_only_beside_a_batch_the_provider_took() {
+        let me = shard("me", 1_000, ShardState::Ended, "failed", 2_000);
+        // Still running, or ended in the same round as this refusal was read.
+        assert!(enqueued_beside(
+            &shard("a", 900, ShardState::Submitted, "in_progress", 1_500),
+            &me
+        ));
+        assert!(enqueued_beside(
+            &shard("b", 900, ShardState::Reconciled, "completed", 1_990),
+            &me
+        ));
+        // Ended before this shard was packed, refused itself, never sent, or itself.
+        assert!(!enqueued_beside(
+            &shard("c", 100, ShardState::Reconciled, "completed", 900),
+            &me
+        ));
+        assert!(!enqueued_beside(
+            &shard("d", 900, ShardState::Reconciled, "failed", 1_990),
+            &me
+        ));
+        let mut packed = shard("e", 900, ShardState::Packed, "", 0);
+        packed.batch_id = None;
+        assert!(!enqueued_beside(&packed, &me));
+        assert!(!enqueued_beside(&me, &me));
     }
 }
