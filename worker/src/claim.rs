@@ -60,7 +60,12 @@ impl Claimer {
         if f.reclaim_backlog.load(Ordering::Relaxed) > 0 {
             return round;
         }
-        let Ok(first) = f.permits.clone().acquire_owned().await else {
+        // Cancellable while it waits: a stopped worker claims nothing more.
+        let first = tokio::select! {
+            permit = f.permits.clone().acquire_owned() => permit,
+            _ = self.drained.cancelled() => return round,
+        };
+        let Ok(first) = first else {
             return round;
         };
         let mut first = Some(first);
@@ -95,7 +100,7 @@ impl Claimer {
             let n = job.spec.job.partitions;
             for p in (0..n).map(|i| (i + self.rounds) % n) {
                 let want = grants.len().min(job.breaker.room());
-                if want == 0 {
+                if want == 0 || self.drained.is_cancelled() {
                     break;
                 }
                 let batch = match f
@@ -158,6 +163,14 @@ impl Claimer {
 impl Service for Claimer {
     fn name(&self) -> &'static str {
         "claim"
+    }
+
+    /// A round stopped between reading its tasks and handing them to the
+    /// tracker would leave them pending until another worker took them over
+    /// (a SIGTERM'd worker must finish what it claimed): the round goes on,
+    /// claiming nothing new once stopped, and the drain then waits for its tasks.
+    fn finishing_grace(&self) -> Option<Duration> {
+        Some(Duration::from_secs(5))
     }
 
     /// A round; then at once again when it claimed something, else a wait

@@ -1,6 +1,7 @@
 //! A worker loop as a service: a small `select!` shell on the cancellation
 //! token around a `run_once` body that tests call directly. Every await of
-//! the loop (the body, and the wait between rounds) is cancellable.
+//! the loop (the body, and the wait between rounds) is cancellable; a
+//! service may let a round already under way finish, briefly, first.
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,17 +15,32 @@ pub trait Service {
 
     /// One round. Returns the wait before the next one, or None to stop the loop.
     fn run_once(&mut self) -> impl Future<Output = Option<Duration>> + Send;
+
+    /// How long a round already under way may go on once the loop is
+    /// cancelled (None: it is dropped at once).
+    fn finishing_grace(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Runs `service` until `cancel` fires or a round says stop. A round that is
-/// cancelled mid-way leaves its work to Redis: anything it had claimed stays
-/// pending (un-acked) and is reclaimed.
+/// cancelled mid-way (past its service's [`Service::finishing_grace`])
+/// leaves its work to Redis: anything it had claimed stays pending
+/// (un-acked) and is reclaimed.
 pub async fn run<S: Service>(mut service: S, cancel: CancellationToken) {
+    let grace = service.finishing_grace();
     loop {
+        let round = service.run_once();
+        tokio::pin!(round);
         let wait = tokio::select! {
             biased;
-            _ = cancel.cancelled() => break,
-            wait = service.run_once() => wait,
+            _ = cancel.cancelled() => {
+                if let Some(grace) = grace {
+                    let _ = tokio::time::timeout(grace, round).await;
+                }
+                break;
+            }
+            wait = &mut round => wait,
         };
         let Some(wait) = wait else { break };
         if wait.is_zero() {
