@@ -174,12 +174,7 @@ fn a_batch_job_completes_under_each_batch_fault_with_one_batch_per_shard() {
         assert!(shard_notes(&s).contains(note), "{fault}: {}", shard_notes(&s));
         // Each duplicate line is a copy the provider wrote (and billed).
         let copies = if fault.contains("duplicates") {
-            s["shards"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
-                .sum()
+            duplicate_lines(&s)
         } else {
             0
         };
@@ -297,6 +292,16 @@ fn kill_where_paused(mut cmd: Command, log: &Path) {
     a.wait().unwrap();
 }
 
+/// Duplicate output lines the shards of a status counted (each a paid copy).
+fn duplicate_lines(s: &Value) -> u64 {
+    s["shards"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
+        .sum()
+}
+
 #[test]
 fn a_worker_killed_halfway_through_settling_a_shard_leaves_each_answer_and_copy_paid_once() {
     let (redis, dir) = batch_job("batch-kill-settle", "bs", 60);
@@ -310,12 +315,7 @@ fn a_worker_killed_halfway_through_settling_a_shard_leaves_each_answer_and_copy_
     let log_b = drain(&redis, "bs", &sim);
     assert!(log_b.contains("taking over a shard"), "{log_b}");
     let s = assert_complete(&redis, "bs", 60, &sim);
-    let copies: u64 = s["shards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
-        .sum();
+    let copies = duplicate_lines(&s);
     assert!(copies > 0, "{s}");
     assert_paid_once(&redis, "bs", &sim, copies);
 }
@@ -339,12 +339,7 @@ fn two_workers_share_a_batch_job_with_one_batch_per_shard() {
         assert_eq!(status.code(), Some(0), "{log}");
     }
     let s = assert_complete(&redis, "b2", 150, &sim);
-    let copies: u64 = s["shards"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|sh| sh["lines"]["duplicates"].as_u64().unwrap())
-        .sum();
+    let copies = duplicate_lines(&s);
     assert_paid_once(&redis, "b2", &sim, copies);
 }
 
