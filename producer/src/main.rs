@@ -6,6 +6,12 @@ use std::process::ExitCode;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+/// As in the worker (see BENCHMARKS.md, #15): glibc's allocator was a tenth
+/// of the reconciliation's CPU, each page's thousands of small strings
+/// freed on another thread than the one that made them.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = producer::cli::Cli::parse();

@@ -8,6 +8,7 @@
 //! between places; a suspect is only reported if a second pass finds it again.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use common::store::{RecordSet, RedisStore, StoreError};
 use common::task::RecordState;
@@ -87,19 +88,71 @@ impl Known {
 /// id is, the text for anything else found in Redis.
 #[derive(Default)]
 struct Partition {
-    ids: HashMap<[u8; 32], Seen>,
+    ids: HashMap<[u8; 32], Seen, BuildHasherDefault<IdHasher>>,
     other: HashMap<String, Seen>,
 }
 
 impl Partition {
     fn at(&mut self, rid: String) -> &mut Seen {
-        let mut b = [0u8; 32];
-        if rid.len() == 64 && !rid.bytes().any(|c| c.is_ascii_uppercase()) && hex::decode_to_slice(&rid, &mut b).is_ok()
-        {
-            self.ids.entry(b).or_default()
-        } else {
-            self.other.entry(rid).or_default()
+        match id_bytes(rid.as_bytes()) {
+            Some(b) => self.ids.entry(b).or_default(),
+            None => self.other.entry(rid).or_default(),
         }
+    }
+}
+
+/// A record id's 32 bytes, when it is 64 lowercase hex digits (the text of
+/// every id batchfleet makes).
+fn id_bytes(hex: &[u8]) -> Option<[u8; 32]> {
+    const fn digit(c: u8) -> u8 {
+        match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' => c - b'a' + 10,
+            _ => 0xff,
+        }
+    }
+    const DIGITS: [u8; 256] = {
+        let mut t = [0u8; 256];
+        let mut c = 0;
+        while c < 256 {
+            t[c] = digit(c as u8);
+            c += 1;
+        }
+        t
+    };
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
+        let (hi, lo) = (DIGITS[usize::from(pair[0])], DIGITS[usize::from(pair[1])]);
+        if (hi | lo) > 0xf {
+            return None;
+        }
+        *o = hi << 4 | lo;
+    }
+    Some(out)
+}
+
+/// Hashes a record id's bytes by their first eight: ids are sha256 digests,
+/// already uniform (SipHash over all 32 was the reconciliation's largest
+/// cost). An id made to collide only slows its own partition's check.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut head = [0u8; 8];
+        let n = bytes.len().min(8);
+        head[..n].copy_from_slice(&bytes[..n]);
+        self.0 ^= u64::from_le_bytes(head);
+    }
+
+    /// The length prefix a slice hashes first says nothing (always 32).
+    fn write_usize(&mut self, _: usize) {}
+
+    fn finish(&self) -> u64 {
+        self.0
     }
 }
 
@@ -227,8 +280,12 @@ async fn reconcile_partition(
         .await?;
 
     let mut found: Vec<(String, Seen, Finding)> = Vec::new();
-    let all = seen.ids.into_iter().map(|(b, s)| (hex::encode(b), s)).chain(seen.other);
-    for (rid, s) in all {
+    for (b, s) in seen.ids {
+        if let Some(f) = finding(&s, sink) {
+            found.push((hex::encode(b), s, f));
+        }
+    }
+    for (rid, s) in seen.other {
         if let Some(f) = finding(&s, sink) {
             found.push((rid, s, f));
         }
@@ -332,5 +389,38 @@ fn describe(s: &Seen) -> String {
         "found nowhere (no task, retry, batch shard, result or review entry)".to_owned()
     } else {
         format!("found as {}", parts.join(" and "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_64_lowercase_hex_digits_are_held_as_bytes() {
+        let id = "00ff10a9b8c7d6e5f4031221304f5e6d7c8b9aa0b1c2d3e4f5061728394a5b6c";
+        assert_eq!(id_bytes(id.as_bytes()).map(hex::encode).as_deref(), Some(id));
+        for other in [
+            &id[..62],
+            &format!("{id}00"),
+            &id.to_uppercase(),
+            &id.replacen('a', "g", 1),
+            &id.replacen('0', " ", 1),
+            "",
+        ] {
+            assert_eq!(id_bytes(other.as_bytes()), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn ids_and_other_texts_are_counted_apart() {
+        let id = "ab".repeat(32);
+        let mut p = Partition::default();
+        p.at(id.clone()).in_stream += 1;
+        p.at(id.clone()).in_stream += 1;
+        p.at(id.to_uppercase()).result = true;
+        assert_eq!(p.ids.len(), 1);
+        assert_eq!(p.ids[&id_bytes(id.as_bytes()).unwrap()].in_stream, 2);
+        assert!(p.other[&id.to_uppercase()].result);
     }
 }

@@ -80,6 +80,42 @@ fn a_job_with_every_outcome_reconciles_and_corruption_is_named() {
     );
 }
 
+/// Status reads a partition's stream and hashes in pages of 1,000, each
+/// read while the one before is counted: records on both sides of a page's
+/// edge, and past the last full page, are all found.
+#[test]
+fn records_across_page_edges_are_all_read() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("reconcile-pages");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 5000);
+    enqueue(&redis, &data, "pg", &harness::example_spec());
+    let (_, s) = status_json(&redis, "pg");
+    assert_eq!(
+        (s["queued"].as_u64(), s["missing"].as_u64(), s["duplicates"].as_u64(), s["unknown"].as_u64()),
+        (Some(5000), Some(0), Some(0), Some(0)),
+        "{s}"
+    );
+
+    // The last entry of the first page and the first of the second go; a
+    // copy of the first comes back at the end, past the last full page.
+    let mut c = redis.conn();
+    let stream = keys::stream("pg", 2);
+    let entries: redis::streams::StreamRangeReply = c.xrange_count(&stream, "-", "+", 1001).unwrap();
+    assert!(entries.ids.len() == 1001, "partition 2 holds more than a page");
+    let rid = |i: usize| entries.ids[i].get::<String>("rid").unwrap();
+    let _: () = c.xdel(&stream, &[&entries.ids[999].id, &entries.ids[1000].id]).unwrap();
+    let _: String = c.xadd(&stream, "*", &[("rid", rid(0).as_str()), ("task", "{}")]).unwrap();
+    // 2,500 strays in a review hash: read in pages of its fields.
+    let strays: Vec<(String, &str)> = (0..2500).map(|i| (format!("{i:064x}"), "{}")).collect();
+    let _: () = c.hset_multiple(keys::review("pg", 3), &strays).unwrap();
+
+    let (_, s) = status_json(&redis, "pg");
+    assert_eq!(ids(&s, "missing"), BTreeSet::from([rid(999), rid(1000)]));
+    assert_eq!(ids(&s, "duplicates"), BTreeSet::from([rid(0)]));
+    assert_eq!(ids(&s, "unknown"), strays.into_iter().map(|(id, _)| id).collect());
+}
+
 #[test]
 fn a_lost_task_and_a_duplicated_task_are_reported_before_any_worker_runs() {
     let redis = RedisServer::start();
