@@ -92,7 +92,12 @@ fn records_across_page_edges_are_all_read() {
     enqueue(&redis, &data, "pg", &harness::example_spec());
     let (_, s) = status_json(&redis, "pg");
     assert_eq!(
-        (s["queued"].as_u64(), s["missing"].as_u64(), s["duplicates"].as_u64(), s["unknown"].as_u64()),
+        (
+            s["queued"].as_u64(),
+            s["missing"].as_u64(),
+            s["duplicates"].as_u64(),
+            s["unknown"].as_u64()
+        ),
         (Some(5000), Some(0), Some(0), Some(0)),
         "{s}"
     );
@@ -105,7 +110,9 @@ fn records_across_page_edges_are_all_read() {
     assert!(entries.ids.len() == 1001, "partition 2 holds more than a page");
     let rid = |i: usize| entries.ids[i].get::<String>("rid").unwrap();
     let _: () = c.xdel(&stream, &[&entries.ids[999].id, &entries.ids[1000].id]).unwrap();
-    let _: String = c.xadd(&stream, "*", &[("rid", rid(0).as_str()), ("task", "{}")]).unwrap();
+    let _: String = c
+        .xadd(&stream, "*", &[("rid", rid(0).as_str()), ("task", "{}")])
+        .unwrap();
     // 2,500 strays in a review hash: read in pages of its fields.
     let strays: Vec<(String, &str)> = (0..2500).map(|i| (format!("{i:064x}"), "{}")).collect();
     let _: () = c.hset_multiple(keys::review("pg", 3), &strays).unwrap();
