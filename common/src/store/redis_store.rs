@@ -9,6 +9,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::StoreError;
+use super::worker_ops::{as_array, as_string};
 use crate::keys;
 use crate::manifest::{Cursor, DroppedLine, Manifest};
 use crate::secret::{cluster_seeds, redact_url};
@@ -85,23 +86,12 @@ where
     Ok(())
 }
 
-fn text(v: &redis::Value) -> Option<String> {
-    match v {
-        redis::Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        redis::Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
 /// A stream entry's `rid` field (an entry without one gives None).
 fn stream_rid(fields: &redis::Value) -> Option<String> {
-    let redis::Value::Array(fields) = fields else {
-        return None;
-    };
-    fields
+    as_array(fields)
         .chunks_exact(2)
         .find(|kv| matches!(&kv[0], redis::Value::BulkString(k) if k == b"rid"))
-        .and_then(|kv| text(&kv[1]))
+        .and_then(|kv| as_string(&kv[1]))
 }
 
 impl ConnectionLike for Conn {
@@ -574,23 +564,17 @@ impl RedisStore {
             cmd.arg(&key).arg(start).arg("+").arg("COUNT").arg(PAGE);
             async move {
                 let reply: redis::Value = cmd.query_async(&mut c).await?;
-                let corrupt = || StoreError::Corrupt {
-                    key: key.clone(),
-                    reason: "an XRANGE reply that is not a list of entries".to_owned(),
-                };
-                let entries = match reply {
-                    redis::Value::Array(entries) => entries,
-                    _ => return Err(corrupt()),
-                };
+                let entries = as_array(&reply);
                 let mut last = None;
                 let mut rids = Vec::with_capacity(entries.len());
-                for entry in &entries {
-                    let (id, fields) = match entry {
-                        redis::Value::Array(parts) if parts.len() == 2 => (&parts[0], &parts[1]),
-                        _ => return Err(corrupt()),
-                    };
-                    last = Some(text(id).ok_or_else(corrupt)?);
-                    rids.push(stream_rid(fields).unwrap_or_default());
+                for entry in entries {
+                    let entry = as_array(entry);
+                    // The next page starts after this id: without it, paging cannot go on.
+                    last = Some(entry.first().and_then(as_string).ok_or_else(|| StoreError::Corrupt {
+                        key: key.clone(),
+                        reason: "an XRANGE entry without an id".to_owned(),
+                    })?);
+                    rids.push(entry.get(1).and_then(stream_rid).unwrap_or_default());
                 }
                 Ok((last.filter(|_| entries.len() == PAGE), rids))
             }
