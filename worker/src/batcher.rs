@@ -27,7 +27,9 @@ use common::shard::{LineCounts, OutputLine, Shard, ShardState};
 use common::store::{Finish, StoreError};
 use common::task::{Delivery, RecordState, Task, Usage};
 use futures_util::StreamExt;
-use serde_json::{Value, json};
+use serde::Serialize;
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::batch_api::{ApiError, BatchApi};
 use crate::fleet::Fleet;
@@ -58,6 +60,16 @@ enum StepError {
 }
 
 type Step = Result<bool, StepError>;
+
+/// A line of a batch's input file: the request body as an online call
+/// sends it, byte for byte.
+#[derive(Serialize)]
+struct InputLine<'a> {
+    custom_id: &'a str,
+    method: &'static str,
+    url: &'static str,
+    body: &'a RawValue,
+}
 
 fn api(what: &'static str) -> impl FnOnce(ApiError) -> StepError {
     move |error| StepError::Api { what, error }
@@ -309,13 +321,13 @@ impl Batcher {
                     continue;
                 }
             };
-            let line = json!({
-                "custom_id": d.task.rid,
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": prep.body,
+            let line = serde_json::to_string(&InputLine {
+                custom_id: &d.task.rid,
+                method: "POST",
+                url: "/v1/chat/completions",
+                body: &prep.body,
             })
-            .to_string();
+            .expect("an input line of strings and a body serializes");
             if lines > 0 && (file.len() + line.len() + 1) as u64 > limit {
                 over.push(d.task.rid.clone());
                 continue;

@@ -356,7 +356,7 @@ pub struct Prepared {
     sent_feedback: Option<String>,
     form: common::spec::StructuredOutput,
     /// The request body.
-    pub body: Value,
+    pub body: Box<serde_json::value::RawValue>,
     fp: String,
     /// What the call may cost if the server generates it and we never see it.
     estimate: Usage,

@@ -2,6 +2,7 @@
 //! everything it can get back into a [`CallResult`], and what that comes to
 //! for the record: a [`Reply`] holding the [`Outcome`] `decide` takes.
 
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 use common::decision::Outcome;
@@ -10,8 +11,10 @@ use common::spec::JobSpec;
 use common::task::Usage;
 use common::validate::{FieldError, Repair, Validation, validate_record};
 use reqwest::StatusCode;
-use reqwest::header::HeaderMap;
-use serde_json::{Map, Value, json};
+use reqwest::header::{CONTENT_TYPE, HeaderMap};
+use serde::Serialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
 
 use crate::limiter::{RateHeaders, rate_headers};
 
@@ -69,6 +72,24 @@ pub enum ErrorKind {
     RateLimited,
     Permanent,
     FleetHalt,
+}
+
+/// A chat request body, its keys in the order they were always sent (the
+/// fingerprints of answers already stored hash these bytes).
+#[derive(Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    messages: Vec<Message<'a>>,
+    max_tokens: u32,
+    temperature: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_format: Option<&'a Value>,
+}
+
+#[derive(Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: Cow<'a, str>,
 }
 
 /// One chat request's parts.
@@ -144,33 +165,36 @@ impl Provider {
 
     /// The request body: system and user messages, and after an invalid
     /// answer that answer (as the assistant) and the validator's feedback.
-    pub fn body(&self, req: &Request<'_>) -> Value {
-        let mut messages = vec![json!({"role": "system", "content": req.system})];
+    ///
+    /// Serialized once, here: its bytes are what is sent and what the
+    /// fingerprint hashes (the response format is written from the form,
+    /// never copied).
+    pub fn body(&self, req: &Request<'_>) -> Box<RawValue> {
+        let message = |role, content| Message { role, content };
+        let mut messages = vec![message("system", Cow::Borrowed(req.system))];
         match (req.feedback, req.previous) {
             (Some(f), Some(prev)) => {
-                messages.push(json!({"role": "user", "content": req.user}));
-                messages.push(json!({"role": "assistant", "content": prev}));
-                messages.push(json!({"role": "user", "content": f}));
+                messages.push(message("user", Cow::Borrowed(req.user)));
+                messages.push(message("assistant", Cow::Borrowed(prev)));
+                messages.push(message("user", Cow::Borrowed(f)));
             }
-            (Some(f), None) => messages.push(json!({"role": "user", "content": format!("{}\n\n{f}", req.user)})),
-            (None, _) => messages.push(json!({"role": "user", "content": req.user})),
+            (Some(f), None) => messages.push(message("user", Cow::Owned(format!("{}\n\n{f}", req.user)))),
+            (None, _) => messages.push(message("user", Cow::Borrowed(req.user))),
         }
-        let mut body = json!({
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": self.max_tokens,
-            "temperature": req.temperature.unwrap_or(self.temperature),
-        });
-        if let Some(rf) = req.response_format {
-            body["response_format"] = rf.clone();
-        }
-        body
+        let body = Body {
+            model: &self.model,
+            messages,
+            max_tokens: self.max_tokens,
+            temperature: req.temperature.unwrap_or(self.temperature),
+            response_format: req.response_format,
+        };
+        serde_json::value::to_raw_value(&body).expect("a request body of strings and numbers serializes")
     }
 
     /// Sends one request body (see [`Provider::body`]) for `record`, from
     /// `worker` (its headers). Never returns an error: every failure is
     /// classified. Also returns the rate-limit headers, when there was a response.
-    pub async fn call(&self, record: &str, worker: &str, body: &Value) -> (CallResult, RateHeaders, Duration) {
+    pub async fn call(&self, record: &str, worker: &str, body: &RawValue) -> (CallResult, RateHeaders, Duration) {
         let started = Instant::now();
         let sent = self
             .http
@@ -178,7 +202,8 @@ impl Provider {
             .bearer_auth(&self.api_key)
             .header("x-batchfleet-record", record)
             .header("x-batchfleet-worker", worker)
-            .json(body)
+            .header(CONTENT_TYPE, "application/json")
+            .body(body.get().to_owned())
             .send()
             .await;
         let mut limits = RateHeaders::default();
@@ -340,9 +365,9 @@ impl CallResult {
 
 /// A request body's fingerprint: two requests with the same one would get
 /// the same answer from a deterministic model.
-pub fn fingerprint(body: &Value) -> String {
+pub fn fingerprint(body: &RawValue) -> String {
     use sha2::{Digest, Sha256};
-    let mut h = hex::encode(Sha256::digest(body.to_string().as_bytes()));
+    let mut h = hex::encode(Sha256::digest(body.get().as_bytes()));
     h.truncate(16);
     h
 }
@@ -484,6 +509,74 @@ mod tests {
             CallResult::Failed(e) => (e.kind, e.cause),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// The body as it was built before it was serialized in one step: a
+    /// `Value`, printed. Answers stored before keep their fingerprints.
+    fn body_as_value(p: &Provider, req: &Request<'_>) -> String {
+        use serde_json::json;
+        let mut messages = vec![json!({"role": "system", "content": req.system})];
+        match (req.feedback, req.previous) {
+            (Some(f), Some(prev)) => {
+                messages.push(json!({"role": "user", "content": req.user}));
+                messages.push(json!({"role": "assistant", "content": prev}));
+                messages.push(json!({"role": "user", "content": f}));
+            }
+            (Some(f), None) => messages.push(json!({"role": "user", "content": format!("{}\n\n{f}", req.user)})),
+            (None, _) => messages.push(json!({"role": "user", "content": req.user})),
+        }
+        let mut body = json!({
+            "model": p.model,
+            "messages": messages,
+            "max_tokens": p.max_tokens,
+            "temperature": req.temperature.unwrap_or(p.temperature),
+        });
+        if let Some(rf) = req.response_format {
+            body["response_format"] = rf.clone();
+        }
+        body.to_string()
+    }
+
+    #[test]
+    fn the_body_is_byte_for_byte_what_the_value_form_printed() {
+        let text =
+            include_str!("../../examples/job.toml").replace("structured_output = true", "structured_output = \"auto\"");
+        let spec = JobSpec::parse(&text, "job.toml").unwrap();
+        let p = Provider::new(&spec, Some("http://127.0.0.1:9/v1"), "sk-test".into()).unwrap();
+        let forms = crate::form::Forms::new(&spec, "http://127.0.0.1:9/v1", None);
+        // The spec's fields as a JSON schema: nested objects, arrays, numbers.
+        let schema = forms.current().1.cloned();
+        assert!(
+            schema.as_ref().is_some_and(|s| s["type"] == "json_schema"),
+            "{schema:?}"
+        );
+        let object = serde_json::json!({"type": "json_object"});
+        let odd = "quote \" backslash \\ newline \n tab \t control \u{1} emoji \u{1F600} </script>";
+        let shapes: [(Option<&str>, Option<&str>); 3] =
+            [(None, None), (Some("fix: x"), None), (Some(odd), Some("{\"a\": 1}"))];
+        let mut seen = std::collections::HashSet::new();
+        for (feedback, previous) in shapes {
+            for rf in [None, schema.as_ref(), Some(&object)] {
+                for temperature in [None, Some(0.35), Some(1.0), Some(1e-7)] {
+                    let req = Request {
+                        system: "You label messages.",
+                        user: odd,
+                        feedback,
+                        previous,
+                        temperature,
+                        response_format: rf,
+                        record: "r1",
+                        worker: "w1",
+                    };
+                    let body = p.body(&req);
+                    assert_eq!(body.get(), body_as_value(&p, &req));
+                    assert_eq!(fingerprint(&body).len(), 16);
+                    seen.insert(fingerprint(&body));
+                }
+            }
+        }
+        // Every shape, form and temperature is a request of its own.
+        assert_eq!(seen.len(), 3 * 3 * 4);
     }
 
     #[test]
