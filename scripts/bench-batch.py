@@ -21,18 +21,11 @@ import os
 import subprocess
 import tempfile
 
-from benchlib import BIN, ROOT, sim_stats, start_redis, start_sim
+from benchlib import BIN, ROOT, redis_cpu, sim_stats, start_redis, start_sim
 from benchlib import write_records as write
 
 N = int(os.environ.get("N", "10000"))
 SHARD = int(os.environ.get("SHARD", "2500"))
-
-
-def redis_cpu(url):
-    port = url.rsplit(":", 1)[1]
-    out = subprocess.run(["redis-cli", "-p", port, "info", "cpu"], capture_output=True, text=True).stdout
-    vals = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return float(vals["used_cpu_sys"]) + float(vals["used_cpu_user"])
 
 
 def run(mode, tmp, sim_addr, data):

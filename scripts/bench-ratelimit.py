@@ -8,6 +8,11 @@ all, against each way llm-sim can tell it (`--limit-headers openai`,
 llm-sim enforces the limits itself and is the judge: utilization is what it
 accepted over the window against its limit, the 429 rate is its 429s over all
 requests. Each run lasts SECONDS (default 40). Release build, 127.0.0.1 only.
+
+What the throttled fleet costs Redis, per model call in the window (`INFO`
+deltas): CPU, commands (those scripts run inside included), and the command
+time of the limiter's two scripts, `limit_acquire.lua` and
+`limit_settle.lua` (SLOWLOG, which keeps every command during the window).
 """
 import json
 import os
@@ -17,7 +22,8 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import BIN, ROOT, sim_stats, start_redis, start_sim
+from benchlib import (BIN, ROOT, log_every_command, redis_commands, redis_cpu, script_times, sim_stats,
+                      start_redis, start_sim)
 
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 WARMUP = int(os.environ.get("WARMUP_SECONDS", "60"))
@@ -54,9 +60,11 @@ def run(tmp, workers, tpm, headers=None):
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if headers:
             time.sleep(WARMUP)
-        a, t0 = sim_stats(addr), time.time()
+        log_every_command(url)
+        a, t0, cpu0, cmd0 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url)
         time.sleep(SECONDS)
-        b, t1 = sim_stats(addr), time.time()
+        b, t1, cpu1, cmd1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url)
+        scripts = script_times(url)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -69,20 +77,25 @@ def run(tmp, workers, tpm, headers=None):
     r429 = b["by_status"].get("429", 0) - a["by_status"].get("429", 0)
     tokens = (b["prompt_tokens"] + b["completion_tokens"]) - (a["prompt_tokens"] + a["completion_tokens"])
     util = tokens / (tpm * minutes) if tpm else ok / (RPM * minutes)
-    return ok, r429, util, r429 / max(1, ok + r429)
+    calls = max(1, ok + r429)
+    acquire, settle = scripts.get("limit_acquire.lua", (0, 0)), scripts.get("limit_settle.lua", (0, 0))
+    cost = {"cpu_us": (cpu1 - cpu0) * 1e6 / calls, "commands": (cmd1 - cmd0) / calls,
+            "acquire": (acquire[0] / calls, acquire[1] / calls), "settle": (settle[0] / calls, settle[1] / calls)}
+    return ok, r429, util, r429 / calls, cost
 
 
 def main():
     tmp = tempfile.mkdtemp(prefix="bf-bench-rl-")
-    rows = []
+    rows, costs = [], []
     try:
         for workers, tpm, headers in [(1, 0, None), (2, 0, None), (4, 0, None), (3, 200_000, None),
                                       (2, 0, "openai"), (2, 0, "litellm"), (2, 0, "none")]:
-            ok, r429, util, rate = run(tmp, workers, tpm, headers)
+            ok, r429, util, rate, cost = run(tmp, workers, tpm, headers)
             bound = f"{tpm:,} tokens/min" if tpm else f"{RPM:,} requests/min"
             if headers:
                 bound += f", not in the spec (--limit-headers {headers})"
             rows.append((workers, bound, ok, r429, util, rate))
+            costs.append((workers, bound, cost))
             print(f"  {workers} worker(s), {bound}: {util:.3f} utilization, {rate:.4f} 429 rate", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -91,6 +104,13 @@ def main():
     print("|---|---|---|---|---|---|")
     for workers, bound, ok, r429, util, rate in rows:
         print(f"| {workers} | {bound} | {ok:,} | {r429} | {util:.1%} | {rate:.2%} |")
+    print()
+    print("| workers | binding limit | Redis CPU per model call | Redis commands per model call "
+          "| `limit_acquire.lua` per model call | `limit_settle.lua` per model call |")
+    print("|---|---|---|---|---|---|")
+    for workers, bound, c in costs:
+        print(f"| {workers} | {bound} | {c['cpu_us']:.0f} us | {c['commands']:.1f} "
+              f"| {c['acquire'][0]:.2f} calls, {c['acquire'][1]:.1f} us | {c['settle'][0]:.2f} calls, {c['settle'][1]:.1f} us |")
     told = [r for r in rows if "not in the spec" not in r[1]]
     learned = [r for r in rows if "not in the spec" in r[1]]
     print()

@@ -1,5 +1,7 @@
 """Shared pieces of the Python benchmarks: free ports, a throwaway
-redis-server and llm-sim on 127.0.0.1, llm-sim's /stats."""
+redis-server and llm-sim on 127.0.0.1, llm-sim's /stats, what Redis says it
+spent (`INFO` deltas; command time per script from SLOWLOG)."""
+import hashlib
 import json
 import os
 import socket
@@ -30,6 +32,61 @@ def start_redis(tmp):
             break
         time.sleep(0.05)
     return proc, f"redis://127.0.0.1:{port}"
+
+
+def redis_cli(url, *args):
+    port = url.rsplit(":", 1)[1]
+    return subprocess.run(["redis-cli", "-p", port, *args], capture_output=True, text=True, check=True).stdout
+
+
+def redis_info(url, section):
+    out = redis_cli(url, "info", section)
+    return dict(l.split(":", 1) for l in out.splitlines() if ":" in l and not l.startswith("#"))
+
+
+def redis_cpu(url):
+    """CPU seconds (user + system) the server has used so far."""
+    i = redis_info(url, "cpu")
+    return float(i["used_cpu_sys"]) + float(i["used_cpu_user"])
+
+
+def redis_commands(url):
+    """Commands processed so far, those scripts run inside included."""
+    return int(redis_info(url, "stats")["total_commands_processed"])
+
+
+def log_every_command(url):
+    """From now on SLOWLOG keeps every command (with its time), emptied;
+    read it with script_times. Costs Redis a little: for slow runs only."""
+    redis_cli(url, "config", "set", "slowlog-log-slower-than", "0")
+    redis_cli(url, "config", "set", "slowlog-max-len", "1000000")
+    redis_cli(url, "slowlog", "reset")
+
+
+def script_times(url):
+    """{script file name: (calls, microseconds of command time)} from
+    SLOWLOG since log_every_command, a script known by the SHA1 of its
+    source under common/src/store/scripts (how the store loads it)."""
+    folder = os.path.join(ROOT, "common", "src", "store", "scripts")
+    names = {}
+    for f in os.listdir(folder):
+        with open(os.path.join(folder, f), "rb") as src:
+            names[hashlib.sha1(src.read()).hexdigest()] = f
+    out = redis_cli(url, "--json", "slowlog", "get", "1000000")
+    times = {}
+    for _id, _at, micros, cmd, *_ in json.loads(out):
+        if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1:
+            name = names.get(cmd[1], cmd[1][:12])
+            calls, total = times.get(name, (0, 0))
+            times[name] = (calls + 1, total + micros)
+    return times
+
+
+def proc_cpu(pid):
+    """CPU seconds (user + system) a running process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_sim(*args):

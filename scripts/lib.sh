@@ -22,6 +22,14 @@ start_redis() {
   return 1
 }
 
+# redis_cpu: the CPU seconds (user + system) the redis-server of start_redis
+# has used so far; a difference over a step, divided by its records, is
+# Redis CPU per record.
+redis_cpu() {
+  redis-cli -p "$REDIS_PORT" info cpu | tr -d '\r' |
+    awk -F: '/^used_cpu_(sys|user):/ { s += $2 } END { printf "%.6f\n", s }'
+}
+
 stop_redis() {
   if [ -n "${REDIS_PID:-}" ]; then
     kill "$REDIS_PID" 2>/dev/null || true
