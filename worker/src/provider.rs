@@ -11,7 +11,7 @@ use common::spec::JobSpec;
 use common::task::Usage;
 use common::validate::{FieldError, Repair, Validation, validate_record};
 use reqwest::StatusCode;
-use reqwest::header::{CONTENT_TYPE, HeaderMap};
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -74,6 +74,10 @@ pub enum ErrorKind {
     FleetHalt,
 }
 
+/// The headers that tell a provider's or proxy's log which delivery sent a request.
+const RECORD_HEADER: HeaderName = HeaderName::from_static("x-batchfleet-record");
+const WORKER_HEADER: HeaderName = HeaderName::from_static("x-batchfleet-worker");
+
 /// A chat request body, its keys in the order they were always sent (the
 /// fingerprints of answers already stored hash these bytes).
 #[derive(Serialize)]
@@ -117,7 +121,12 @@ pub struct Provider {
     http: reqwest::Client,
     /// The base URL (`.../v1`) and its chat completions endpoint.
     base: String,
-    url: String,
+    /// Parsed once (one that does not parse is refused by each call, as
+    /// reqwest refuses it).
+    url: Result<reqwest::Url, String>,
+    /// `Authorization: Bearer <key>`, made once and marked sensitive (None:
+    /// the key is no valid header value, and each call fails on it as before).
+    auth: Option<HeaderValue>,
     timeout: Duration,
     model: String,
     api_key: String,
@@ -139,10 +148,16 @@ impl Provider {
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
         let base = base_url.unwrap_or(&spec.provider.base_url).trim_end_matches('/');
+        let url = format!("{base}/chat/completions");
+        let auth = HeaderValue::try_from(format!("Bearer {api_key}")).ok().map(|mut v| {
+            v.set_sensitive(true);
+            v
+        });
         Ok(Provider {
             http,
             base: base.to_owned(),
-            url: format!("{base}/chat/completions"),
+            url: reqwest::Url::parse(&url).map_err(|_| url),
+            auth,
             timeout: Duration::from_secs(spec.provider.timeout_secs),
             model: spec.provider.model.clone(),
             api_key,
@@ -196,12 +211,17 @@ impl Provider {
     /// classified. Also returns the rate-limit headers, when there was a response.
     pub async fn call(&self, record: &str, worker: &str, body: &RawValue) -> (CallResult, RateHeaders, Duration) {
         let started = Instant::now();
-        let sent = self
-            .http
-            .post(&self.url)
-            .bearer_auth(&self.api_key)
-            .header("x-batchfleet-record", record)
-            .header("x-batchfleet-worker", worker)
+        let request = match &self.url {
+            Ok(url) => self.http.post(url.clone()),
+            Err(url) => self.http.post(url.as_str()),
+        };
+        let request = match &self.auth {
+            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
+            None => request.bearer_auth(&self.api_key),
+        };
+        let sent = request
+            .header(RECORD_HEADER, record)
+            .header(WORKER_HEADER, worker)
             .header(CONTENT_TYPE, "application/json")
             .body(body.get().to_owned())
             .send()
