@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import BIN, ROOT, free_port, start_redis, start_sim
+from benchlib import BIN, ROOT, free_port, proc_cpu, start_redis, start_sim
 from benchlib import write_records as write
 
 N = int(os.environ.get("N", "50000"))
@@ -100,13 +100,11 @@ def redis_int(url, *cmd):
 
 
 def cpu_secs(pids):
-    """User + system CPU seconds of these processes so far."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of these processes so far (one gone counts 0)."""
     total = 0
     for pid in pids:
         try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += proc_cpu(pid)
         except (OSError, IndexError, ValueError):
             pass
     return total

@@ -22,22 +22,62 @@ pub fn http_get_json(addr: &str, path: &str) -> serde_json::Value {
 /// optional JSON body: (status code, body). Panics when the server cannot be
 /// reached or the answer cannot be read.
 pub(crate) fn http_request(addr: &str, method: Method, path: &str, json_body: Option<String>) -> (u16, String) {
+    request(
+        addr,
+        method,
+        path,
+        json_body.map(|b| (b, Some("application/json"))),
+        &[],
+    )
+}
+
+/// `POST` of `body` to `path` with this `Content-Type` (None: no such
+/// header) and these other headers: (status code, body).
+pub(crate) fn http_post_as(
+    addr: &str,
+    path: &str,
+    body: &str,
+    content_type: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
+    request(addr, Method::POST, path, Some((body.to_owned(), content_type)), headers)
+}
+
+fn request(
+    addr: &str,
+    method: Method,
+    path: &str,
+    body: Option<(String, Option<&str>)>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
     let url = format!("http://{}{path}", addr.trim_start_matches("http://"));
     // A blocking reqwest client panics on a thread that runs an async
     // runtime: every request runs on a thread of its own, so a test may call
     // this from anywhere.
     let sent = std::thread::scope(|s| {
-        s.spawn(|| send(method.clone(), &url, json_body))
+        s.spawn(|| send(method.clone(), &url, body, headers))
             .join()
             .expect("the HTTP request thread panicked")
     });
     sent.unwrap_or_else(|e| panic!("{method} {url}: {}", error_chain(&e)))
 }
 
-fn send(method: Method, url: &str, json_body: Option<String>) -> reqwest::Result<(u16, String)> {
+/// `body`: the body and its `Content-Type` (None: no such header).
+fn send(
+    method: Method,
+    url: &str,
+    body: Option<(String, Option<&str>)>,
+    headers: &[(&str, &str)],
+) -> reqwest::Result<(u16, String)> {
     let mut request = client().request(method, url);
-    if let Some(body) = json_body {
-        request = request.header("content-type", "application/json").body(body);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    if let Some((body, content_type)) = body {
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        request = request.body(body);
     }
     let response = request.send()?;
     let status = response.status().as_u16();

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::Method;
 
-use crate::client::{http_get_json, http_request};
+use crate::client::{http_get_json, http_post_as, http_request};
 use crate::paths::{TempDir, bin, workspace};
 use crate::process::{stderr, stdout, wait_for};
 
@@ -304,6 +304,18 @@ impl LlmSim {
             serde_json::Value::Array(a) => a,
             other => panic!("unexpected /log reply: {other}"),
         }
+    }
+
+    /// A chat request of our own, sent with this `Content-Type` (None: no
+    /// such header) and the key `sk-test-key`: (status code, body).
+    pub fn chat_as(&self, body: &str, content_type: Option<&str>) -> (u16, String) {
+        http_post_as(
+            &self.addr,
+            "/v1/chat/completions",
+            body,
+            content_type,
+            &[("authorization", "Bearer sk-test-key")],
+        )
     }
 
     /// `POST /admin/limits`.

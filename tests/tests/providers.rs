@@ -1,6 +1,7 @@
 //! Real servers' behaviours, imitated by llm-sim: a proxy that answers a
-//! wrong key with 400, a model the server does not serve, and resuming a
-//! halted job without waiting for a visibility timeout.
+//! wrong key with 400, a model the server does not serve, a server that
+//! takes only `application/json` bodies, and resuming a halted job without
+//! waiting for a visibility timeout.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
@@ -442,4 +443,34 @@ fn without_a_grace_the_next_call_queues_behind_an_abandoned_one() {
         stats["max_generating"].as_u64().unwrap() >= 2,
         "with no grace the slot is free while the server still works: {stats}"
     );
+}
+
+#[test]
+fn a_body_not_sent_as_json_is_refused_with_415_and_every_request_of_the_worker_is_json() {
+    let sim = LlmSim::start(&[]);
+    let body = r#"{"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hello"}]}"#;
+    // As vLLM's OpenAI server: the media type decides, whatever the body holds.
+    for content_type in [None, Some("text/plain"), Some("application/x-www-form-urlencoded")] {
+        let (status, text) = sim.chat_as(body, content_type);
+        assert_eq!(status, 415, "{content_type:?}: {text}");
+        assert!(text.contains("Only 'application/json' is allowed"), "{text}");
+    }
+    for content_type in [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+    ] {
+        let (status, text) = sim.chat_as(body, Some(content_type));
+        assert_eq!(status, 200, "{content_type}: {text}");
+    }
+    let redis = RedisServer::start();
+    let _dir = job(&redis, "media", 20);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "media", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert_eq!(exit.code(), Some(0), "{log}");
+    let (_, s) = status_json(&redis, "media");
+    assert_eq!(s["done"], 20, "{s}");
+    // What llm-sim saw: our own three refusals and no other; every call of the worker answered.
+    let stats = sim.stats();
+    assert_eq!(stats["by_status"]["415"], 3, "{stats}");
+    assert!(stats["by_status"]["200"].as_u64().unwrap() >= 3 + 20, "{stats}");
 }

@@ -471,6 +471,9 @@ async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
     if let Some(refused) = check_auth(sim, headers) {
         return refused;
     }
+    if let Some(refused) = check_media_type(headers) {
+        return refused;
+    }
     let req: Value = match serde_json::from_str(body) {
         Ok(v) => v,
         Err(e) => return invalid_json(&e),
@@ -595,6 +598,26 @@ fn check_auth(sim: &Sim, headers: &HeaderMap) -> Option<Response> {
         "invalid_request_error",
         "invalid_api_key",
     ))
+}
+
+/// 415 for a body not sent as `application/json`, as vLLM's OpenAI server
+/// answers (`validate_json_request`: the media type before any `;`
+/// parameters, whatever the body holds).
+fn check_media_type(headers: &HeaderMap) -> Option<Response> {
+    let content_type = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let media_type = content_type.split(';').next().unwrap_or("").trim();
+    (media_type != "application/json").then(|| {
+        error_body(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Unsupported Media Type: Only 'application/json' is allowed",
+            "invalid_request_error",
+            "unsupported_media_type",
+        )
+    })
 }
 
 /// 400 for a body that is not JSON.
