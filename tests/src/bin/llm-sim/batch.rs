@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Multipart, Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
@@ -297,11 +297,13 @@ pub async fn create(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: Strin
         all.len() == 1
     };
     sim.batch.created.fetch_add(1, Ordering::Relaxed);
-    // The lines are answered on behalf of the key that created the batch.
+    // The lines are answered on behalf of the key that created the batch,
+    // each one a JSON body (the Batch API reads them so).
     let mut auth = HeaderMap::new();
     if let Some(v) = headers.get("authorization") {
         auth.insert("authorization", v.clone());
     }
+    auth.insert("content-type", HeaderValue::from_static("application/json"));
     tokio::spawn(process(sim.clone(), id, first, auth));
     if first && sim.batch_faults.lost_create {
         // Created, but the answer never reaches the client (it gives up first).
