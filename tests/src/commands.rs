@@ -30,12 +30,21 @@ pub fn worker_cmd(redis: &RedisServer, job: &str, sim: &LlmSim, extra: &[&str]) 
 
 /// [`worker_cmd`] for any Redis URL (a TLS server, a cluster's seed list).
 pub fn worker_cmd_url(redis_url: &str, job: &str, sim: &LlmSim, extra: &[&str]) -> Command {
+    let mut c = worker_of(redis_url, sim, extra);
+    c.args(["--job", job]);
+    c
+}
+
+/// A `worker` command without `--job`: it serves every job in Redis.
+pub fn worker_cmd_all(redis: &RedisServer, sim: &LlmSim, extra: &[&str]) -> Command {
+    worker_of(&redis.url(), sim, extra)
+}
+
+fn worker_of(redis_url: &str, sim: &LlmSim, extra: &[&str]) -> Command {
     let mut c = Command::new(bin("worker"));
     c.args([
         "--redis",
         redis_url,
-        "--job",
-        job,
         "--base-url",
         &sim.base_url(),
         "--log-format",
@@ -172,4 +181,22 @@ pub fn helm(args: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// Runs a command line as a person would type it (the words a message
+/// suggested), in `sh`, with batchfleet's binaries first on `PATH` and these
+/// variables set.
+pub fn typed(command: &str, env: &[(&str, &str)]) -> Output {
+    let dir = crate::paths::bin("producer");
+    let path = format!(
+        "{}:{}",
+        dir.parent().map(|d| d.display().to_string()).unwrap_or_default(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut c = Command::new("/bin/sh");
+    c.args(["-c", command]).env("PATH", path).env_remove("REDIS_URL");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run a typed command")
 }

@@ -28,7 +28,8 @@ pub mod servers;
 pub use client::{Answer, http_get, http_get_json, http_send};
 pub use commands::{
     enqueue, enqueue_cmd, enqueue_cmd_url, export_done_env, export_env, exported_ledger, helm, producer,
-    producer_with_env, status_json, status_json_env, status_json_url, worker_cmd, worker_cmd_url,
+    producer_with_env, status_json, status_json_env, status_json_url, typed, worker_cmd, worker_cmd_all,
+    worker_cmd_url,
 };
 pub use dataset::{example_spec, record_line, sink_section, spec_with, write_records};
 pub use paths::{TempDir, bin, workspace};

@@ -248,14 +248,22 @@ pub struct LlmSim {
     child: Child,
     /// `http://127.0.0.1:PORT`
     pub addr: String,
+    /// The flags it was started with (a restart uses them again).
+    args: Vec<String>,
 }
 
 impl LlmSim {
     /// Starts llm-sim with extra flags and waits for its address line.
     pub fn start(args: &[&str]) -> LlmSim {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let (child, addr) = Self::spawn(0, &args);
+        LlmSim { child, addr, args }
+    }
+
+    fn spawn(port: u16, args: &[String]) -> (Child, String) {
         use std::io::BufRead;
         let mut child = Command::new(bin("llm-sim"))
-            .args(["--port", "0"])
+            .args(["--port", &port.to_string()])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -271,7 +279,35 @@ impl LlmSim {
             .strip_prefix("llm-sim listening on ")
             .unwrap_or_else(|| panic!("unexpected llm-sim output: {line}"))
             .to_owned();
-        LlmSim { child, addr }
+        (child, addr)
+    }
+
+    /// Kills this llm-sim (by its pid): its port refuses connections until
+    /// [`LlmSim::restart`].
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port with the same flags (a provider
+    /// back from an outage; its counters start from zero).
+    pub fn restart(&mut self) {
+        let port: u16 = self
+            .addr
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("llm-sim's port");
+        let (child, addr) = Self::spawn(port, &self.args);
+        assert_eq!(addr, self.addr, "restarted on the same address");
+        self.child = child;
+    }
+
+    /// `POST /admin/outage`: starts an outage in `mode` (for `secs`, or
+    /// until told), or (None) ends the one under way.
+    pub fn outage(&self, mode: Option<&str>, secs: Option<f64>) {
+        let body = serde_json::json!({ "mode": mode, "secs": secs });
+        http_request(&self.addr, Method::POST, "/admin/outage", Some(body.to_string()));
     }
 
     /// The base URL a worker uses (`.../v1`).

@@ -12,6 +12,8 @@
 
 #[path = "llm-sim/batch.rs"]
 mod batch;
+#[path = "llm-sim/outage.rs"]
+mod outage;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -63,7 +65,14 @@ struct Args {
     /// (a misconfigured or hostile endpoint sending the key elsewhere).
     #[arg(long)]
     redirect_to: Option<String>,
-    /// How long a `hang` fault holds the request.
+    /// Provider outages, `MODE:AFTER:SECS` (comma-separated): each starts
+    /// once AFTER requests were answered and lasts SECS. Modes: unavailable
+    /// (503 with `retry-after`), hang (accepted, never answered), reset (the
+    /// connection cut mid-body), capacity (429 with no retry hint).
+    /// `POST /admin/outage` starts or ends one mid-run.
+    #[arg(long, default_value = "")]
+    outage: String,
+    /// How long a `hang` fault (or a `hang` outage) holds the request.
     #[arg(long, default_value_t = 3600)]
     hang_secs: u64,
     /// Require this bearer token (401 otherwise); any non-empty one when unset.
@@ -257,6 +266,8 @@ struct Sim {
     fail_all: Mutex<Option<(u16, String, String)>>,
     /// `--slots`: the generation slots, taken in arrival order.
     slots: Option<Arc<tokio::sync::Semaphore>>,
+    /// Outages planned and under way (`--outage`, `/admin/outage`).
+    outages: outage::Outages,
     /// HTTP requests clients sent to `/v1/...` (chat, files, batches): not
     /// the chat calls a batch makes inside.
     api_calls: std::sync::atomic::AtomicU64,
@@ -309,6 +320,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let faults = parse_faults(&args.faults)?;
     let batch_faults = batch::BatchFaults::parse(&args.batch_faults)?;
+    let outages = outage::Outages::new(outage::parse_plans(&args.outage).map_err(anyhow::Error::msg)?);
     let listener = tokio::net::TcpListener::bind((args.bind, args.port)).await?;
     let addr = listener.local_addr()?;
     let sim = Arc::new(Sim {
@@ -330,6 +342,7 @@ async fn main() -> anyhow::Result<()> {
         faults,
         batch_faults,
         batch: batch::Store::default(),
+        outages,
         api_calls: Default::default(),
         args,
     });
@@ -351,6 +364,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/calls", get(calls))
         .route("/admin/limits", post(set_limits))
         .route("/admin/fail", post(set_fail))
+        .route("/admin/outage", post(set_outage))
         .layer(axum::middleware::from_fn_with_state(sim.clone(), count_api))
         .with_state(sim);
     println!("llm-sim listening on http://{addr}");
@@ -465,6 +479,11 @@ impl Drop for InFlight<'_> {
 /// One chat request, step by step: each step either answers (and ends the
 /// request) or hands on to the next.
 async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
+    // A provider in an incident answers nothing else.
+    let answered = sim.answers.load(std::sync::atomic::Ordering::Relaxed);
+    if let Some(mode) = sim.outages.meet(answered) {
+        return outage::answer(mode, sim.args.hang_secs).await;
+    }
     if let Some(to) = &sim.args.redirect_to {
         return redirect(to);
     }
@@ -1096,6 +1115,9 @@ fn schema_props(response_format: &Value) -> Vec<(String, Value)> {
 }
 
 fn type_names(prop: &Value) -> Vec<String> {
+    if let Some(branches) = prop["anyOf"].as_array() {
+        return branches.iter().flat_map(type_names).collect();
+    }
     match &prop["type"] {
         Value::String(s) => vec![s.clone()],
         Value::Array(a) => a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
@@ -1119,10 +1141,46 @@ fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
     let digest = Sha256::digest(seed_text.as_bytes());
     let mut rng = StdRng::seed_from_u64(u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])));
     let mut out = serde_json::Map::new();
+    // A schema attached to `json_object` goes through the server's grammar
+    // converter, which enforces only part of it.
+    let grammar = response_format["type"] == "json_object";
     for (name, prop) in props {
-        out.insert(name, value_for(&prop, user, &mut rng));
+        let value = match as_grammar(&prop).filter(|_| grammar) {
+            Some(bare) => unconstrained(&bare, user, &mut rng),
+            None => value_for(&prop, user, &mut rng),
+        };
+        out.insert(name, value);
     }
     Value::Object(out)
+}
+
+/// What llama-cpp-python 0.3's grammar converter (`json_schema_to_gbnf`)
+/// makes of a property it does not enforce: a list of types (`["array",
+/// "null"]`) becomes the bare type, every other keyword (items, enum,
+/// bounds, lengths) dropped. None when it enforces the property as written
+/// (one type, or `anyOf` alternatives, each kept whole).
+fn as_grammar(prop: &Value) -> Option<String> {
+    let types = prop["type"].as_array()?;
+    types
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|t| *t != "null")
+        .map(str::to_owned)
+}
+
+/// A value of `ty` with nothing else holding it: what a model writes when
+/// the grammar lets it (array items of any kind, numbers out of any range,
+/// strings of any length).
+fn unconstrained(ty: &str, user: &str, rng: &mut StdRng) -> Value {
+    let word = user.split_whitespace().last().unwrap_or("item");
+    match ty {
+        "array" => json!([{ "name": word }, rng.random_range(1..1000)]),
+        "number" => json!(rng.random_range(2..100)),
+        "integer" => json!(rng.random_range(1000..100_000)),
+        "boolean" => json!(rng.random_range(0..2) == 1),
+        "object" => json!({ "note": word }),
+        _ => json!(format!("{} ", user.trim()).repeat(3)),
+    }
 }
 
 /// A conforming value for one property's schema: an enum value (the one
@@ -1130,6 +1188,11 @@ fn generate(response_format: &Value, user: &str, seed_text: &str) -> Value {
 /// strings and string arrays; objects and arrays of objects from their own
 /// `properties`, recursively.
 fn value_for(prop: &Value, user: &str, rng: &mut StdRng) -> Value {
+    // `anyOf: [{T ...}, {"type": "null"}]`: a value of the first branch that is not null.
+    if let Some(branches) = prop["anyOf"].as_array() {
+        let branch = branches.iter().find(|b| b["type"] != "null").unwrap_or(&Value::Null);
+        return value_for(branch, user, rng);
+    }
     let types = type_names(prop);
     let ty = types
         .iter()
@@ -1200,6 +1263,8 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
     s["batches_created"] = json!(sim.batch.created.load(std::sync::atomic::Ordering::Relaxed));
     // Every HTTP request clients sent to the API (a batch's lines are not).
     s["api_calls"] = json!(sim.api_calls.load(std::sync::atomic::Ordering::Relaxed));
+    // Outages: the one under way, how many started, the requests they refused.
+    s["outage"] = sim.outages.stats();
     let l = sim
         .limits
         .lock()
@@ -1295,6 +1360,14 @@ async fn set_fail(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Statu
     StatusCode::NO_CONTENT
 }
 
+/// Starts (`{"mode": "hang", "secs": 20}`) or ends (`{"mode": null}`) an outage.
+async fn set_outage(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Response {
+    match sim.outages.set(&body) {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+    }
+}
+
 /// Changes the enforced limits mid-run: `{"rpm": N, "tpm": N}`.
 async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> StatusCode {
     let Ok(mut l) = sim.limits.lock() else {
@@ -1314,6 +1387,33 @@ async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Sta
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_schema_attached_to_json_object_is_enforced_as_llama_cpp_s_converter_does() {
+        let items = json!({"type": "array", "items": {"type": "string"}, "maxItems": 20});
+        let as_list = json!({"type": "json_object", "schema": {"type": "object", "properties": {
+            "items": {"type": ["array", "null"], "items": {"type": "string"}, "maxItems": 20},
+            "confidence": {"type": ["number", "null"], "minimum": 0.0, "maximum": 1.0},
+        }}});
+        let as_any_of = json!({"type": "json_object", "schema": {"type": "object", "properties": {
+            "items": {"anyOf": [items, {"type": "null"}]},
+            "confidence": {"anyOf": [{"type": "number", "minimum": 0.0, "maximum": 1.0}, {"type": "null"}]},
+        }}});
+        let strict = json!({"type": "json_schema", "json_schema": {"schema": as_list["schema"].clone()}});
+        for seed in 0..20 {
+            let seed = format!("{seed}");
+            // A list of types: the converter keeps the bare type, nothing else.
+            let v = generate(&as_list, "Message: hello world", &seed);
+            assert!(v["items"].as_array().unwrap().iter().any(|i| !i.is_string()), "{v}");
+            assert!(v["confidence"].as_f64().unwrap() > 1.0, "{v}");
+            // The anyOf spelling is enforced, and so is the strict form.
+            for rf in [&as_any_of, &strict] {
+                let v = generate(rf, "Message: hello world", &seed);
+                assert!(v["items"].as_array().unwrap().iter().all(Value::is_string), "{v}");
+                assert!((0.0..=1.0).contains(&v["confidence"].as_f64().unwrap()), "{v}");
+            }
+        }
+    }
 
     #[test]
     fn every_fault_round_trips_through_its_name() {
