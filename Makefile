@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink bench-console bench-batch deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-status bench-sink bench-console bench-batch bench-outage deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 ## (MODE=batch: the same job through the provider's Batch API, at batch prices)
@@ -35,7 +35,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink bench-console bench-batch
+bench: bench-enqueue bench-worker bench-ratelimit bench-status bench-tracing bench-sink bench-console bench-batch bench-outage
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -79,6 +79,11 @@ bench-console: deps
 bench-batch: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-batch.py
+
+## bench-outage: a 20 s provider outage mid-job: records/s before and after, time from its return to the first record done
+bench-outage: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-outage.py
 
 ## bench-sink: rows/s into PostgreSQL vs a raw COPY of the same rows, Redis bytes per queued and finished record
 bench-sink: deps

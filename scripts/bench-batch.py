@@ -33,7 +33,7 @@ def run(mode, tmp, sim_addr, data):
     try:
         spec = open(os.path.join(ROOT, "examples/job.toml")).read()
         if mode == "batch":
-            spec = spec.replace("structured_output = true", 'structured_output = true\nmode = "batch"', 1)
+            spec = spec.replace('structured_output = "auto"', 'structured_output = "auto"\nmode = "batch"', 1)
             spec = spec.replace("[retry]", f"[batch]\nshard_records = {SHARD}\npoll_secs = 1\npack_wait_secs = 1\n\n[retry]", 1)
         spec_path = os.path.join(tmp, f"job-{mode}.toml")
         open(spec_path, "w").write(spec)

@@ -64,7 +64,7 @@ case "${MODE:-online}" in
   batch)
     # Shards of up to 200 requests, looked at every second; a shard is
     # packed once its tasks waited 2 s.
-    sed -i 's/^structured_output = true$/structured_output = true\nmode = "batch"/; s/^\[retry\]$/[batch]\nshard_records = 200\npoll_secs = 1\npack_wait_secs = 2\n\n[retry]/' "$spec"
+    sed -i 's/^\(structured_output = .*\)$/\1\nmode = "batch"/; s/^\[retry\]$/[batch]\nshard_records = 200\npoll_secs = 1\npack_wait_secs = 2\n\n[retry]/' "$spec"
     echo "MODE=batch: $spec sets provider.mode = \"batch\" and [batch] (shards of 200 requests)"
     ;;
   *) echo "MODE must be online or batch, not ${MODE}" >&2; exit 2 ;;

@@ -13,7 +13,8 @@ pub enum Outcome {
     Valid,
     /// Output failed validation; these errors go back to the model.
     Invalid(Vec<FieldError>),
-    /// Timeout, connection error, 5xx, 408/409, empty or broken body.
+    /// Timeout, refused or reset connection, 5xx, 408/409/425, empty or
+    /// broken body: the world's fault, never the record's (not an attempt).
     Transient { cause: String, retry_after_ms: Option<u64> },
     /// 429 `rate_limit_exceeded`: not the record's fault, never its last chance.
     RateLimited { retry_after_ms: Option<u64> },
@@ -70,15 +71,68 @@ pub enum Decision {
 /// The least a record waits after a suspect (maybe systematic) error.
 pub const SUSPECT_WAIT_MS: u64 = 1000;
 
-/// Decides after attempt `attempt` (1-based, counting this one).
-/// `calls` counts every call for the record, rate-limited ones included.
-/// `unit` is a uniform draw in [0, 1) for the jitter.
-pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy, unit: f64) -> Decision {
+/// The provider as the fleet knows it when an attempt is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderState {
+    /// It answers (others' calls, at least). `failing_ms`: how long this
+    /// record's own calls have failed transiently in a row, this one included.
+    Up { failing_ms: u64 },
+    /// Taken for down fleet-wide: a record that failed transiently waits in
+    /// the queue, without a delay of its own, for the probe's answer (the
+    /// job halts once the outage outlasts its budget).
+    Down,
+}
+
+/// Where a record stands when its attempt is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// The attempt, 1-based (this call counted when it is one).
+    pub attempt: u32,
+    /// Every call for the record, failed and rate-limited ones included.
+    pub calls: u32,
+    pub provider: ProviderState,
+}
+
+impl Standing {
+    /// A record whose provider answers, its calls not failing.
+    pub fn new(attempt: u32, calls: u32) -> Standing {
+        Standing {
+            attempt,
+            calls,
+            provider: ProviderState::Up { failing_ms: 0 },
+        }
+    }
+}
+
+/// Decides after an attempt (see [`Standing`]). `unit` is a uniform draw in
+/// [0, 1) for the jitter.
+///
+/// `max_attempts` counts answers that came back wrong. Transient failures
+/// and 429s are the world's: they wait on a time horizon (backoff on the
+/// record's calls, capped and jittered, `Retry-After` honoured) and never
+/// send a record to review while the job's outage budget lasts.
+pub fn decide(at: Standing, outcome: &Outcome, policy: &RetryPolicy, unit: f64) -> Decision {
+    let Standing {
+        attempt,
+        calls,
+        provider,
+    } = at;
     let attempts_left = attempt < policy.max_attempts;
     let retry = |cause: &str, retry_after_ms: Option<u64>, feedback: Option<Vec<FieldError>>| Decision::Retry {
         delay_ms: backoff_ms(attempt, policy, unit).max(retry_after_ms.unwrap_or(0)),
         cause: cause.to_owned(),
         feedback,
+    };
+    // Not the record's fault, never its last chance: it waits, longer the
+    // more often it was turned away (the backoff follows its calls, not its
+    // attempts); while the provider is down, in the queue for the probe.
+    let wait = |cause: &str, retry_after_ms: Option<u64>| Decision::Retry {
+        delay_ms: match provider {
+            ProviderState::Down => 0,
+            ProviderState::Up { .. } => backoff_ms(calls, policy, unit).max(retry_after_ms.unwrap_or(0)),
+        },
+        cause: cause.to_owned(),
+        feedback: None,
     };
     match outcome {
         Outcome::Valid => Decision::Commit,
@@ -86,18 +140,15 @@ pub fn decide(attempt: u32, calls: u32, outcome: &Outcome, policy: &RetryPolicy,
         Outcome::Invalid(_) => Decision::Review {
             reason: "attempts_exhausted".into(),
         },
-        Outcome::Transient { cause, retry_after_ms } if attempts_left => retry(cause, *retry_after_ms, None),
-        Outcome::Transient { .. } => Decision::Review {
-            reason: "attempts_exhausted".into(),
-        },
-        // Never the record's fault, never its last chance: it waits, longer
-        // the more often it was throttled (the backoff follows its calls,
-        // not its attempts), while the fleet's budget pauses.
-        Outcome::RateLimited { retry_after_ms } => Decision::Retry {
-            delay_ms: backoff_ms(calls, policy, unit).max(retry_after_ms.unwrap_or(0)),
-            cause: "rate_limited".into(),
-            feedback: None,
-        },
+        // Only this record's calls fail, and for longer than the job waits
+        // out an outage: something about the record, not the world.
+        Outcome::Transient { .. } if matches!(provider, ProviderState::Up { failing_ms } if failing_ms >= policy.outage_budget_ms()) => {
+            Decision::Review {
+                reason: "transient_exhausted".into(),
+            }
+        }
+        Outcome::Transient { cause, retry_after_ms } => wait(cause, *retry_after_ms),
+        Outcome::RateLimited { retry_after_ms } => wait("rate_limited", *retry_after_ms),
         // The retry says why (and shows the cut-off answer): without it the
         // request would be the one already paid for, byte for byte.
         Outcome::Truncated if attempts_left => retry("truncated", None, Some(vec![truncated_feedback()])),
@@ -170,6 +221,7 @@ mod tests {
             max_delay_ms: 5000,
             jitter: Jitter::None,
             temperatures: vec![],
+            outage_budget_secs: Some(600),
         }
     }
 
@@ -183,13 +235,19 @@ mod tests {
 
     #[test]
     fn valid_output_commits_on_any_attempt() {
-        assert_eq!(decide(1, 1, &Outcome::Valid, &policy(), 0.5), Decision::Commit);
-        assert_eq!(decide(3, 9, &Outcome::Valid, &policy(), 0.5), Decision::Commit);
+        assert_eq!(
+            decide(Standing::new(1, 1), &Outcome::Valid, &policy(), 0.5),
+            Decision::Commit
+        );
+        assert_eq!(
+            decide(Standing::new(3, 9), &Outcome::Valid, &policy(), 0.5),
+            Decision::Commit
+        );
     }
 
     #[test]
     fn invalid_output_retries_with_feedback_then_goes_to_review() {
-        match decide(1, 1, &invalid(), &policy(), 0.5) {
+        match decide(Standing::new(1, 1), &invalid(), &policy(), 0.5) {
             Decision::Retry {
                 feedback: Some(f),
                 delay_ms: 1000,
@@ -201,7 +259,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(
-            decide(3, 3, &invalid(), &policy(), 0.5),
+            decide(Standing::new(3, 3), &invalid(), &policy(), 0.5),
             Decision::Review {
                 reason: "attempts_exhausted".into()
             }
@@ -209,13 +267,13 @@ mod tests {
     }
 
     #[test]
-    fn transport_errors_retry_without_feedback_and_honour_retry_after() {
+    fn transport_errors_wait_on_the_record_s_calls_and_honour_retry_after() {
         let t = Outcome::Transient {
             cause: "timeout".into(),
             retry_after_ms: Some(4200),
         };
         assert_eq!(
-            decide(1, 1, &t, &policy(), 0.5),
+            decide(Standing::new(1, 1), &t, &policy(), 0.5),
             Decision::Retry {
                 delay_ms: 4200,
                 cause: "timeout".into(),
@@ -226,15 +284,59 @@ mod tests {
             cause: "http_503".into(),
             retry_after_ms: None,
         };
-        assert_eq!(
-            decide(2, 2, &t, &policy(), 0.5),
-            Decision::Retry {
-                delay_ms: 2000,
-                cause: "http_503".into(),
-                feedback: None
+        let delay = |attempt, calls| match decide(Standing::new(attempt, calls), &t, &policy(), 1.0) {
+            Decision::Retry { delay_ms, feedback, .. } => {
+                assert_eq!(feedback, None, "never fed back to the model");
+                delay_ms
             }
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(delay(1, 2), 2000, "the backoff follows the record's calls");
+        assert_eq!(delay(1, 500), 5000, "capped");
+        // Past max_attempts: a transient failure is not an answer that came back wrong.
+        assert_eq!(delay(3, 3), 4000);
+        assert_eq!(delay(9, 9), 5000);
+    }
+
+    #[test]
+    fn transient_failures_review_a_record_only_after_the_outage_budget_and_never_while_the_provider_is_down() {
+        let t = Outcome::Transient {
+            cause: "connect".into(),
+            retry_after_ms: Some(900),
+        };
+        let at = |failing_ms| Standing {
+            provider: ProviderState::Up { failing_ms },
+            ..Standing::new(1, 40)
+        };
+        assert!(matches!(
+            decide(at(599_999), &t, &policy(), 0.5),
+            Decision::Retry { .. }
+        ));
+        assert_eq!(
+            decide(at(600_000), &t, &policy(), 0.5),
+            Decision::Review {
+                reason: "transient_exhausted".into()
+            },
+            "only this record's calls failed for the whole budget"
         );
-        assert!(matches!(decide(3, 3, &t, &policy(), 0.5), Decision::Review { .. }));
+        let down = Standing {
+            provider: ProviderState::Down,
+            ..Standing::new(1, 40)
+        };
+        assert_eq!(
+            decide(down, &t, &policy(), 0.5),
+            Decision::Retry {
+                delay_ms: 0,
+                cause: "connect".into(),
+                feedback: None
+            },
+            "while the provider is down the record waits in the queue for the probe"
+        );
+        let r = Outcome::RateLimited { retry_after_ms: None };
+        assert!(matches!(
+            decide(at(u64::MAX), &r, &policy(), 0.5),
+            Decision::Retry { .. }
+        ));
     }
 
     #[test]
@@ -242,7 +344,7 @@ mod tests {
         let r = Outcome::RateLimited {
             retry_after_ms: Some(100),
         };
-        let delay = |calls| match decide(3, calls, &r, &policy(), 1.0) {
+        let delay = |calls| match decide(Standing::new(3, calls), &r, &policy(), 1.0) {
             Decision::Retry { delay_ms, .. } => delay_ms,
             other => panic!("{other:?}"),
         };
@@ -253,7 +355,7 @@ mod tests {
             base_delay_ms: 10,
             ..policy()
         };
-        match decide(1, 1, &r, &short, 0.0) {
+        match decide(Standing::new(1, 1), &r, &short, 0.0) {
             Decision::Retry { delay_ms, .. } => assert_eq!(delay_ms, 100, "Retry-After is the minimum"),
             other => panic!("{other:?}"),
         }
@@ -262,11 +364,11 @@ mod tests {
     #[test]
     fn truncation_retries_then_reviews_refusals_review_at_once() {
         assert!(matches!(
-            decide(1, 1, &Outcome::Truncated, &policy(), 0.5),
+            decide(Standing::new(1, 1), &Outcome::Truncated, &policy(), 0.5),
             Decision::Retry { feedback: Some(f), .. } if f[0].code == ErrorCode::Truncated
         ));
         assert_eq!(
-            decide(3, 3, &Outcome::Truncated, &policy(), 0.5),
+            decide(Standing::new(3, 3), &Outcome::Truncated, &policy(), 0.5),
             Decision::Review {
                 reason: "truncated".into()
             }
@@ -275,7 +377,7 @@ mod tests {
             cause: "content_filter".into(),
         };
         assert_eq!(
-            decide(1, 1, &refused, &policy(), 0.5),
+            decide(Standing::new(1, 1), &refused, &policy(), 0.5),
             Decision::Review {
                 reason: "refused:content_filter".into()
             }
@@ -285,7 +387,7 @@ mod tests {
     #[test]
     fn a_request_the_record_already_got_an_answer_for_is_not_sent() {
         assert_eq!(
-            decide(2, 2, &Outcome::NoNewAttempt, &policy(), 0.5),
+            decide(Standing::new(2, 2), &Outcome::NoNewAttempt, &policy(), 0.5),
             Decision::Review {
                 reason: "no_new_attempt".into()
             }
@@ -309,7 +411,12 @@ mod tests {
     fn a_poison_task_goes_to_review_whatever_its_attempts() {
         for attempt in [1, 3, 9] {
             assert_eq!(
-                decide(attempt, 1, &Outcome::Poison { deliveries: 6 }, &policy(), 0.5),
+                decide(
+                    Standing::new(attempt, 1),
+                    &Outcome::Poison { deliveries: 6 },
+                    &policy(),
+                    0.5
+                ),
                 Decision::Review {
                     reason: "poison".into()
                 }
@@ -320,8 +427,7 @@ mod tests {
     #[test]
     fn input_errors_drop_and_fleet_faults_halt() {
         let d = decide(
-            1,
-            1,
+            Standing::new(1, 1),
             &Outcome::InputError {
                 reason: "template_missing:text".into(),
             },
@@ -335,8 +441,7 @@ mod tests {
             }
         );
         let h = decide(
-            1,
-            1,
+            Standing::new(1, 1),
             &Outcome::FleetHalt {
                 cause: "http_401".into(),
             },

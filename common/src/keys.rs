@@ -262,6 +262,13 @@ pub fn breaker(job: &str) -> String {
     format!("bf:{{{job}}}:breaker")
 }
 
+/// The job's provider outage (see `outage.lua`): the streak of calls
+/// failing transiently fleet-wide (since when, how many, the last error),
+/// whether the provider is taken for down, and the probe's lease.
+pub fn outage(job: &str) -> String {
+    format!("bf:{{{job}}}:outage")
+}
+
 /// The structured-output form an endpoint and model accept, learned by
 /// `structured_output = "auto"` (`endpoint` is a hash of base URL and model).
 pub fn accepted_form(endpoint: &str) -> String {
@@ -329,6 +336,7 @@ mod tests {
             dropped_lines("a.b"),
             datasets("a.b"),
             halt("a.b"),
+            outage("a.b"),
         ] {
             assert_eq!(tag(&k), "a.b");
         }

@@ -20,6 +20,8 @@
 //! - [`shard`]: provider batch mode's shards, their states and output lines.
 //! - [`sink`], [`sink_files`]: the result sinks (PostgreSQL, JSONL segments).
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
+//! - [`suggest`]: the nearest existing name to a mistyped one.
+//! - [`log`]: standard error that never blocks or panics (lines dropped and counted).
 
 pub mod audit;
 pub mod batch;
@@ -27,6 +29,7 @@ pub mod decision;
 pub mod json;
 pub mod keys;
 pub mod ledger;
+pub mod log;
 pub mod manifest;
 pub mod otel;
 pub mod record;
@@ -37,6 +40,7 @@ pub mod sink_files;
 pub mod spec;
 pub mod stats;
 pub mod store;
+pub mod suggest;
 pub mod task;
 pub mod template;
 pub mod validate;

@@ -207,6 +207,17 @@ pub fn now_rfc3339() -> String {
     rfc3339(secs)
 }
 
+/// A duration for people: `850ms`, `12s`, `5m12s`, `2h05m`.
+pub fn human_duration(ms: u64) -> String {
+    let s = ms / 1000;
+    match ms {
+        0..1_000 => format!("{ms}ms"),
+        1_000..60_000 => format!("{s}s"),
+        60_000..3_600_000 => format!("{}m{}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s / 60 % 60),
+    }
+}
+
 /// Formats Unix seconds as RFC 3339 UTC (days-to-civil, proleptic Gregorian).
 pub fn rfc3339(secs: u64) -> String {
     let days = (secs / 86_400) as i64;
@@ -237,6 +248,14 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(1_795_894_621), "2026-11-28T19:37:01Z");
+    }
+
+    #[test]
+    fn durations_read_as_people_say_them() {
+        assert_eq!(
+            [850, 12_400, 312_000, 1_800_000, 7_500_000].map(human_duration),
+            ["850ms", "12s", "5m12s", "30m0s", "2h05m"]
+        );
     }
 
     #[test]

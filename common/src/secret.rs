@@ -41,10 +41,28 @@ pub fn redact_url(url: &str) -> String {
         .join(",")
 }
 
-/// Query parameters that carry a credential.
+/// Query parameters that carry a credential (`api-key`, as Azure's take it, too).
 fn is_secret_param(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
-    n.contains("pass") || n.contains("token") || n.contains("secret") || n == "auth"
+    n.contains("pass") || n.contains("token") || n.contains("secret") || n.contains("key") || n == "auth"
+}
+
+/// The default Redis URL of every command.
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
+/// The `--redis` part of a command suggested to a person, so that it works
+/// as typed: nothing for the default URL or the one `REDIS_URL` holds; the
+/// URL itself when it holds no password; else `--redis "$REDIS_URL"` (a
+/// password is never printed: the person sets the variable).
+pub fn redis_flag(url: &str) -> String {
+    let from_env = std::env::var("REDIS_URL").is_ok_and(|v| v == url);
+    if from_env || (url == DEFAULT_REDIS_URL && std::env::var_os("REDIS_URL").is_none()) {
+        String::new()
+    } else if url_passwords(url).is_empty() && redact_url(url) == url {
+        format!(" --redis {url}")
+    } else {
+        " --redis \"$REDIS_URL\"".to_owned()
+    }
 }
 
 fn redact_one(url: &str) -> String {

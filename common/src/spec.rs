@@ -602,9 +602,24 @@ pub struct RetryPolicy {
     /// the same request again. Empty: `provider.temperature` every time.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub temperatures: Vec<f64>,
+    /// How long the provider may fail every call (refused, reset, timed
+    /// out, 5xx, 429 for want of capacity) before the job halts (resumed
+    /// with `producer resume`). Until then records wait in the queue: a
+    /// transient failure never sends a record to review by itself, and is
+    /// not an attempt. A record whose own calls alone fail this long goes
+    /// to review (`transient_exhausted`). Default: 1800 (30 minutes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outage_budget_secs: Option<u64>,
 }
 
 impl RetryPolicy {
+    /// See [`RetryPolicy::outage_budget_secs`].
+    pub fn outage_budget_ms(&self) -> u64 {
+        self.outage_budget_secs
+            .unwrap_or(DEFAULT_OUTAGE_BUDGET_SECS)
+            .saturating_mul(1000)
+    }
+
     /// The temperature of attempt `n` of a round (1-based), or None for the provider's.
     pub fn temperature(&self, n: u32) -> Option<f64> {
         let i = (n.max(1) as usize - 1).min(self.temperatures.len().checked_sub(1)?);
@@ -620,6 +635,7 @@ impl Default for RetryPolicy {
             max_delay_ms: default_max_delay_ms(),
             temperatures: Vec::new(),
             jitter: default_jitter(),
+            outage_budget_secs: None,
         }
     }
 }
@@ -667,6 +683,9 @@ impl Prices {
             / 1_000_000.0
     }
 }
+
+/// How long a job waits out a provider that fails every call, by default.
+pub const DEFAULT_OUTAGE_BUDGET_SECS: u64 = 1800;
 
 /// The longest a retry may wait: a day.
 pub const MAX_RETRY_DELAY_MS: u64 = 24 * 3600 * 1000;
@@ -1231,6 +1250,14 @@ impl JobSpec {
                     format!("{v} ms is over the 24 h a retry may wait ({MAX_RETRY_DELAY_MS} ms)"),
                 );
             }
+        }
+        if let Some(budget) = r.outage_budget_secs
+            && !(1..=7 * 24 * 3600).contains(&budget)
+        {
+            p.add(
+                "retry.outage_budget_secs",
+                format!("{budget} is outside 1..=604800 (a week): how long the job waits out a provider that fails every call"),
+            );
         }
         if r.base_delay_ms > r.max_delay_ms {
             p.add(

@@ -379,9 +379,19 @@ pub struct Task {
     /// model with its last answer on every attempt of that round.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// When the record's calls began failing transiently in a row (the
+    /// start of the first failed call, Unix ms); 0 when the last call was
+    /// answered. A record whose own calls alone fail for the job's outage
+    /// budget goes to review.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub failing_since: u64,
 }
 
 fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
 
@@ -406,6 +416,7 @@ impl Task {
             answer: None,
             answered: vec![],
             note: None,
+            failing_since: 0,
         })
     }
 
@@ -475,7 +486,8 @@ impl Task {
     }
 
     /// The next task for the same record: attempts and calls so far, with
-    /// feedback for the model and the history grown by this attempt.
+    /// feedback for the model and the history grown by this attempt (its
+    /// calls not failing: the caller sets [`Task::failing_since`] after a failure).
     pub fn next(&self, attempt: u32, calls: u32, feedback: Vec<FieldError>, history: Vec<HistoryItem>) -> Task {
         Task {
             rid: self.rid.clone(),
@@ -490,6 +502,7 @@ impl Task {
             answer: None,
             answered: self.answered.clone(),
             note: self.note.clone(),
+            failing_since: 0,
         }
     }
 }
@@ -905,6 +918,7 @@ impl ReviewEntry {
             answer: mark.note.as_ref().map(|_| self.last_raw_output.clone()),
             answered: vec![],
             note: mark.note.clone(),
+            failing_since: 0,
         }
     }
 
@@ -1026,6 +1040,7 @@ mod tests {
             answer: Some("{\"label\":\"nope\"}".into()),
             answered: vec!["0123456789abcdef".into()],
             note: Some("the label is billing".into()),
+            failing_since: 1_796_000_000_000,
         };
         let text = t.encode();
         assert!(text.starts_with(&format!("{{\"rid\":\"{}\"", t.rid)), "{text}");

@@ -443,17 +443,73 @@ fn bounds(f: &crate::spec::FieldSpec, prop: &mut Map<String, Value>) {
 }
 
 /// The `response_format` of a form (None for `off`): `json_schema` (strict),
-/// or `json_object` with the same schema attached (llama.cpp, vLLM).
+/// or `json_object` with the same schema attached (llama.cpp, vLLM), its
+/// nullable fields spelled so that those servers enforce them (see
+/// [`nullable_as_any_of`]).
 pub fn response_format(spec: &JobSpec, form: crate::spec::StructuredOutput) -> Option<Value> {
     use crate::spec::StructuredOutput;
     match form {
         StructuredOutput::JsonSchema => Some(json_schema(spec)),
         StructuredOutput::JsonObject => {
-            let schema = json_schema(spec)["json_schema"]["schema"].clone();
+            let schema = nullable_as_any_of(&json_schema(spec)["json_schema"]["schema"]);
             Some(serde_json::json!({"type": "json_object", "schema": schema}))
         }
         StructuredOutput::Off | StructuredOutput::Auto => None,
     }
+}
+
+/// The schema with every nullable `"type": [T, "null"]` spelled `anyOf: [{T
+/// and its constraints}, {"type": "null"}]`. OpenAI's strict mode wants the
+/// first spelling; llama.cpp's grammar converter (llama-cpp-python 0.3's
+/// `json_schema_to_gbnf`) accepts it but turns it into "any T, or null",
+/// dropping the item type, the length and the enum, so answers the schema
+/// forbids come back; the `anyOf` spelling it enforces.
+pub fn nullable_as_any_of(schema: &Value) -> Value {
+    let Value::Object(o) = schema else {
+        return schema.clone();
+    };
+    let mut out = Map::new();
+    for (k, v) in o {
+        let v = match k.as_str() {
+            "properties" => match v {
+                Value::Object(props) => Value::Object(
+                    props
+                        .iter()
+                        .map(|(name, p)| (name.clone(), nullable_as_any_of(p)))
+                        .collect(),
+                ),
+                other => other.clone(),
+            },
+            "items" => nullable_as_any_of(v),
+            _ => v.clone(),
+        };
+        out.insert(k.clone(), v);
+    }
+    let nullable = match out.get("type") {
+        Some(Value::Array(a)) => match a.as_slice() {
+            [Value::String(t), Value::String(null)] if null == "null" => Some(t.clone()),
+            _ => None,
+        },
+        _ => None,
+    };
+    let Some(t) = nullable else {
+        return Value::Object(out);
+    };
+    let description = out.remove("description");
+    let mut branch = out;
+    branch.insert("type".into(), Value::String(t));
+    if let Some(Value::Array(values)) = branch.get_mut("enum") {
+        values.retain(|v| !v.is_null());
+    }
+    let mut any = Map::new();
+    if let Some(d) = description {
+        any.insert("description".into(), d);
+    }
+    any.insert(
+        "anyOf".into(),
+        serde_json::json!([Value::Object(branch), {"type": "null"}]),
+    );
+    Value::Object(any)
 }
 
 /// The strict JSON schema of the output, for `response_format`: generated
@@ -547,6 +603,9 @@ mod tests {
     /// enum, minimum, maximum, maxLength, maxItems, items, required,
     /// additionalProperties): an independent reading of what the schema says.
     fn schema_accepts(schema: &Value, v: &Value) -> bool {
+        if let Some(any) = schema["anyOf"].as_array() {
+            return any.iter().any(|branch| schema_accepts(branch, v));
+        }
         let types: Vec<&str> = match &schema["type"] {
             Value::String(t) => vec![t.as_str()],
             Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
@@ -982,5 +1041,39 @@ items = { type = "object", fields = { sku = { type = "string" }, qty = { type = 
         assert_eq!(s["required"].as_array().unwrap().len(), 5);
         assert_eq!(s["properties"]["items"]["type"], serde_json::json!(["array", "null"]));
         assert_eq!(s["properties"]["label"]["type"], "string");
+    }
+
+    #[test]
+    fn the_json_object_form_spells_nullable_fields_as_any_of() {
+        let rf = response_format(&spec(), crate::spec::StructuredOutput::JsonObject).unwrap();
+        let s = &rf["schema"];
+        assert_eq!(rf["type"], "json_object");
+        assert!(!rf.to_string().contains(r#"["array","null"]"#), "{rf}");
+        let items = &s["properties"]["items"];
+        assert_eq!(items["anyOf"][1], serde_json::json!({"type": "null"}));
+        let array = &items["anyOf"][0];
+        assert_eq!(array["type"], "array");
+        assert_eq!(array["items"]["type"], "string", "the item type is kept: {items}");
+        assert_eq!(array["maxItems"], 20);
+        let confidence = &s["properties"]["confidence"];
+        assert_eq!(confidence["anyOf"][0]["minimum"], 0.0);
+        assert_eq!(confidence["anyOf"][0]["type"], "number");
+        assert!(
+            confidence["description"].is_string(),
+            "described once, outside: {confidence}"
+        );
+        // Required fields are as they were; the whole is still strict.
+        assert_eq!(s["properties"]["label"]["type"], "string");
+        assert_eq!(s["additionalProperties"], false);
+        // Every value the strict schema accepts, this one accepts too (and
+        // the other way round): the same contract, spelled otherwise.
+        let strict = &json_schema(&spec())["json_schema"]["schema"];
+        for v in [
+            serde_json::json!({"label": "billing", "reason": "x", "confidence": null, "task_type": "classify", "items": null}),
+            serde_json::json!({"label": "billing", "reason": "x", "confidence": 0.5, "task_type": "extract", "items": ["a"]}),
+            serde_json::json!({"label": "billing", "reason": "x", "confidence": 2.0, "task_type": "extract", "items": [1]}),
+        ] {
+            assert_eq!(schema_accepts(strict, &v), schema_accepts(s, &v), "{v}");
+        }
     }
 }

@@ -287,8 +287,15 @@ pub enum ReviewCmd {
 
 #[derive(Debug, Subcommand)]
 pub enum SpecCmd {
-    /// Validate a spec and print the system prompt it renders.
-    Check { spec: PathBuf },
+    /// Validate a spec and print the system prompt it renders; with
+    /// `--data`, also check its template's placeholders and id field against
+    /// the first records of a dataset.
+    Check {
+        spec: PathBuf,
+        /// A JSONL dataset: its first records must have what the template reads.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
     /// Replace a job's stored spec (workers read it when they start): prints
     /// what differs and records the change, who and when, in the job's spec
     /// history. Versions and partitions cannot change (record ids would).
@@ -370,14 +377,71 @@ pub struct EnqueueCmd {
     pub max_backlog: u64,
 }
 
+/// A `--job` that names no job in the Redis looked in (the message names
+/// that Redis, the jobs it has and the nearest name).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NoSuchJob(String);
+
+/// Connects for a command about an existing job: refuses a name no job has.
+pub async fn job_store(redis: &RedisArgs, job: &str) -> anyhow::Result<RedisStore> {
+    let store = RedisStore::connect(&redis.url).await?;
+    let jobs = store.jobs().await?;
+    if jobs.iter().any(|j| j == job) || store.job_spec(job).await.ok().flatten().is_some() {
+        return Ok(store);
+    }
+    let at = common::secret::redact_url(&redis.url);
+    let flag = common::secret::redis_flag(&redis.url);
+    let message = match common::suggest::nearest(job, jobs.iter().map(String::as_str)) {
+        _ if jobs.is_empty() => format!(
+            "no job `{job}` in the Redis at {at}: it has no jobs at all. Enqueue one with \
+             `producer enqueue DATASET.jsonl --job {job} --spec SPEC.toml{flag}`"
+        ),
+        Some(near) => format!(
+            "no job `{job}` in the Redis at {at} (its jobs: {}). Did you mean `{near}`? Try: {}",
+            jobs.join(", "),
+            this_command(Some(near), &redis.url)
+        ),
+        None => format!("no job `{job}` in the Redis at {at} (its jobs: {})", jobs.join(", ")),
+    };
+    Err(NoSuchJob(message).into())
+}
+
+/// This command line again, ready to paste (with `--job` set to `job` when
+/// given): its `--redis` as [`common::secret::redis_flag`] writes it (never
+/// a password), words quoted for the shell where they need it.
+fn this_command(job: Option<&str>, redis_url: &str) -> String {
+    let mut words = vec!["producer".to_owned()];
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match (a.as_str(), job) {
+            ("--job", Some(job)) => {
+                args.next();
+                words.push(format!("--job {}", common::suggest::shell_word(job)));
+            }
+            ("--redis", _) => {
+                args.next();
+            }
+            (a, Some(job)) if a.starts_with("--job=") => words.push(format!("--job={job}")),
+            (a, _) if a.starts_with("--redis=") => {}
+            (a, _) => words.push(common::suggest::shell_word(a)),
+        }
+    }
+    format!("{}{}", words.join(" "), common::secret::redis_flag(redis_url))
+}
+
 /// Runs a parsed command line; `main` only sets up the runtime and signals.
 pub async fn run(cli: Cli, cancel: CancellationToken) -> ExitCode {
     match run_inner(cli, cancel).await {
         Ok(code) => code,
+        Err(e) if e.downcast_ref::<NoSuchJob>().is_some() => {
+            common::errln!("error: {e}");
+            ExitCode::from(EXIT_INPUT)
+        }
         // The reader of our output went away (`| head`): end quietly.
         Err(e) if crate::out::is_closed_pipe(&e) => ExitCode::from(crate::out::EXIT_CLOSED_PIPE),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            common::errln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -385,8 +449,11 @@ pub async fn run(cli: Cli, cancel: CancellationToken) -> ExitCode {
 
 async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
     match cli.command {
-        Command::Spec(SpecCmd::Check { spec }) => match JobSpec::load(&spec.display().to_string()) {
+        Command::Spec(SpecCmd::Check { spec, data }) => match JobSpec::load(&spec.display().to_string()) {
             Ok(s) => {
+                if let Some(data) = &data {
+                    return check_against_data(&s, &spec, data);
+                }
                 crate::outln!(
                     "{}: ok ({} output fields, {} partitions)",
                     spec.display(),
@@ -397,26 +464,26 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 Ok(ExitCode::SUCCESS)
             }
             Err(e) => {
-                eprintln!("error: {e}");
+                common::errln!("error: {e}");
                 Ok(ExitCode::from(EXIT_INPUT))
             }
         },
         Command::Spec(SpecCmd::Update { job, spec, redis, by }) => update_spec(&job, &spec, &redis, &by).await,
         Command::Manifest { job, redis } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             match store.load_manifest(&job).await? {
                 Some(m) => {
                     crate::outln!("{}", serde_json::to_string_pretty(&m)?);
                     Ok(ExitCode::SUCCESS)
                 }
                 None => {
-                    eprintln!("error: job `{job}` has no manifest (never enqueued to completion)");
+                    common::errln!("error: job `{job}` has no manifest (never enqueued to completion)");
                     Ok(ExitCode::from(EXIT_INPUT))
                 }
             }
         }
         Command::Dropped { job, redis } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             for d in store.dropped_lines(&job).await? {
                 crate::outln!("{}", serde_json::to_string(&d)?);
             }
@@ -431,12 +498,13 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             ids,
             watch,
         } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             let spec = store.job_spec(&job).await.ok().flatten();
             // Completeness is proven from the sink's own rows too.
             let verify = (require_complete || require_done) && spec.as_ref().is_some_and(|s| !s.sink.is_none());
             loop {
                 let mut s = crate::status::status(&store, &job, ids, verify).await?;
+                s.redis_flag = common::secret::redis_flag(&redis.url);
                 if let Some(spec) = &spec {
                     let done = std::mem::take(&mut s.done_ids);
                     s.sink = crate::sink::sink_status(&store, &job, spec, verify.then_some(done)).await?;
@@ -459,10 +527,12 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 }
                 if !watch || s.complete {
                     if s.review + s.dropped + s.cancelled > 0 {
-                        eprintln!(
+                        common::errln!(
                             "warning: {} in review, {} dropped, {} cancelled: not every record is done \
                              (producer review --job {job} list; producer dropped --job {job})",
-                            s.review, s.dropped, s.cancelled
+                            s.review,
+                            s.dropped,
+                            s.cancelled
                         );
                     }
                     let all_done = s.complete && s.expected.is_some_and(|e| e == s.done);
@@ -479,7 +549,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             }
         }
         Command::Report { job, redis, json } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             let Some(spec) = spec_or_report(&store, &job).await else {
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
@@ -492,9 +562,9 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             Ok(ExitCode::SUCCESS)
         }
         Command::Export { job, redis, out, what } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             let Some(manifest) = store.load_manifest(&job).await? else {
-                eprintln!("error: job `{job}` has no manifest (never enqueued to completion)");
+                common::errln!("error: job `{job}` has no manifest (never enqueued to completion)");
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
             let n = if out.as_os_str() == "-" {
@@ -517,7 +587,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 let q = store.queue_stats(&job, p).await?;
                 still_open += q.lag + q.pending + q.delayed;
             }
-            eprintln!(
+            common::errln!(
                 "exported {n} {} records of job {job} to {} ({still_open} records were still open)",
                 what.name(),
                 out.display()
@@ -532,7 +602,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             redis,
             json,
         } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             let Some(spec) = spec_or_report(&store, &job).await else {
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
@@ -540,7 +610,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 Ok(e) if json => crate::outln!("{}", serde_json::to_string(&e)?),
                 Ok(e) => crate::estimate::print(&e),
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    common::errln!("error: {e}");
                     return Ok(ExitCode::from(EXIT_INPUT));
                 }
             }
@@ -548,13 +618,13 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
         }
         Command::Compare { jobs, redis, json } => {
             let [a, b] = jobs.as_slice() else {
-                eprintln!("error: --job: give exactly two jobs (A, then B), not {}", jobs.len());
+                common::errln!("error: --job: give exactly two jobs (A, then B), not {}", jobs.len());
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
             let store = RedisStore::connect(&redis.url).await?;
             for job in [a, b] {
                 if store.load_manifest(job).await?.is_none() {
-                    eprintln!("error: --job {job}: no such job (no manifest)");
+                    common::errln!("error: --job {job}: no such job (no manifest)");
                     return Ok(ExitCode::from(EXIT_INPUT));
                 }
             }
@@ -573,7 +643,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             reviewer,
             json,
         } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             match crate::retry::retry(&store, &job, from, &reviewer).await {
                 Ok(s) if json => crate::outln!("{}", serde_json::to_string(&s)?),
                 Ok(s) => {
@@ -584,7 +654,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                 }
                 Err(crate::review::ReviewError::Store(e)) => return Err(e.into()),
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    common::errln!("error: {e}");
                     return Ok(ExitCode::from(EXIT_INPUT));
                 }
             }
@@ -599,7 +669,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
             seed,
             json,
         } => {
-            let store = RedisStore::connect(&redis.url).await?;
+            let store = job_store(&redis, &job).await?;
             let Some(spec) = spec_or_report(&store, &job).await else {
                 return Ok(ExitCode::from(EXIT_INPUT));
             };
@@ -608,7 +678,7 @@ async fn run_inner(cli: Cli, cancel: CancellationToken) -> anyhow::Result<ExitCo
                     Ok(s) => s,
                     Err(crate::review::ReviewError::Store(e)) => return Err(e.into()),
                     Err(e) => {
-                        eprintln!("error: {e}");
+                        common::errln!("error: {e}");
                         return Ok(ExitCode::from(EXIT_INPUT));
                     }
                 };
@@ -649,11 +719,13 @@ pub enum FromSet {
 
 async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
     if cmd.seed.is_some() && cmd.sample.is_none() && cmd.set.is_none() {
-        eprintln!("error: --seed goes with --sample N or --from-job JOB --set ...");
+        common::errln!("error: --seed goes with --sample N or --from-job JOB --set ...");
         return Ok(ExitCode::from(EXIT_INPUT));
     }
     if cmd.from_job.is_some() && cmd.set.is_none() && !cmd.stratify {
-        eprintln!("error: --from-job takes --set review|dropped|done, or goes with --sample N --seed S --stratify");
+        common::errln!(
+            "error: --from-job takes --set review|dropped|done, or goes with --sample N --seed S --stratify"
+        );
         return Ok(ExitCode::from(EXIT_INPUT));
     }
     let from_job = cmd.from_job.clone().map(|job| common::manifest::FromJob {
@@ -683,6 +755,10 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
         }),
         (None, None) => None,
     };
+    if let Err(why) = template_fits(&cmd.spec, &cmd.dataset, &cmd.redis.url) {
+        common::errln!("error: {why}");
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
     let args = EnqueueArgs {
         dataset: cmd.dataset,
         job: cmd.job,
@@ -705,7 +781,7 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
                 print_summary(&summary);
             }
             if let Some(change) = &summary.dataset_changed {
-                eprintln!("{}: {}", if change.grew { "warning" } else { "error" }, change.message);
+                common::errln!("{}: {}", if change.grew { "warning" } else { "error" }, change.message);
             }
             Ok(if summary.interrupted {
                 ExitCode::from(EXIT_INTERRUPTED)
@@ -721,21 +797,71 @@ async fn run_enqueue(cmd: EnqueueCmd, cancel: CancellationToken) -> anyhow::Resu
             | EnqueueError::Dataset { .. }
             | EnqueueError::Refused(_)),
         ) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             Ok(ExitCode::from(EXIT_INPUT))
         }
         Err(e) => Err(e.into()),
     }
 }
 
+/// `spec check SPEC --data FILE`: the template's placeholders and the id
+/// field against the dataset's first records.
+fn check_against_data(spec: &JobSpec, spec_path: &Path, data: &Path) -> anyhow::Result<ExitCode> {
+    let c = match crate::precheck::check(spec, data) {
+        Ok(c) => c,
+        Err(e) => {
+            common::errln!("error: --data {}: {e}", data.display());
+            return Ok(ExitCode::from(EXIT_INPUT));
+        }
+    };
+    let problems = crate::precheck::report(&c, spec, &data.display().to_string());
+    for p in &problems {
+        common::errln!("{p}");
+    }
+    if c.sampled == 0 {
+        common::errln!("error: --data {}: no JSON object in its first lines", data.display());
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
+    if !c.fatal().is_empty() {
+        return Ok(ExitCode::from(EXIT_INPUT));
+    }
+    crate::outln!(
+        "{}: ok against {} ({} records sampled; every placeholder found in most of them)",
+        spec_path.display(),
+        data.display(),
+        c.sampled
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses an enqueue whose template most of the dataset's first records
+/// cannot fill (before anything is written to Redis).
+fn template_fits(spec_path: &Path, dataset: &Path, redis_url: &str) -> Result<(), String> {
+    let Ok(spec) = JobSpec::load(&spec_path.display().to_string()) else {
+        return Ok(()); // enqueue itself reports what is wrong with the spec
+    };
+    let Ok(c) = crate::precheck::check(&spec, dataset) else {
+        return Ok(()); // nor can it read the dataset: enqueue says why
+    };
+    if c.fatal().is_empty() {
+        return Ok(());
+    }
+    Err(crate::precheck::refusal(
+        &c,
+        &spec_path.display().to_string(),
+        &dataset.display().to_string(),
+        &this_command(None, redis_url),
+    ))
+}
+
 /// `producer cancel` or `producer resume` (see [`crate::control`]).
 async fn cancel_job(job: &str, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
-    let store = RedisStore::connect(&redis.url).await?;
+    let store = job_store(redis, job).await?;
     control_result(crate::control::cancel(&store, job).await)
 }
 
 async fn resume(job: &str, budget: Option<f64>, redis: &RedisArgs) -> anyhow::Result<ExitCode> {
-    let store = RedisStore::connect(&redis.url).await?;
+    let store = job_store(redis, job).await?;
     control_result(crate::control::resume(&store, job, budget).await)
 }
 
@@ -746,7 +872,7 @@ fn control_result(r: Result<String, crate::control::ControlError>) -> anyhow::Re
             Ok(ExitCode::SUCCESS)
         }
         Err(crate::control::ControlError::Refused(why)) => {
-            eprintln!("error: {why}");
+            common::errln!("error: {why}");
             Ok(ExitCode::from(EXIT_INPUT))
         }
         Err(crate::control::ControlError::Store(e)) => Err(e.into()),
@@ -758,7 +884,7 @@ async fn spec_or_report(store: &RedisStore, job: &str) -> Option<common::spec::J
     match crate::review::job_spec(store, job).await {
         Ok(s) => Some(s),
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             None
         }
     }
@@ -770,14 +896,14 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: cannot read {}: {e}", path.display());
+            common::errln!("error: cannot read {}: {e}", path.display());
             return Ok(ExitCode::from(EXIT_INPUT));
         }
     };
     let new = match JobSpec::parse(&text, &path.display().to_string()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             return Ok(ExitCode::from(EXIT_INPUT));
         }
     };
@@ -787,7 +913,7 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
     };
     if common::spec::versions_map(&old) != common::spec::versions_map(&new) || old.job.partitions != new.job.partitions
     {
-        eprintln!(
+        common::errln!(
             "error: the new spec changes the versions or partitions of job `{job}`: record ids would change. \
              Enqueue it under a new --job name instead"
         );
@@ -804,9 +930,10 @@ async fn update_spec(job: &str, path: &Path, redis: &RedisArgs, by: &str) -> any
     if let Some(cap) = new_cap {
         let b = store.budget(job).await?;
         if cap <= b.spent_usd + b.reserved_usd {
-            eprintln!(
+            common::errln!(
                 "error: budget.max_cost_usd = {cap}: job {job} already spent {:.6} USD and has {:.6} USD in flight",
-                b.spent_usd, b.reserved_usd
+                b.spent_usd,
+                b.reserved_usd
             );
             return Ok(ExitCode::from(EXIT_INPUT));
         }
@@ -833,21 +960,22 @@ async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Re
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(common::log::Stderr)
+        .log_internal_errors(false)
         .try_init();
     let mut reviewers = Reviewers::default();
     if let Some(path) = &args.tokens_file {
         let text = match std::fs::read_to_string(path) {
             Ok(t) => t,
             Err(e) => {
-                eprintln!("error: --tokens-file {}: {e}", path.display());
+                common::errln!("error: --tokens-file {}: {e}", path.display());
                 return Ok(ExitCode::from(EXIT_INPUT));
             }
         };
         match Reviewers::parse(&text, &format!("--tokens-file {}", path.display())) {
             Ok(r) => reviewers.extend(r),
             Err(e) => {
-                eprintln!("error: {e}");
+                common::errln!("error: {e}");
                 return Ok(ExitCode::from(EXIT_INPUT));
             }
         }
@@ -856,7 +984,7 @@ async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Re
         match Reviewers::parse(&text.replace(',', "\n"), TOKENS_ENV) {
             Ok(r) => reviewers.extend(r),
             Err(e) => {
-                eprintln!("error: {e}");
+                common::errln!("error: {e}");
                 return Ok(ExitCode::from(EXIT_INPUT));
             }
         }
@@ -864,7 +992,7 @@ async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Re
     if let Some(h) = &args.trusted_header
         && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
     {
-        eprintln!("error: --trusted-header `{h}` is not a header name");
+        common::errln!("error: --trusted-header `{h}` is not a header name");
         return Ok(ExitCode::from(EXIT_INPUT));
     }
     let store = RedisStore::connect(&args.redis.url).await?;
@@ -876,7 +1004,7 @@ async fn run_console(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Re
     match crate::console::run(config, store, cancel, None).await {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            common::errln!("error: {e:#}");
             Ok(ExitCode::from(EXIT_INPUT))
         }
     }
@@ -887,7 +1015,7 @@ pub const EXIT_LOST_RACE: u8 = 5;
 
 async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
     use crate::review::{self, ReviewError};
-    let store = RedisStore::connect(&args.redis.url).await?;
+    let store = job_store(&args.redis, &args.job).await?;
     let job = args.job.as_str();
     let who = args.reviewer.as_str();
     let done = match args.action {
@@ -914,7 +1042,7 @@ async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Resu
                     }
                 }
                 if !json {
-                    eprintln!("{} entries in review", entries.len());
+                    common::errln!("{} entries in review", entries.len());
                 }
             }),
         ReviewCmd::Show { id } => {
@@ -975,7 +1103,7 @@ async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Resu
                     Err(e) => Err(ReviewError::Io(format!("cannot create {}: {e}", out.display()))),
                 }
             };
-            written.map(|n| eprintln!("exported {n} review entries of job {job}"))
+            written.map(|n| common::errln!("exported {n} review entries of job {job}"))
         }
         ReviewCmd::Import { file } => match std::fs::read_to_string(&file) {
             Err(e) => Err(ReviewError::Io(format!("cannot read {}: {e}", file.display()))),
@@ -988,7 +1116,7 @@ async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Resu
                         s.rejected_lines.len()
                     );
                     for l in &s.rejected_lines {
-                        eprintln!("{l}");
+                        common::errln!("{l}");
                     }
                     if s.rejected_lines.is_empty() {
                         Ok(())
@@ -1007,13 +1135,13 @@ async fn run_review(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Resu
     Ok(match done {
         Ok(()) => ExitCode::SUCCESS,
         Err(e @ (ReviewError::Lost(_) | ReviewError::AlreadyDone(_))) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             ExitCode::from(EXIT_LOST_RACE)
         }
         Err(ReviewError::Store(e)) => return Err(e.into()),
         Err(ReviewError::Io(e)) if e.contains("Broken pipe") => ExitCode::from(crate::out::EXIT_CLOSED_PIPE),
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             ExitCode::from(EXIT_INPUT)
         }
     })

@@ -624,9 +624,10 @@ impl Pass<'_> {
             }
             if !self.said_waiting {
                 self.said_waiting = true;
-                eprintln!(
+                common::errln!(
                     "enqueue waits: job `{}` holds {} tasks in Redis (--max-backlog {max}); it goes on as the workers drain them",
-                    self.job, self.backlog
+                    self.job,
+                    self.backlog
                 );
             }
             let t = Instant::now();

@@ -26,6 +26,7 @@ pub mod control;
 pub mod enqueue;
 pub mod estimate;
 pub mod out;
+pub mod precheck;
 pub mod progress;
 pub mod reader;
 pub mod reconcile;

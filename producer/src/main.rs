@@ -20,12 +20,16 @@ async fn main() -> ExitCode {
     let on_signal = cancel.clone();
     tokio::spawn(async move {
         shutdown_signal().await;
-        eprintln!("stopping: finishing the batch in flight and saving the cursor (press Ctrl-C again to abort)");
         on_signal.cancel();
+        common::errln!("stopping: finishing the batch in flight and saving the cursor (press Ctrl-C again to abort)");
         shutdown_signal().await;
         std::process::exit(130);
     });
-    producer::cli::run(cli, cancel).await
+    let code = producer::cli::run(cli, cancel).await;
+    // The last lines reach a reader that is still there; a stuck or closed
+    // one does not keep the command.
+    common::log::flush(std::time::Duration::from_secs(2));
+    code
 }
 
 async fn shutdown_signal() {

@@ -26,9 +26,11 @@ pub fn write(args: fmt::Arguments<'_>) {
 
 fn closed(e: &std::io::Error) -> ! {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
+        common::log::flush(std::time::Duration::from_secs(1));
         std::process::exit(i32::from(EXIT_CLOSED_PIPE));
     }
-    eprintln!("error: cannot write to standard output: {e}");
+    common::errln!("error: cannot write to standard output: {e}");
+    common::log::flush(std::time::Duration::from_secs(1));
     std::process::exit(1);
 }
 

@@ -77,7 +77,7 @@ impl Progress {
                 } else {
                     f64::NAN
                 };
-                eprintln!(
+                common::errln!(
                     "enqueue: {:.1}% ({offset}/{total} bytes), {} lines, {} new, {} present, {} dropped, {:.0} bytes/s, eta {eta:.0}s",
                     100.0 * offset as f64 / (*total).max(1) as f64,
                     counts.lines,

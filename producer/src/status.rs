@@ -61,12 +61,24 @@ pub struct JobStatus {
     /// Dataset lines refused at enqueue (not records of the job: see `producer dropped`).
     pub dropped_at_enqueue: u64,
     pub halted: Option<String>,
+    /// Why the job waits, in one line: `provider unavailable since <time>,
+    /// last error <cause> from <base_url>: <the provider's words>` (None
+    /// while its provider answers).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<String>,
+    /// The job's provider as the fleet sees it: down or not, since when,
+    /// the last error, outages so far.
+    pub provider: common::store::ProviderOutage,
     /// The job's result sink, when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sink: Option<crate::sink::SinkStatus>,
     /// The done records' ids, when asked for (to check the sink against).
     #[serde(skip)]
     pub done_ids: Vec<String>,
+    /// The `--redis` part of a command suggested in the text (see
+    /// [`common::secret::redis_flag`]).
+    #[serde(skip)]
+    pub redis_flag: String,
 }
 
 /// Reads the status of a job from Redis, with its reconciliation.
@@ -89,8 +101,10 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         expected: manifest.as_ref().map(|m| m.expected_records),
         dropped_at_enqueue: manifest.as_ref().map_or(0, |m| m.dropped_lines),
         halted: store.halted(job).await?,
+        provider: store.provider_outage(job).await?,
         ..JobStatus::default()
     };
+    s.waiting = s.provider.waiting();
     for p in 0..partitions {
         s.in_flight += store.pending_count(job, p).await?;
         let mut shards = store.shards(job, p).await?;
@@ -281,7 +295,14 @@ pub fn print(s: &JobStatus) {
         if s.complete { "COMPLETE" } else { "not complete" }
     );
     if let Some(reason) = &s.halted {
-        crate::outln!("  HALTED: {reason} (claiming stopped; tasks stay queued)");
+        crate::outln!(
+            "  HALTED: {reason} (claiming stopped; tasks stay queued). Once the cause is fixed: producer resume --job {}{}",
+            s.job,
+            s.redis_flag
+        );
+    }
+    if let Some(waiting) = &s.waiting {
+        crate::outln!("  waiting: {waiting}");
     }
     crate::outln!(
         "  expected     {}",

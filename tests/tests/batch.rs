@@ -25,7 +25,10 @@ fn batch_spec(dir: &TempDir, extra: &str) -> PathBuf {
     spec_with(
         dir,
         &[
-            ("structured_output = true", "structured_output = true\nmode = \"batch\""),
+            (
+                "structured_output = \"auto\"",
+                "structured_output = \"auto\"\nmode = \"batch\"",
+            ),
             ("timeout_secs = 30", "timeout_secs = 3"),
             ("[retry]", &batch),
         ],

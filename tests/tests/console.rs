@@ -161,6 +161,44 @@ fn the_jobs_and_job_pages_follow_a_running_job_live_and_cancel_and_resume_ask_fi
 }
 
 #[test]
+fn a_provider_outage_shows_on_the_job_page_while_it_lasts() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    sim.outage(Some("unavailable"), None);
+    let dir = TempDir::new("console-outage");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    let spec = spec_with(&dir, &[("base_delay_ms = 500", "base_delay_ms = 50")]);
+    enqueue(&redis, &data, "down", &spec);
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let worker = Running::spawn(worker_cmd(&redis, "down", &sim, &["--drain"]));
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.goto(&console.url("/jobs/down"));
+    b.wait("the outage on the job page", Duration::from_secs(30), |b| {
+        b.find("#waiting").is_some()
+    });
+    assert_eq!(b.text("#state"), "waiting: provider unavailable");
+    let waiting = b.text("#waiting");
+    for words in [
+        "provider unavailable since 20",
+        "last error http_503 from http://127.0.0.1:",
+        "The server is temporarily unavailable.",
+    ] {
+        assert!(waiting.contains(words), "{words:?} in {waiting}");
+    }
+    assert_eq!(count(&redis, "down", "review"), 0);
+    sim.outage(None, None);
+    b.wait("the job complete", Duration::from_secs(60), |b| {
+        b.text("#state") == "complete"
+    });
+    assert!(b.find("#waiting").is_none(), "the outage is over");
+    let (exit, log) = worker.finish(Duration::from_secs(30));
+    assert!(exit.success(), "{log}");
+    assert_eq!(count(&redis, "down", "done"), 20);
+}
+
+#[test]
 fn a_reviewer_drains_the_queue_with_the_keyboard() {
     let r = reviewed("keys", 30, "bad_enum=1.0");
     assert_eq!(count(&r.redis, "keys", "review"), 30);

@@ -198,7 +198,11 @@ fn auto_negotiates_the_structured_output_form_a_server_accepts_once_for_the_flee
     let dir = TempDir::new("forms");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 40);
-    let spec = spec_with(&dir, &[("structured_output = true", "structured_output = \"auto\"")]);
+    // The example spec asks for `auto`, the setting that works on the servers users run.
+    let spec = spec_with(
+        &dir,
+        &[("structured_output = \"auto\"", "structured_output = \"auto\"")],
+    );
     let spec_check = producer(&["spec", "check", spec.to_str().unwrap()]);
     assert!(spec_check.status.success(), "{}", harness::stderr(&spec_check));
     enqueue(&redis, &data, "forms", &spec);
@@ -227,14 +231,70 @@ fn auto_negotiates_the_structured_output_form_a_server_accepts_once_for_the_flee
 }
 
 #[test]
-fn a_refused_form_without_auto_halts_instead_of_burning_attempts() {
+fn a_refused_form_without_auto_halts_instead_of_burning_attempts_and_names_the_setting_that_fixes_it() {
     let redis = RedisServer::start();
+    // Like llama-cpp-python's server: json_schema is answered with HTTP 500.
     let sim = LlmSim::start(&["--accept-forms", "json_object,text"]);
-    let _dir = job(&redis, "strict", 30);
+    let dir = TempDir::new("strict");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    let spec = spec_with(
+        &dir,
+        &[
+            ("base_delay_ms = 500", "base_delay_ms = 50"),
+            ("structured_output = \"auto\"", "structured_output = true"),
+        ],
+    );
+    enqueue(&redis, &data, "strict", &spec);
     let (exit, log) = Running::spawn(worker_cmd(&redis, "strict", &sim, &["--drain"])).finish(Duration::from_secs(60));
     assert_eq!(exit.code(), Some(3), "{log}");
     assert!(sim.stats()["requests"].as_u64().unwrap() <= 3);
     assert_halted_with_records_queued(&redis, "strict", 30, "Input should be 'text' or 'json_object'");
+    let (_, s) = status_json(&redis, "strict");
+    let halted = s["halted"].as_str().unwrap();
+    for words in [
+        "from http://127.0.0.1:",
+        "refuses the structured-output form `json_schema` (provider.structured_output = true)",
+        "set provider.structured_output = \"auto\"",
+        "under a new --job name",
+    ] {
+        assert!(halted.contains(words), "{words:?} in {halted}");
+    }
+    // The setting it names works: the same records under a new job, with "auto".
+    let fixed = spec_with(&dir, &[("base_delay_ms = 500", "base_delay_ms = 50")]);
+    enqueue(&redis, &data, "strict-auto", &fixed);
+    let (exit, log) =
+        Running::spawn(worker_cmd(&redis, "strict-auto", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(status_json(&redis, "strict-auto").1["done"], 30);
+}
+
+#[test]
+fn a_schema_sent_with_json_object_is_spelled_so_the_server_enforces_it() {
+    // llm-sim's json_object mode enforces a schema as llama.cpp's grammar
+    // converter does: a nullable field spelled `"type": ["array", "null"]`
+    // would come back with items of any kind; spelled with `anyOf`, as sent,
+    // every answer holds.
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--accept-forms", "json_object,text"]);
+    let dir = TempDir::new("object-form");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    let spec = spec_with(
+        &dir,
+        &[("structured_output = \"auto\"", "structured_output = \"json_object\"")],
+    );
+    enqueue(&redis, &data, "object", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "object", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let (_, s) = status_json(&redis, "object");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64()), (Some(40), Some(0)), "{s}");
+    assert_eq!(
+        s["attempts_histogram"],
+        serde_json::json!({"1": 40}),
+        "valid at the first answer: {s}"
+    );
+    assert_eq!(sim.stats()["by_form"]["json_object"], 40, "{}", sim.stats());
 }
 
 #[test]
@@ -384,8 +444,10 @@ fn timing_out(grace_secs: u64) -> (serde_json::Value, serde_json::Value, serde_j
                 &format!("timeout_secs = 1\ntimeout_grace_secs = {grace_secs}"),
             ),
             ("max_concurrent = 64", "max_concurrent = 1"),
-            ("max_attempts = 4", "max_attempts = 2"),
             ("base_delay_ms = 500", "base_delay_ms = 10"),
+            // Every call times out: the world's fault, never the records'.
+            // The job waits it out for 6 s, then halts.
+            ("jitter = \"full\"", "jitter = \"full\"\noutage_budget_secs = 6"),
         ],
     );
     enqueue(&redis, &data, "grace", &spec);
@@ -396,7 +458,17 @@ fn timing_out(grace_secs: u64) -> (serde_json::Value, serde_json::Value, serde_j
         &["--drain", "--visibility-timeout-ms", "5000"],
     ))
     .finish(Duration::from_secs(90));
-    assert!(exit.success(), "{log}");
+    assert_eq!(
+        exit.code(),
+        Some(3),
+        "halted once the outage outlasted its budget: {log}"
+    );
+    let (_, status) = status_json(&redis, "grace");
+    assert_eq!(status["review"], 0, "no record reviewed for timeouts: {status}");
+    assert!(
+        status["halted"].as_str().unwrap().contains("last error timeout"),
+        "{status}"
+    );
     let limiter = harness::worker_summary(&log).unwrap()["limiters"]["grace"].clone();
     let report = producer(&["report", "--job", "grace", "--redis", &redis.url(), "--json"]);
     assert!(report.status.success(), "{}", harness::stderr(&report));
@@ -410,27 +482,27 @@ fn timing_out(grace_secs: u64) -> (serde_json::Value, serde_json::Value, serde_j
 fn a_timed_out_call_keeps_its_slot_while_the_server_still_generates_and_its_tokens_are_estimated() {
     let (stats, limiter, report) = timing_out(1);
     let calls = stats["requests"].as_u64().unwrap();
-    assert_eq!(calls, 6, "3 records x 2 attempts, every one timed out: {stats}");
+    assert!(calls >= 3, "every record was called: {stats}");
     assert_eq!(
-        stats["abandoned"], 6,
+        stats["abandoned"], calls,
         "the server generated each after the client left: {stats}"
     );
     assert_eq!(
         stats["max_generating"], 1,
         "max_concurrent = 1 holds at the server, abandoned generations included: {stats}"
     );
-    assert_eq!(limiter["timed_out"], 6, "{limiter}");
+    assert_eq!(limiter["timed_out"], calls, "{limiter}");
     // Each timed-out call is counted, marked as an estimate, in the cost figures.
     let total = &report["total"];
-    assert_eq!(total["calls"], 6, "{report}");
-    assert_eq!(total["estimated_calls"], 6, "{report}");
+    assert_eq!(total["calls"], calls, "{report}");
+    assert_eq!(total["estimated_calls"], calls, "{report}");
     let max_tokens = 200; // the example spec's `max_tokens`
     assert!(
-        total["estimated_tokens"].as_u64().unwrap() > 6 * max_tokens,
+        total["estimated_tokens"].as_u64().unwrap() > calls * max_tokens,
         "prompt estimate + max_tokens per call: {report}"
     );
     assert!(total["estimated_cost_usd"].as_f64().unwrap() > 0.0, "{report}");
-    assert_eq!(total["completion_tokens"], 6 * max_tokens, "{report}");
+    assert_eq!(total["completion_tokens"], calls * max_tokens, "{report}");
 }
 
 #[test]
@@ -438,7 +510,7 @@ fn without_a_grace_the_next_call_queues_behind_an_abandoned_one() {
     // What the grace prevents, as the real server showed it: more
     // generations at once than the spec allows.
     let (stats, limiter, _) = timing_out(0);
-    assert_eq!(limiter["timed_out"], 6, "{limiter}");
+    assert_eq!(limiter["timed_out"], stats["requests"], "{limiter}");
     assert!(
         stats["max_generating"].as_u64().unwrap() >= 2,
         "with no grace the slot is free while the server still works: {stats}"

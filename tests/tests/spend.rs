@@ -83,7 +83,13 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
     .unwrap();
     let spec = spec_with(&dir, &[("max_attempts = 4", "max_attempts = 2")]);
     enqueue(&redis, &data, "led", &spec);
-    let sim = LlmSim::start(&["--faults", "missing_field=0.5,server_error=0.15", "--seed", "4"]);
+    // Refusals go to review at once; 5xx answers wait and retry (no attempt).
+    let sim = LlmSim::start(&[
+        "--faults",
+        "missing_field=0.5,server_error=0.15,content_filter=0.1",
+        "--seed",
+        "4",
+    ]);
     let (code, log) = drain(&redis, "led", &sim, &[]);
     assert_eq!(code, Some(0), "{log}");
 

@@ -37,6 +37,16 @@ pub struct Round {
     pub claimed: usize,
     /// Nothing was claimed for want of budget: the shortest wait the limiter named.
     pub limited: Option<Duration>,
+    /// A job's provider is down and another worker's probe (or the wait
+    /// between probes) holds the lease: how long until the next may start.
+    pub probe_wait: Option<Duration>,
+}
+
+/// A probe's lease covers its whole call and this much more.
+const PROBE_MARGIN: Duration = Duration::from_secs(10);
+
+fn sooner(a: Option<Duration>, b: Duration) -> Option<Duration> {
+    Some(a.map_or(b, |a| a.min(b)))
 }
 
 impl Claimer {
@@ -85,21 +95,45 @@ impl Claimer {
                 continue;
             }
             // Until the provider answered once, one call at a time.
-            let room = job.breaker.room();
+            let mut room = job.breaker.room();
             if room == 0 {
                 continue;
             }
+            // While the provider is down: no real work, one probe at a time
+            // across the fleet (whoever holds the lease sends one task).
+            let probing = job.outage.is_down();
+            if probing {
+                let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
+                match job.outage.take_probe(&f.store, &job.name, lease).await {
+                    Ok(Ok(())) => room = 1,
+                    Ok(Err(wait)) => {
+                        round.probe_wait = sooner(round.probe_wait, wait);
+                        continue;
+                    }
+                    Err(e) => {
+                        f.store_error(&e).await;
+                        continue;
+                    }
+                }
+            }
+            let claimed_before = round.claimed;
             let free = self.claimable(first.is_some()).min(room);
             let want = free.min(self.last_claimed.saturating_mul(2).max(1));
             // Budget before claim: a throttled fleet leaves tasks in the stream.
             let (mut grants, wait) = f.grants(job, want).await;
             if grants.is_empty() {
-                round.limited = Some(round.limited.map_or(wait, |w| w.min(wait)));
+                round.limited = sooner(round.limited, wait);
+                if probing {
+                    self.probe_unsent(job).await;
+                }
                 continue;
             }
             let n = job.spec.job.partitions;
             for p in (0..n).map(|i| (i + self.rounds) % n) {
-                let want = grants.len().min(job.breaker.room());
+                let want = grants
+                    .len()
+                    .min(job.breaker.room())
+                    .min(room - (round.claimed - claimed_before));
                 if want == 0 || self.drained.is_cancelled() {
                     break;
                 }
@@ -124,11 +158,17 @@ impl Claimer {
                         },
                     };
                     round.claimed += 1;
+                    if probing {
+                        job.outage.set_probe(&d.task.rid);
+                    }
                     let grant = grants.pop();
                     f.spawn(job.clone(), d, permit, grant);
                 }
             }
             grants.release(&f).await;
+            if probing && round.claimed == claimed_before {
+                self.probe_unsent(job).await;
+            }
         }
         if self.own_pending {
             self.own_pending = false;
@@ -137,6 +177,14 @@ impl Claimer {
         self.last_claimed = round.claimed;
         f.health.loop_ok();
         round
+    }
+
+    /// The probe's lease found nothing to send: given back, so the next
+    /// probe need not wait out its whole call's lease.
+    async fn probe_unsent(&self, job: &crate::process::JobCtx) {
+        if let Err(e) = job.outage.no_probe(&self.fleet.store, &job.name).await {
+            self.fleet.store_error(&e).await;
+        }
     }
 
     /// Whether `--drain` may ask Redis again (at most every [`DRAIN_CHECK`]:
@@ -209,7 +257,14 @@ impl Service for Claimer {
             None if f.config.drain => f.config.idle_poll.min(DRAIN_CHECK),
             None => f.config.idle_poll,
         };
-        let _ = tokio::time::timeout(wait, f.wake_claimer.notified()).await;
+        let wait = round
+            .probe_wait
+            .map_or(wait, |p| p.clamp(Duration::from_millis(5), wait));
+        // Idle: a stop ends the wait at once (nothing claimed to finish).
+        tokio::select! {
+            _ = tokio::time::timeout(wait, f.wake_claimer.notified()) => {}
+            _ = self.drained.cancelled() => return None,
+        }
         Some(Duration::ZERO)
     }
 }

@@ -3,7 +3,9 @@
 use std::io::IsTerminal;
 
 /// Sets up logs on stderr: JSON when `format` says so, or by default when
-/// stderr is not a terminal. Returns whether the format is JSON.
+/// stderr is not a terminal. Returns whether the format is JSON. Lines go
+/// through [`common::log`]: a closed or full stderr drops them (counted),
+/// never stalls or panics the worker.
 pub fn init_logs(format: Option<&str>) -> bool {
     let json = match format {
         Some("json") => true,
@@ -15,12 +17,14 @@ pub fn init_logs(format: Option<&str>) -> bool {
         tracing_subscriber::fmt()
             .json()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr)
+            .with_writer(common::log::Stderr)
+            .log_internal_errors(false)
             .init();
     } else {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
-            .with_writer(std::io::stderr)
+            .with_writer(common::log::Stderr)
+            .log_internal_errors(false)
             .init();
     }
     json

@@ -196,10 +196,16 @@ impl Fleet {
     /// rate-limit `grant`) until it is settled.
     pub fn spawn(self: &Arc<Self>, job: Arc<JobCtx>, d: Delivery, permit: OwnedSemaphorePermit, grant: Option<Grant>) {
         let me = self.clone();
+        // Only a provider taken for down has probes (and keeps other tasks waiting).
+        let probe = job.outage.is_down().then(|| d.task.rid.clone());
         job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
         self.tracker.spawn(async move {
             let mut report = None;
-            let settled = if me.is_halted(&job.name) {
+            // While the provider is down only the probe is called; a task
+            // taken over from a dead worker, or claimed just before the
+            // outage was seen, waits in the queue with the others.
+            let waits = probe.as_deref().is_some_and(|rid| !job.outage.is_probe(rid));
+            let settled = if me.is_halted(&job.name) || waits {
                 // Claimed before a halt was seen: handed back, not called, so it
                 // runs as soon as the halt is lifted.
                 let _ = me.store.finish(&job.name, &d, &Finish::Release(d.task.clone())).await;
@@ -212,6 +218,12 @@ impl Fleet {
             };
             drop(permit);
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
+            // A probe that made no call (poison, an input error...) gives its lease back.
+            if probe.is_some_and(|rid| job.outage.probe_ended(&rid))
+                && let Err(e) = job.outage.no_probe(&me.store, &job.name).await
+            {
+                me.store_error(&e).await;
+            }
             if let Some(grant) = grant {
                 let settled_budget = match &report {
                     Some(r) => job.limiter.settle(grant, &r.used, &r.headers).await,

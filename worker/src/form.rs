@@ -134,7 +134,7 @@ mod tests {
 
     fn spec(form: &str) -> JobSpec {
         let text = include_str!("../../examples/job.toml")
-            .replace("structured_output = true", &format!("structured_output = {form}"));
+            .replace("structured_output = \"auto\"", &format!("structured_output = {form}"));
         JobSpec::parse(&text, "t").unwrap()
     }
 

@@ -9,6 +9,7 @@
 //! - [`process`]: one task from delivery to its single atomic outcome.
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
+//! - [`outage`]: a provider failing every call: one probe at a time, a halt past the budget.
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
@@ -26,6 +27,7 @@ pub mod fleet;
 pub mod form;
 pub mod http;
 pub mod limiter;
+pub mod outage;
 pub mod process;
 pub mod promote;
 pub mod provider;

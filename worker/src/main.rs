@@ -87,7 +87,14 @@ fn default_consumer() -> String {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let code = run_worker(Args::parse()).await;
+    // The last lines reach a reader that is still there; a stuck or closed
+    // one does not keep the worker.
+    common::log::flush(Duration::from_secs(2));
+    code
+}
+
+async fn run_worker(args: Args) -> ExitCode {
     let json = worker::entry::init_logs(args.log_format.as_deref());
     let metrics_fallback = args.metrics_addr.is_none();
     let metrics_addr = match args
@@ -99,7 +106,7 @@ async fn main() -> ExitCode {
         a => match a.parse() {
             Ok(addr) => Some(addr),
             Err(_) => {
-                eprintln!("error: --metrics-addr `{a}` is not an address like 0.0.0.0:9464 (or `off`)");
+                common::errln!("error: --metrics-addr `{a}` is not an address like 0.0.0.0:9464 (or `off`)");
                 return ExitCode::from(2);
             }
         },
@@ -107,7 +114,7 @@ async fn main() -> ExitCode {
     let traces = match Traces::from_env("batchfleet-worker") {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             return ExitCode::from(2);
         }
     };
@@ -132,8 +139,9 @@ async fn main() -> ExitCode {
     let on_signal = cancel.clone();
     tokio::spawn(async move {
         worker::entry::shutdown_signal().await;
-        tracing::info!("shutdown signal: no new claims; draining in-flight work");
+        // Stop first: saying so can never hold the stop up.
         on_signal.cancel();
+        tracing::info!("shutdown signal: no new claims; draining in-flight work");
     });
     let outcome = run(config, cancel).await;
     traces.shutdown(Duration::from_secs(5));
@@ -144,19 +152,20 @@ async fn main() -> ExitCode {
                 ExitCode::SUCCESS
             } else {
                 for (job, reason) in &summary.halted {
-                    eprintln!(
-                        "error: job `{job}` is halted ({reason}): tasks stay queued; fix the key or quota, then delete bf:{{{job}}}:halt"
+                    common::errln!(
+                        "error: job `{job}` is halted: {reason}. Its records stay queued; once the cause is fixed, \
+                         continue it with `producer resume --job {job}`"
                     );
                 }
                 ExitCode::from(EXIT_HALTED)
             }
         }
         Err(RunError::Refused(msg)) => {
-            eprintln!("error: {msg}");
+            common::errln!("error: {msg}");
             ExitCode::from(2)
         }
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -173,8 +182,8 @@ fn print_summary(summary: &worker::run::RunSummary, json: bool) {
             "fields": {"message": "worker summary", "summary": body},
             "target": "worker",
         });
-        eprintln!("{line}");
+        common::errln!("{line}");
     } else {
-        eprintln!("worker summary: {body}");
+        common::errln!("worker summary: {body}");
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use common::batch::GroupCommit;
-use common::decision::{Decision, Outcome, decide};
+use common::decision::{Decision, Outcome, Standing, decide};
 use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind, Traces};
 use common::spec::JobSpec;
@@ -37,6 +37,8 @@ pub struct JobCtx {
     pub limiter: Limiter,
     /// Halts the job on systematic provider errors.
     pub breaker: crate::breaker::Breaker,
+    /// The job's provider outage: one probe at a time while it is down.
+    pub outage: crate::outage::OutageWatch,
     /// Where the job's results go after Redis (None: they stay there).
     pub sink: Option<crate::sink::SinkTarget>,
     /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
@@ -642,10 +644,22 @@ async fn conclude(
         Via::Batch { line } => (None, Some(line)),
     };
 
-    // Rate-limited, halted and suspect calls are not attempts: the record was not at fault.
+    // An online call tells the fleet whether the provider answers (an
+    // outage that outlasted the job's budget halts it).
+    let (failing_since, answered_ms) = match elapsed {
+        Some(took) => note_provider(store, job, d, limits, &mut reply, took).await,
+        // A batch's line: the provider answered the batch.
+        None => (failing_since(d, &reply.outcome, std::time::Duration::ZERO), now_ms()),
+    };
+    // Transient, rate-limited, halted and suspect calls are not attempts:
+    // the record was not at fault.
     let counts_as_attempt = !matches!(
         reply.outcome,
-        Outcome::RateLimited { .. } | Outcome::FleetHalt { .. } | Outcome::Suspect { .. } | Outcome::FormRefused
+        Outcome::Transient { .. }
+            | Outcome::RateLimited { .. }
+            | Outcome::FleetHalt { .. }
+            | Outcome::Suspect { .. }
+            | Outcome::FormRefused
     );
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
@@ -664,9 +678,13 @@ async fn conclude(
         None => call,
     };
     let calls = d.task.calls + 1;
-    let decision = decide(
-        attempt.saturating_sub(d.task.base).max(1),
+    let standing = Standing {
+        attempt: attempt.saturating_sub(d.task.base).max(1),
         calls,
+        provider: job.outage.provider_state(failing_since, answered_ms, now_ms()),
+    };
+    let decision = decide(
+        standing,
         &reply.outcome,
         &job.spec.retry,
         rand::rng().random_range(0.0..1.0),
@@ -725,6 +743,7 @@ async fn conclude(
         reply: &reply,
         fingerprint: answered.then(|| prep.fp.clone()),
         paid,
+        failing_since,
     };
     apply(
         store,
@@ -742,12 +761,65 @@ async fn conclude(
     .await
 }
 
+/// Tells the fleet's outage state what an online call came to (see
+/// [`crate::outage`]): a transient failure or a 429 joins the fleet's
+/// streak of failures, anything else the provider said ends it. Returns
+/// when the record's calls began failing in a row (Unix ms; 0 when this
+/// one was answered) and when the fleet last got an answer. When the
+/// provider has been down for longer than the job's outage budget the
+/// outcome becomes a halt.
+async fn note_provider(
+    store: &RedisStore,
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    reply: &mut Reply,
+    took: std::time::Duration,
+) -> (u64, u64) {
+    let failed = matches!(reply.outcome, Outcome::Transient { .. } | Outcome::RateLimited { .. });
+    let noted = match (&reply.error, failed) {
+        (Some(err), true) => {
+            let noted = job
+                .outage
+                .failed(store, &job.name, &d.task.rid, err, took, &limits.worker)
+                .await;
+            noted.map(|(answered_ms, halt)| {
+                if let Some(reason) = halt {
+                    reply.outcome = Outcome::FleetHalt { cause: reason };
+                }
+                answered_ms
+            })
+        }
+        _ => job.outage.answered(store, &job.name, &d.task.rid).await.map(|()| 0),
+    };
+    // Unknown (Redis away): the record only waits.
+    let answered_ms = noted.unwrap_or_else(|e| {
+        limits.metrics.store_errors.inc();
+        tracing::warn!(job = %job.name, error = %e, "could not tell the fleet whether the provider answers");
+        0
+    });
+    (failing_since(d, &reply.outcome, took), answered_ms)
+}
+
+/// When the record's calls began failing in a row, this one included (Unix
+/// ms; 0 when this call's outcome was no transient failure or 429).
+fn failing_since(d: &Delivery, outcome: &Outcome, took: std::time::Duration) -> u64 {
+    if !matches!(outcome, Outcome::Transient { .. } | Outcome::RateLimited { .. }) {
+        return 0;
+    }
+    match d.task.failing_since {
+        0 => now_ms().saturating_sub(took.as_millis() as u64),
+        since => since,
+    }
+}
+
 /// Runs a non-retryable provider error through the job's circuit breaker
 /// (see [`crate::breaker`]): it stays about the record, or makes the record
 /// wait, or halts the job with the provider's message. Any answer proves the
 /// provider (told to Redis once).
 async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form: common::spec::StructuredOutput) {
     use crate::breaker::Verdict;
+    let mut form_refused = None;
     // A request refused for its shape: with `auto`, the next structured-output
     // form; otherwise not a passing error (the breaker decides).
     if let Some(err) = &reply.error
@@ -773,6 +845,7 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
         if let Outcome::Transient { cause, .. } = &reply.outcome {
             reply.outcome = Outcome::Permanent { cause: cause.clone() };
         }
+        form_refused = Some(form);
     }
     match &reply.outcome {
         // The provider answers (valid or not, the model is at fault, not the setup).
@@ -799,14 +872,32 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
                 }
                 Verdict::Halt => {
                     let n = count.max(job.breaker.threshold);
+                    let hint = form_refused.map(|f| refused_form_hint(job, f)).unwrap_or_default();
                     reply.outcome = Outcome::FleetHalt {
-                        cause: format!("systematic provider error: {cause} on {n} calls in a row: {message}"),
+                        cause: format!(
+                            "systematic provider error: {cause} on {n} calls in a row from {}: {message}{hint}",
+                            job.outage.base_url()
+                        ),
                     };
                 }
             }
         }
         _ => {}
     }
+}
+
+/// What a halt on a refused structured-output form tells the person: the
+/// setting that fixes it, and how to run the records with it.
+fn refused_form_hint(job: &JobCtx, form: common::spec::StructuredOutput) -> String {
+    format!(
+        ". The server refuses the structured-output form `{}` (provider.structured_output = {}): \
+         set provider.structured_output = \"auto\" to send the first form it accepts (json_schema, then \
+         json_object with the schema, then the prompt alone); the setting is part of the record ids, so enqueue \
+         the dataset with the changed spec under a new --job name",
+        form.name(),
+        // `true`, `"json_object"`...: written as the spec writes it.
+        serde_json::to_string(&job.spec.provider.structured_output).unwrap_or_else(|_| form.name().to_owned()),
+    )
 }
 
 /// Decides and applies an outcome reached without calling the model
@@ -838,7 +929,12 @@ async fn without_call(
             attempts: before.attempts,
         },
     };
-    let decision = decide(before.attempts.max(1), d.task.calls, &outcome, &job.spec.retry, 0.0);
+    let decision = decide(
+        Standing::new(before.attempts.max(1), d.task.calls),
+        &outcome,
+        &job.spec.retry,
+        0.0,
+    );
     log_event(
         job,
         d,
@@ -885,6 +981,8 @@ struct Call<'a> {
     fingerprint: Option<String>,
     /// For the ledger, when the call may be billed.
     paid: Option<PaidCall>,
+    /// When the record's calls began failing in a row (0: this one was answered).
+    failing_since: u64,
 }
 
 /// Applies a decision with one atomic store call (or, for a halt, stops the
@@ -952,6 +1050,7 @@ async fn apply(
             {
                 task.online = true;
             }
+            task.failing_since = answer.as_ref().map_or(d.task.failing_since, |a| a.failing_since);
             if let Some(call) = &answer {
                 task.answered.extend(call.fingerprint.clone());
                 // The model sees its own answer beside the feedback on it.
@@ -1014,8 +1113,21 @@ async fn apply(
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
             store.halt(&job.name, &reason).await?;
             tracing::error!(job = %job.name, reason = %reason, "fleet halted: tasks stay queued");
-            // Handed back at once: it runs as soon as the halt is lifted.
-            let _ = store.finish(&job.name, d, &Finish::Release(d.task.clone())).await;
+            // Handed back at once: it runs as soon as the halt is lifted. The
+            // call it made (a timed-out one may be billed) stays in its
+            // history and in the ledger; its feedback for the model too.
+            let task = match &answer {
+                Some(call) => {
+                    let mut task = d
+                        .task
+                        .next(facts.attempts, call.calls, d.task.feedback.clone(), history);
+                    task.answer = d.task.answer.clone();
+                    task.failing_since = call.failing_since;
+                    task
+                }
+                None => d.task.clone(),
+            };
+            let _ = job.finish_paid(d, &Finish::Release(task), paid).await;
             Ok(Settled::Halted(reason))
         }
     }

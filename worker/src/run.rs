@@ -149,6 +149,10 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     // blocking read holds it): nothing enqueued after this is missed.
     let listener_store = RedisStore::connect(&config.redis_url).await?;
     let wake_cursor = listener_store.wake_cursor().await?;
+    let Some(jobs) = jobs_to_serve(&listener_store, &config, &cancel).await? else {
+        return Ok(RunSummary::default());
+    };
+    let config = Config { jobs, ..config };
     let (fleet, http_stop) = start(config).await?;
     tracing::info!(consumer = %fleet.config.consumer, jobs = fleet.jobs.len(), visibility_ms = fleet.visibility.as_millis() as u64, "worker started");
     // The watcher's first look comes before the first claim: a halted or
@@ -263,6 +267,76 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     }
     http_stop.cancel();
     Ok(summary)
+}
+
+/// How often a worker looks for the jobs it waits for.
+const JOB_WAIT_POLL: Duration = Duration::from_secs(1);
+
+/// The jobs this worker serves: those named (`--job`), once each exists
+/// (workers may start before the producer: a missing job is waited for,
+/// said once; with `--drain` it is refused), or every job in Redis (said at
+/// start). None when stopped while waiting.
+async fn jobs_to_serve(
+    store: &RedisStore,
+    config: &Config,
+    cancel: &CancellationToken,
+) -> Result<Option<Vec<String>>, RunError> {
+    let at = common::secret::redact_url(&config.redis_url);
+    let mut said = false;
+    loop {
+        let existing = store.jobs().await?;
+        if config.jobs.is_empty() {
+            if !existing.is_empty() || config.drain {
+                tracing::info!(
+                    redis = %at,
+                    jobs = %existing.join(", "),
+                    "serving every job in Redis (no --job given); a job enqueued later is served once the worker restarts"
+                );
+                return Ok(Some(existing));
+            }
+        } else {
+            let missing: Vec<&String> = config.jobs.iter().filter(|j| !existing.contains(j)).collect();
+            if missing.is_empty() {
+                return Ok(Some(config.jobs.clone()));
+            }
+            let names: Vec<String> = missing.iter().map(|j| format!("`{j}`")).collect();
+            let mut why = format!(
+                "job {} does not exist in the Redis at {at} (its jobs: {})",
+                names.join(", "),
+                if existing.is_empty() {
+                    "none".to_owned()
+                } else {
+                    existing.join(", ")
+                }
+            );
+            if let Some(near) = missing
+                .iter()
+                .find_map(|j| common::suggest::nearest(j, existing.iter().map(String::as_str)))
+            {
+                why.push_str(&format!("; did you mean --job {near}?"));
+            }
+            if config.drain {
+                return Err(RunError::Refused(format!(
+                    "{why}. Enqueue it first (producer enqueue DATASET.jsonl --job {} --spec SPEC.toml{}), \
+                     or name an existing job",
+                    missing[0],
+                    common::secret::redis_flag(&config.redis_url)
+                )));
+            }
+            if !said {
+                tracing::warn!("{why}: waiting for it to be enqueued");
+                said = true;
+            }
+        }
+        if !said {
+            tracing::warn!(redis = %at, "no job in Redis yet: waiting for one to be enqueued");
+            said = true;
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(None),
+            _ = tokio::time::sleep(JOB_WAIT_POLL) => {}
+        }
+    }
 }
 
 /// Connects, checks Redis and the config, loads the jobs and starts the
@@ -479,6 +553,10 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     let job = JobCtx {
         stamp: common::task::Stamp::now(&spec),
         breaker,
+        outage: crate::outage::OutageWatch::new(
+            spec.retry.outage_budget_ms(),
+            base_url.unwrap_or(&spec.provider.base_url),
+        ),
         // Its lease is set once every job is loaded (the visibility timeout).
         limiter: Limiter::for_job(
             store,

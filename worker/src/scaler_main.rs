@@ -39,10 +39,15 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let code = run_scaler(Args::parse()).await;
+    common::log::flush(Duration::from_secs(2));
+    code
+}
+
+async fn run_scaler(args: Args) -> ExitCode {
     worker::entry::init_logs(args.log_format.as_deref());
     let Ok(bind) = args.bind.parse() else {
-        eprintln!(
+        common::errln!(
             "error: --bind `{}` is not an address like 127.0.0.1:9465",
             args.bind.escape_default()
         );
@@ -50,7 +55,7 @@ async fn main() -> ExitCode {
     };
     for job in &args.jobs {
         if let Err(e) = common::store::valid_job_name(job) {
-            eprintln!("error: --job: {e}");
+            common::errln!("error: --job: {e}");
             return ExitCode::from(2);
         }
     }
@@ -63,7 +68,7 @@ async fn main() -> ExitCode {
     let scaler = match Scaler::connect(config).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e}");
+            common::errln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -71,7 +76,7 @@ async fn main() -> ExitCode {
     let bound = match scaler.serve(stop.clone()).await {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("error: cannot serve on {bind}: {e}");
+            common::errln!("error: cannot serve on {bind}: {e}");
             return ExitCode::from(2);
         }
     };

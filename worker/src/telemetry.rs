@@ -58,6 +58,11 @@ pub struct Metrics {
     spend_usd: GaugeVec,
     /// 1 while the job is halted on its budget.
     halted_on_budget: IntGaugeVec,
+    /// 0 while the job's provider is taken for down (fleet-wide), and since when.
+    provider_up: IntGaugeVec,
+    provider_down_since: GaugeVec,
+    /// Log lines dropped because standard error was closed or full.
+    log_lines_dropped: prometheus::IntCounter,
 }
 
 /// A job as the metrics endpoint watches it.
@@ -179,6 +184,33 @@ impl Metrics {
                 "Tokens reported by the provider, by kind.",
                 &["job", "kind"],
             ),
+            provider_up: gauge(
+                &r,
+                &format!("{p}provider_up"),
+                "0 while the job's provider fails every call fleet-wide (only probes are sent), else 1.",
+                &["job"],
+            ),
+            provider_down_since: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        format!("{p}provider_down_since_seconds"),
+                        "Unix time the job's provider began failing every call (0 while it answers).",
+                    ),
+                    &["job"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("metric registered once");
+                g
+            },
+            log_lines_dropped: {
+                let c = prometheus::IntCounter::new(
+                    format!("{p}log_lines_dropped_total"),
+                    "Log lines dropped because standard error was closed or full (logging never stalls a worker).",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("metric registered once");
+                c
+            },
             halted: gauge(
                 &r,
                 &format!("{p}halted"),
@@ -372,6 +404,13 @@ impl Metrics {
             self.halted
                 .with_label_values(&[job.as_str()])
                 .set(i64::from(halt.is_some()));
+            if let Ok(o) = store.provider_outage(job).await {
+                self.provider_up
+                    .with_label_values(&[job.as_str()])
+                    .set(i64::from(!o.down));
+                let since = if o.down { o.since_ms as f64 / 1000.0 } else { 0.0 };
+                self.provider_down_since.with_label_values(&[job.as_str()]).set(since);
+            }
             let on_budget = halt.as_deref().is_some_and(|r| r.starts_with("budget"));
             self.halted_on_budget
                 .with_label_values(&[job.as_str()])
@@ -397,6 +436,9 @@ impl Metrics {
 
     /// The exposition in Prometheus text format.
     pub fn encode(&self) -> String {
+        let dropped = common::log::dropped();
+        self.log_lines_dropped
+            .inc_by(dropped.saturating_sub(self.log_lines_dropped.get()));
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()

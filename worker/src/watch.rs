@@ -1,6 +1,8 @@
-//! The watcher: reads every job's halt and cancel flags from Redis twice a
-//! second, so the claimer skips halted and cancelled jobs, and renews this
-//! worker's lease on its consumer name.
+//! The watcher: reads every job's halt and cancel flags and its provider's
+//! outage from Redis (every [`PERIOD`], and at once when the fleet is told a
+//! flag changed), so the claimer skips halted and cancelled jobs and only
+//! probes a provider taken for down; and renews this worker's lease on its
+//! consumer name.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -41,6 +43,18 @@ impl Watcher {
                         halted.insert(job.name.clone(), reason.clone());
                     }
                 }
+            }
+            // The provider's outage, as the fleet knows it: taken for down
+            // (only probes go out), or back (claim again at once).
+            match f.store.provider_outage(&job.name).await {
+                Ok(o) => {
+                    let was_down = job.outage.is_down();
+                    job.outage.from_redis(&job.name, &o);
+                    if was_down && !o.down {
+                        f.wake_claimer.notify_one();
+                    }
+                }
+                Err(e) => f.store_error(&e).await,
             }
             if !job.breaker.proven() && matches!(f.store.proven(&job.name).await, Ok(true)) {
                 job.breaker.set_proven();

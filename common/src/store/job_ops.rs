@@ -70,6 +70,8 @@ impl RedisStore {
                 keys::halt(job),
                 keys::breaker(job),
                 keys::batch_failures(job),
+                // A resumed job's outage budget starts again.
+                keys::outage(job),
             ])
             .await?;
         self.wake(job, Wake::Flags).await;

@@ -7,6 +7,7 @@ mod audit_ops;
 mod budget_ops;
 mod job_ops;
 mod limit_ops;
+mod outage_ops;
 mod permissions;
 mod read_ops;
 mod redis_store;
@@ -19,6 +20,7 @@ mod worker_ops;
 pub use audit_ops::AuditItem;
 pub use budget_ops::{BudgetState, Reserved};
 pub use limit_ops::{CallKind, LimitParams, Settlement};
+pub use outage_ops::{FailedCall, Noted, OutageRules, Provider, ProviderOutage};
 pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 

@@ -153,6 +153,7 @@ pub(super) struct Scripts {
     pub audit: Script,
     pub shard: Script,
     pub batch_tokens: Script,
+    pub outage: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -255,6 +256,7 @@ impl RedisStore {
                 audit: Script::new(include_str!("scripts/audit.lua")),
                 shard: Script::new(include_str!("scripts/shard.lua")),
                 batch_tokens: Script::new(include_str!("scripts/batch_tokens.lua")),
+                outage: Script::new(include_str!("scripts/outage.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
@@ -298,6 +300,10 @@ impl RedisStore {
             &s.ids_page,
             &s.ledger,
             &s.budget,
+            &s.audit,
+            &s.shard,
+            &s.batch_tokens,
+            &s.outage,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

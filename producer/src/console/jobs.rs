@@ -173,6 +173,8 @@ pub struct Live {
     pub state: String,
     pub state_class: &'static str,
     pub halted: Option<String>,
+    /// Why the job waits: its provider fails every call (since when, the last error).
+    pub waiting: Option<String>,
     pub cancelled: bool,
     pub progress: String,
     pub percent: u64,
@@ -213,6 +215,7 @@ impl Live {
             (t.0 + w.queued, t.1 + w.in_flight, t.2 + w.delayed, t.3 + w.shards)
         });
         let halted = store.halted(job).await?;
+        let waiting = store.provider_outage(job).await?.waiting();
         let cancelled = store.cancelled(job).await?;
         let spend = store.spend(job, partitions).await?;
         let budget = store.budget(job).await?;
@@ -226,6 +229,7 @@ impl Live {
             (Some(r), _, _) if r.starts_with("budget") => ("halted: budget".to_owned(), "bad"),
             (Some(_), _, _) => ("halted".to_owned(), "bad"),
             (None, true, _) => ("cancelled".to_owned(), "warn"),
+            (None, false, false) if waiting.is_some() => ("waiting: provider unavailable".to_owned(), "warn"),
             (None, false, true) => ("complete".to_owned(), "good"),
             (None, false, false) if queued + in_flight + delayed + shards_open > 0 => ("running".to_owned(), "run"),
             _ => ("waiting".to_owned(), "warn"),
@@ -360,6 +364,7 @@ impl Live {
             state,
             state_class,
             halted,
+            waiting,
             cancelled,
             queued,
             in_flight,

@@ -85,7 +85,7 @@ pub async fn run(
         skipped: queue::Skipped::default(),
     });
     let app = router(console);
-    eprintln!("console: serving on http://{addr}");
+    common::errln!("console: serving on http://{addr}");
     if let Some(tx) = bound {
         let _ = tx.send(addr);
     }

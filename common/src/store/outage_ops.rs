@@ -1,0 +1,232 @@
+//! A job's provider outage, shared by the fleet (see `outage.lua`): the
+//! streak of calls failing transiently, whether the provider is taken for
+//! down, and the lease of the one probe that checks it.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::AsyncCommands;
+
+use super::{RedisStore, StoreError};
+use crate::keys;
+
+/// When the fleet takes its provider for down, and how it probes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutageRules {
+    /// Failed calls in a row, fleet-wide, before the provider is down.
+    pub min_fails: u32,
+    /// And no call answered for this long.
+    pub window: Duration,
+    /// The same for a streak of 429s only: at its own pace a fleet sees
+    /// answers between its 429s; a provider refusing everything does not.
+    pub window_429: Duration,
+    /// The longest wait between two probes.
+    pub probe_every_max: Duration,
+}
+
+impl Default for OutageRules {
+    fn default() -> OutageRules {
+        OutageRules {
+            min_fails: 5,
+            window: Duration::from_secs(2),
+            window_429: Duration::from_secs(15),
+            probe_every_max: Duration::from_secs(5),
+        }
+    }
+}
+
+/// A failed call as the fleet's streak records it.
+#[derive(Debug, Clone, Copy)]
+pub struct FailedCall<'a> {
+    /// How long ago it was sent.
+    pub took: Duration,
+    /// Its cause code (`connect`, `timeout`, `http_503`, `rate_limited`...).
+    pub cause: &'a str,
+    pub rate_limited: bool,
+    /// The provider's words (scrubbed), if it said any.
+    pub message: &'a str,
+    /// The redacted base URL it was sent to.
+    pub base_url: &'a str,
+    pub worker: &'a str,
+    /// It was the probe of a provider taken for down.
+    pub probe: bool,
+}
+
+/// What a failure made of the provider's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Noted {
+    pub state: Provider,
+    /// The start of the fleet's streak of failures, and now (Unix ms, Redis's clock).
+    pub since_ms: u64,
+    pub now_ms: u64,
+    /// When the fleet last noted an answer (0: never, or not since a resume).
+    pub answered_ms: u64,
+}
+
+/// The provider, as the fleet's streak takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    /// Not down (yet).
+    Up,
+    /// Down from this failure on.
+    DownNow,
+    /// Down before it.
+    Down,
+}
+
+/// The job's provider outage as status, metrics and the console show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ProviderOutage {
+    /// The provider is taken for down: the job waits for it.
+    pub down: bool,
+    /// Start of the streak of failed calls (Unix ms), 0 without one.
+    pub since_ms: u64,
+    /// Calls failed in the streak.
+    pub failed_calls: u64,
+    /// The last failure's cause and the provider's words.
+    pub last_error: String,
+    pub message: String,
+    /// Where the calls went (redacted).
+    pub base_url: String,
+    /// When the next probe may start (Unix ms; while down).
+    pub next_probe_ms: u64,
+    /// Outages so far, and how long the last one that ended lasted.
+    pub outages: u64,
+    pub last_outage_ms: u64,
+}
+
+impl ProviderOutage {
+    /// One line for people: `provider unavailable since <time>, last error
+    /// <cause> from <base_url>: <words>` (None while the provider is up).
+    pub fn waiting(&self) -> Option<String> {
+        if !self.down {
+            return None;
+        }
+        let mut line = format!(
+            "provider unavailable since {} ({} calls failed), last error {} from {}",
+            crate::manifest::rfc3339(self.since_ms / 1000),
+            self.failed_calls,
+            self.last_error,
+            if self.base_url.is_empty() { "?" } else { &self.base_url },
+        );
+        if !self.message.is_empty() {
+            line.push_str(&format!(": {}", self.message));
+        }
+        Some(line)
+    }
+}
+
+fn num(h: &HashMap<String, String>, k: &str) -> u64 {
+    h.get(k).and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+impl RedisStore {
+    /// Adds a transiently failed call to the fleet's streak; it may take
+    /// the provider for down (see `outage.lua`).
+    pub async fn outage_failed(
+        &self,
+        job: &str,
+        call: &FailedCall<'_>,
+        rules: &OutageRules,
+    ) -> Result<Noted, StoreError> {
+        let (state, since_ms, now_ms, answered_ms): (u8, u64, u64, u64) = self
+            .scripts
+            .outage
+            .key(keys::outage(job))
+            .arg("fail")
+            .arg(call.took.as_millis() as u64)
+            .arg(call.cause)
+            .arg(u8::from(call.rate_limited))
+            .arg(call.message)
+            .arg(call.base_url)
+            .arg(call.worker)
+            .arg(rules.min_fails)
+            .arg(rules.window.as_millis() as u64)
+            .arg(rules.window_429.as_millis() as u64)
+            .arg(rules.probe_every_max.as_millis() as u64)
+            .arg(u8::from(call.probe))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let state = match state {
+            1 => {
+                self.wake(job, super::Wake::Flags).await;
+                Provider::DownNow
+            }
+            2 => Provider::Down,
+            _ => Provider::Up,
+        };
+        Ok(Noted {
+            state,
+            since_ms,
+            now_ms,
+            answered_ms,
+        })
+    }
+
+    /// Notes an answer: it ends the streak, and an outage (returned: the
+    /// streak's start and now, Unix ms), waking the fleet.
+    pub async fn outage_answered(&self, job: &str) -> Result<Option<(u64, u64)>, StoreError> {
+        let (ended, since_ms, now_ms): (u8, u64, u64) = self
+            .scripts
+            .outage
+            .key(keys::outage(job))
+            .arg("ok")
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if ended == 1 {
+            self.wake(job, super::Wake::Flags).await;
+            return Ok(Some((since_ms, now_ms)));
+        }
+        Ok(None)
+    }
+
+    /// Takes the lease of the probe of a provider taken for down, for
+    /// `lease`: Ok when this worker may send it (or the provider is up),
+    /// else how long until the next probe may start.
+    pub async fn outage_probe(&self, job: &str, lease: Duration) -> Result<Result<(), Duration>, StoreError> {
+        let (granted, at, now): (u8, u64, u64) = self
+            .scripts
+            .outage
+            .key(keys::outage(job))
+            .arg("probe")
+            .arg(lease.as_millis() as u64)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(if granted == 1 {
+            Ok(())
+        } else {
+            Err(Duration::from_millis(at.saturating_sub(now)))
+        })
+    }
+
+    /// Gives back a probe's lease that found nothing to send.
+    pub async fn outage_unprobe(&self, job: &str) -> Result<(), StoreError> {
+        let _: (u8, u64, u64) = self
+            .scripts
+            .outage
+            .key(keys::outage(job))
+            .arg("unprobe")
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// The job's provider outage as Redis holds it (all zero when no call failed).
+    pub async fn provider_outage(&self, job: &str) -> Result<ProviderOutage, StoreError> {
+        let h: HashMap<String, String> = self.conn.clone().hgetall(keys::outage(job)).await?;
+        let text = |k: &str| h.get(k).cloned().unwrap_or_default();
+        let down = h.get("down").is_some_and(|v| v == "1");
+        let streak = num(&h, "since_ms") > num(&h, "ok_ms");
+        Ok(ProviderOutage {
+            down,
+            since_ms: if down || streak { num(&h, "since_ms") } else { 0 },
+            failed_calls: if down || streak { num(&h, "fails") } else { 0 },
+            last_error: text("cause"),
+            message: text("message"),
+            base_url: text("base_url"),
+            next_probe_ms: if down { num(&h, "probe_at") } else { 0 },
+            outages: num(&h, "outages"),
+            last_outage_ms: num(&h, "last_outage_ms"),
+        })
+    }
+}

@@ -1,0 +1,280 @@
+//! A job's provider outage as this worker sees it (the fleet's state is in
+//! Redis, see `outage.lua`): every transiently failed call joins the
+//! fleet's streak, answers end it; while the provider is taken for down the
+//! claimer sends one probe at a time (leased fleet-wide) instead of real
+//! work, and the first answer resumes everyone. The outage is logged once
+//! at WARN when this worker learns it started and once when it ended, and
+//! an outage that outlasts the job's budget halts the job.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::decision::ProviderState;
+use common::store::{FailedCall, OutageRules, Provider, ProviderOutage, RedisStore, StoreError};
+
+use crate::provider::{CallError, ErrorKind};
+
+/// How often, at most, this worker tells the fleet its calls are answered
+/// while the provider is up (at once while it is down).
+const ANSWER_NOTE_EVERY: Duration = Duration::from_secs(1);
+
+/// One job's provider outage in this worker.
+pub struct OutageWatch {
+    rules: OutageRules,
+    budget_ms: u64,
+    /// Where the calls go, redacted (for the fleet's state and messages).
+    base_url: String,
+    /// The provider is taken for down (from Redis, or a script's answer).
+    down: AtomicBool,
+    /// The start of the streak that took it down (Unix ms, Redis's clock).
+    since_ms: AtomicU64,
+    /// When this worker last told the fleet it got an answer.
+    answer_noted: Mutex<Option<Instant>>,
+    /// The record whose call is the probe this worker is sending.
+    probe: Mutex<Option<String>>,
+}
+
+impl OutageWatch {
+    pub fn new(budget_ms: u64, base_url: &str) -> OutageWatch {
+        OutageWatch {
+            rules: OutageRules::default(),
+            budget_ms,
+            base_url: common::secret::redact_url(base_url),
+            down: AtomicBool::new(false),
+            since_ms: AtomicU64::new(0),
+            answer_noted: Mutex::new(None),
+            probe: Mutex::new(None),
+        }
+    }
+
+    /// Where the job's calls go, redacted.
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    pub fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// The provider as [`common::decision::decide`] takes it, for a record
+    /// whose calls have failed since `failing_since` (Unix ms; 0: its last
+    /// call did not fail) while the fleet last got an answer at
+    /// `answered_ms`. Only a failing streak during which others were
+    /// answered counts against the record: while every call fails, it is the
+    /// provider's outage (declared or not yet), never the record's.
+    pub fn provider_state(&self, failing_since: u64, answered_ms: u64, now_ms: u64) -> ProviderState {
+        if self.is_down() {
+            return ProviderState::Down;
+        }
+        let failing_ms = if failing_since > 0 && answered_ms > failing_since {
+            now_ms.saturating_sub(failing_since)
+        } else {
+            0
+        };
+        ProviderState::Up { failing_ms }
+    }
+
+    /// Sets this worker's view; logs when it changes.
+    fn set(&self, job: &str, down: bool, since_ms: u64, why: impl FnOnce() -> String) {
+        if down {
+            self.since_ms.store(since_ms, Ordering::Relaxed);
+        }
+        if self.down.swap(down, Ordering::Relaxed) == down {
+            return;
+        }
+        let since = common::manifest::rfc3339(since_ms / 1000);
+        if down {
+            tracing::warn!(
+                job = %job,
+                since = %since,
+                budget_s = self.budget_ms / 1000,
+                base_url = %self.base_url,
+                "provider unavailable: {}; records wait in the queue and one probe at a time checks the provider",
+                why()
+            );
+        } else {
+            tracing::warn!(job = %job, since = %since, base_url = %self.base_url, "provider back: {}; resuming", why());
+        }
+    }
+
+    /// The fleet's state, read by the watcher.
+    pub fn from_redis(&self, job: &str, o: &ProviderOutage) {
+        if !o.down {
+            *self.probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        self.set(job, o.down, o.since_ms, || {
+            if o.down {
+                format!(
+                    "{} calls failed since {}, last error {}{}",
+                    o.failed_calls,
+                    common::manifest::rfc3339(o.since_ms / 1000),
+                    o.last_error,
+                    if o.message.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", o.message)
+                    }
+                )
+            } else {
+                "another worker's call was answered".to_owned()
+            }
+        });
+    }
+
+    /// A call for `rid` failed transiently (or with a 429) after `took`:
+    /// joins the fleet's streak. Returns when the fleet last got an answer
+    /// (Unix ms), and the reason to halt the job when the provider has been
+    /// down for longer than the job's budget.
+    pub async fn failed(
+        &self,
+        store: &RedisStore,
+        job: &str,
+        rid: &str,
+        err: &CallError,
+        took: Duration,
+        worker: &str,
+    ) -> Result<(u64, Option<String>), StoreError> {
+        let message = err.message.as_deref().unwrap_or("");
+        let words = if message.is_empty() {
+            String::new()
+        } else {
+            format!(": {message}")
+        };
+        let call = FailedCall {
+            took,
+            cause: &err.cause,
+            rate_limited: err.kind == ErrorKind::RateLimited,
+            message,
+            base_url: &self.base_url,
+            worker,
+            probe: self.probe_ended(rid),
+        };
+        let noted = store.outage_failed(job, &call, &self.rules).await?;
+        let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
+        if noted.state == Provider::Up {
+            return Ok((noted.answered_ms, None));
+        }
+        let since = common::manifest::rfc3339(since_ms / 1000);
+        self.set(job, true, since_ms, || {
+            format!("calls fail fleet-wide since {since}, last error {}{words}", err.cause)
+        });
+        let lasted = now_ms.saturating_sub(since_ms);
+        if lasted < self.budget_ms {
+            return Ok((noted.answered_ms, None));
+        }
+        let halt = format!(
+            "provider unavailable for {} (since {since}, the job's retry.outage_budget_secs is {}): \
+             last error {} from {}{words}",
+            common::manifest::human_duration(lasted),
+            self.budget_ms / 1000,
+            err.cause,
+            self.base_url,
+        );
+        Ok((noted.answered_ms, Some(halt)))
+    }
+
+    /// A call for `rid` was answered (valid or not: the provider is up).
+    /// Tells the fleet at most once a second, at once while the provider is down.
+    pub async fn answered(&self, store: &RedisStore, job: &str, rid: &str) -> Result<(), StoreError> {
+        self.probe_ended(rid);
+        {
+            let mut noted = self.answer_noted.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.is_down() && noted.is_some_and(|at| at.elapsed() < ANSWER_NOTE_EVERY) {
+                return Ok(());
+            }
+            *noted = Some(Instant::now());
+        }
+        let ended = store.outage_answered(job).await?;
+        if self.is_down() || ended.is_some() {
+            let (since_ms, now_ms) = ended.unwrap_or((self.since_ms.load(Ordering::Relaxed), 0));
+            self.set(job, false, since_ms, || match ended {
+                Some(_) => format!(
+                    "a call was answered after {} of failures",
+                    common::manifest::human_duration(now_ms.saturating_sub(since_ms))
+                ),
+                None => "a call was answered".to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    /// While the provider is down: takes the fleet's probe lease for
+    /// `lease` (Ok: this worker sends the probe), or says how long until
+    /// the next probe may start.
+    pub async fn take_probe(
+        &self,
+        store: &RedisStore,
+        job: &str,
+        lease: Duration,
+    ) -> Result<Result<(), Duration>, StoreError> {
+        store.outage_probe(job, lease).await
+    }
+
+    /// The probe's lease found no task to send: given back.
+    pub async fn no_probe(&self, store: &RedisStore, job: &str) -> Result<(), StoreError> {
+        store.outage_unprobe(job).await
+    }
+
+    /// The call for `rid` is this worker's probe.
+    pub fn set_probe(&self, rid: &str) {
+        *self.probe.lock().unwrap_or_else(|e| e.into_inner()) = Some(rid.to_owned());
+    }
+
+    /// Whether the call for `rid` is this worker's probe.
+    pub fn is_probe(&self, rid: &str) -> bool {
+        self.probe.lock().unwrap_or_else(|e| e.into_inner()).as_deref() == Some(rid)
+    }
+
+    /// The probe's call for `rid` came back, or its task ended without one:
+    /// true when `rid` was still the probe (a task that ends so made no
+    /// call, and its lease is given back).
+    pub fn probe_ended(&self, rid: &str) -> bool {
+        let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        if probe.as_deref() == Some(rid) {
+            *probe = None;
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_s_own_failures_count_only_while_the_provider_is_up() {
+        let w = OutageWatch::new(60_000, "http://user:pw@127.0.0.1:9/v1");
+        assert_eq!(w.base_url, "http://user:***@127.0.0.1:9/v1", "never the password");
+        // Others were answered at 20 s while this record failed since 1 s.
+        assert_eq!(
+            w.provider_state(1_000, 20_000, 31_000),
+            ProviderState::Up { failing_ms: 30_000 }
+        );
+        assert_eq!(
+            w.provider_state(1_000, 900, 31_000),
+            ProviderState::Up { failing_ms: 0 },
+            "nothing answered since it began failing: the provider's outage, not the record's"
+        );
+        assert_eq!(
+            w.provider_state(0, 20_000, 31_000),
+            ProviderState::Up { failing_ms: 0 },
+            "not failing"
+        );
+        w.set("j", true, 5, String::new);
+        assert_eq!(w.provider_state(1_000, 20_000, 31_000), ProviderState::Down);
+        w.set("j", false, 5, String::new);
+        assert!(!w.is_down());
+    }
+
+    #[test]
+    fn the_probe_mark_is_the_record_s_until_its_task_ends() {
+        let w = OutageWatch::new(1, "http://h/v1");
+        w.set_probe("r1");
+        assert!(w.is_probe("r1") && !w.is_probe("r2"));
+        assert!(!w.probe_ended("r2"));
+        assert!(w.probe_ended("r1"));
+        assert!(!w.is_probe("r1"));
+    }
+}
