@@ -83,6 +83,11 @@ pub fn check(spec: &JobSpec, dataset: &Path) -> std::io::Result<Check> {
         let one = Template::parse(&format!("{{{{{name}}}}}")).map_err(|e| std::io::Error::other(e.to_string()))?;
         singles.push((name, one));
     }
+    // A named pipe or a device would block, or be read only once (enqueue
+    // refuses it by name).
+    if !std::fs::metadata(dataset)?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
     let mut c = Check::default();
     let mut missing: BTreeMap<&str, usize> = BTreeMap::new();
     let file = std::io::BufReader::new(std::fs::File::open(dataset)?);

@@ -86,7 +86,7 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
     // Refusals go to review at once; 5xx answers wait and retry (no attempt).
     let sim = LlmSim::start(&[
         "--faults",
-        "missing_field=0.5,server_error=0.15,content_filter=0.1",
+        "missing_field=0.4,server_error=0.15,content_filter=0.3",
         "--seed",
         "4",
     ]);
