@@ -1,8 +1,9 @@
 //! batchfleet's shared core. Producer and worker depend on it; it knows
 //! nothing of HTTP servers or command lines.
 //!
-//! - [`spec`]: the job spec (TOML): serde types, defaults, `validate()`.
-//! - [`template`]: strict `{{field}}` rendering; the system prompt's field list.
+//! - [`spec`]: the job spec (TOML): serde types, defaults, `validate()`; the
+//!   system prompt with its field list.
+//! - [`template`]: strict `{{field}}` rendering.
 //! - [`record`]: a dataset line as a typed record; `record_id`; partitioning.
 //! - [`task`]: a record's lifecycle as types (task, state, attempt, usage,
 //!   result, review entry), each with one encoding.

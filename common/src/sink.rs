@@ -18,7 +18,6 @@ use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::secret::Scrubber;
 use crate::spec::{FieldType, JobSpec, Prices};
-use crate::store::{SunkResult, Tokens};
 use crate::task::{ResultRecord, ReviewEntry, Usage};
 
 /// Why the sink could not do its work; every message is scrubbed of the
@@ -243,18 +242,6 @@ pub fn ddl(table: &str) -> String {
     )
 }
 
-/// The column of an output field with `sink.typed_columns`: `out_` and the
-/// field's name in lowercase, anything but letters, digits and `_` as `_`.
-pub fn column_name(field: &str) -> String {
-    let mut c = String::from("out_");
-    c.extend(field.chars().map(|ch| match ch.to_ascii_lowercase() {
-        ch @ ('a'..='z' | '0'..='9' | '_') => ch,
-        _ => '_',
-    }));
-    c.truncate(63);
-    c
-}
-
 /// A top-level output field as a typed column of the results table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TypedColumn {
@@ -299,7 +286,7 @@ pub fn typed_columns(spec: &JobSpec) -> Vec<TypedColumn> {
         .fields
         .iter()
         .map(|(name, f)| TypedColumn {
-            column: column_name(name),
+            column: crate::spec::column_name(name),
             field: name.clone(),
             kind: f.kind,
         })
@@ -1315,6 +1302,69 @@ fn tls_config() -> rustls::ClientConfig {
                 .with_root_certificates(rustls::RootCertStore::empty())
                 .with_no_client_auth()
         })
+}
+
+/// One entry of a sink stream.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SinkEntry {
+    pub entry_id: String,
+    pub rid: String,
+    /// A committed result (`r`), or a record in review, dropped or
+    /// cancelled (`f`), or one of its paid calls (`l`, with `call`).
+    pub result: bool,
+    /// A paid call: its key in the ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
+}
+
+impl SinkEntry {
+    /// A record in review, dropped or cancelled (read from its state now).
+    pub fn is_failure(&self) -> bool {
+        !self.result && self.call.is_none()
+    }
+}
+
+/// Tokens of every call a result's history holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Tokens {
+    pub prompt: u64,
+    pub completion: u64,
+    pub cached: u64,
+}
+
+impl Tokens {
+    pub fn of(r: &ResultRecord) -> Tokens {
+        let mut t = Tokens::default();
+        for u in r.history.iter().filter_map(|h| h.as_attempt()?.usage) {
+            t.add(u.prompt, u.completion, u.cached);
+        }
+        t
+    }
+
+    pub fn add(&mut self, prompt: u64, completion: u64, cached: u64) {
+        self.prompt += prompt;
+        self.completion += completion;
+        self.cached += cached;
+    }
+}
+
+/// The figures of a result the sink holds, kept in Redis's `sunk`
+/// counters once the result leaves Redis.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SunkResult {
+    pub rid: String,
+    pub attempts: u32,
+    pub tokens: Tokens,
+}
+
+impl SunkResult {
+    pub fn of(r: &ResultRecord) -> SunkResult {
+        SunkResult {
+            rid: r.record_id.clone(),
+            attempts: r.attempts,
+            tokens: Tokens::of(r),
+        }
+    }
 }
 
 #[cfg(test)]

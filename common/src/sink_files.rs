@@ -42,7 +42,8 @@ use sha2::{Digest, Sha256};
 use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::sink::{FailureRow, ResultRow, RevisionRow, SinkError};
-use crate::store::{SinkEntry, SunkResult};
+use crate::sink::{SinkEntry, SunkResult};
+use crate::spec::SegmentLimits;
 use crate::task::ResultRecord;
 
 /// How many finished results segments of a partition the writer remembers
@@ -58,14 +59,6 @@ const RECENT_SEGMENTS: usize = 4;
 /// entries pending in Redis that it holds no segment for (a lost reply, an
 /// acknowledgement Redis lost in a restart).
 pub const RESCAN: Duration = Duration::from_secs(10);
-
-/// When a segment is finished: whichever comes first.
-#[derive(Debug, Clone, Copy)]
-pub struct SegmentLimits {
-    pub records: usize,
-    pub bytes: u64,
-    pub age: Duration,
-}
 
 /// The kinds of segments a batch is written into, each a directory.
 const KINDS: [&str; 3] = ["results", "failures", "ledger"];

@@ -6,11 +6,12 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::template::Template;
+use crate::template::{Template, is_field_path};
 
 /// A whole job spec, as loaded from `job.toml`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -275,8 +276,8 @@ impl Sink {
     }
 
     /// When a files sink finishes a segment.
-    pub fn segment_limits(&self) -> crate::sink_files::SegmentLimits {
-        crate::sink_files::SegmentLimits {
+    pub fn segment_limits(&self) -> SegmentLimits {
+        SegmentLimits {
             records: self.segment_records.unwrap_or(10_000),
             bytes: self.segment_bytes.unwrap_or(64 << 20),
             age: std::time::Duration::from_secs(self.segment_secs.unwrap_or(5)),
@@ -1133,7 +1134,7 @@ impl JobSpec {
             }
             let mut seen: BTreeMap<String, &str> = BTreeMap::new();
             for (name, _) in self.output.fields.iter() {
-                let column = crate::sink::column_name(name);
+                let column = column_name(name);
                 if let Some(other) = seen.insert(column.clone(), name) {
                     p.add(
                         "sink.typed_columns",
@@ -1223,7 +1224,7 @@ impl JobSpec {
         }
         if let Some(itpm) = l.input_tokens_per_minute {
             // The system prompt alone is sent with every request.
-            let system = (crate::template::system_prompt(self).len() as u64).div_ceil(4);
+            let system = (system_prompt(self).len() as u64).div_ceil(4);
             if itpm < system {
                 p.add(
                     "limits.input_tokens_per_minute",
@@ -1376,13 +1377,6 @@ fn is_identifier(s: &str) -> bool {
         && s.len() <= 64
 }
 
-/// `a`, `a.b`, `a_b.c1`: a field or a dotted path into nested objects.
-pub fn is_field_path(s: &str) -> bool {
-    !s.is_empty()
-        && s.split('.')
-            .all(|part| !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
-}
-
 /// Whether a JSON value has the given field type. Booleans are never numbers.
 pub fn value_has_type(v: &serde_json::Value, kind: FieldType) -> bool {
     use serde_json::Value;
@@ -1504,6 +1498,102 @@ pub fn versions_map(spec: &JobSpec) -> BTreeMap<&'static str, String> {
         ("output", spec.versions.output.clone()),
         ("model_config", spec.model_config_version()),
     ])
+}
+
+/// When a segment is finished: whichever comes first.
+#[derive(Debug, Clone, Copy)]
+pub struct SegmentLimits {
+    pub records: usize,
+    pub bytes: u64,
+    pub age: std::time::Duration,
+}
+
+/// The column of an output field with `sink.typed_columns`: `out_` and the
+/// field's name in lowercase, anything but letters, digits and `_` as `_`.
+pub fn column_name(field: &str) -> String {
+    let mut c = String::from("out_");
+    c.extend(field.chars().map(|ch| match ch.to_ascii_lowercase() {
+        ch @ ('a'..='z' | '0'..='9' | '_') => ch,
+        _ => '_',
+    }));
+    c.truncate(63);
+    c
+}
+
+/// The system message: the spec's own text, then the output contract.
+pub fn system_prompt(spec: &JobSpec) -> String {
+    let mut out = spec.prompt.system.trim_end().to_owned();
+    out.push_str("\n\nAnswer with exactly one JSON object and nothing else (no prose, no code fence). Its fields:\n");
+    describe_fields(&mut out, &spec.output.fields, "");
+    out
+}
+
+/// One line per field, `indent`ed; an object's own fields (or its items')
+/// follow it, indented further.
+fn describe_fields(out: &mut String, fields: &OrderedFields, indent: &str) {
+    // Fields code fills from the input are not asked of the model.
+    for (name, f) in fields.iter().filter(|(_, f)| f.from_input.is_none()) {
+        let mut ty = f.kind.name().to_owned();
+        if f.nullable {
+            ty.push_str(" or null");
+        }
+        let presence = if f.required_if.is_some() {
+            "conditional"
+        } else if f.required {
+            "required"
+        } else {
+            "optional"
+        };
+        let _ = write!(out, "{indent}- {name} ({ty}, {presence})");
+        let mut rules = Vec::new();
+        if let Some(d) = &f.description {
+            rules.push(d.trim().to_owned());
+        }
+        if let Some(values) = &f.enum_values {
+            let list: Vec<String> = values.iter().map(serde_json::Value::to_string).collect();
+            rules.push(format!("one of {}", list.join(", ")));
+        }
+        match (f.min, f.max) {
+            (Some(lo), Some(hi)) => rules.push(format!("from {lo} to {hi}")),
+            (Some(lo), None) => rules.push(format!("at least {lo}")),
+            (None, Some(hi)) => rules.push(format!("at most {hi}")),
+            (None, None) => {}
+        }
+        if let Some(n) = f.max_len {
+            let unit = if f.kind == FieldType::Array {
+                "items"
+            } else {
+                "characters"
+            };
+            rules.push(format!("at most {n} {unit}"));
+        }
+        if f.kind == FieldType::Array {
+            let item = f.item_spec();
+            let mut what = format!("each item a {}", item.kind.name());
+            if let Some(values) = &item.enum_values {
+                let list: Vec<String> = values.iter().map(serde_json::Value::to_string).collect();
+                what.push_str(&format!(" (one of {})", list.join(", ")));
+            }
+            if let (Some(n), FieldType::String) = (item.max_len, item.kind) {
+                what.push_str(&format!(" of at most {n} characters"));
+            }
+            rules.push(what);
+        }
+        if let Some(cond) = &f.required_if {
+            rules.push(format!("required when {} is {}", cond.field, cond.equals));
+        }
+        let own = f.fields.as_ref().or(f.items.as_ref().and_then(|i| i.fields.as_ref()));
+        if own.is_some() {
+            rules.push("with these fields".to_owned());
+        }
+        if !rules.is_empty() {
+            let _ = write!(out, ": {}", rules.join("; "));
+        }
+        out.push('\n');
+        if let Some(own) = own {
+            describe_fields(out, own, &format!("{indent}  "));
+        }
+    }
 }
 
 #[cfg(test)]

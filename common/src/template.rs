@@ -1,15 +1,11 @@
-//! Strict `{{field}}` rendering, and the system prompt with its field list.
+//! Strict `{{field}}` rendering.
 //!
 //! A placeholder whose field is missing, null or empty is an input error
-//! (`template_missing:<field>`): a half-rendered prompt is never sent. The
-//! field list in the system prompt is generated from the output spec, so the
-//! prompt and the validator cannot drift apart.
-
-use std::fmt::Write as _;
+//! (`template_missing:<field>`): a half-rendered prompt is never sent. (The
+//! system prompt, with the field list generated from the output spec, is
+//! [`crate::spec::system_prompt`].)
 
 use serde_json::Value;
-
-use crate::spec::{FieldType, JobSpec};
 
 /// A parsed template: literal text and placeholders, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,7 +46,7 @@ impl Template {
             let after = &rest[start + 2..];
             let end = after.find("}}").ok_or(TemplateError::Unclosed(offset + start))?;
             let name = after[..end].trim();
-            if !crate::spec::is_field_path(name) {
+            if !is_field_path(name) {
                 return Err(TemplateError::BadName(name.to_owned()));
             }
             parts.push(Part::Field(name.to_owned()));
@@ -99,6 +95,13 @@ impl Template {
     }
 }
 
+/// `a`, `a.b`, `a_b.c1`: a field or a dotted path into nested objects.
+pub fn is_field_path(s: &str) -> bool {
+    !s.is_empty()
+        && s.split('.')
+            .all(|part| !part.is_empty() && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+}
+
 /// Follows a dotted path (`meta.id`) through nested objects.
 pub fn lookup<'a>(record: &'a serde_json::Map<String, Value>, path: &str) -> Option<&'a Value> {
     let mut parts = path.split('.');
@@ -107,82 +110,6 @@ pub fn lookup<'a>(record: &'a serde_json::Map<String, Value>, path: &str) -> Opt
         current = current.as_object()?.get(part)?;
     }
     Some(current)
-}
-
-/// The system message: the spec's own text, then the output contract.
-pub fn system_prompt(spec: &JobSpec) -> String {
-    let mut out = spec.prompt.system.trim_end().to_owned();
-    out.push_str("\n\nAnswer with exactly one JSON object and nothing else (no prose, no code fence). Its fields:\n");
-    describe_fields(&mut out, &spec.output.fields, "");
-    out
-}
-
-/// One line per field, `indent`ed; an object's own fields (or its items')
-/// follow it, indented further.
-fn describe_fields(out: &mut String, fields: &crate::spec::OrderedFields, indent: &str) {
-    // Fields code fills from the input are not asked of the model.
-    for (name, f) in fields.iter().filter(|(_, f)| f.from_input.is_none()) {
-        let mut ty = f.kind.name().to_owned();
-        if f.nullable {
-            ty.push_str(" or null");
-        }
-        let presence = if f.required_if.is_some() {
-            "conditional"
-        } else if f.required {
-            "required"
-        } else {
-            "optional"
-        };
-        let _ = write!(out, "{indent}- {name} ({ty}, {presence})");
-        let mut rules = Vec::new();
-        if let Some(d) = &f.description {
-            rules.push(d.trim().to_owned());
-        }
-        if let Some(values) = &f.enum_values {
-            let list: Vec<String> = values.iter().map(Value::to_string).collect();
-            rules.push(format!("one of {}", list.join(", ")));
-        }
-        match (f.min, f.max) {
-            (Some(lo), Some(hi)) => rules.push(format!("from {lo} to {hi}")),
-            (Some(lo), None) => rules.push(format!("at least {lo}")),
-            (None, Some(hi)) => rules.push(format!("at most {hi}")),
-            (None, None) => {}
-        }
-        if let Some(n) = f.max_len {
-            let unit = if f.kind == FieldType::Array {
-                "items"
-            } else {
-                "characters"
-            };
-            rules.push(format!("at most {n} {unit}"));
-        }
-        if f.kind == FieldType::Array {
-            let item = f.item_spec();
-            let mut what = format!("each item a {}", item.kind.name());
-            if let Some(values) = &item.enum_values {
-                let list: Vec<String> = values.iter().map(Value::to_string).collect();
-                what.push_str(&format!(" (one of {})", list.join(", ")));
-            }
-            if let (Some(n), FieldType::String) = (item.max_len, item.kind) {
-                what.push_str(&format!(" of at most {n} characters"));
-            }
-            rules.push(what);
-        }
-        if let Some(cond) = &f.required_if {
-            rules.push(format!("required when {} is {}", cond.field, cond.equals));
-        }
-        let own = f.fields.as_ref().or(f.items.as_ref().and_then(|i| i.fields.as_ref()));
-        if own.is_some() {
-            rules.push("with these fields".to_owned());
-        }
-        if !rules.is_empty() {
-            let _ = write!(out, ": {}", rules.join("; "));
-        }
-        out.push('\n');
-        if let Some(own) = own {
-            describe_fields(out, own, &format!("{indent}  "));
-        }
-    }
 }
 
 #[cfg(test)]

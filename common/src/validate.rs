@@ -812,7 +812,7 @@ items = { type = "object", fields = { sku = { type = "string" }, qty = { type = 
         assert_eq!(output["address"], serde_json::json!({"city": "Lyon"}));
         assert!(repairs.contains(&Repair::ExtraFieldsRemoved));
         // The model is told about the nested fields too.
-        let prompt = crate::template::system_prompt(&spec);
+        let prompt = crate::spec::system_prompt(&spec);
         assert!(
             prompt.contains("- address (object, optional): with these fields\n  - city (string, required)"),
             "{prompt}"

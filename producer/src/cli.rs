@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use common::manifest::Sample;
 use common::spec::JobSpec;
+use common::spec::system_prompt;
 use common::store::RedisStore;
-use common::template::system_prompt;
 use tokio_util::sync::CancellationToken;
 
 use crate::enqueue::{EnqueueArgs, EnqueueError, Summary, enqueue};

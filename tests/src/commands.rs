@@ -200,3 +200,13 @@ pub fn typed(command: &str, env: &[(&str, &str)]) -> Output {
     }
     c.output().expect("run a typed command")
 }
+
+/// A job of `n` records (`msg-0`...) under the example spec, enqueued into
+/// `redis` as `name`; the folder holding its files.
+pub fn example_job(redis: &RedisServer, name: &str, n: u64) -> crate::paths::TempDir {
+    let dir = crate::paths::TempDir::new(name);
+    let data = dir.join("d.jsonl");
+    crate::dataset::write_records(&data, 0, n);
+    enqueue(redis, &data, name, &crate::dataset::spec_with(&dir, &[]));
+    dir
+}

@@ -27,7 +27,7 @@ pub mod servers;
 
 pub use client::{Answer, http_get, http_get_json, http_send};
 pub use commands::{
-    enqueue, enqueue_cmd, enqueue_cmd_url, export_done_env, export_env, exported_ledger, helm, producer,
+    enqueue, enqueue_cmd, enqueue_cmd_url, example_job, export_done_env, export_env, exported_ledger, helm, producer,
     producer_with_env, status_json, status_json_env, status_json_url, typed, worker_cmd, worker_cmd_all,
     worker_cmd_url,
 };

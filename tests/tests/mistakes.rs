@@ -8,17 +8,9 @@
 use std::time::Duration;
 
 use harness::{
-    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, enqueue, producer, signal, spec_with, status_json,
-    stderr, typed, wait_for, worker_cmd, worker_cmd_all, write_records,
+    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, producer, signal, spec_with, status_json, stderr,
+    typed, wait_for, worker_cmd, worker_cmd_all, write_records,
 };
-
-fn job(redis: &RedisServer, name: &str, n: u64) -> TempDir {
-    let dir = TempDir::new(name);
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, n);
-    enqueue(redis, &data, name, &spec_with(&dir, &[]));
-    dir
-}
 
 /// The command a message suggests after `marker`, up to the end of its line.
 fn suggested<'a>(text: &'a str, marker: &str) -> &'a str {
@@ -32,8 +24,8 @@ fn suggested<'a>(text: &'a str, marker: &str) -> &'a str {
 #[test]
 fn a_mistyped_job_name_fails_naming_the_redis_and_the_jobs_that_exist() {
     let redis = RedisServer::start();
-    let _a = job(&redis, "orders-2026", 3);
-    let _b = job(&redis, "reviews", 3);
+    let _a = harness::example_job(&redis, "orders-2026", 3);
+    let _b = harness::example_job(&redis, "reviews", 3);
     let url = redis.url();
     for command in [
         &["status", "--job", "orders-2062", "--redis", &url][..],
@@ -82,7 +74,7 @@ fn a_worker_started_before_its_job_waits_for_it_and_with_drain_refuses() {
     // Without --drain it says so once and waits; the job comes; it runs it.
     let worker = Running::spawn(worker_cmd(&redis, "later", &sim, &[]));
     std::thread::sleep(Duration::from_secs(3));
-    let _dir = job(&redis, "later", 20);
+    let _dir = harness::example_job(&redis, "later", 20);
     wait_for("the job done", Duration::from_secs(30), || {
         status_json(&redis, "later").1["done"] == 20
     });

@@ -9,20 +9,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use harness::{
-    LlmSim, RedisServer, TempDir, bin, enqueue, free_port, http_get, signal, spec_with, status_json, wait_exit,
-    wait_for, worker_cmd, write_records,
+    LlmSim, RedisServer, TempDir, bin, free_port, http_get, signal, spec_with, status_json, wait_exit, wait_for,
+    worker_cmd, write_records,
 };
 
 /// Spawns `cmd` with stdout and stderr on one pipe whose reading end is
 /// closed at once (`2>&1 | head -0`).
-fn with_closed_output(mut cmd: Command) -> Child {
-    let (reader, writer) = std::io::pipe().unwrap();
-    let child = cmd
-        .stdout(writer.try_clone().unwrap())
-        .stderr(writer)
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+fn with_closed_output(cmd: Command) -> Child {
+    let (child, reader) = with_full_output(cmd);
     drop(reader);
     child
 }
@@ -40,14 +34,6 @@ fn with_full_output(mut cmd: Command) -> (Child, std::io::PipeReader) {
     (child, reader)
 }
 
-fn job(redis: &RedisServer, name: &str, n: u64) -> TempDir {
-    let dir = TempDir::new(name);
-    let data = dir.join("d.jsonl");
-    write_records(&data, 0, n);
-    enqueue(redis, &data, name, &spec_with(&dir, &[]));
-    dir
-}
-
 fn metric(addr: &str, name: &str) -> Option<f64> {
     let (_, text) = http_get(addr, "/metrics");
     text.lines()
@@ -59,7 +45,7 @@ fn metric(addr: &str, name: &str) -> Option<f64> {
 fn a_worker_whose_log_pipe_closed_finishes_its_work_and_stops_on_sigterm() {
     let redis = RedisServer::start();
     let sim = LlmSim::start(&[]);
-    let _dir = job(&redis, "closed", 300);
+    let _dir = harness::example_job(&redis, "closed", 300);
     let addr = format!("127.0.0.1:{}", free_port());
     let mut worker = with_closed_output(worker_cmd(&redis, "closed", &sim, &["--metrics-addr", &addr]));
     wait_for("every record done", Duration::from_secs(60), || {
@@ -83,7 +69,7 @@ fn a_worker_whose_log_pipe_is_full_is_not_held_up_by_it() {
     let redis = RedisServer::start();
     let sim = LlmSim::start(&[]);
     // Each record logs a line of ~300 bytes: far more than a pipe holds.
-    let _dir = job(&redis, "full", 1000);
+    let _dir = harness::example_job(&redis, "full", 1000);
     let (mut worker, reader) = with_full_output(worker_cmd(&redis, "full", &sim, &["--drain"]));
     let exit = wait_exit(&mut worker, Duration::from_secs(90));
     assert!(exit.success(), "{exit:?}");

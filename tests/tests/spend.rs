@@ -329,7 +329,7 @@ fn a_record_whose_next_call_could_pass_its_cap_goes_to_review_as_budget() {
     // The first call of each record, at its most (every byte a token and
     // max_tokens), fits under the cap; a second one never does.
     let example = common::spec::JobSpec::load(harness::example_spec().to_str().unwrap()).unwrap();
-    let system = common::template::system_prompt(&example);
+    let system = common::spec::system_prompt(&example);
     let user = common::template::Template::parse(&example.prompt.user).unwrap();
     let forms = worker::form::Forms::new(&example, "http://sim/v1", None);
     let first_call_at_most = (0..records)

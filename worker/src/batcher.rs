@@ -32,8 +32,10 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use crate::batch_api::{ApiError, BatchApi};
+use crate::clock::now_ms;
 use crate::fleet::Fleet;
-use crate::process::{JobCtx, Settled, now_ms, prepare, settle_batch_line, settle_unsent};
+use crate::job::{JobCtx, Settled};
+use crate::process::{prepare, settle_batch_line, settle_unsent};
 use crate::provider::{CallError, CallResult, ErrorKind, classify};
 use crate::service::Service;
 

@@ -181,7 +181,7 @@ impl Claimer {
 
     /// The probe's lease found nothing to send: given back, so the next
     /// probe need not wait out its whole call's lease.
-    async fn probe_unsent(&self, job: &crate::process::JobCtx) {
+    async fn probe_unsent(&self, job: &crate::job::JobCtx) {
         if let Err(e) = job.outage.no_probe(&self.fleet.store, &job.name).await {
             self.fleet.store_error(&e).await;
         }

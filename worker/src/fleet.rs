@@ -13,10 +13,11 @@ use common::task::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
 
+use crate::config::{Config, RunSummary};
 use crate::http::Health;
+use crate::job::{JobCtx, Limits, Settled};
 use crate::limiter::Grant;
-use crate::process::{JobCtx, Limits, Settled, process};
-use crate::run::{Config, RunSummary};
+use crate::process::process;
 use crate::telemetry::Metrics;
 
 /// The state a worker's services share.
@@ -64,10 +65,6 @@ pub struct Fleet {
     pub wake_watcher: tokio::sync::Notify,
 }
 
-/// How long a worker's lease on its consumer name lives unless renewed (the
-/// watcher renews it every [`crate::watch::PERIOD`]).
-pub const CONSUMER_LEASE: Duration = Duration::from_secs(30);
-
 /// Jobs halted (fleet-wide, or seen here first) and cancelled.
 #[derive(Default)]
 struct Flags {
@@ -94,7 +91,7 @@ impl Fleet {
             store,
             jobs,
             limits,
-            drain_timeout: config.drain_timeout.unwrap_or(crate::run::DRAIN_MARGIN),
+            drain_timeout: config.drain_timeout.unwrap_or(crate::config::DRAIN_MARGIN),
             config,
             visibility,
             summary: tokio::sync::Mutex::new(RunSummary::default()),

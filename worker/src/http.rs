@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use common::store::RedisStore;
 
-use crate::process::now_ms;
+use crate::clock::now_ms;
 use crate::telemetry::Metrics;
 
 /// A claim loop that has not completed a round for this long is not ready.

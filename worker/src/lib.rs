@@ -6,6 +6,10 @@
 //! - [`claim`], [`reclaim`], [`promote`], [`watch`]: the services (claim new
 //!   tasks; take over dead workers' tasks; promote due retries; read halt and
 //!   cancel flags).
+//! - [`config`]: the worker's configuration, refusals and run summary.
+//! - [`job`]: what the worker holds per job ([`job::JobCtx`]) and how a task ends.
+//! - [`calls`]: the model calls in flight, as the ledger would record them.
+//! - [`clock`]: Unix milliseconds.
 //! - [`process`]: one task from delivery to its single atomic outcome.
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
@@ -21,11 +25,15 @@ pub mod batch_api;
 pub mod batcher;
 pub mod breaker;
 pub mod budget;
+pub mod calls;
 pub mod claim;
+pub mod clock;
+pub mod config;
 pub mod entry;
 pub mod fleet;
 pub mod form;
 pub mod http;
+pub mod job;
 pub mod limiter;
 pub mod outage;
 pub mod process;

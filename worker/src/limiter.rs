@@ -117,7 +117,7 @@ impl Limiter {
         let mut id = hex::encode(Sha256::digest(identity.as_bytes()));
         id.truncate(16);
         let max_tokens = u64::from(spec.provider.max_tokens);
-        let system = estimate_tokens(&common::template::system_prompt(spec));
+        let system = estimate_tokens(&common::spec::system_prompt(spec));
         let (settle_store, settle_id) = (store.clone(), id.clone());
         let settler = GroupCommit::new(SETTLE_BATCH, move |grants: Vec<(String, Settlement)>| {
             let (store, id) = (settle_store.clone(), settle_id.clone());

@@ -3,297 +3,24 @@
 //! The decision itself is [`common::decision::decide`]; this module gathers
 //! its inputs and applies its answer with one atomic store call.
 
-use std::collections::{BTreeMap, HashMap};
-
-use common::batch::GroupCommit;
 use common::decision::{Decision, Outcome, Standing, decide};
 use common::ledger::{Fate, PaidCall};
-use common::otel::{Span, SpanKind, Traces};
-use common::spec::JobSpec;
-use common::store::{Finish, Finished, Finishing, RedisStore, StoreError};
+use common::otel::{Span, SpanKind};
+use common::store::{Finish, Finished, RedisStore, StoreError};
 use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
 };
-use common::template::{Template, lookup};
+use common::template::lookup;
 use common::validate::{FieldError, feedback_with_note};
 use rand::RngExt;
 use serde_json::{Map, Value};
 
-use crate::limiter::{Limiter, RateHeaders, Used, estimate_tokens};
-use crate::provider::{CallResult, ErrorKind, Provider, Reply, Request};
-use crate::telemetry::{Metrics, status_class};
-
-/// Everything a worker needs to process one job's tasks.
-pub struct JobCtx {
-    pub name: String,
-    pub spec: JobSpec,
-    pub system: String,
-    pub user: Template,
-    /// The structured-output form sent (negotiated with `auto`).
-    pub forms: crate::form::Forms,
-    pub provider: Provider,
-    /// The fleet-wide budget of the job's provider (always on; the spec's
-    /// limits are its ceilings).
-    pub limiter: Limiter,
-    /// Halts the job on systematic provider errors.
-    pub breaker: crate::breaker::Breaker,
-    /// The job's provider outage: one probe at a time while it is down.
-    pub outage: crate::outage::OutageWatch,
-    /// Where the job's results go after Redis (None: they stay there).
-    pub sink: Option<crate::sink::SinkTarget>,
-    /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
-    /// for the job until the sink catches up (set by its sink writer).
-    pub sink_full: std::sync::atomic::AtomicBool,
-    /// The job's model and versions (renewed with the time for each record).
-    pub stamp: Stamp,
-    /// Outcomes of the job's tasks, batched (see [`finisher`]).
-    pub finisher: GroupCommit<Finishing, Result<Finished, StoreError>>,
-    /// The job's spend cap, when its spec has one (`[budget] max_cost_usd`).
-    pub budget: Option<crate::budget::JobBudget>,
-}
-
-/// Outcomes stored together while the last call is on its way: one script
-/// call per partition serves every task that finished meanwhile (at most
-/// this many a call).
-const FINISH_BATCH: usize = 64;
-
-/// The job's batched outcome store: each outcome still atomic and
-/// first-writer-wins on its own (see `finish.lua`).
-pub fn finisher(store: &RedisStore, job: &str) -> GroupCommit<Finishing, Result<Finished, StoreError>> {
-    let (store, job) = (store.clone(), job.to_owned());
-    GroupCommit::new(FINISH_BATCH, move |items: Vec<Finishing>| {
-        let (store, job) = (store.clone(), job.clone());
-        async move { store.finish_many(&job, &items).await }
-    })
-}
-
-impl JobCtx {
-    /// Stores a task's outcome (with its ack), batched with the job's other
-    /// outcomes of the moment.
-    pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
-        self.finish_paid(d, how, None).await
-    }
-
-    /// [`JobCtx::finish`] with the paid call the delivery made, recorded in
-    /// the ledger by the same atomic step (see [`Finishing::paid`]).
-    pub async fn finish_paid(
-        &self,
-        d: &Delivery,
-        how: &Finish,
-        paid: Option<&PaidCall>,
-    ) -> Result<Finished, StoreError> {
-        let sampled = self.spec.audit.sampled(&d.task.rid);
-        self.finisher
-            .call(Finishing::new(d, how).paid(paid).audit(sampled))
-            .await
-            .unwrap_or(Err(StoreError::ShuttingDown))
-    }
-}
-
-/// What a call used and what the provider said about limits, for settlement.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CallReport {
-    pub used: Used,
-    pub headers: RateHeaders,
-}
-
-/// How a task ended for this worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settled {
-    Committed,
-    Retried,
-    Reviewed,
-    Dropped,
-    /// Already in a terminal state (a redelivery, or a late copy): only acked.
-    AlreadySettled,
-    /// Another worker took the task over since this delivery (this one hung
-    /// or was stopped past the visibility timeout): nothing was applied.
-    Stale,
-    /// The answer was paid for, but Redis could not store the outcome before
-    /// the visibility timeout: the task is left for another worker.
-    AnswerLost,
-    /// The job was cancelled before the task ran: kept for resume.
-    Cancelled,
-    /// Not called: its job's budget is held by the calls in flight; handed back.
-    Deferred,
-    /// Fleet-level fault: left pending, the job halted.
-    Halted(String),
-}
-
-impl Settled {
-    pub fn label(&self) -> &'static str {
-        match self {
-            Settled::Committed => "commit",
-            Settled::Retried => "retry",
-            Settled::Reviewed => "review",
-            Settled::Dropped => "drop",
-            Settled::AlreadySettled => "already_settled",
-            Settled::Stale => "stale",
-            Settled::AnswerLost => "answer_lost",
-            Settled::Cancelled => "cancelled",
-            Settled::Deferred => "deferred",
-            Settled::Halted(_) => "halt",
-        }
-    }
-}
-
-/// What the worker was told about poison and identity.
-pub struct Limits {
-    /// A task delivered more often than this goes to review as poison.
-    pub max_deliveries: u32,
-    pub worker: String,
-    pub metrics: std::sync::Arc<Metrics>,
-    pub traces: Traces,
-    /// A task idle this long is taken over: an outcome is stored before then, or not at all.
-    pub visibility: std::time::Duration,
-    /// A task of this worker scheduled a retry: the promoter looks again.
-    pub retry_scheduled: tokio::sync::Notify,
-    /// Model calls waiting for their answer.
-    pub calls: CallsInFlight,
-}
-
-/// The model calls of this process, each as the ledger would record it if
-/// it never reached its outcome: waiting for the answer (tokens estimated),
-/// or answered and committing. A drain that runs out of time records the
-/// waiting ones as paid without a result ([`CallsInFlight::abandon`]) and,
-/// after a short grace, the ones still committing as lost
-/// ([`CallsInFlight::lost_at_exit`]): none is dropped silently, none counted
-/// twice (an answer that comes after its call was recorded is not recorded
-/// again). Also the paid calls whose outcome could not be stored, until
-/// Redis takes them.
-#[derive(Default)]
-pub struct CallsInFlight {
-    next: std::sync::atomic::AtomicU64,
-    calls: std::sync::Mutex<HashMap<u64, InFlight>>,
-    lost: std::sync::Mutex<Vec<(String, u32, PaidCall)>>,
-}
-
-struct InFlight {
-    job: String,
-    partition: u32,
-    call: PaidCall,
-    /// Answered: its outcome (with the call) is being stored.
-    committing: bool,
-}
-
-/// One call in [`CallsInFlight`], from its request to its stored outcome.
-struct CallInFlight<'a> {
-    owner: &'a CallsInFlight,
-    id: u64,
-}
-
-type PerJob = BTreeMap<String, Vec<(u32, PaidCall)>>;
-
-impl CallsInFlight {
-    fn start(&self, job: &str, partition: u32, if_cut_off: PaidCall) -> CallInFlight<'_> {
-        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let call = InFlight {
-            job: job.to_owned(),
-            partition,
-            call: if_cut_off,
-            committing: false,
-        };
-        self.lock().insert(id, call);
-        CallInFlight { owner: self, id }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, InFlight>> {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Calls waiting or committing now.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Calls answered whose outcome is still being stored.
-    pub fn committing(&self) -> usize {
-        self.lock().values().filter(|c| c.committing).count()
-    }
-
-    fn take(&self, committing: bool) -> PerJob {
-        let mut out = PerJob::new();
-        self.lock().retain(|_, c| {
-            if c.committing != committing {
-                return true;
-            }
-            out.entry(c.job.clone())
-                .or_default()
-                .push((c.partition, c.call.clone()));
-            false
-        });
-        out
-    }
-
-    /// Takes every call still waiting for its answer, per job with its
-    /// partition: paid without a result (estimated).
-    pub fn abandon(&self) -> PerJob {
-        self.take(false)
-    }
-
-    /// Takes every call whose outcome is still being stored: lost.
-    pub fn lost_at_exit(&self) -> PerJob {
-        self.take(true)
-    }
-
-    /// A paid call whose outcome could not be stored: recorded when Redis can.
-    fn lose(&self, job: &str, partition: u32, mut call: PaidCall) {
-        call.fate = Fate::Lost;
-        self.lost
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((job.to_owned(), partition, call));
-    }
-
-    /// The lost calls not recorded yet, per job (see [`CallsInFlight::keep_lost`]).
-    pub fn take_lost(&self) -> PerJob {
-        let mut out = PerJob::new();
-        for (job, partition, call) in std::mem::take(&mut *self.lost.lock().unwrap_or_else(|e| e.into_inner())) {
-            out.entry(job).or_default().push((partition, call));
-        }
-        out
-    }
-
-    /// Gives back lost calls Redis did not take (tried again later).
-    pub fn keep_lost(&self, job: &str, calls: Vec<(u32, PaidCall)>) {
-        let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
-        lost.extend(calls.into_iter().map(|(p, c)| (job.to_owned(), p, c)));
-    }
-}
-
-impl CallInFlight<'_> {
-    /// The call came back with `paid` (None: nothing billable). Returns it
-    /// for the outcome's store call, or None when a drain already recorded
-    /// the call as cut off; until the outcome is stored, a drain that runs
-    /// out records it as lost.
-    fn answered(&self, paid: Option<PaidCall>) -> Option<PaidCall> {
-        let mut calls = self.owner.lock();
-        let entry = calls.get_mut(&self.id)?;
-        match &paid {
-            Some(p) => {
-                entry.call = PaidCall {
-                    fate: Fate::Lost,
-                    ..p.clone()
-                };
-                entry.committing = true;
-            }
-            None => {
-                calls.remove(&self.id);
-            }
-        }
-        paid
-    }
-}
-
-impl Drop for CallInFlight<'_> {
-    fn drop(&mut self) {
-        self.owner.lock().remove(&self.id);
-    }
-}
+use crate::calls::CallInFlight;
+use crate::clock::now_ms;
+use crate::job::{CallReport, JobCtx, Limits, Settled};
+use crate::limiter::{Used, estimate_tokens};
+use crate::provider::{CallResult, ErrorKind, Reply, Request};
+use crate::telemetry::status_class;
 
 /// Processes one delivery. Store errors are returned (the task then stays
 /// pending and is reclaimed); everything else ends in a [`Settled`]. `report`
@@ -499,7 +226,7 @@ async fn run_attempt(
             let room = limits
                 .visibility
                 .saturating_sub(
-                    std::time::Duration::from_secs(job.spec.provider.timeout_secs) + crate::run::DRAIN_MARGIN,
+                    std::time::Duration::from_secs(job.spec.provider.timeout_secs) + crate::config::DRAIN_MARGIN,
                 )
                 .saturating_sub(d.claimed_at.elapsed());
             match budget.reserve(amount, room.min(limits.visibility / 4)).await? {
@@ -1355,10 +1082,4 @@ fn log_event(
         versions = %format_args!("source={} prompt={} output={}", v.source, v.prompt, v.output),
         "attempt"
     );
-}
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

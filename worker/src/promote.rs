@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::now_ms;
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
-use crate::process::now_ms;
 use crate::service::Service;
 
 /// Due retries moved per script call.

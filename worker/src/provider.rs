@@ -485,7 +485,7 @@ pub fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
         return (s.is_finite() && (0.0..=3600.0).contains(&s)).then(|| (s * 1000.0).ceil() as u64);
     }
     let at = http_date_ms(v)?;
-    let now = crate::process::now_ms();
+    let now = crate::clock::now_ms();
     Some(at.saturating_sub(now)).filter(|&ms| ms <= 3_600_000)
 }
 
@@ -693,7 +693,7 @@ mod tests {
             Some(60_000)
         );
         assert_eq!(http_date_ms("Wed, 21 Oct 2015 07:28:00 GMT"), Some(1_445_412_480_000));
-        let soon = crate::process::now_ms() + 30_000;
+        let soon = crate::clock::now_ms() + 30_000;
         let secs = soon / 1000;
         let date = {
             // Format `soon` back as an HTTP date through the inverse of http_date_ms.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::store::IdleEntry;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
-use crate::process::JobCtx;
+use crate::job::JobCtx;
 use crate::service::Service;
 
 pub struct Rescuer {

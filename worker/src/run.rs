@@ -15,20 +15,21 @@
 //! another worker, and the calls it was waiting on are recorded as paid
 //! without a result; 4. the limiters report; 5. the HTTP server stops.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::spec::JobSpec;
+use common::spec::system_prompt;
 use common::store::{RedisStore, StoreError, valid_job_name};
-use common::template::{Template, system_prompt};
+use common::template::Template;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim::Claimer;
+pub use crate::config::{Config, DEFAULT_METRICS_ADDR, DRAIN_MARGIN, RunError, RunSummary};
 use crate::fleet::Fleet;
 use crate::http::{Health, serve};
+use crate::job::{JobCtx, Limits};
 use crate::limiter::Limiter;
-use crate::process::{JobCtx, Limits};
 use crate::promote::Promoter;
 use crate::provider::Provider;
 use crate::reclaim::Rescuer;
@@ -38,110 +39,9 @@ use crate::telemetry::Metrics;
 use crate::wake::Listener;
 use crate::watch::Watcher;
 
-/// The worker's configuration; `main` builds it from flags and env.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub redis_url: String,
-    /// Jobs to work on; empty means every job in Redis.
-    pub jobs: Vec<String>,
-    /// Requests in flight in this process.
-    pub concurrency: usize,
-    /// Unique consumer name of this process.
-    pub consumer: String,
-    /// Exit when the jobs are complete (no queued, pending or delayed task).
-    pub drain: bool,
-    /// How long in-flight work may take to finish after SIGTERM; None: the
-    /// longest provider timeout + [`DRAIN_MARGIN`].
-    pub drain_timeout: Option<Duration>,
-    /// A pending task idle this long is taken over; None: provider timeout + 30 s.
-    pub visibility_timeout: Option<Duration>,
-    /// Deliveries after which a task goes to review as poison.
-    pub max_deliveries: u32,
-    /// Calls failing with the same non-retryable provider error before the
-    /// job halts (see [`crate::breaker`]).
-    pub breaker_errors: u64,
-    /// Sleep between claims when there is nothing to do.
-    pub idle_poll: Duration,
-    /// Overrides every job's `provider.base_url`.
-    pub base_url: Option<String>,
-    /// Start even when Redis may evict keys (never in production).
-    pub allow_evicting_redis: bool,
-    /// Where `/metrics`, `/healthz` and `/readyz` are served (None: not at all).
-    pub metrics_addr: Option<std::net::SocketAddr>,
-    /// The address is the default one: when it is busy (another worker on
-    /// this host), serve on a free port instead and say which.
-    pub metrics_fallback: bool,
-    /// Where attempt spans go (nowhere unless an OTLP endpoint is configured).
-    pub traces: common::otel::Traces,
-}
-
-/// What a run did.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct RunSummary {
-    pub outcomes: BTreeMap<String, u64>,
-    pub store_errors: u64,
-    /// Jobs halted, with the reason.
-    pub halted: BTreeMap<String, String>,
-    /// Tasks still running when the drain timeout ran out (left pending).
-    pub abandoned: usize,
-    /// Of their model calls, those cut off before the answer came (recorded
-    /// in Redis as paid without a result).
-    pub calls_abandoned: u64,
-    /// Times this worker waited for the fleet's rate-limit budget, and how long.
-    pub rate_limit_waits: u64,
-    pub rate_limit_wait_ms: u64,
-    /// Per job with limits: grants, tokens reserved and returned, 429s, budget.
-    pub limiters: BTreeMap<String, crate::limiter::LimiterReport>,
-}
-
-impl Config {
-    /// Checks what can be checked before connecting.
-    pub fn validate(&self) -> Result<(), RunError> {
-        if self.concurrency == 0 {
-            return Err(RunError::Refused("--concurrency must be at least 1".into()));
-        }
-        if self.consumer.trim().is_empty() {
-            return Err(RunError::Refused("--consumer must not be empty".into()));
-        }
-        if !self.consumer.chars().all(|c| c.is_ascii_graphic()) {
-            return Err(RunError::Refused(format!(
-                "--consumer `{}` may hold only printable ASCII without spaces (it names the worker in Redis and in request headers)",
-                self.consumer.escape_default()
-            )));
-        }
-        if self.breaker_errors == 0 {
-            return Err(RunError::Refused("--breaker-errors must be at least 1".into()));
-        }
-        if self.max_deliveries == 0 {
-            return Err(RunError::Refused(
-                "--max-deliveries must be at least 1 (with 0 every task would go to review as poison)".into(),
-            ));
-        }
-        if self.idle_poll.is_zero() {
-            return Err(RunError::Refused("--idle-poll-ms must be at least 1".into()));
-        }
-        Ok(())
-    }
-}
-
-/// What the default drain timeout adds to the longest provider timeout (a
-/// call cut off at its timeout still settles and commits within it).
-pub const DRAIN_MARGIN: Duration = Duration::from_secs(5);
-
 /// How long a drain that ran out of time still waits for answered calls
 /// whose outcome is being stored, before it records them as lost.
 const COMMIT_GRACE: Duration = Duration::from_secs(2);
-
-/// Where a worker serves `/metrics` unless told otherwise.
-pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
-
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error("{0}")]
-    Refused(String),
-}
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
@@ -365,7 +265,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     for name in names {
         let (job, key) = load_job(&store, &name, &config).await?;
         secrets.push(key);
-        if let Some(crate::sink::SinkTarget::Postgres(url)) = &job.sink {
+        if let Some(crate::job::SinkTarget::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
         jobs.push(job);
@@ -454,7 +354,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         traces: config.traces.clone(),
         visibility,
         retry_scheduled: tokio::sync::Notify::new(),
-        calls: crate::process::CallsInFlight::default(),
+        calls: crate::calls::CallsInFlight::default(),
     };
     let config = Config {
         drain_timeout: Some(drain_timeout),
@@ -469,12 +369,12 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
 /// worker's lease; refuses a name a live worker holds.
 async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
     let name = &fleet.config.consumer;
-    let deadline = tokio::time::Instant::now() + crate::fleet::CONSUMER_LEASE + Duration::from_secs(1);
+    let deadline = tokio::time::Instant::now() + crate::watch::CONSUMER_LEASE + Duration::from_secs(1);
     let mut said = false;
     loop {
         if fleet
             .store
-            .lease_consumer(name, &fleet.lease_token, crate::fleet::CONSUMER_LEASE)
+            .lease_consumer(name, &fleet.lease_token, crate::watch::CONSUMER_LEASE)
             .await?
         {
             return Ok(());
@@ -523,10 +423,10 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
             // Refused now, not at the first batch: a directory it cannot create or write.
             common::sink_files::FileSink::open(&dir, name, spec.sink.segment_limits())
                 .map_err(|e| RunError::Refused(format!("job `{name}`: sink.dir: {e}")))?;
-            Some(crate::sink::SinkTarget::Files(dir))
+            Some(crate::job::SinkTarget::Files(dir))
         }
         (common::spec::SinkKind::Postgres, Some(var)) => match std::env::var(var) {
-            Ok(url) if !url.is_empty() => Some(crate::sink::SinkTarget::Postgres(url)),
+            Ok(url) if !url.is_empty() => Some(crate::job::SinkTarget::Postgres(url)),
             _ => {
                 return Err(RunError::Refused(format!(
                     "job `{name}`: the environment variable {var} (sink.url_env) is not set: it holds the database URL results are written to"
@@ -566,7 +466,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         ),
         sink,
         sink_full: std::sync::atomic::AtomicBool::new(false),
-        finisher: crate::process::finisher(store, name),
+        finisher: crate::job::finisher(store, name),
         // Its lease too.
         budget: spec
             .budget

@@ -31,7 +31,7 @@ use common::store::{RedisStore, StoreError, WorkLeft};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::process::now_ms;
+use crate::clock::now_ms;
 
 /// Not ready when no round has completed against Redis for this long.
 const READY_WITHIN_MS: u64 = 30_000;

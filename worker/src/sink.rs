@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use common::sink::{PgSink, SinkError};
 use common::sink_files::{FileSink, Take};
@@ -28,7 +27,7 @@ use common::store::{SinkBatch, SinkEntry, SunkResult};
 use common::task::{ResultRecord, ReviewEntry};
 
 use crate::fleet::Fleet;
-use crate::process::JobCtx;
+use crate::job::{JobCtx, SinkTarget};
 use crate::service::Service;
 
 /// The wait between rounds when every stream is empty.
@@ -38,15 +37,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How often the backlog is compared with `sink.max_backlog` (also while
 /// the database fails: a backing-off writer still stops the claims).
 const BACKLOG_CHECK: Duration = Duration::from_millis(250);
-
-/// Where a job's results go after Redis.
-#[derive(Debug, Clone)]
-pub enum SinkTarget {
-    /// The database URL (from `sink.url_env`).
-    Postgres(String),
-    /// `sink.dir`.
-    Files(PathBuf),
-}
 
 enum Backend {
     Pg(PgSink),

@@ -8,8 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::fleet::{CONSUMER_LEASE, Fleet, STORE_ERROR_PAUSE};
+use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
+
+/// How long a worker's lease on its consumer name lives unless renewed (the
+/// watcher renews it every [`PERIOD`]).
+pub const CONSUMER_LEASE: Duration = Duration::from_secs(30);
 
 /// How often the flags are read.
 pub const PERIOD: Duration = Duration::from_secs(10);

@@ -9,72 +9,9 @@ use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
 use crate::keys;
 use crate::ledger::PaidCall;
-use crate::sink::{FailureRow, ResultRow};
+use crate::sink::{FailureRow, ResultRow, SinkEntry, SunkResult, Tokens};
 use crate::spec::Prices;
-use crate::task::{RecordState, ResultRecord, ReviewEntry};
-
-/// One entry of a sink stream.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SinkEntry {
-    pub entry_id: String,
-    pub rid: String,
-    /// A committed result (`r`), or a record in review, dropped or
-    /// cancelled (`f`), or one of its paid calls (`l`, with `call`).
-    pub result: bool,
-    /// A paid call: its key in the ledger.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub call: Option<String>,
-}
-
-impl SinkEntry {
-    /// A record in review, dropped or cancelled (read from its state now).
-    pub fn is_failure(&self) -> bool {
-        !self.result && self.call.is_none()
-    }
-}
-
-/// Tokens of every call a result's history holds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Tokens {
-    pub prompt: u64,
-    pub completion: u64,
-    pub cached: u64,
-}
-
-impl Tokens {
-    pub fn of(r: &ResultRecord) -> Tokens {
-        let mut t = Tokens::default();
-        for u in r.history.iter().filter_map(|h| h.as_attempt()?.usage) {
-            t.add(u.prompt, u.completion, u.cached);
-        }
-        t
-    }
-
-    pub fn add(&mut self, prompt: u64, completion: u64, cached: u64) {
-        self.prompt += prompt;
-        self.completion += completion;
-        self.cached += cached;
-    }
-}
-
-/// The figures of a result the sink holds, kept in Redis's `sunk`
-/// counters once the result leaves Redis.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SunkResult {
-    pub rid: String,
-    pub attempts: u32,
-    pub tokens: Tokens,
-}
-
-impl SunkResult {
-    pub fn of(r: &ResultRecord) -> SunkResult {
-        SunkResult {
-            rid: r.record_id.clone(),
-            attempts: r.attempts,
-            tokens: Tokens::of(r),
-        }
-    }
-}
+use crate::task::{RecordState, ReviewEntry};
 
 /// What has left Redis for a job's sink.
 #[derive(Debug, Clone, Default)]
