@@ -23,7 +23,7 @@ chaos: deps
 	CHAOS_SUMMARY=$(CURDIR)/.bench/chaos-summary.json \
 	$(CARGO) test -p batchfleet-tests --test chaos -- --nocapture
 
-## console-shots: a PNG of each console page in .bench/console/ (UPDATE_DOCS=1: also docs/console/, which the README shows)
+## console-shots: a PNG of each console page in .bench/console/ (UPDATE_DOCS=1: also docs/console/, which docs/console.md shows)
 console-shots: deps
 	$(CARGO) build --workspace --bins
 	CONSOLE_SHOTS=$(CURDIR)/.bench/console $(CARGO) test -p batchfleet-tests --test console console_shots -- --ignored --nocapture

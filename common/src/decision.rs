@@ -46,6 +46,24 @@ pub enum Outcome {
     OverBudget { why: String },
 }
 
+impl Outcome {
+    /// The world's failure (transient, or a 429): never the record's.
+    pub fn is_world_failure(&self) -> bool {
+        matches!(self, Outcome::Transient { .. } | Outcome::RateLimited { .. })
+    }
+
+    /// Whether the call uses up one of the record's attempts: only an
+    /// answer about the record does (not the world's failures, a halt, a
+    /// suspect error or a refused structured-output form).
+    pub fn is_attempt(&self) -> bool {
+        !(self.is_world_failure()
+            || matches!(
+                self,
+                Outcome::FleetHalt { .. } | Outcome::Suspect { .. } | Outcome::FormRefused
+            ))
+    }
+}
+
 /// The decision, applied by one atomic script each.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "decision", rename_all = "snake_case")]

@@ -4,8 +4,8 @@
 //! and the reads reconciliation needs.
 //!
 //! The worker's sink service moves outcomes here from each partition's sink
-//! stream and acknowledges them only after the transaction committed; see the
-//! README's "Result sink".
+//! stream and acknowledges them only after the transaction committed; see
+//! docs/sink.md.
 
 use std::collections::BTreeMap;
 
@@ -642,7 +642,7 @@ impl PgSink {
                 match found.get(*name) {
                     None => {
                         return Err(SinkError::Schema(format!(
-                            "table {table} has no column `{name}` ({ty}): add it, or point sink.table at a new table (batchfleet creates it; see the README's DDL)"
+                            "table {table} has no column `{name}` ({ty}): add it, or point sink.table at a new table (batchfleet creates it; see the DDL in docs/sink.md)"
                         )));
                     }
                     Some(t) if t != ty && !(*ty == "integer" && t == "bigint") => {
@@ -1413,11 +1413,11 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_shows_the_ddl_as_it_is() {
-        let readme = include_str!("../../README.md");
+    fn the_docs_show_the_ddl_as_it_is() {
+        let doc = include_str!("../../docs/sink.md");
         assert!(
-            readme.contains(&ddl("results")),
-            "README's DDL block differs from sink::ddl(\"results\")"
+            doc.contains(&ddl("results")),
+            "docs/sink.md's DDL block differs from sink::ddl(\"results\")"
         );
     }
 

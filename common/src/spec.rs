@@ -73,7 +73,7 @@ pub enum BatchRetries {
     Online,
 }
 
-/// `[batch]`: the shards of `provider.mode = "batch"` (see the README's
+/// `[batch]`: the shards of `provider.mode = "batch"` (see docs/providers.md,
 /// "Provider batch mode").
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -132,7 +132,7 @@ impl BatchSection {
 }
 
 /// `[audit]`: a seeded share of the committed results goes to the audit
-/// queue, for people to judge (see the README's "Spot checks").
+/// queue, for people to judge (see docs/console.md, "Spot checks").
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Audit {
@@ -167,7 +167,7 @@ pub fn audit_draw(seed: u64, record_id: &str) -> f64 {
     (u64::from_be_bytes(b) >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// `[budget]`: what the job may spend (see the README's "Spend control"),
+/// `[budget]`: what the job may spend (see docs/operations.md, "Spend control"),
 /// costed at `[prices]`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -192,7 +192,7 @@ impl Budget {
     }
 }
 
-/// `[sink]`: where committed results go (see the README's "Result sink").
+/// `[sink]`: where committed results go (see docs/sink.md).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Sink {

@@ -25,7 +25,7 @@ pub const TEST_REDIS_PASSWORD: &str = "bf-test-SECRET-redis-pw";
 /// A `redis-server` child process on 127.0.0.1 and a free port.
 ///
 /// The server has the ACL user `batchfleet` of `deploy/redis/users.acl` (the
-/// line the README documents), and [`RedisServer::url`] logs in as that user:
+/// line docs/deployment.md documents), and [`RedisServer::url`] logs in as that user:
 /// every test runs the producer and the workers with exactly those permissions.
 /// Test assertions use the unrestricted default user ([`RedisServer::conn`]).
 pub struct RedisServer {

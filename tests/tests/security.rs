@@ -568,12 +568,12 @@ fn a_spec_cannot_point_the_worker_at_files() {
 }
 
 #[test]
-fn the_readme_documents_the_exact_acl_line_the_tests_run_with() {
+fn the_docs_give_the_exact_acl_line_the_tests_run_with() {
     let line = std::fs::read_to_string(harness::workspace().join("deploy/redis/users.acl")).unwrap();
-    let readme = std::fs::read_to_string(harness::workspace().join("README.md")).unwrap();
+    let doc = std::fs::read_to_string(harness::workspace().join("docs/deployment.md")).unwrap();
     assert_eq!(line.lines().count(), 1, "users.acl is one ACL line");
     assert!(
-        readme.contains(line.trim()),
-        "README's ACL line differs from deploy/redis/users.acl"
+        doc.contains(line.trim()),
+        "docs/deployment.md's ACL line differs from deploy/redis/users.acl"
     );
 }

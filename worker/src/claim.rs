@@ -103,18 +103,10 @@ impl Claimer {
             // across the fleet (whoever holds the lease sends one task).
             let probing = job.outage.is_down();
             if probing {
-                let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
-                match job.outage.take_probe(&f.store, &job.name, lease).await {
-                    Ok(Ok(())) => room = 1,
-                    Ok(Err(wait)) => {
-                        round.probe_wait = sooner(round.probe_wait, wait);
-                        continue;
-                    }
-                    Err(e) => {
-                        f.store_error(&e).await;
-                        continue;
-                    }
+                if !self.probe_turn(job, &mut round).await {
+                    continue;
                 }
+                room = 1;
             }
             let claimed_before = round.claimed;
             let free = self.claimable(first.is_some()).min(room);
@@ -177,6 +169,23 @@ impl Claimer {
         self.last_claimed = round.claimed;
         f.health.loop_ok();
         round
+    }
+
+    /// While `job`'s provider is down: whether this worker holds the probe's
+    /// lease now (else `round` learns how long until the next probe).
+    async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> bool {
+        let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
+        match job.outage.take_probe(&self.fleet.store, &job.name, lease).await {
+            Ok(Ok(())) => true,
+            Ok(Err(wait)) => {
+                round.probe_wait = sooner(round.probe_wait, wait);
+                false
+            }
+            Err(e) => {
+                self.fleet.store_error(&e).await;
+                false
+            }
+        }
     }
 
     /// The probe's lease found nothing to send: given back, so the next

@@ -353,23 +353,7 @@ async fn conclude(
         // or answered without saying what it used.
         reply.usage = Some(prep.estimate);
     }
-    let (waiting, line) = match via {
-        Via::Online { waiting, reservation } => {
-            if let (Some(budget), Some(r)) = (&job.budget, reservation) {
-                // An estimated call keeps its whole reservation: it may have cost that.
-                let actual = match reply.usage {
-                    Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
-                    Some(_) => r.amount_nusd,
-                    None => 0,
-                };
-                if let Err(e) = budget.settle(r, actual).await {
-                    tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
-                }
-            }
-            (Some(waiting), None)
-        }
-        Via::Batch { line } => (None, Some(line)),
-    };
+    let (waiting, line) = settle_reservation(job, &reply, via).await;
 
     // An online call tells the fleet whether the provider answers (an
     // outage that outlasted the job's budget halts it).
@@ -380,14 +364,7 @@ async fn conclude(
     };
     // Transient, rate-limited, halted and suspect calls are not attempts:
     // the record was not at fault.
-    let counts_as_attempt = !matches!(
-        reply.outcome,
-        Outcome::Transient { .. }
-            | Outcome::RateLimited { .. }
-            | Outcome::FleetHalt { .. }
-            | Outcome::Suspect { .. }
-            | Outcome::FormRefused
-    );
+    let counts_as_attempt = reply.outcome.is_attempt();
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
     let batch_prices = line.as_ref().map(|_| job.spec.prices.batch());
@@ -418,24 +395,14 @@ async fn conclude(
     );
     let stamp = job.stamp.renewed();
     let mut history = d.task.history.clone();
-    history.push(HistoryItem::Attempt(Attempt {
+    let record = AttemptRecord {
         attempt,
         call: calls,
-        at: stamp.at.clone(),
-        worker: limits.worker.clone(),
-        elapsed_ms: elapsed.map_or(0, |e| e.as_millis() as u64),
-        status: reply.status,
-        response_id: reply.response_id.clone(),
-        finish_reason: reply.finish_reason.clone(),
-        outcome: outcome_label(&reply.outcome).to_owned(),
-        errors: reply.errors().to_vec(),
-        repairs: reply.repairs.clone(),
-        usage: reply.usage,
-        decision: decision_label(&decision).to_owned(),
-        error: reply.error.as_ref().and_then(|e| e.message.clone()),
-        feedback: prep.sent_feedback.clone(),
-        batch: line.as_ref().and_then(|l| l.split(':').next()).map(str::to_owned),
-    }));
+        elapsed,
+        decision: &decision,
+        batch_line: line.as_deref(),
+    };
+    history.push(HistoryItem::Attempt(record.of(&reply, prep, &stamp, limits)));
     if span.is_on() {
         span.set("batchfleet.attempt", i64::from(attempt));
         span.set("batchfleet.outcome", outcome_label(&reply.outcome).to_owned());
@@ -488,6 +455,67 @@ async fn conclude(
     .await
 }
 
+/// Settles an online call's budget reservation at what the call cost (an
+/// estimated call keeps its whole reservation: it may have cost that).
+/// Returns the call's place among the calls in flight, or the batch line
+/// that answered it.
+async fn settle_reservation<'a>(
+    job: &JobCtx,
+    reply: &Reply,
+    via: Via<'a>,
+) -> (Option<CallInFlight<'a>>, Option<String>) {
+    match via {
+        Via::Online { waiting, reservation } => {
+            if let (Some(budget), Some(r)) = (&job.budget, reservation) {
+                let actual = match reply.usage {
+                    Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
+                    Some(_) => r.amount_nusd,
+                    None => 0,
+                };
+                if let Err(e) = budget.settle(r, actual).await {
+                    tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+                }
+            }
+            (Some(waiting), None)
+        }
+        Via::Batch { line } => (None, Some(line)),
+    }
+}
+
+/// What an attempt's history item records beside its reply.
+struct AttemptRecord<'a> {
+    attempt: u32,
+    call: u32,
+    elapsed: Option<std::time::Duration>,
+    decision: &'a Decision,
+    /// The batch line that answered it (`batch:line`), in batch mode.
+    batch_line: Option<&'a str>,
+}
+
+impl AttemptRecord<'_> {
+    /// The attempt as the record's history keeps it.
+    fn of(&self, reply: &Reply, prep: &Prepared, stamp: &Stamp, limits: &Limits) -> Attempt {
+        Attempt {
+            attempt: self.attempt,
+            call: self.call,
+            at: stamp.at.clone(),
+            worker: limits.worker.clone(),
+            elapsed_ms: self.elapsed.map_or(0, |e| e.as_millis() as u64),
+            status: reply.status,
+            response_id: reply.response_id.clone(),
+            finish_reason: reply.finish_reason.clone(),
+            outcome: outcome_label(&reply.outcome).to_owned(),
+            errors: reply.errors().to_vec(),
+            repairs: reply.repairs.clone(),
+            usage: reply.usage,
+            decision: decision_label(self.decision).to_owned(),
+            error: reply.error.as_ref().and_then(|e| e.message.clone()),
+            feedback: prep.sent_feedback.clone(),
+            batch: self.batch_line.and_then(|l| l.split(':').next()).map(str::to_owned),
+        }
+    }
+}
+
 /// Tells the fleet's outage state what an online call came to (see
 /// [`crate::outage`]): a transient failure or a 429 joins the fleet's
 /// streak of failures, anything else the provider said ends it. Returns
@@ -503,7 +531,7 @@ async fn note_provider(
     reply: &mut Reply,
     took: std::time::Duration,
 ) -> (u64, u64) {
-    let failed = matches!(reply.outcome, Outcome::Transient { .. } | Outcome::RateLimited { .. });
+    let failed = reply.outcome.is_world_failure();
     let noted = match (&reply.error, failed) {
         (Some(err), true) => {
             let noted = job
@@ -531,7 +559,7 @@ async fn note_provider(
 /// When the record's calls began failing in a row, this one included (Unix
 /// ms; 0 when this call's outcome was no transient failure or 429).
 fn failing_since(d: &Delivery, outcome: &Outcome, took: std::time::Duration) -> u64 {
-    if !matches!(outcome, Outcome::Transient { .. } | Outcome::RateLimited { .. }) {
+    if !outcome.is_world_failure() {
         return 0;
     }
     match d.task.failing_since {
