@@ -10,10 +10,16 @@ demo: deps
 	$(CARGO) build --release --workspace --bins
 	MODE=$(MODE) scripts/demo.sh
 
-## test: every test (unit, and integration against real redis-server processes)
+## test: every test (unit, and integration against real redis-server processes), with
+## cargo-nextest (each test its own process, many at once: .config/nextest.toml), else cargo test
 test: deps
 	$(CARGO) build --workspace --bins
-	$(CARGO) test --workspace --no-fail-fast
+	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
+	  $(CARGO) nextest run --workspace; \
+	else \
+	  echo "cargo-nextest is not installed: running cargo test (one test binary at a time, slower)"; \
+	  $(CARGO) test --workspace --no-fail-fast; \
+	fi
 
 ## chaos: the chaos run at full size (20,000 records; `make test` runs 2,000); summary in .bench/chaos-summary.json
 chaos: deps

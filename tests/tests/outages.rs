@@ -161,7 +161,10 @@ fn ride_out(
     let waiting = outage_visible(&redis, name, &workers[0], cause);
     eprintln!("{name}: {waiting}");
     // Once taken for down, the provider sees one probe at a time, at most
-    // one a second (doubling to every 5 s): no storm of retries.
+    // one a second (doubling to every 5 s): no storm of retries. Calls sent
+    // before the fleet knew may still fail for up to their timeout (2 s
+    // here, when the provider hangs): counted from 3 s on.
+    std::thread::sleep(Duration::from_secs(3));
     let settled = failed_calls(&redis, name);
     let watched = Instant::now();
     std::thread::sleep(
