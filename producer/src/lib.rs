@@ -1,7 +1,8 @@
 //! The `producer` command: puts datasets into jobs and inspects them.
 //!
 //! - [`audit`]: spot checks: sample committed results, judge them, the accuracy.
-//! - [`cli`]: the command line (one typed config per subcommand).
+//! - [`cli`]: the command line: the commands by name, dispatched.
+//! - [`commands`]: each command family's flags and code.
 //! - [`compare`]: two jobs side by side (failures, validity, cost, regressions).
 //! - [`console`]: the web console (jobs, the review queue, spot-checks).
 //! - [`control`]: cancel and resume a job (command line and console).
@@ -20,6 +21,7 @@
 
 pub mod audit;
 pub mod cli;
+pub mod commands;
 pub mod compare;
 pub mod console;
 pub mod control;

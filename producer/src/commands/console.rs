@@ -1,0 +1,77 @@
+//! `producer console`: its flags, its reviewers, and the server started.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Args;
+use common::store::RedisStore;
+use tokio_util::sync::CancellationToken;
+
+use super::{RedisArgs, refuse};
+use crate::console::auth::Reviewers;
+
+#[derive(Debug, Args)]
+pub struct ConsoleArgs {
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Where to listen (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub bind: std::net::SocketAddr,
+    /// A file of `name:token` lines, one per reviewer (tokens of 16
+    /// characters or more).
+    #[arg(long, value_name = "FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// Take the reviewer's name from this request header, set by a reverse
+    /// proxy that signs reviewers in (only for a console the proxy alone
+    /// can reach).
+    #[arg(long, value_name = "HEADER")]
+    pub trusted_header: Option<String>,
+}
+
+/// The variable that may hold reviewer tokens (`name:token` lines, or
+/// comma-separated), never a flag: flags show in the process list.
+pub const TOKENS_ENV: &str = "BATCHFLEET_CONSOLE_TOKENS";
+
+/// Runs `producer console` until cancelled.
+pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(common::log::Stderr)
+        .log_internal_errors(false)
+        .try_init();
+    let reviewers = match reviewers(args.tokens_file.as_deref()) {
+        Ok(r) => r,
+        Err(why) => return refuse(why),
+    };
+    if let Some(h) = &args.trusted_header
+        && axum::http::HeaderName::from_bytes(h.as_bytes()).is_err()
+    {
+        return refuse(format_args!("--trusted-header `{h}` is not a header name"));
+    }
+    let store = RedisStore::connect(&args.redis.url).await?;
+    let config = crate::console::ConsoleConfig {
+        bind: args.bind,
+        reviewers,
+        trusted_header: args.trusted_header,
+    };
+    match crate::console::run(config, store, cancel, None).await {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => refuse(format_args!("{e:#}")),
+    }
+}
+
+/// The reviewers of `--tokens-file` and of [`TOKENS_ENV`], together.
+fn reviewers(tokens_file: Option<&Path>) -> Result<Reviewers, String> {
+    let mut reviewers = Reviewers::default();
+    if let Some(path) = tokens_file {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("--tokens-file {}: {e}", path.display()))?;
+        reviewers.extend(Reviewers::parse(&text, &format!("--tokens-file {}", path.display()))?);
+    }
+    if let Ok(text) = std::env::var(TOKENS_ENV) {
+        reviewers.extend(Reviewers::parse(&text.replace(',', "\n"), TOKENS_ENV)?);
+    }
+    Ok(reviewers)
+}

@@ -1,0 +1,184 @@
+//! `producer status`, `export`, `manifest` and `dropped`: where a job's
+//! records are, and its sets written out.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use common::spec::JobSpec;
+use common::store::RedisStore;
+use tokio_util::sync::CancellationToken;
+
+use super::{EXIT_INCOMPLETE, JobArgs, RedisArgs, job_store, refuse};
+use crate::status::JobStatus;
+
+#[derive(Debug, Args)]
+pub struct StatusCmd {
+    #[arg(long)]
+    pub job: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Exit non-zero unless every expected record is in exactly one terminal set.
+    #[arg(long)]
+    pub require_complete: bool,
+    /// Exit non-zero unless every expected record is done (none in
+    /// review, dropped or cancelled).
+    #[arg(long)]
+    pub require_done: bool,
+    /// List the record ids of missing, duplicated and unknown records.
+    #[arg(long)]
+    pub ids: bool,
+    /// Refresh every 2 seconds until interrupted (or complete).
+    #[arg(long)]
+    pub watch: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportCmd {
+    #[arg(long)]
+    pub job: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Output file (`-` for stdout).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Which set: results (`done`), review entries (`review`), dropped
+    /// records, or every paid call of the cost ledger (`ledger`).
+    #[arg(long, value_enum, default_value_t = crate::status::ExportSet::Done)]
+    pub what: crate::status::ExportSet,
+}
+
+/// `producer status`: once, or every 2 s with `--watch` until complete.
+pub async fn status(cmd: StatusCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    let job = cmd.job.as_str();
+    let store = job_store(&cmd.redis, job).await?;
+    let spec = store.job_spec(job).await.ok().flatten();
+    // Completeness is proven from the sink's own rows too.
+    let verify = (cmd.require_complete || cmd.require_done) && spec.as_ref().is_some_and(|s| !s.sink.is_none());
+    loop {
+        let s = status_once(&store, &cmd, spec.as_ref(), verify).await?;
+        if cmd.json {
+            crate::outln!("{}", serde_json::to_string(&s)?);
+        } else {
+            if cmd.watch {
+                crate::out!("\x1b[2J\x1b[H"); // clear the screen, cursor home
+            }
+            crate::status::print(&s);
+            if let Some(sink) = &s.sink {
+                crate::sink::print(sink);
+            }
+        }
+        if !cmd.watch || s.complete {
+            return Ok(exit_code(&cmd, &s));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+            _ = cancel.cancelled() => return Ok(ExitCode::SUCCESS),
+        }
+    }
+}
+
+/// One reading of the job, its sink's included (verified against the done
+/// set when `verify`).
+async fn status_once(
+    store: &RedisStore,
+    cmd: &StatusCmd,
+    spec: Option<&JobSpec>,
+    verify: bool,
+) -> anyhow::Result<JobStatus> {
+    let mut s = crate::status::status(store, &cmd.job, cmd.ids, verify).await?;
+    s.redis_flag = common::secret::redis_flag(&cmd.redis.url);
+    if let Some(spec) = spec {
+        let done = std::mem::take(&mut s.done_ids);
+        s.sink = crate::sink::sink_status(store, &cmd.job, spec, verify.then_some(done)).await?;
+        if let Some(sink) = &s.sink
+            && verify
+        {
+            s.complete &= sink.backlog == 0 && sink.verified.as_ref().is_some_and(|v| v.exact);
+        }
+    }
+    Ok(s)
+}
+
+/// The last reading's exit code (warning on stderr of what is not done).
+fn exit_code(cmd: &StatusCmd, s: &JobStatus) -> ExitCode {
+    let job = &cmd.job;
+    if s.review + s.dropped + s.cancelled > 0 {
+        common::errln!(
+            "warning: {} in review, {} dropped, {} cancelled: not every record is done \
+             (producer review --job {job} list; producer dropped --job {job})",
+            s.review,
+            s.dropped,
+            s.cancelled
+        );
+    }
+    let all_done = s.complete && s.expected.is_some_and(|e| e == s.done);
+    if (cmd.require_complete && !s.complete) || (cmd.require_done && !all_done) {
+        ExitCode::from(EXIT_INCOMPLETE)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// `producer export`: one set of the job as JSONL, to a file or stdout.
+pub async fn export(cmd: ExportCmd) -> anyhow::Result<ExitCode> {
+    let (job, what, out) = (cmd.job.as_str(), cmd.what, &cmd.out);
+    let store = job_store(&cmd.redis, job).await?;
+    let Some(manifest) = store.load_manifest(job).await? else {
+        return refuse(format_args!(
+            "job `{job}` has no manifest (never enqueued to completion)"
+        ));
+    };
+    let n = if out.as_os_str() == "-" {
+        crate::status::export(&store, job, manifest.partitions, what, &mut std::io::stdout().lock()).await?
+    } else {
+        let file = std::fs::File::create(out).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
+        crate::status::export(
+            &store,
+            job,
+            manifest.partitions,
+            what,
+            &mut std::io::BufWriter::new(file),
+        )
+        .await?
+    };
+    // Records not settled yet: cheap queue counters, not a full reconciliation.
+    let mut still_open = 0;
+    for p in 0..manifest.partitions {
+        let q = store.queue_stats(job, p).await?;
+        still_open += q.lag + q.pending + q.delayed;
+    }
+    common::errln!(
+        "exported {n} {} records of job {job} to {} ({still_open} records were still open)",
+        what.name(),
+        out.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `producer manifest`: the job's manifest as JSON.
+pub async fn manifest(cmd: JobArgs) -> anyhow::Result<ExitCode> {
+    let job = cmd.job.as_str();
+    let store = job_store(&cmd.redis, job).await?;
+    match store.load_manifest(job).await? {
+        Some(m) => {
+            crate::outln!("{}", serde_json::to_string_pretty(&m)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        None => refuse(format_args!(
+            "job `{job}` has no manifest (never enqueued to completion)"
+        )),
+    }
+}
+
+/// `producer dropped`: the job's dropped lines, one JSON object each.
+pub async fn dropped(cmd: JobArgs) -> anyhow::Result<ExitCode> {
+    let store = job_store(&cmd.redis, &cmd.job).await?;
+    for d in store.dropped_lines(&cmd.job).await? {
+        crate::outln!("{}", serde_json::to_string(&d)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
