@@ -11,9 +11,10 @@ demo: deps
 	MODE=$(MODE) scripts/demo.sh
 
 ## test: every test (unit, and integration against real redis-server processes), with
-## cargo-nextest (each test its own process, many at once: .config/nextest.toml), else cargo test
+## cargo-nextest (each test its own process, many at once: .config/nextest.toml), else cargo test.
+## One build of every target first: the binaries the tests start and the tests share one feature set.
 test: deps
-	$(CARGO) build --workspace --bins
+	$(CARGO) build --workspace --all-targets
 	@if $(CARGO) nextest --version >/dev/null 2>&1; then \
 	  $(CARGO) nextest run --workspace; \
 	else \
