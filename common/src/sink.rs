@@ -534,6 +534,178 @@ pub fn with_revisions(mut r: ResultRecord, revisions: &[RevisionRow]) -> ResultR
     r
 }
 
+/// A sink's tables inside one transaction: the statements of [`PgSink::write`].
+struct Tables<'a> {
+    tx: &'a tokio_postgres::Transaction<'a>,
+    results: &'a str,
+    failures: &'a str,
+    ledger: &'a str,
+    typed: &'a [TypedColumn],
+}
+
+impl Tables<'_> {
+    /// The failures (a record already in the results table is never a
+    /// failure again; a newer failure replaces an older one).
+    async fn insert_failures(&self, job: &str, failures: &[FailureRow]) -> Result<(), tokio_postgres::Error> {
+        let col = |f: fn(&FailureRow) -> String| failures.iter().map(f).collect::<Vec<String>>();
+        let errors: Vec<Value> = failures.iter().map(|f| f.errors.clone()).collect();
+        self.tx.execute(
+            &format!(
+                "INSERT INTO {f} (record_id, job, business_key, state, reason, errors, at) \
+                 SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g::timestamptz \
+                 FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::text[]) AS u(a, c, d, e, f, g) \
+                 WHERE NOT EXISTS (SELECT 1 FROM {r} r WHERE r.record_id = u.a) \
+                 ON CONFLICT (record_id) DO UPDATE SET state = EXCLUDED.state, reason = EXCLUDED.reason, \
+                 errors = EXCLUDED.errors, at = EXCLUDED.at, resolved_at = NULL \
+                 WHERE EXCLUDED.at >= {f}.at",
+                f = self.failures,
+                r = self.results
+            ),
+            &[
+                &job,
+                &col(|f| f.record_id.clone()),
+                &col(|f| f.business_key.clone()),
+                &col(|f| f.state.clone()),
+                &col(|f| f.reason.clone()),
+                &errors,
+                &col(|f| f.at.clone()),
+            ],
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The results (`ON CONFLICT (record_id) DO NOTHING`: a redelivered
+    /// batch adds nothing), then the failures they resolve. Returns the
+    /// rows that were new.
+    async fn insert_results(&self, job: &str, results: &[ResultRow]) -> Result<u64, tokio_postgres::Error> {
+        let ids: Vec<&str> = results.iter().map(|r| r.record_id.as_str()).collect();
+        let keys: Vec<&str> = results.iter().map(|r| r.business_key.as_str()).collect();
+        let versions: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.versions)).collect();
+        let outputs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.output)).collect();
+        let attempts: Vec<i32> = results.iter().map(|r| r.attempts).collect();
+        let calls: Vec<i32> = results.iter().map(|r| r.calls).collect();
+        let prompt: Vec<Option<i64>> = results.iter().map(|r| r.prompt_tokens).collect();
+        let cached: Vec<Option<i64>> = results.iter().map(|r| r.cached_tokens).collect();
+        let completion: Vec<Option<i64>> = results.iter().map(|r| r.completion_tokens).collect();
+        let cost: Vec<Option<f64>> = results.iter().map(|r| r.cost_usd).collect();
+        let model: Vec<&str> = results.iter().map(|r| r.model.as_str()).collect();
+        let response: Vec<Option<&str>> = results.iter().map(|r| r.response_id.as_deref()).collect();
+        let human: Vec<bool> = results.iter().map(|r| r.human).collect();
+        let reviewer: Vec<Option<&str>> = results.iter().map(|r| r.reviewer.as_deref()).collect();
+        let at: Vec<&str> = results.iter().map(|r| r.committed_at.as_str()).collect();
+        let usage: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.usage.as_deref().map(Json)).collect();
+        let repairs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.repairs)).collect();
+        let history: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.history)).collect();
+        let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
+        let input: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.input.as_deref().map(Json)).collect();
+        let typed_names: String = self.typed.iter().map(|t| format!(", {}", t.column)).collect();
+        let typed_values: String = self.typed.iter().map(|t| format!(", {}", t.value_sql("u.e"))).collect();
+        let written = self
+            .tx
+            .execute(
+                &format!(
+                    "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
+                     prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
+                     reviewer, committed_at, usage, repairs, history, worker, input{typed_names}) \
+                     SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz, \
+                     u.q, u.r, u.s, u.t, u.v{typed_values} \
+                     FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
+                     $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
+                     $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[], $21::jsonb[]) \
+                     AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, v) \
+                     ON CONFLICT (record_id) DO NOTHING",
+                    r = self.results
+                ),
+                &[
+                    &job,
+                    &ids,
+                    &keys,
+                    &versions,
+                    &outputs,
+                    &attempts,
+                    &calls,
+                    &prompt,
+                    &cached,
+                    &completion,
+                    &cost,
+                    &model,
+                    &response,
+                    &human,
+                    &reviewer,
+                    &at,
+                    &usage,
+                    &repairs,
+                    &history,
+                    &worker,
+                    &input,
+                ],
+            )
+            .await?;
+        self.tx
+            .execute(
+                &format!(
+                    "UPDATE {f} SET resolved_at = now() WHERE record_id = ANY($1) AND resolved_at IS NULL",
+                    f = self.failures
+                ),
+                &[&ids],
+            )
+            .await?;
+        Ok(written)
+    }
+
+    /// The paid calls into the ledger table (`ON CONFLICT (call_key) DO NOTHING`).
+    async fn insert_paid(&self, job: &str, paid: &[PaidCall]) -> Result<(), tokio_postgres::Error> {
+        let int = |f: fn(&PaidCall) -> u64| -> Vec<i64> {
+            paid.iter().map(|c| i64::try_from(f(c)).unwrap_or(i64::MAX)).collect()
+        };
+        let small = |f: fn(&PaidCall) -> u32| -> Vec<i32> {
+            paid.iter().map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX)).collect()
+        };
+        let keys: Vec<String> = paid.iter().map(PaidCall::key).collect();
+        let rids: Vec<&str> = paid.iter().map(|c| c.rid.as_str()).collect();
+        let workers: Vec<&str> = paid.iter().map(|c| c.worker.as_str()).collect();
+        let causes: Vec<&str> = paid.iter().map(|c| c.cause.name()).collect();
+        let fates: Vec<&str> = paid.iter().map(|c| c.fate.name()).collect();
+        let estimated: Vec<bool> = paid.iter().map(|c| c.usage.estimated).collect();
+        let prices: Vec<&str> = paid.iter().map(|c| c.prices.as_str()).collect();
+        self.tx.execute(
+            &format!(
+                "INSERT INTO {l} (call_key, job, record_id, call_number, attempt, delivery, worker, cause, fate, \
+                 prompt_tokens, cached_tokens, completion_tokens, estimated, prices, cost_nusd, at) \
+                 SELECT u.a, $1, u.b, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, \
+                 to_timestamp(u.o / 1000.0) \
+                 FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::int4[], $6::int4[], $7::text[], $8::text[], \
+                 $9::text[], $10::int8[], $11::int8[], $12::int8[], $13::bool[], $14::text[], $15::int8[], $16::int8[]) \
+                 AS u(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o) \
+                 ON CONFLICT (call_key) DO NOTHING",
+                l = self.ledger
+            ),
+            &[
+                &job,
+                &keys,
+                &rids,
+                &small(|c| c.call),
+                &small(|c| c.attempt),
+                &small(|c| c.delivery),
+                &workers,
+                &causes,
+                &fates,
+                &int(|c| c.usage.prompt),
+                &int(|c| c.usage.cached),
+                &int(|c| c.usage.completion),
+                &estimated,
+                &prices,
+                &int(|c| c.cost_nusd),
+                &int(|c| c.at_ms),
+            ],
+        )
+        .await
+        ?;
+        Ok(())
+    }
+}
+
 /// A connected sink: its client and table names.
 pub struct PgSink {
     client: Client,
@@ -701,156 +873,22 @@ impl PgSink {
         )
         .await
         .map_err(err)?;
+        let tables = Tables {
+            tx: &tx,
+            results: &self.results,
+            failures: &self.failures,
+            ledger: &self.ledger,
+            typed: &self.typed,
+        };
         if !failures.is_empty() {
-            let col = |f: fn(&FailureRow) -> String| failures.iter().map(f).collect::<Vec<String>>();
-            let errors: Vec<Value> = failures.iter().map(|f| f.errors.clone()).collect();
-            tx.execute(
-                &format!(
-                    "INSERT INTO {f} (record_id, job, business_key, state, reason, errors, at) \
-                     SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g::timestamptz \
-                     FROM UNNEST($2::text[], $3::text[], $4::text[], $5::text[], $6::jsonb[], $7::text[]) AS u(a, c, d, e, f, g) \
-                     WHERE NOT EXISTS (SELECT 1 FROM {r} r WHERE r.record_id = u.a) \
-                     ON CONFLICT (record_id) DO UPDATE SET state = EXCLUDED.state, reason = EXCLUDED.reason, \
-                     errors = EXCLUDED.errors, at = EXCLUDED.at, resolved_at = NULL \
-                     WHERE EXCLUDED.at >= {f}.at",
-                    f = self.failures,
-                    r = self.results
-                ),
-                &[
-                    &job,
-                    &col(|f| f.record_id.clone()),
-                    &col(|f| f.business_key.clone()),
-                    &col(|f| f.state.clone()),
-                    &col(|f| f.reason.clone()),
-                    &errors,
-                    &col(|f| f.at.clone()),
-                ],
-            )
-            .await
-            .map_err(err)?;
+            tables.insert_failures(job, failures).await.map_err(err)?;
         }
         let mut written = 0;
         if !results.is_empty() {
-            let ids: Vec<&str> = results.iter().map(|r| r.record_id.as_str()).collect();
-            let keys: Vec<&str> = results.iter().map(|r| r.business_key.as_str()).collect();
-            let versions: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.versions)).collect();
-            let outputs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.output)).collect();
-            let attempts: Vec<i32> = results.iter().map(|r| r.attempts).collect();
-            let calls: Vec<i32> = results.iter().map(|r| r.calls).collect();
-            let prompt: Vec<Option<i64>> = results.iter().map(|r| r.prompt_tokens).collect();
-            let cached: Vec<Option<i64>> = results.iter().map(|r| r.cached_tokens).collect();
-            let completion: Vec<Option<i64>> = results.iter().map(|r| r.completion_tokens).collect();
-            let cost: Vec<Option<f64>> = results.iter().map(|r| r.cost_usd).collect();
-            let model: Vec<&str> = results.iter().map(|r| r.model.as_str()).collect();
-            let response: Vec<Option<&str>> = results.iter().map(|r| r.response_id.as_deref()).collect();
-            let human: Vec<bool> = results.iter().map(|r| r.human).collect();
-            let reviewer: Vec<Option<&str>> = results.iter().map(|r| r.reviewer.as_deref()).collect();
-            let at: Vec<&str> = results.iter().map(|r| r.committed_at.as_str()).collect();
-            let usage: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.usage.as_deref().map(Json)).collect();
-            let repairs: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.repairs)).collect();
-            let history: Vec<Json<&RawValue>> = results.iter().map(|r| Json(&*r.history)).collect();
-            let worker: Vec<Option<&str>> = results.iter().map(|r| r.worker.as_deref()).collect();
-            let input: Vec<Option<Json<&RawValue>>> = results.iter().map(|r| r.input.as_deref().map(Json)).collect();
-            let typed_names: String = self.typed.iter().map(|t| format!(", {}", t.column)).collect();
-            let typed_values: String = self.typed.iter().map(|t| format!(", {}", t.value_sql("u.e"))).collect();
-            written = tx
-                .execute(
-                    &format!(
-                        "INSERT INTO {r} (record_id, job, business_key, versions, output, attempts, calls, \
-                         prompt_tokens, cached_tokens, completion_tokens, cost_usd, model, response_id, human, \
-                         reviewer, committed_at, usage, repairs, history, worker, input{typed_names}) \
-                         SELECT u.a, $1, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, u.o, u.p::timestamptz, \
-                         u.q, u.r, u.s, u.t, u.v{typed_values} \
-                         FROM UNNEST($2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::int4[], $7::int4[], \
-                         $8::int8[], $9::int8[], $10::int8[], $11::float8[], $12::text[], $13::text[], $14::bool[], \
-                         $15::text[], $16::text[], $17::jsonb[], $18::jsonb[], $19::jsonb[], $20::text[], $21::jsonb[]) \
-                         AS u(a, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, v) \
-                         ON CONFLICT (record_id) DO NOTHING",
-                        r = self.results
-                    ),
-                    &[
-                        &job,
-                        &ids,
-                        &keys,
-                        &versions,
-                        &outputs,
-                        &attempts,
-                        &calls,
-                        &prompt,
-                        &cached,
-                        &completion,
-                        &cost,
-                        &model,
-                        &response,
-                        &human,
-                        &reviewer,
-                        &at,
-                        &usage,
-                        &repairs,
-                        &history,
-                        &worker,
-                        &input,
-                    ],
-                )
-                .await
-                .map_err(err)?;
-            tx.execute(
-                &format!(
-                    "UPDATE {f} SET resolved_at = now() WHERE record_id = ANY($1) AND resolved_at IS NULL",
-                    f = self.failures
-                ),
-                &[&ids],
-            )
-            .await
-            .map_err(err)?;
+            written = tables.insert_results(job, results).await.map_err(err)?;
         }
         if !paid.is_empty() {
-            let int = |f: fn(&PaidCall) -> u64| -> Vec<i64> {
-                paid.iter().map(|c| i64::try_from(f(c)).unwrap_or(i64::MAX)).collect()
-            };
-            let small = |f: fn(&PaidCall) -> u32| -> Vec<i32> {
-                paid.iter().map(|c| i32::try_from(f(c)).unwrap_or(i32::MAX)).collect()
-            };
-            let keys: Vec<String> = paid.iter().map(PaidCall::key).collect();
-            let rids: Vec<&str> = paid.iter().map(|c| c.rid.as_str()).collect();
-            let workers: Vec<&str> = paid.iter().map(|c| c.worker.as_str()).collect();
-            let causes: Vec<&str> = paid.iter().map(|c| c.cause.name()).collect();
-            let fates: Vec<&str> = paid.iter().map(|c| c.fate.name()).collect();
-            let estimated: Vec<bool> = paid.iter().map(|c| c.usage.estimated).collect();
-            let prices: Vec<&str> = paid.iter().map(|c| c.prices.as_str()).collect();
-            tx.execute(
-                &format!(
-                    "INSERT INTO {l} (call_key, job, record_id, call_number, attempt, delivery, worker, cause, fate, \
-                     prompt_tokens, cached_tokens, completion_tokens, estimated, prices, cost_nusd, at) \
-                     SELECT u.a, $1, u.b, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, \
-                     to_timestamp(u.o / 1000.0) \
-                     FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::int4[], $6::int4[], $7::text[], $8::text[], \
-                     $9::text[], $10::int8[], $11::int8[], $12::int8[], $13::bool[], $14::text[], $15::int8[], $16::int8[]) \
-                     AS u(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o) \
-                     ON CONFLICT (call_key) DO NOTHING",
-                    l = self.ledger
-                ),
-                &[
-                    &job,
-                    &keys,
-                    &rids,
-                    &small(|c| c.call),
-                    &small(|c| c.attempt),
-                    &small(|c| c.delivery),
-                    &workers,
-                    &causes,
-                    &fates,
-                    &int(|c| c.usage.prompt),
-                    &int(|c| c.usage.cached),
-                    &int(|c| c.usage.completion),
-                    &estimated,
-                    &prices,
-                    &int(|c| c.cost_nusd),
-                    &int(|c| c.at_ms),
-                ],
-            )
-            .await
-            .map_err(err)?;
+            tables.insert_paid(job, paid).await.map_err(err)?;
         }
         tx.commit().await.map_err(err)?;
         Ok(written)

@@ -910,80 +910,9 @@ impl JobSpec {
                     "is filled in by batchfleet itself and cannot be asked of the model",
                 );
             }
-            let numeric = matches!(f.kind, FieldType::Number | FieldType::Integer);
-            if let Some(values) = &f.enum_values {
-                if values.is_empty() {
-                    p.add(at("enum"), "has no values");
-                }
-                if !matches!(f.kind, FieldType::String | FieldType::Number | FieldType::Integer) {
-                    p.add(at("enum"), format!("is not allowed on a {} field", f.kind.name()));
-                }
-                for v in values {
-                    if !value_has_type(v, f.kind) {
-                        p.add(at("enum"), format!("value {v} is not a {}", f.kind.name()));
-                    }
-                }
-            }
-            if (f.min.is_some() || f.max.is_some()) && !numeric {
-                p.add(
-                    at("min"),
-                    format!("min/max apply to numbers, not to a {} field", f.kind.name()),
-                );
-            }
-            if let (Some(min), Some(max)) = (f.min, f.max)
-                && min > max
-            {
-                p.add(at("max"), format!("max ({max}) is less than min ({min})"));
-            }
+            Self::value_problems(f, &at, p);
             if let Some(items) = &f.items {
-                if f.kind != FieldType::Array {
-                    p.add(
-                        at("items"),
-                        format!("applies to arrays, not to a {} field", f.kind.name()),
-                    );
-                }
-                if items.kind == FieldType::Array {
-                    p.add(
-                        at("items.type"),
-                        "items are strings, numbers, integers, booleans or objects",
-                    );
-                }
-                if items.required_if.is_some() || items.items.is_some() || items.from_input.is_some() {
-                    p.add(
-                        at("items"),
-                        "takes type, enum, min, max, max_len, fields and description only",
-                    );
-                }
-                if let Some(item_fields) = &items.fields {
-                    if items.kind != FieldType::Object {
-                        p.add(at("items.fields"), "applies to object items");
-                    }
-                    Self::field_problems(item_fields, &at("items.fields"), false, p);
-                }
-                if let Some(values) = &items.enum_values {
-                    for v in values {
-                        if !value_has_type(v, items.kind) {
-                            p.add(at("items.enum"), format!("value {v} is not a {}", items.kind.name()));
-                        }
-                    }
-                }
-            }
-            if (f.enum_ignore_case || f.enum_map.is_some()) && (f.kind != FieldType::String || f.enum_values.is_none())
-            {
-                p.add(
-                    at("enum_map"),
-                    "enum_map and enum_ignore_case apply to string fields with an enum",
-                );
-            }
-            if let (Some(map), Some(values)) = (&f.enum_map, &f.enum_values) {
-                for (from, to) in map {
-                    if !values.iter().any(|v| v.as_str() == Some(to)) {
-                        p.add(
-                            at("enum_map"),
-                            format!("`{from}` maps to `{to}`, which is not in the enum"),
-                        );
-                    }
-                }
+                Self::items_problems(f, items, &at, p);
             }
             if let Some(own) = &f.fields {
                 if f.kind != FieldType::Object {
@@ -1000,52 +929,144 @@ impl JobSpec {
                     "applies to the output's own fields, not to a nested one",
                 );
             }
-            for (k, v) in [("min", f.min), ("max", f.max)] {
-                if v.is_some_and(|v| !v.is_finite()) {
-                    p.add(at(k), "must be a finite number");
-                }
-            }
-            if let Some(n) = f.max_len {
-                if !matches!(f.kind, FieldType::String | FieldType::Array) {
-                    p.add(
-                        at("max_len"),
-                        format!("applies to strings and arrays, not to a {} field", f.kind.name()),
-                    );
-                }
-                if n == 0 {
-                    p.add(at("max_len"), "must be at least 1");
-                }
-            }
             if let Some(cond) = &f.required_if {
-                match fields.get(&cond.field) {
-                    None => p.add(
-                        at("required_if.field"),
-                        format!("`{}` is not an output field", cond.field),
-                    ),
-                    Some(_) if cond.field == *name => p.add(at("required_if.field"), "a field cannot depend on itself"),
-                    Some(other) => {
-                        if !value_has_type(&cond.equals, other.kind) {
-                            p.add(
-                                at("required_if.equals"),
-                                format!("{} is not a {}", cond.equals, other.kind.name()),
-                            );
-                        } else if let Some(values) = &other.enum_values
-                            && !values.contains(&cond.equals)
-                        {
-                            p.add(
-                                at("required_if.equals"),
-                                format!("{} is not in `{}`'s enum", cond.equals, cond.field),
-                            );
-                        }
-                    }
+                Self::required_if_problems(fields, name, f, cond, &at, p);
+            }
+        }
+    }
+
+    /// A field's own values: enum, enum_map, min and max, max_len.
+    fn value_problems(f: &FieldSpec, at: &dyn Fn(&str) -> String, p: &mut Problems) {
+        let numeric = matches!(f.kind, FieldType::Number | FieldType::Integer);
+        if let Some(values) = &f.enum_values {
+            if values.is_empty() {
+                p.add(at("enum"), "has no values");
+            }
+            if !matches!(f.kind, FieldType::String | FieldType::Number | FieldType::Integer) {
+                p.add(at("enum"), format!("is not allowed on a {} field", f.kind.name()));
+            }
+            for v in values {
+                if !value_has_type(v, f.kind) {
+                    p.add(at("enum"), format!("value {v} is not a {}", f.kind.name()));
                 }
-                if f.required {
+            }
+        }
+        if (f.min.is_some() || f.max.is_some()) && !numeric {
+            p.add(
+                at("min"),
+                format!("min/max apply to numbers, not to a {} field", f.kind.name()),
+            );
+        }
+        if let (Some(min), Some(max)) = (f.min, f.max)
+            && min > max
+        {
+            p.add(at("max"), format!("max ({max}) is less than min ({min})"));
+        }
+        if (f.enum_ignore_case || f.enum_map.is_some()) && (f.kind != FieldType::String || f.enum_values.is_none()) {
+            p.add(
+                at("enum_map"),
+                "enum_map and enum_ignore_case apply to string fields with an enum",
+            );
+        }
+        if let (Some(map), Some(values)) = (&f.enum_map, &f.enum_values) {
+            for (from, to) in map {
+                if !values.iter().any(|v| v.as_str() == Some(to)) {
                     p.add(
-                        at("required_if"),
-                        "set `required = false` on a conditionally required field",
+                        at("enum_map"),
+                        format!("`{from}` maps to `{to}`, which is not in the enum"),
                     );
                 }
             }
+        }
+        for (k, v) in [("min", f.min), ("max", f.max)] {
+            if v.is_some_and(|v| !v.is_finite()) {
+                p.add(at(k), "must be a finite number");
+            }
+        }
+        if let Some(n) = f.max_len {
+            if !matches!(f.kind, FieldType::String | FieldType::Array) {
+                p.add(
+                    at("max_len"),
+                    format!("applies to strings and arrays, not to a {} field", f.kind.name()),
+                );
+            }
+            if n == 0 {
+                p.add(at("max_len"), "must be at least 1");
+            }
+        }
+    }
+
+    /// An array field's `items`.
+    fn items_problems(f: &FieldSpec, items: &FieldSpec, at: &dyn Fn(&str) -> String, p: &mut Problems) {
+        if f.kind != FieldType::Array {
+            p.add(
+                at("items"),
+                format!("applies to arrays, not to a {} field", f.kind.name()),
+            );
+        }
+        if items.kind == FieldType::Array {
+            p.add(
+                at("items.type"),
+                "items are strings, numbers, integers, booleans or objects",
+            );
+        }
+        if items.required_if.is_some() || items.items.is_some() || items.from_input.is_some() {
+            p.add(
+                at("items"),
+                "takes type, enum, min, max, max_len, fields and description only",
+            );
+        }
+        if let Some(item_fields) = &items.fields {
+            if items.kind != FieldType::Object {
+                p.add(at("items.fields"), "applies to object items");
+            }
+            Self::field_problems(item_fields, &at("items.fields"), false, p);
+        }
+        if let Some(values) = &items.enum_values {
+            for v in values {
+                if !value_has_type(v, items.kind) {
+                    p.add(at("items.enum"), format!("value {v} is not a {}", items.kind.name()));
+                }
+            }
+        }
+    }
+
+    /// `required_if`: names another output field, with a value it can have.
+    fn required_if_problems(
+        fields: &OrderedFields,
+        name: &str,
+        f: &FieldSpec,
+        cond: &RequiredIf,
+        at: &dyn Fn(&str) -> String,
+        p: &mut Problems,
+    ) {
+        match fields.get(&cond.field) {
+            None => p.add(
+                at("required_if.field"),
+                format!("`{}` is not an output field", cond.field),
+            ),
+            Some(_) if cond.field == *name => p.add(at("required_if.field"), "a field cannot depend on itself"),
+            Some(other) => {
+                if !value_has_type(&cond.equals, other.kind) {
+                    p.add(
+                        at("required_if.equals"),
+                        format!("{} is not a {}", cond.equals, other.kind.name()),
+                    );
+                } else if let Some(values) = &other.enum_values
+                    && !values.contains(&cond.equals)
+                {
+                    p.add(
+                        at("required_if.equals"),
+                        format!("{} is not in `{}`'s enum", cond.equals, cond.field),
+                    );
+                }
+            }
+        }
+        if f.required {
+            p.add(
+                at("required_if"),
+                "set `required = false` on a conditionally required field",
+            );
         }
     }
 
@@ -1077,38 +1098,7 @@ impl JobSpec {
                     }
                 }
             }
-            SinkKind::Postgres => {
-                match &s.url_env {
-                    None => p.add(
-                        "sink.url_env",
-                        "is required: the NAME of the variable holding the database URL",
-                    ),
-                    Some(v) if !is_env_name(v) => p.add(
-                        "sink.url_env",
-                        "must be the NAME of an environment variable (A-Z, 0-9, _), never the URL",
-                    ),
-                    Some(_) => {}
-                }
-                let table_ok = {
-                    let parts: Vec<&str> = s.table().split('.').collect();
-                    parts.len() <= 2
-                        && parts.iter().all(|t| {
-                            t.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-                                && t.chars()
-                                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
-                                && t.len() <= 53
-                        })
-                };
-                if !table_ok {
-                    p.add(
-                        "sink.table",
-                        "must be `name` or `schema.name`: lowercase letters, digits and `_`, at most 53 each (`_revisions` is added for a table of its own, within PostgreSQL's 63)",
-                    );
-                }
-                if s.dir.is_some() {
-                    p.add("sink.dir", "applies to kind = \"files\"");
-                }
-            }
+            SinkKind::Postgres => postgres_sink_problems(s, p),
         }
         if s.batch_rows.is_some_and(|n| !(1..=5000).contains(&n)) {
             p.add("sink.batch_rows", "must be between 1 and 5000");
@@ -1129,19 +1119,7 @@ impl JobSpec {
             p.add("sink.segment_secs", "must be between 1 and 3600");
         }
         if s.typed_columns {
-            if s.kind != SinkKind::Postgres {
-                p.add("sink.typed_columns", "applies to kind = \"postgres\"");
-            }
-            let mut seen: BTreeMap<String, &str> = BTreeMap::new();
-            for (name, _) in self.output.fields.iter() {
-                let column = column_name(name);
-                if let Some(other) = seen.insert(column.clone(), name) {
-                    p.add(
-                        "sink.typed_columns",
-                        format!("output fields `{other}` and `{name}` would both be column {column}: rename one"),
-                    );
-                }
-            }
+            self.typed_column_problems(p);
         }
         let files_only = [
             ("sink.segment_records", s.segment_records.is_some()),
@@ -1153,6 +1131,23 @@ impl JobSpec {
                 if set {
                     p.add(key, "applies to kind = \"files\"");
                 }
+            }
+        }
+    }
+
+    /// `sink.typed_columns`: each output field its own column, no two alike.
+    fn typed_column_problems(&self, p: &mut Problems) {
+        if self.sink.kind != SinkKind::Postgres {
+            p.add("sink.typed_columns", "applies to kind = \"postgres\"");
+        }
+        let mut seen: BTreeMap<String, &str> = BTreeMap::new();
+        for (name, _) in self.output.fields.iter() {
+            let column = column_name(name);
+            if let Some(other) = seen.insert(column.clone(), name) {
+                p.add(
+                    "sink.typed_columns",
+                    format!("output fields `{other}` and `{name}` would both be column {column}: rename one"),
+                );
             }
         }
     }
@@ -1196,6 +1191,24 @@ impl JobSpec {
     }
 
     fn limit_problems(&self, p: &mut Problems) {
+        self.rate_limit_problems(p);
+        self.retry_problems(p);
+        self.money_problems(p);
+        self.check_batch(p);
+        match self.audit.rate {
+            Some(r) if !(r.is_finite() && r > 0.0 && r <= 1.0) => {
+                p.add(
+                    "audit.rate",
+                    "must be above 0 and at most 1 (a share of the committed results)",
+                );
+            }
+            None if self.audit.seed.is_some() => p.add("audit.seed", "goes with audit.rate"),
+            _ => {}
+        }
+    }
+
+    /// `[limits]`: every limit lets at least one request through.
+    fn rate_limit_problems(&self, p: &mut Problems) {
         let l = &self.limits;
         for (key, v) in [
             ("limits.requests_per_minute", l.requests_per_minute),
@@ -1234,6 +1247,10 @@ impl JobSpec {
                 );
             }
         }
+    }
+
+    /// `[retry]`: attempts, delays, temperatures, the outage budget.
+    fn retry_problems(&self, p: &mut Problems) {
         let r = &self.retry;
         if r.temperatures.iter().any(|t| !(0.0..=2.0).contains(t)) {
             p.add("retry.temperatures", "every temperature must be between 0 and 2");
@@ -1269,6 +1286,10 @@ impl JobSpec {
                 ),
             );
         }
+    }
+
+    /// `[prices]` and `[budget]`: numbers that can be counted against.
+    fn money_problems(&self, p: &mut Problems) {
         let pr = &self.prices;
         for (key, v) in [
             ("prices.input_per_mtok", Some(pr.input_per_mtok)),
@@ -1311,17 +1332,6 @@ impl JobSpec {
                 "a cost cap needs [prices] (input_per_mtok, output_per_mtok): every call would cost 0",
             );
         }
-        self.check_batch(p);
-        match self.audit.rate {
-            Some(r) if !(r.is_finite() && r > 0.0 && r <= 1.0) => {
-                p.add(
-                    "audit.rate",
-                    "must be above 0 and at most 1 (a share of the committed results)",
-                );
-            }
-            None if self.audit.seed.is_some() => p.add("audit.seed", "goes with audit.rate"),
-            _ => {}
-        }
     }
 
     /// Version of the model configuration: what changes the model's answers.
@@ -1359,6 +1369,39 @@ impl Problems {
             path: path.into(),
             message: message.into(),
         });
+    }
+}
+/// A PostgreSQL sink: the variable's name (never the URL) and a table name.
+fn postgres_sink_problems(s: &Sink, p: &mut Problems) {
+    match &s.url_env {
+        None => p.add(
+            "sink.url_env",
+            "is required: the NAME of the variable holding the database URL",
+        ),
+        Some(v) if !is_env_name(v) => p.add(
+            "sink.url_env",
+            "must be the NAME of an environment variable (A-Z, 0-9, _), never the URL",
+        ),
+        Some(_) => {}
+    }
+    let table_ok = {
+        let parts: Vec<&str> = s.table().split('.').collect();
+        parts.len() <= 2
+            && parts.iter().all(|t| {
+                t.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                    && t.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                    && t.len() <= 53
+            })
+    };
+    if !table_ok {
+        p.add(
+            "sink.table",
+            "must be `name` or `schema.name`: lowercase letters, digits and `_`, at most 53 each (`_revisions` is added for a table of its own, within PostgreSQL's 63)",
+        );
+    }
+    if s.dir.is_some() {
+        p.add("sink.dir", "applies to kind = \"files\"");
     }
 }
 

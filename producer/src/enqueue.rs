@@ -138,88 +138,18 @@ async fn enqueue_traced(
 ) -> Result<Summary, EnqueueError> {
     let started = Instant::now();
     valid_job_name(&args.job)?;
-    let mut spec = JobSpec::load(&args.spec_path)?;
-    let mut spec_text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
-        path: args.spec_path.clone(),
-        source,
-    })?;
-    if args.dry_run {
-        // The job's stored spec has no sink: no worker writes anything out.
-        let mut table: toml::Table = toml::from_str(&spec_text).map_err(|e| EnqueueError::Refused(e.to_string()))?;
-        table.remove("sink");
-        spec_text = toml::to_string(&table).map_err(|e| EnqueueError::Refused(e.to_string()))?;
-        spec = JobSpec::parse(&spec_text, &args.spec_path)?;
-    }
-    let dataset_err = |source| EnqueueError::Dataset {
-        path: args.dataset.display().to_string(),
-        source,
-    };
-    // A named pipe, a device or a folder would block or be read only once:
-    // refused before anything is written.
-    let meta = std::fs::metadata(&args.dataset).map_err(dataset_err)?;
-    if !meta.is_file() {
-        return Err(EnqueueError::Refused(format!(
-            "dataset {} is not a regular file ({}): batchfleet reads it twice (hash, then records) \
-             and resumes at byte offsets; copy it to a file first",
-            args.dataset.display(),
-            file_kind(&meta)
-        )));
-    }
-    let modified = meta.modified().ok();
-    let (sha256, bytes) = file_sha256(&args.dataset).map_err(dataset_err)?;
-    let identity = Identity {
-        dataset: Dataset {
-            path: args.dataset.display().to_string(),
-            sha256,
-            bytes,
-        },
-        versions: versions_map(&spec)
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v))
-            .collect(),
-        partitions: spec.job.partitions,
-        sample: args.sample.clone(),
-    };
+    let (spec, spec_text) = load_spec(args)?;
+    let (identity, modified) = identify(args, &spec)?;
+    let bytes = identity.dataset.bytes;
     let job_key = identity.job_key();
-    let store = RedisStore::connect(&args.redis_url).await?;
-    match store.refuse_eviction().await {
-        Err(e @ StoreError::Evicting { .. }) if !args.allow_evicting_redis => {
-            return Err(EnqueueError::Refused(e.to_string()));
-        }
-        Err(StoreError::Evicting { .. }) | Ok(()) => {}
-        Err(e) => return Err(e.into()),
-    }
+    let store = connect(args).await?;
     let start = starting_point(&store, args, &identity, &job_key).await?;
     refuse_changed_spec(&store, &args.job, &spec).await?;
-    let (mut coverage, mut from_job) = (None, None);
-    let sample_lines = match &args.sample {
-        Some(
-            s @ Sample {
-                from_job: Some(from), ..
-            },
-        ) if from.set.is_some() => {
-            let (lines, found) = crate::select::lines_from_job(&store, from, s.seed, &identity.dataset.sha256).await?;
-            from_job = Some(found);
-            Some(lines)
-        }
-        Some(s) if s.stratify => {
-            let forced = match &s.from_job {
-                Some(from) => {
-                    let (lines, found) =
-                        crate::select::lines_from_job(&store, from, s.seed, &identity.dataset.sha256).await?;
-                    from_job = Some(found);
-                    lines
-                }
-                None => HashSet::new(),
-            };
-            let (lines, covered) =
-                crate::select::stratified(&args.dataset, &spec, s.size, s.seed, &forced).map_err(dataset_err)?;
-            coverage = Some(covered);
-            Some(lines)
-        }
-        Some(s) => Some(sample_line_numbers(&args.dataset, s).map_err(dataset_err)?),
-        None => None,
-    };
+    let Selected {
+        lines: sample_lines,
+        coverage,
+        from_job,
+    } = select(&store, args, &spec, &identity).await?;
     store
         .prepare_job(&args.job, &spec_text, spec.job.partitions, !spec.sink.is_none())
         .await?;
@@ -228,35 +158,7 @@ async fn enqueue_traced(
         store.set_budget_cap(&args.job, cap, true).await?;
     }
 
-    let mut pass = Pass {
-        store: &store,
-        job: &args.job,
-        spec: &spec,
-        user: Template::parse(&spec.prompt.user).map_err(|e| {
-            EnqueueError::Refused(format!("prompt.user: {e}")) // unreachable after validation
-        })?,
-        ids: IdContext::new(&args.job, &spec),
-        origin_tag: store.dataset_tag(&args.job, &identity.dataset.sha256).await?,
-        origin_prefix: identity.dataset.short().to_owned(),
-        cursor: Cursor {
-            job_key: job_key.clone(),
-            identity: identity.clone(),
-            offset: start.offset,
-            line: start.line,
-            counts: start.counts.clone(),
-            complete: false,
-        },
-        idem_ttl_secs: args.idem_ttl_secs,
-        traces,
-        max_backlog: args.max_backlog,
-        backlog: 0,
-        marked: None,
-        waited: Duration::ZERO,
-        said_waiting: false,
-    };
-    if args.max_backlog > 0 {
-        pass.backlog = store.remaining(&args.job, spec.job.partitions).await?.backlog();
-    }
+    let mut pass = Pass::new(&store, args, &spec, &identity, &start, traces).await?;
     let progress = Progress::new(args.progress, bytes, start.offset);
     let interrupted = pass
         .run(
@@ -286,32 +188,153 @@ async fn enqueue_traced(
     } else {
         dataset_change(&args.dataset, &identity.dataset, modified, pass.cursor.line)
     };
-    let c = &pass.cursor.counts;
-    let elapsed = started.elapsed().as_secs_f64();
     Ok(Summary {
-        job: args.job.clone(),
-        job_key,
-        dataset: identity.dataset.path.clone(),
-        dataset_sha256: identity.dataset.sha256.clone(),
-        lines: c.lines,
-        blank_lines: c.blank,
-        enqueued: c.enqueued,
-        already_present: c.already_present,
-        dropped: c.dropped,
-        dropped_by_reason: c.dropped_by_reason.clone(),
-        records: c.expected_records(),
         job_records,
-        resumed_from_line: start.line,
-        complete: !interrupted,
-        interrupted,
-        elapsed_secs: elapsed,
-        lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
-        backlog_wait_secs: pass.waited.as_secs_f64(),
         dataset_changed,
         coverage,
         from_job,
-        dry_run: args.dry_run,
+        backlog_wait_secs: pass.waited.as_secs_f64(),
+        ..Summary::of(args, &pass.cursor, &start, started.elapsed().as_secs_f64())
     })
+}
+
+impl Summary {
+    /// The summary of a pass from `start` to `cursor` (and no more).
+    fn of(args: &EnqueueArgs, cursor: &Cursor, start: &Start, elapsed: f64) -> Summary {
+        let c = &cursor.counts;
+        Summary {
+            job: args.job.clone(),
+            job_key: cursor.job_key.clone(),
+            dataset: cursor.identity.dataset.path.clone(),
+            dataset_sha256: cursor.identity.dataset.sha256.clone(),
+            lines: c.lines,
+            blank_lines: c.blank,
+            enqueued: c.enqueued,
+            already_present: c.already_present,
+            dropped: c.dropped,
+            dropped_by_reason: c.dropped_by_reason.clone(),
+            records: c.expected_records(),
+            job_records: None,
+            resumed_from_line: start.line,
+            complete: cursor.complete,
+            interrupted: !cursor.complete,
+            elapsed_secs: elapsed,
+            lines_per_sec: (c.lines - start.counts.lines) as f64 / elapsed.max(1e-9),
+            backlog_wait_secs: 0.0,
+            dataset_changed: None,
+            coverage: None,
+            from_job: None,
+            dry_run: args.dry_run,
+        }
+    }
+}
+
+/// The spec enqueued, and its text (without its `[sink]` for a dry run).
+fn load_spec(args: &EnqueueArgs) -> Result<(JobSpec, String), EnqueueError> {
+    let spec = JobSpec::load(&args.spec_path)?;
+    let text = std::fs::read_to_string(&args.spec_path).map_err(|source| SpecError::Read {
+        path: args.spec_path.clone(),
+        source,
+    })?;
+    if !args.dry_run {
+        return Ok((spec, text));
+    }
+    // The job's stored spec has no sink: no worker writes anything out.
+    let mut table: toml::Table = toml::from_str(&text).map_err(|e| EnqueueError::Refused(e.to_string()))?;
+    table.remove("sink");
+    let text = toml::to_string(&table).map_err(|e| EnqueueError::Refused(e.to_string()))?;
+    Ok((JobSpec::parse(&text, &args.spec_path)?, text))
+}
+
+fn dataset_error(args: &EnqueueArgs) -> impl Fn(std::io::Error) -> EnqueueError + '_ {
+    |source| EnqueueError::Dataset {
+        path: args.dataset.display().to_string(),
+        source,
+    }
+}
+
+/// What makes this enqueue the same one again (the dataset's bytes, the
+/// spec's versions, the sample), and when the dataset was last modified.
+fn identify(args: &EnqueueArgs, spec: &JobSpec) -> Result<(Identity, Option<std::time::SystemTime>), EnqueueError> {
+    // A named pipe, a device or a folder would block or be read only once:
+    // refused before anything is written.
+    let meta = std::fs::metadata(&args.dataset).map_err(dataset_error(args))?;
+    if !meta.is_file() {
+        return Err(EnqueueError::Refused(format!(
+            "dataset {} is not a regular file ({}): batchfleet reads it twice (hash, then records) \
+             and resumes at byte offsets; copy it to a file first",
+            args.dataset.display(),
+            file_kind(&meta)
+        )));
+    }
+    let (sha256, bytes) = file_sha256(&args.dataset).map_err(dataset_error(args))?;
+    let identity = Identity {
+        dataset: Dataset {
+            path: args.dataset.display().to_string(),
+            sha256,
+            bytes,
+        },
+        versions: versions_map(spec).into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+        partitions: spec.job.partitions,
+        sample: args.sample.clone(),
+    };
+    Ok((identity, meta.modified().ok()))
+}
+
+/// The Redis to enqueue into, refused when it may evict keys (unless told).
+async fn connect(args: &EnqueueArgs) -> Result<RedisStore, EnqueueError> {
+    let store = RedisStore::connect(&args.redis_url).await?;
+    match store.refuse_eviction().await {
+        Err(e @ StoreError::Evicting { .. }) if !args.allow_evicting_redis => Err(EnqueueError::Refused(e.to_string())),
+        Err(StoreError::Evicting { .. }) | Ok(()) => Ok(store),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The lines a sample takes (none: every line), with what it covers.
+struct Selected {
+    lines: Option<HashSet<u64>>,
+    coverage: Option<crate::select::Coverage>,
+    from_job: Option<crate::select::FromJobSummary>,
+}
+
+/// The lines `--sample`, `--stratify` or `--from-job` take.
+async fn select(
+    store: &RedisStore,
+    args: &EnqueueArgs,
+    spec: &JobSpec,
+    identity: &Identity,
+) -> Result<Selected, EnqueueError> {
+    let mut selected = Selected {
+        lines: None,
+        coverage: None,
+        from_job: None,
+    };
+    let Some(s) = &args.sample else {
+        return Ok(selected);
+    };
+    let sha256 = &identity.dataset.sha256;
+    let mut forced = HashSet::new();
+    if let Some(from) = &s.from_job {
+        if from.set.is_some() || s.stratify {
+            let (lines, found) = crate::select::lines_from_job(store, from, s.seed, sha256).await?;
+            selected.from_job = Some(found);
+            forced = lines;
+        }
+        if from.set.is_some() {
+            selected.lines = Some(forced);
+            return Ok(selected);
+        }
+    }
+    if s.stratify {
+        let (lines, covered) =
+            crate::select::stratified(&args.dataset, spec, s.size, s.seed, &forced).map_err(dataset_error(args))?;
+        selected.coverage = Some(covered);
+        selected.lines = Some(lines);
+    } else {
+        selected.lines = Some(sample_line_numbers(&args.dataset, s).map_err(dataset_error(args))?);
+    }
+    Ok(selected)
 }
 
 fn file_kind(meta: &std::fs::Metadata) -> &'static str {
@@ -481,6 +504,49 @@ struct Pass<'a> {
     waited: Duration,
     /// Whether the wait for the backlog was said already (once a run).
     said_waiting: bool,
+}
+
+impl<'a> Pass<'a> {
+    /// A pass from `start`, its backlog as Redis holds it now.
+    async fn new(
+        store: &'a RedisStore,
+        args: &'a EnqueueArgs,
+        spec: &'a JobSpec,
+        identity: &Identity,
+        start: &Start,
+        traces: &'a Traces,
+    ) -> Result<Pass<'a>, EnqueueError> {
+        let mut pass = Pass {
+            store,
+            job: &args.job,
+            spec,
+            user: Template::parse(&spec.prompt.user).map_err(|e| {
+                EnqueueError::Refused(format!("prompt.user: {e}")) // unreachable after validation
+            })?,
+            ids: IdContext::new(&args.job, spec),
+            origin_tag: store.dataset_tag(&args.job, &identity.dataset.sha256).await?,
+            origin_prefix: identity.dataset.short().to_owned(),
+            cursor: Cursor {
+                job_key: identity.job_key(),
+                identity: identity.clone(),
+                offset: start.offset,
+                line: start.line,
+                counts: start.counts.clone(),
+                complete: false,
+            },
+            idem_ttl_secs: args.idem_ttl_secs,
+            traces,
+            max_backlog: args.max_backlog,
+            backlog: 0,
+            marked: None,
+            waited: Duration::ZERO,
+            said_waiting: false,
+        };
+        if args.max_backlog > 0 {
+            pass.backlog = store.remaining(&args.job, spec.job.partitions).await?.backlog();
+        }
+        Ok(pass)
+    }
 }
 
 /// Lifetime of the job's `enqueuing` mark; renewed every third of it.

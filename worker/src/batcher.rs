@@ -515,15 +515,8 @@ impl Batcher {
         Ok(self.save(p, &read, &shard).await?.is_some() && shard.state == ShardState::Ended)
     }
 
-    /// Ended -> reconciled: the output and error files joined on
-    /// `custom_id` against the records packed into the shard, each answer
-    /// settled as an online one would be.
-    async fn settle(&self, p: u32, read: String, mut shard: Shard) -> Step {
-        let (f, job) = (&self.fleet, &self.job);
-        let status = shard.provider_status.clone().unwrap_or_default();
-        if status == "failed" {
-            return self.failed(p, read, shard).await;
-        }
+    /// The shard's output and error files, one after the other.
+    async fn download(&self, shard: &Shard) -> Result<String, StepError> {
         let mut text = String::new();
         for file in [&shard.output_file_id, &shard.error_file_id].into_iter().flatten() {
             text.push_str(
@@ -535,6 +528,19 @@ impl Batcher {
             );
             text.push('\n');
         }
+        Ok(text)
+    }
+
+    /// Ended -> reconciled: the output and error files joined on
+    /// `custom_id` against the records packed into the shard, each answer
+    /// settled as an online one would be.
+    async fn settle(&self, p: u32, read: String, mut shard: Shard) -> Step {
+        let (f, job) = (&self.fleet, &self.job);
+        let status = shard.provider_status.clone().unwrap_or_default();
+        if status == "failed" {
+            return self.failed(p, read, shard).await;
+        }
+        let text = self.download(&shard).await?;
         pause_at("download").await;
         let packed = f.store.shard_packed(&job.name, p, &shard.id).await?;
         let mut held: HashMap<String, Task> = f
@@ -544,21 +550,11 @@ impl Batcher {
             .into_iter()
             .map(|t| (t.rid.clone(), t))
             .collect();
-        // Each record's lines, in file order.
-        let mut order: Vec<String> = Vec::new();
-        let mut lines: HashMap<String, Vec<OutputLine>> = HashMap::new();
-        let mut unreadable = 0u64;
-        for raw in text.lines().filter(|l| !l.trim().is_empty()) {
-            match OutputLine::parse(raw) {
-                Ok(line) => {
-                    if !lines.contains_key(&line.custom_id) {
-                        order.push(line.custom_id.clone());
-                    }
-                    lines.entry(line.custom_id.clone()).or_default().push(line);
-                }
-                Err(_) => unreadable += 1,
-            }
-        }
+        let ByRecord {
+            order,
+            mut lines,
+            unreadable,
+        } = ByRecord::of(&text);
         let batch = shard.batch_id.clone().unwrap_or_default();
         let mut counts = LineCounts::default();
         let mut answers = Vec::new();
@@ -851,6 +847,35 @@ async fn pause_at(point: &str) {
     if pausing_at(point) {
         tracing::warn!(point, "paused for a fault test (BATCHFLEET_PAUSE_AT)");
         std::future::pending::<()>().await;
+    }
+}
+
+/// A batch's output lines by record, in file order.
+struct ByRecord {
+    order: Vec<String>,
+    lines: HashMap<String, Vec<OutputLine>>,
+    unreadable: u64,
+}
+
+impl ByRecord {
+    fn of(text: &str) -> ByRecord {
+        let mut by = ByRecord {
+            order: Vec::new(),
+            lines: HashMap::new(),
+            unreadable: 0,
+        };
+        for raw in text.lines().filter(|l| !l.trim().is_empty()) {
+            match OutputLine::parse(raw) {
+                Ok(line) => {
+                    if !by.lines.contains_key(&line.custom_id) {
+                        by.order.push(line.custom_id.clone());
+                    }
+                    by.lines.entry(line.custom_id.clone()).or_default().push(line);
+                }
+                Err(_) => by.unreadable += 1,
+            }
+        }
+        by
     }
 }
 

@@ -15,7 +15,8 @@
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`outage`]: a provider failing every call: one probe at a time, a halt past the budget.
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
-//! - [`provider`]: the OpenAI-compatible client; an answer's [`provider::Reply`].
+//! - [`provider`]: the OpenAI-compatible client (HTTP, request forms, classification).
+//! - [`judge`]: what an answer comes to for the record ([`judge::Reply`]: validated).
 //! - [`limiter`]: fleet-wide rate limits shared in Redis; header parsing.
 //! - [`scaler`]: the always-on component that serves the work left to the
 //!   autoscaler and promotes due retries while no worker runs (`scaler` binary).
@@ -34,6 +35,7 @@ pub mod fleet;
 pub mod form;
 pub mod http;
 pub mod job;
+pub mod judge;
 pub mod limiter;
 pub mod outage;
 pub mod process;

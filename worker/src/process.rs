@@ -8,7 +8,7 @@ use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind};
 use common::store::{Finish, Finished, RedisStore, StoreError};
 use common::task::{
-    Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Usage,
+    Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task, Usage,
 };
 use common::template::lookup;
 use common::validate::{FieldError, feedback_with_note};
@@ -18,8 +18,9 @@ use serde_json::{Map, Value};
 use crate::calls::CallInFlight;
 use crate::clock::now_ms;
 use crate::job::{CallReport, JobCtx, Limits, Settled};
+use crate::judge::Reply;
 use crate::limiter::{Used, estimate_tokens};
-use crate::provider::{CallResult, ErrorKind, Reply, Request};
+use crate::provider::{CallResult, ErrorKind, Request};
 use crate::telemetry::status_class;
 
 /// Processes one delivery. Store errors are returned (the task then stays
@@ -758,7 +759,13 @@ async fn apply(
 ) -> Result<Settled, StoreError> {
     let called = answer.is_some();
     let paid = answer.as_ref().and_then(|a| a.paid.clone());
-    let paid = paid.as_ref();
+    let settle = Settle {
+        job,
+        d,
+        span,
+        limits,
+        paid: paid.as_ref(),
+    };
     match decision {
         Decision::Commit => {
             let Some(Call { calls, reply, .. }) = answer else {
@@ -781,50 +788,21 @@ async fn apply(
             if job.sink.is_some() || job.spec.audit.sampled(&d.task.rid) {
                 result.input = Some(d.task.input.clone());
             }
-            settle(
-                job,
-                d,
-                Finish::Commit(result),
-                Settled::Committed,
-                span,
-                limits,
-                true,
-                paid,
-            )
-            .await
+            settle.store(Finish::Commit(result), Settled::Committed, true).await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
-            let calls = answer.as_ref().map_or(d.task.calls, |a| a.calls);
-            let mut task = d
-                .task
-                .next(facts.attempts, calls, feedback.unwrap_or_default(), history);
-            // Batch mode with `[batch] retries = "online"`: the retry calls online.
-            let batch = &job.spec;
-            if batch.provider.mode == common::spec::ProviderMode::Batch
-                && batch.batch.retries == common::spec::BatchRetries::Online
-            {
-                task.online = true;
-            }
-            task.failing_since = answer.as_ref().map_or(d.task.failing_since, |a| a.failing_since);
-            if let Some(call) = &answer {
-                task.answered.extend(call.fingerprint.clone());
-                // The model sees its own answer beside the feedback on it.
-                if !task.feedback.is_empty() {
-                    task.answer = Some(call.reply.raw.clone());
-                }
-            }
-            let due_ms = now_ms() + delay_ms;
-            let settled = settle(
+            let task = retry_task(
                 job,
                 d,
-                Finish::Retry { due_ms, task },
-                Settled::Retried,
-                span,
-                limits,
-                called,
-                paid,
-            )
-            .await;
+                facts.attempts,
+                answer.as_ref(),
+                feedback.unwrap_or_default(),
+                history,
+            );
+            let due_ms = now_ms() + delay_ms;
+            let settled = settle
+                .store(Finish::Retry { due_ms, task }, Settled::Retried, called)
+                .await;
             limits.retry_scheduled.notify_one();
             settled
         }
@@ -838,31 +816,9 @@ async fn apply(
                 reason: &reason,
             };
             let entry = ReviewEntry::new(d, review, history, stamp, &limits.worker);
-            settle(
-                job,
-                d,
-                Finish::Review(entry),
-                Settled::Reviewed,
-                span,
-                limits,
-                called,
-                paid,
-            )
-            .await
+            settle.store(Finish::Review(entry), Settled::Reviewed, called).await
         }
-        Decision::Drop { reason } => {
-            settle(
-                job,
-                d,
-                Finish::Drop { reason },
-                Settled::Dropped,
-                span,
-                limits,
-                false,
-                paid,
-            )
-            .await
-        }
+        Decision::Drop { reason } => settle.store(Finish::Drop { reason }, Settled::Dropped, false).await,
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
@@ -882,10 +838,40 @@ async fn apply(
                 }
                 None => d.task.clone(),
             };
-            let _ = job.finish_paid(d, &Finish::Release(task), paid).await;
+            let _ = job.finish_paid(d, &Finish::Release(task), paid.as_ref()).await;
             Ok(Settled::Halted(reason))
         }
     }
+}
+
+/// The task of a retry: the attempt counted, the feedback for the model
+/// (beside its own answer), the call's fingerprint and failing time.
+fn retry_task(
+    job: &JobCtx,
+    d: &Delivery,
+    attempts: u32,
+    answer: Option<&Call<'_>>,
+    feedback: Vec<FieldError>,
+    history: Vec<HistoryItem>,
+) -> Task {
+    let calls = answer.map_or(d.task.calls, |a| a.calls);
+    let mut task = d.task.next(attempts, calls, feedback, history);
+    // Batch mode with `[batch] retries = "online"`: the retry calls online.
+    let spec = &job.spec;
+    if spec.provider.mode == common::spec::ProviderMode::Batch
+        && spec.batch.retries == common::spec::BatchRetries::Online
+    {
+        task.online = true;
+    }
+    task.failing_since = answer.map_or(d.task.failing_since, |a| a.failing_since);
+    if let Some(call) = answer {
+        task.answered.extend(call.fingerprint.clone());
+        // The model sees its own answer beside the feedback on it.
+        if !task.feedback.is_empty() {
+            task.answer = Some(call.reply.raw.clone());
+        }
+    }
+    task
 }
 
 /// What a call used, for the limiter: usage when the provider reported it.
@@ -917,53 +903,63 @@ fn used_of(result: &CallResult) -> Used {
 /// timeout); only then is the answer counted lost and the task left for
 /// another worker (its paid call, `paid`, is recorded in the ledger when
 /// Redis takes it: as lost).
-#[allow(clippy::too_many_arguments)]
-async fn settle(
-    job: &JobCtx,
-    d: &Delivery,
-    how: Finish,
-    then: Settled,
-    span: &Span,
-    limits: &Limits,
-    called: bool,
-    paid: Option<&PaidCall>,
-) -> Result<Settled, StoreError> {
-    let commit = span.child("commit", SpanKind::Internal);
-    commit.set("batchfleet.finish", then.label());
-    let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
-    let mut pause = std::time::Duration::from_millis(50);
-    let finished = loop {
-        match job.finish_paid(d, &how, paid).await {
-            Ok(f) => break f,
-            Err(e) if called && d.claimed_at.elapsed() + pause < deadline => {
-                limits.metrics.store_errors.inc();
-                tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "cannot store a paid answer yet; retrying");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(std::time::Duration::from_secs(1));
-            }
-            Err(e) if called => {
-                commit.fail(format!("store error: {e}"));
-                tracing::error!(job = %job.name, record_id = %d.task.rid, error = %e, "a paid answer could not be stored before the visibility timeout: lost");
-                if let Some(call) = paid {
-                    limits.calls.lose(&job.name, d.partition, call.clone());
+/// What a delivery's outcome is stored with: [`Settle::store`].
+#[derive(Clone, Copy)]
+struct Settle<'a> {
+    job: &'a JobCtx,
+    d: &'a Delivery,
+    span: &'a Span,
+    limits: &'a Limits,
+    /// The paid call the outcome carries into the ledger, if any.
+    paid: Option<&'a PaidCall>,
+}
+
+impl Settle<'_> {
+    async fn store(&self, how: Finish, then: Settled, called: bool) -> Result<Settled, StoreError> {
+        let Settle {
+            job,
+            d,
+            span,
+            limits,
+            paid,
+        } = *self;
+        let commit = span.child("commit", SpanKind::Internal);
+        commit.set("batchfleet.finish", then.label());
+        let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));
+        let mut pause = std::time::Duration::from_millis(50);
+        let finished = loop {
+            match job.finish_paid(d, &how, paid).await {
+                Ok(f) => break f,
+                Err(e) if called && d.claimed_at.elapsed() + pause < deadline => {
+                    limits.metrics.store_errors.inc();
+                    tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "cannot store a paid answer yet; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(std::time::Duration::from_secs(1));
                 }
-                return Ok(Settled::AnswerLost);
+                Err(e) if called => {
+                    commit.fail(format!("store error: {e}"));
+                    tracing::error!(job = %job.name, record_id = %d.task.rid, error = %e, "a paid answer could not be stored before the visibility timeout: lost");
+                    if let Some(call) = paid {
+                        limits.calls.lose(&job.name, d.partition, call.clone());
+                    }
+                    return Ok(Settled::AnswerLost);
+                }
+                Err(e) => {
+                    commit.fail(format!("store error: {e}"));
+                    return Err(e);
+                }
             }
-            Err(e) => {
-                commit.fail(format!("store error: {e}"));
-                return Err(e);
+        };
+        commit.set("batchfleet.moved", finished == Finished::Moved);
+        Ok(match finished {
+            Finished::Moved => then,
+            Finished::AlreadySettled => Settled::AlreadySettled,
+            Finished::Stale => {
+                tracing::warn!(job = %job.name, record_id = %d.task.rid, "a late outcome of a task another worker took over: not applied");
+                Settled::Stale
             }
-        }
-    };
-    commit.set("batchfleet.moved", finished == Finished::Moved);
-    Ok(match finished {
-        Finished::Moved => then,
-        Finished::AlreadySettled => Settled::AlreadySettled,
-        Finished::Stale => {
-            tracing::warn!(job = %job.name, record_id = %d.task.rid, "a late outcome of a task another worker took over: not applied");
-            Settled::Stale
-        }
-    })
+        })
+    }
 }
 
 /// What the model call did, on its span: status, model, tokens, latency.

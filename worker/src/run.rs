@@ -66,6 +66,37 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             stop.cancel();
         })
     };
+    let loops = spawn_services(&fleet, listener_store, wake_cursor);
+    stop.cancelled().await;
+
+    // 1. No new claims.
+    loops.wait().await;
+    // 2. Not ready any more.
+    fleet.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    // 3. In-flight work gets its deadline; 4. what the limiters saw.
+    let summary = drain(&fleet).await;
+    fleet.flush_lost_answers().await;
+    // 5. The consumer name is free again; the HTTP endpoints go last.
+    signalled.abort();
+    if let Err(e) = fleet
+        .store
+        .release_consumer(&fleet.config.consumer, &fleet.lease_token)
+        .await
+    {
+        tracing::warn!(error = %e, "could not give back the consumer name (its lease expires by itself)");
+    }
+    http_stop.cancel();
+    Ok(summary)
+}
+
+/// The worker's loops: claimer, rescuer, promoter, watcher, listener, and
+/// each job's sink writers and batcher.
+fn spawn_services(
+    fleet: &Arc<Fleet>,
+    listener_store: RedisStore,
+    wake_cursor: String,
+) -> tokio_util::task::TaskTracker {
+    let stop = fleet.shutdown.clone();
     let loops = tokio_util::task::TaskTracker::new();
     loops.spawn(service::run(Claimer::new(fleet.clone(), stop.clone()), stop.clone()));
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
@@ -76,21 +107,20 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         stop.clone(),
     ));
     for job in &fleet.jobs {
-        for writer in SinkWriter::for_job(&fleet, job) {
+        for writer in SinkWriter::for_job(fleet, job) {
             loops.spawn(service::run(writer, stop.clone()));
         }
-        if let Some(batcher) = crate::batcher::Batcher::for_job(&fleet, job) {
+        if let Some(batcher) = crate::batcher::Batcher::for_job(fleet, job) {
             loops.spawn(service::run(batcher, stop.clone()));
         }
     }
     loops.close();
-    stop.cancelled().await;
+    loops
+}
 
-    // 1. No new claims.
-    loops.wait().await;
-    // 2. Not ready any more.
-    fleet.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
-    // 3. In-flight work gets its deadline.
+/// In-flight work gets the drain timeout, then what was committed goes to
+/// the sink within the same deadline; calls cut off are recorded as paid.
+async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
     fleet.tracker.close();
     let in_flight = fleet.tracker.len();
     if in_flight > 0 {
@@ -104,17 +134,16 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     let drained = tokio::time::timeout(fleet.drain_timeout, fleet.tracker.wait())
         .await
         .is_ok();
-    // 3b. What was committed reaches the sink before the worker leaves
-    // (within the same deadline; whatever is left another worker writes).
+    // What was committed reaches the sink before the worker leaves (within
+    // the same deadline; whatever is left another worker writes).
     let deadline = started_drain + fleet.drain_timeout;
     let mut flushes = tokio::task::JoinSet::new();
     for job in &fleet.jobs {
-        for mut writer in SinkWriter::for_job(&fleet, job) {
+        for mut writer in SinkWriter::for_job(fleet, job) {
             flushes.spawn(async move { writer.flush(deadline).await });
         }
     }
     while flushes.join_next().await.is_some() {}
-    // 4. What the limiters saw.
     let mut summary = fleet.summary.lock().await.clone();
     for job in &fleet.jobs {
         if let Ok(report) = job.limiter.report().await {
@@ -127,46 +156,41 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
             abandoned = summary.abandoned,
             "drain timeout: unfinished tasks stay pending for another worker"
         );
-        // Calls still waiting for their answer may be generated and billed:
-        // recorded in the ledger as paid without a result (tokens
-        // estimated), never dropped. Answered calls still committing get a
-        // moment to finish; those that do not are recorded as lost.
-        let cut_off = fleet.limits.calls.abandon();
-        let grace = std::time::Instant::now() + COMMIT_GRACE;
-        while fleet.limits.calls.committing() > 0 && std::time::Instant::now() < grace {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let lost = fleet.limits.calls.lost_at_exit();
-        for (job, calls, what) in cut_off
-            .into_iter()
-            .map(|(j, c)| (j, c, "cut off before their answer"))
-            .chain(lost.into_iter().map(|(j, c)| (j, c, "answered, outcome not stored")))
-        {
-            let tokens: u64 = calls.iter().map(|(_, c)| c.usage.prompt + c.usage.completion).sum();
-            tracing::warn!(
-                job = %job,
-                calls = calls.len(),
-                tokens,
-                "drain timeout: calls {what}, recorded as paid without a result"
-            );
-            summary.calls_abandoned += calls.len() as u64;
-            if let Err(e) = fleet.store.record_paid(&job, &calls).await {
-                tracing::error!(job = %job, calls = calls.len(), error = %e, "could not record calls paid without a result");
-            }
-        }
+        summary.calls_abandoned += record_cut_off_calls(fleet).await;
     }
-    fleet.flush_lost_answers().await;
-    // 5. The consumer name is free again; the HTTP endpoints go last.
-    signalled.abort();
-    if let Err(e) = fleet
-        .store
-        .release_consumer(&fleet.config.consumer, &fleet.lease_token)
-        .await
+    summary
+}
+
+/// Calls still waiting for their answer may be generated and billed:
+/// recorded in the ledger as paid without a result (tokens estimated),
+/// never dropped. Answered calls still committing get a moment to finish;
+/// those that do not are recorded as lost. Returns the calls recorded.
+async fn record_cut_off_calls(fleet: &Fleet) -> u64 {
+    let cut_off = fleet.limits.calls.abandon();
+    let grace = std::time::Instant::now() + COMMIT_GRACE;
+    while fleet.limits.calls.committing() > 0 && std::time::Instant::now() < grace {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let lost = fleet.limits.calls.lost_at_exit();
+    let mut recorded = 0;
+    for (job, calls, what) in cut_off
+        .into_iter()
+        .map(|(j, c)| (j, c, "cut off before their answer"))
+        .chain(lost.into_iter().map(|(j, c)| (j, c, "answered, outcome not stored")))
     {
-        tracing::warn!(error = %e, "could not give back the consumer name (its lease expires by itself)");
+        let tokens: u64 = calls.iter().map(|(_, c)| c.usage.prompt + c.usage.completion).sum();
+        tracing::warn!(
+            job = %job,
+            calls = calls.len(),
+            tokens,
+            "drain timeout: calls {what}, recorded as paid without a result"
+        );
+        recorded += calls.len() as u64;
+        if let Err(e) = fleet.store.record_paid(&job, &calls).await {
+            tracing::error!(job = %job, calls = calls.len(), error = %e, "could not record calls paid without a result");
+        }
     }
-    http_stop.cancel();
-    Ok(summary)
+    recorded
 }
 
 /// How often a worker looks for the jobs it waits for.

@@ -74,250 +74,182 @@ pub struct Watched {
     pub limiter: Option<String>,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-    registry.register(Box::new(c.clone())).expect("metric registered once");
-    c
+/// Declares metrics in one registry, their names prefixed `batchfleet_`.
+struct Declare(Registry);
+
+#[allow(clippy::expect_used)] // static metric definitions: a failure is a programming error
+impl Declare {
+    fn add<M: prometheus::core::Collector + Clone + 'static>(&self, metric: prometheus::Result<M>) -> M {
+        let metric = metric.expect("valid metric");
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("metric registered once");
+        metric
+    }
+
+    fn counter(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.add(IntCounterVec::new(opts(name, help), labels))
+    }
+
+    fn gauge(&self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.add(IntGaugeVec::new(opts(name, help), labels))
+    }
+
+    /// A gauge of fractional values (seconds, dollars, learned rates).
+    fn real_gauge(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.add(GaugeVec::new(opts(name, help), labels))
+    }
 }
 
-fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-    registry.register(Box::new(g.clone())).expect("metric registered once");
-    g
+fn opts(name: &str, help: &str) -> Opts {
+    Opts::new(format!("batchfleet_{name}"), help)
+}
+
+fn histogram(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
+    HistogramOpts::from(opts(name, help)).buckets(buckets.to_vec())
 }
 
 impl Metrics {
-    #[allow(clippy::expect_used)] // static metric definitions: a failure is a programming error
     pub fn new() -> Metrics {
-        let r = Registry::new();
-        let p = "batchfleet_";
-        let model_latency = HistogramVec::new(
-            HistogramOpts::new(
-                format!("{p}model_latency_seconds"),
-                "Time of one model call, by outcome class.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-            &["job", "result"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(model_latency.clone()))
-            .expect("metric registered once");
-        let rate_limit_wait = Histogram::with_opts(
-            HistogramOpts::new(
-                format!("{p}rate_limit_wait_seconds"),
-                "Time the claim loop waited for the fleet's rate-limit budget.",
-            )
-            .buckets(WAIT_BUCKETS.to_vec()),
-        )
-        .expect("valid metric");
-        r.register(Box::new(rate_limit_wait.clone()))
-            .expect("metric registered once");
-        let cost = prometheus::CounterVec::new(
-            Opts::new(
-                format!("{p}cost_usd_total"),
-                "Cost of model calls in USD, from the spec's prices.",
-            ),
-            &["job"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(cost.clone())).expect("metric registered once");
-        let in_flight = IntGauge::new(
-            format!("{p}in_flight_requests"),
-            "Model calls in flight in this worker.",
-        )
-        .expect("valid metric");
-        r.register(Box::new(in_flight.clone())).expect("metric registered once");
-        let store_errors = prometheus::IntCounter::new(
-            format!("{p}store_errors_total"),
-            "Redis calls that failed (then retried).",
-        )
-        .expect("valid metric");
-        r.register(Box::new(store_errors.clone()))
-            .expect("metric registered once");
-        let queue_oldest_pending = GaugeVec::new(
-            Opts::new(
-                format!("{p}queue_oldest_pending_age_seconds"),
-                "Idle time of the oldest delivered, unacknowledged task.",
-            ),
-            &["job", "partition"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(queue_oldest_pending.clone()))
-            .expect("metric registered once");
-        let up = Gauge::new(format!("{p}worker_up"), "1 while this worker runs.").expect("valid metric");
-        r.register(Box::new(up.clone())).expect("metric registered once");
+        let d = Declare(Registry::new());
+        let up = d.add(Gauge::with_opts(opts("worker_up", "1 while this worker runs.")));
         up.set(1.0);
+        let job = &["job"][..];
+        let partition = &["job", "partition"][..];
         Metrics {
-            records: counter(
-                &r,
-                &format!("{p}records_total"),
+            records: d.counter(
+                "records_total",
                 "Records settled by this worker, by outcome.",
                 &["job", "outcome"],
             ),
-            attempts: counter(
-                &r,
-                &format!("{p}attempts_total"),
-                "Model attempts, by outcome.",
-                &["job", "outcome"],
-            ),
-            validation_errors: counter(
-                &r,
-                &format!("{p}validation_errors_total"),
+            attempts: d.counter("attempts_total", "Model attempts, by outcome.", &["job", "outcome"]),
+            validation_errors: d.counter(
+                "validation_errors_total",
                 "Validation errors of model outputs, by error code and field.",
                 &["job", "code", "field"],
             ),
-            provider_requests: counter(
-                &r,
-                &format!("{p}provider_requests_total"),
+            provider_requests: d.counter(
+                "provider_requests_total",
                 "Requests to the model provider, by HTTP status class (2xx, 4xx, 429, 5xx, none).",
                 &["job", "status_class"],
             ),
-            rate_limited: counter(
-                &r,
-                &format!("{p}rate_limited_total"),
+            model_latency: d.add(HistogramVec::new(
+                histogram(
+                    "model_latency_seconds",
+                    "Time of one model call, by outcome class.",
+                    LATENCY_BUCKETS,
+                ),
+                &["job", "result"],
+            )),
+            rate_limit_wait: d.add(Histogram::with_opts(histogram(
+                "rate_limit_wait_seconds",
+                "Time the claim loop waited for the fleet's rate-limit budget.",
+                WAIT_BUCKETS,
+            ))),
+            rate_limited: d.counter(
+                "rate_limited_total",
                 "429 rate_limit_exceeded answers from the provider.",
-                &["job"],
+                job,
             ),
-            tokens: counter(
-                &r,
-                &format!("{p}tokens_total"),
+            tokens: d.counter(
+                "tokens_total",
                 "Tokens reported by the provider, by kind.",
                 &["job", "kind"],
             ),
-            provider_up: gauge(
-                &r,
-                &format!("{p}provider_up"),
-                "0 while the job's provider fails every call fleet-wide (only probes are sent), else 1.",
-                &["job"],
-            ),
-            provider_down_since: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        format!("{p}provider_down_since_seconds"),
-                        "Unix time the job's provider began failing every call (0 while it answers).",
-                    ),
-                    &["job"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("metric registered once");
-                g
-            },
-            log_lines_dropped: {
-                let c = prometheus::IntCounter::new(
-                    format!("{p}log_lines_dropped_total"),
-                    "Log lines dropped because standard error was closed or full (logging never stalls a worker).",
-                )
-                .expect("valid metric");
-                r.register(Box::new(c.clone())).expect("metric registered once");
-                c
-            },
-            halted: gauge(
-                &r,
-                &format!("{p}halted"),
+            cost: d.add(prometheus::CounterVec::new(
+                opts("cost_usd_total", "Cost of model calls in USD, from the spec's prices."),
+                job,
+            )),
+            in_flight: d.add(IntGauge::with_opts(opts(
+                "in_flight_requests",
+                "Model calls in flight in this worker.",
+            ))),
+            halted: d.gauge(
+                "halted",
                 "1 while the job's fleet is halted (circuit breaker open).",
-                &["job"],
+                job,
             ),
-            queue_lag: gauge(
-                &r,
-                &format!("{p}queue_lag"),
+            store_errors: d.add(prometheus::IntCounter::with_opts(opts(
+                "store_errors_total",
+                "Redis calls that failed (then retried).",
+            ))),
+            queue_lag: d.gauge(
+                "queue_lag",
                 "Tasks in the stream not yet delivered to a worker.",
-                &["job", "partition"],
+                partition,
             ),
-            queue_pending: gauge(
-                &r,
-                &format!("{p}queue_pending"),
-                "Tasks delivered and not yet acknowledged.",
-                &["job", "partition"],
+            queue_pending: d.gauge("queue_pending", "Tasks delivered and not yet acknowledged.", partition),
+            queue_oldest_pending: d.real_gauge(
+                "queue_oldest_pending_age_seconds",
+                "Idle time of the oldest delivered, unacknowledged task.",
+                partition,
             ),
-            queue_delayed: gauge(
-                &r,
-                &format!("{p}queue_delayed"),
-                "Tasks waiting to retry.",
-                &["job", "partition"],
-            ),
-            queue_review: gauge(
-                &r,
-                &format!("{p}review_depth"),
-                "Entries in the review queue.",
-                &["job", "partition"],
-            ),
-            queue_batched: gauge(
-                &r,
-                &format!("{p}queue_batched"),
+            queue_delayed: d.gauge("queue_delayed", "Tasks waiting to retry.", partition),
+            queue_review: d.gauge("review_depth", "Entries in the review queue.", partition),
+            queue_batched: d.gauge(
+                "queue_batched",
                 "Batch mode: tasks held by provider batch shards (submitted, or on their way).",
-                &["job", "partition"],
+                partition,
             ),
-            batch_shards: gauge(
-                &r,
-                &format!("{p}batch_shards"),
+            batch_shards: d.gauge(
+                "batch_shards",
                 "Batch mode: the job's shards by state (packed, uploaded, submitting, submitted, ended, reconciled).",
                 &["job", "state"],
             ),
-            queue_oldest_pending,
-            model_latency,
-            rate_limit_wait,
-            cost,
-            in_flight,
-            store_errors,
             last_queue_read: Mutex::new(None),
-            limit_per_minute: gauge(
-                &r,
-                &format!("{p}limit_per_minute"),
+            limit_per_minute: d.gauge(
+                "limit_per_minute",
                 "The job spec's fleet-wide limit per minute, by kind (requests, tokens, input_tokens, output_tokens).",
                 &["job", "kind"],
             ),
-            spend_usd: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        format!("{p}spend_usd"),
-                        "USD by kind: spent (every paid call, from the cost ledger; only grows), \
-                         budget (the job's cap, when it has one), in_flight (reserved against it).",
-                    ),
-                    &["job", "kind"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("metric registered once");
-                g
-            },
-            halted_on_budget: gauge(
-                &r,
-                &format!("{p}halted_on_budget"),
-                "1 while the job is halted because its next call could pass its budget (producer resume --budget).",
-                &["job"],
+            limit_learned: d.real_gauge(
+                "limit_learned",
+                "A limit the fleet learned from the provider's bare 429s (AIMD), by kind \
+                 (requests_per_minute, concurrency); absent while none is learned.",
+                &["job", "kind"],
             ),
-            limit_learned: {
-                let g = GaugeVec::new(
-                    Opts::new(
-                        format!("{p}limit_learned"),
-                        "A limit the fleet learned from the provider's bare 429s (AIMD), by kind \
-                         (requests_per_minute, concurrency); absent while none is learned.",
-                    ),
-                    &["job", "kind"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("metric registered once");
-                g
-            },
-            sink_written: counter(
-                &r,
-                &format!("{p}sink_written_total"),
+            sink_written: d.counter(
+                "sink_written_total",
                 "Result rows this worker wrote to the job's sink that were new there.",
-                &["job"],
+                job,
             ),
-            sink_errors: counter(
-                &r,
-                &format!("{p}sink_errors_total"),
+            sink_errors: d.counter(
+                "sink_errors_total",
                 "Failed sink writes, by cause (unreachable, refused, schema, rejected).",
                 &["job", "cause"],
             ),
-            sink_lag: gauge(
-                &r,
-                &format!("{p}sink_lag"),
+            sink_lag: d.gauge(
+                "sink_lag",
                 "Sink stream entries (committed outcomes and paid calls) not yet written to the job's sink.",
-                &["job"],
+                job,
             ),
+            spend_usd: d.real_gauge(
+                "spend_usd",
+                "USD by kind: spent (every paid call, from the cost ledger; only grows), \
+                 budget (the job's cap, when it has one), in_flight (reserved against it).",
+                &["job", "kind"],
+            ),
+            halted_on_budget: d.gauge(
+                "halted_on_budget",
+                "1 while the job is halted because its next call could pass its budget (producer resume --budget).",
+                job,
+            ),
+            provider_up: d.gauge(
+                "provider_up",
+                "0 while the job's provider fails every call fleet-wide (only probes are sent), else 1.",
+                job,
+            ),
+            provider_down_since: d.real_gauge(
+                "provider_down_since_seconds",
+                "Unix time the job's provider began failing every call (0 while it answers).",
+                job,
+            ),
+            log_lines_dropped: d.add(prometheus::IntCounter::with_opts(opts(
+                "log_lines_dropped_total",
+                "Log lines dropped because standard error was closed or full (logging never stalls a worker).",
+            ))),
             up,
-            registry: r,
+            registry: d.0,
         }
     }
 
@@ -345,92 +277,102 @@ impl Metrics {
         if !stale {
             return;
         }
-        for Watched {
-            job,
-            partitions,
-            limiter,
-        } in jobs
-        {
-            if let Some(id) = limiter
-                && let Ok(levels) = store.limit_levels(id).await
-            {
-                for (kind, key) in [
-                    ("requests_per_minute", "learned_requests_per_minute"),
-                    ("concurrency", "learned_concurrency"),
-                ] {
-                    match levels.get(key) {
-                        Some(v) => self.limit_learned.with_label_values(&[job.as_str(), kind]).set(*v),
-                        None => {
-                            let _ = self.limit_learned.remove_label_values(&[job.as_str(), kind]);
-                        }
-                    }
-                }
+        for w in jobs {
+            if let Some(id) = &w.limiter {
+                self.refresh_learned(store, &w.job, id).await;
             }
-            let mut by_state: std::collections::BTreeMap<&str, i64> = Default::default();
-            for p in 0..*partitions {
-                let Ok(q) = store.queue_stats(job, p).await else {
-                    self.store_errors.inc();
-                    continue;
-                };
-                let part = p.to_string();
-                let labels = [job.as_str(), part.as_str()];
-                self.queue_lag.with_label_values(&labels).set(q.lag as i64);
-                self.queue_pending.with_label_values(&labels).set(q.pending as i64);
-                self.queue_oldest_pending
-                    .with_label_values(&labels)
-                    .set(q.oldest_pending_ms as f64 / 1000.0);
-                self.queue_delayed.with_label_values(&labels).set(q.delayed as i64);
-                self.queue_review.with_label_values(&labels).set(q.review as i64);
-                if let Ok(shards) = store.shards(job, p).await {
-                    let mut held = 0;
-                    for (_, s) in &shards {
-                        *by_state.entry(s.state.name()).or_default() += 1;
-                        if s.state != common::shard::ShardState::Reconciled {
-                            held += store.shard_held(job, p, &s.id).await.unwrap_or(0);
-                        }
-                    }
-                    if !shards.is_empty() {
-                        self.queue_batched.with_label_values(&labels).set(held as i64);
-                    }
-                }
-            }
-            for (state, n) in &by_state {
-                self.batch_shards.with_label_values(&[job.as_str(), state]).set(*n);
-            }
-            if let Ok(Some(backlog)) = store.sink_backlog(job, *partitions).await {
-                self.sink_lag.with_label_values(&[job.as_str()]).set(backlog as i64);
-            }
-            let halt = store.halted(job).await.ok().flatten();
-            self.halted
-                .with_label_values(&[job.as_str()])
-                .set(i64::from(halt.is_some()));
-            if let Ok(o) = store.provider_outage(job).await {
-                self.provider_up
-                    .with_label_values(&[job.as_str()])
-                    .set(i64::from(!o.down));
-                let since = if o.down { o.since_ms as f64 / 1000.0 } else { 0.0 };
-                self.provider_down_since.with_label_values(&[job.as_str()]).set(since);
-            }
-            let on_budget = halt.as_deref().is_some_and(|r| r.starts_with("budget"));
-            self.halted_on_budget
-                .with_label_values(&[job.as_str()])
-                .set(i64::from(on_budget));
-            if let Ok(spend) = store.spend(job, *partitions).await {
-                self.spend_usd
-                    .with_label_values(&[job.as_str(), "spent"])
-                    .set(spend.totals.cost_usd);
-            }
-            if let Ok(b) = store.budget(job).await
-                && let Some(cap) = b.cap_usd
-            {
-                self.spend_usd.with_label_values(&[job.as_str(), "budget"]).set(cap);
-                self.spend_usd
-                    .with_label_values(&[job.as_str(), "in_flight"])
-                    .set(b.reserved_usd);
-            }
+            self.refresh_partitions(store, w).await;
+            self.refresh_job(store, w).await;
         }
         if let Ok(mut t) = self.last_queue_read.lock() {
             *t = Some(Instant::now());
+        }
+    }
+
+    /// The limits the job's limiter learned from bare 429s (absent: none).
+    async fn refresh_learned(&self, store: &RedisStore, job: &str, limiter: &str) {
+        let Ok(levels) = store.limit_levels(limiter).await else {
+            return;
+        };
+        for (kind, key) in [
+            ("requests_per_minute", "learned_requests_per_minute"),
+            ("concurrency", "learned_concurrency"),
+        ] {
+            match levels.get(key) {
+                Some(v) => self.limit_learned.with_label_values(&[job, kind]).set(*v),
+                None => {
+                    let _ = self.limit_learned.remove_label_values(&[job, kind]);
+                }
+            }
+        }
+    }
+
+    /// Each partition's queue, and the batch shards by state.
+    async fn refresh_partitions(&self, store: &RedisStore, w: &Watched) {
+        let job = w.job.as_str();
+        let mut by_state: std::collections::BTreeMap<&str, i64> = Default::default();
+        for p in 0..w.partitions {
+            let Ok(q) = store.queue_stats(job, p).await else {
+                self.store_errors.inc();
+                continue;
+            };
+            let part = p.to_string();
+            let labels = [job, part.as_str()];
+            self.queue_lag.with_label_values(&labels).set(q.lag as i64);
+            self.queue_pending.with_label_values(&labels).set(q.pending as i64);
+            self.queue_oldest_pending
+                .with_label_values(&labels)
+                .set(q.oldest_pending_ms as f64 / 1000.0);
+            self.queue_delayed.with_label_values(&labels).set(q.delayed as i64);
+            self.queue_review.with_label_values(&labels).set(q.review as i64);
+            let Ok(shards) = store.shards(job, p).await else {
+                continue;
+            };
+            let mut held = 0;
+            for (_, s) in &shards {
+                *by_state.entry(s.state.name()).or_default() += 1;
+                if s.state != common::shard::ShardState::Reconciled {
+                    held += store.shard_held(job, p, &s.id).await.unwrap_or(0);
+                }
+            }
+            if !shards.is_empty() {
+                self.queue_batched.with_label_values(&labels).set(held as i64);
+            }
+        }
+        for (state, n) in &by_state {
+            self.batch_shards.with_label_values(&[job, state]).set(*n);
+        }
+    }
+
+    /// The job as a whole: sink lag, halt, provider outage, spend.
+    async fn refresh_job(&self, store: &RedisStore, w: &Watched) {
+        let job = w.job.as_str();
+        if let Ok(Some(backlog)) = store.sink_backlog(job, w.partitions).await {
+            self.sink_lag.with_label_values(&[job]).set(backlog as i64);
+        }
+        let halt = store.halted(job).await.ok().flatten();
+        self.halted.with_label_values(&[job]).set(i64::from(halt.is_some()));
+        if let Ok(o) = store.provider_outage(job).await {
+            self.provider_up.with_label_values(&[job]).set(i64::from(!o.down));
+            let since = if o.down { o.since_ms as f64 / 1000.0 } else { 0.0 };
+            self.provider_down_since.with_label_values(&[job]).set(since);
+        }
+        let on_budget = halt.as_deref().is_some_and(|r| r.starts_with("budget"));
+        self.halted_on_budget
+            .with_label_values(&[job])
+            .set(i64::from(on_budget));
+        if let Ok(spend) = store.spend(job, w.partitions).await {
+            self.spend_usd
+                .with_label_values(&[job, "spent"])
+                .set(spend.totals.cost_usd);
+        }
+        if let Ok(b) = store.budget(job).await
+            && let Some(cap) = b.cap_usd
+        {
+            self.spend_usd.with_label_values(&[job, "budget"]).set(cap);
+            self.spend_usd
+                .with_label_values(&[job, "in_flight"])
+                .set(b.reserved_usd);
         }
     }
 

@@ -225,108 +225,12 @@ impl Live {
         let expected = status.expected.unwrap_or(status.known);
         let settled = status.done + status.review + status.dropped + status.cancelled;
         let percent = (settled * 100).checked_div(expected).unwrap_or(0).min(100);
-        let (state, state_class) = match (&halted, cancelled, status.complete) {
-            (Some(r), _, _) if r.starts_with("budget") => ("halted: budget".to_owned(), "bad"),
-            (Some(_), _, _) => ("halted".to_owned(), "bad"),
-            (None, true, _) => ("cancelled".to_owned(), "warn"),
-            (None, false, false) if waiting.is_some() => ("waiting: provider unavailable".to_owned(), "warn"),
-            (None, false, true) => ("complete".to_owned(), "good"),
-            (None, false, false) if queued + in_flight + delayed + shards_open > 0 => ("running".to_owned(), "run"),
-            _ => ("waiting".to_owned(), "warn"),
-        };
-        let verdict = if !reconciled {
-            (
-                "reading the job's records… (its first reconciliation is still running)".to_owned(),
-                "run",
-            )
-        } else if status.missing + status.duplicates + status.unknown > 0 {
-            (
-                format!(
-                    "{} missing, {} duplicated, {} unknown",
-                    status.missing, status.duplicates, status.unknown
-                ),
-                "bad",
-            )
-        } else if status.complete {
-            (
-                "every expected record is in exactly one terminal set".to_owned(),
-                "good",
-            )
-        } else {
-            ("nothing missing, duplicated or unknown so far".to_owned(), "run")
-        };
-        let sink = match store.job_spec(job).await.ok().flatten() {
-            Some(spec) if !spec.sink.is_none() => {
-                let backlog = store.sink_backlog(job, partitions).await?.unwrap_or(0);
-                let sunk = store.sunk(job, partitions).await?;
-                let kind = match spec.sink.kind {
-                    common::spec::SinkKind::Files => "files",
-                    _ => "PostgreSQL",
-                };
-                Some(format!(
-                    "{kind}: {} outcomes and paid calls waiting (sink lag), {} results written",
-                    thousands(backlog),
-                    thousands(sunk.written)
-                ))
-            }
-            _ => None,
-        };
-        // The last hour of the job's work, minute by minute.
-        let from = now_minute.saturating_sub(60);
-        let minutes: Vec<(u64, &common::stats::Minute)> =
-            stats.timeline.range(from..=now_minute).map(|(m, v)| (*m, v)).collect();
-        // From the job's first minute within the hour to now.
-        let start = minutes.first().map_or(now_minute, |(m, _)| *m);
-        let throughput_chart = chart::minute_columns(
-            &minutes.iter().map(|(m, v)| (*m, v.done + v.failed)).collect::<Vec<_>>(),
-            start,
-            now_minute,
-            "records settled per minute",
-        );
-        let mut cumulative = stats.timeline.range(..from).map(|(_, v)| v.nusd).sum::<u64>() as f64 / 1e9;
-        // The line starts from what was spent before its first minute.
-        let mut cost_points = Vec::new();
-        if !minutes.is_empty() {
-            cost_points.push((start.saturating_sub(1), cumulative));
-        }
-        for (m, v) in &minutes {
-            cumulative += v.nusd as f64 / 1e9;
-            cost_points.push((*m, cumulative));
-        }
-        let cost_chart = chart::line(&cost_points, "cost so far");
-        let attempts_chart = chart::bars(
-            &stats
-                .attempts
-                .iter()
-                .map(|(a, n)| (a.to_string(), *n))
-                .collect::<Vec<_>>(),
-            "records done by attempts",
-        );
-        let mut codes: Vec<String> = Vec::new();
-        let mut rows: std::collections::BTreeMap<String, HashMap<String, u64>> = Default::default();
-        for (key, n) in &stats.errors {
-            let (code, field) = key.split_once(' ').unwrap_or((key.as_str(), ""));
-            if !codes.iter().any(|c| c == code) {
-                codes.push(code.to_owned());
-            }
-            *rows
-                .entry(if field.is_empty() {
-                    "(the output)".into()
-                } else {
-                    field.to_owned()
-                })
-                .or_default()
-                .entry(code.to_owned())
-                .or_default() += n;
-        }
-        codes.sort();
-        let error_rows = rows
-            .into_iter()
-            .map(|(field, by_code)| {
-                let counts = codes.iter().map(|c| by_code.get(c).copied().unwrap_or(0)).collect();
-                (field, counts)
-            })
-            .collect();
+        let open = queued + in_flight + delayed + shards_open > 0;
+        let (state, state_class) = state_of(halted.as_deref(), waiting.is_some(), cancelled, status.complete, open);
+        let verdict = verdict_of(reconciled, &status);
+        let sink = sink_line(store, job, partitions).await?;
+        let (throughput_chart, cost_chart, attempts_chart) = charts(&stats, now_minute);
+        let (codes, error_rows) = error_table(&stats.errors);
         let spend_parts = spend
             .by_bucket
             .iter()
@@ -399,6 +303,135 @@ impl Live {
             status,
         })
     }
+}
+
+/// The job's state and its CSS class.
+fn state_of(
+    halted: Option<&str>,
+    waiting: bool,
+    cancelled: bool,
+    complete: bool,
+    open: bool,
+) -> (String, &'static str) {
+    let (state, class) = match (halted, cancelled, complete) {
+        (Some(r), _, _) if r.starts_with("budget") => ("halted: budget", "bad"),
+        (Some(_), _, _) => ("halted", "bad"),
+        (None, true, _) => ("cancelled", "warn"),
+        (None, false, false) if waiting => ("waiting: provider unavailable", "warn"),
+        (None, false, true) => ("complete", "good"),
+        (None, false, false) if open => ("running", "run"),
+        _ => ("waiting", "warn"),
+    };
+    (state.to_owned(), class)
+}
+
+/// What reconciliation says of the job, and its CSS class.
+fn verdict_of(reconciled: bool, status: &JobStatus) -> (String, &'static str) {
+    if !reconciled {
+        (
+            "reading the job's records… (its first reconciliation is still running)".to_owned(),
+            "run",
+        )
+    } else if status.missing + status.duplicates + status.unknown > 0 {
+        (
+            format!(
+                "{} missing, {} duplicated, {} unknown",
+                status.missing, status.duplicates, status.unknown
+            ),
+            "bad",
+        )
+    } else if status.complete {
+        (
+            "every expected record is in exactly one terminal set".to_owned(),
+            "good",
+        )
+    } else {
+        ("nothing missing, duplicated or unknown so far".to_owned(), "run")
+    }
+}
+
+/// The sink's line: what waits for it and what it holds (none without a sink).
+async fn sink_line(store: &RedisStore, job: &str, partitions: u32) -> Result<Option<String>, Refusal> {
+    let Some(spec) = store.job_spec(job).await.ok().flatten().filter(|s| !s.sink.is_none()) else {
+        return Ok(None);
+    };
+    let backlog = store.sink_backlog(job, partitions).await?.unwrap_or(0);
+    let sunk = store.sunk(job, partitions).await?;
+    let kind = match spec.sink.kind {
+        common::spec::SinkKind::Files => "files",
+        _ => "PostgreSQL",
+    };
+    Ok(Some(format!(
+        "{kind}: {} outcomes and paid calls waiting (sink lag), {} results written",
+        thousands(backlog),
+        thousands(sunk.written)
+    )))
+}
+
+/// The last hour of the job's work, minute by minute: records settled,
+/// the cost so far, and records done by attempts.
+fn charts(stats: &common::stats::JobStats, now_minute: u64) -> (String, String, String) {
+    let from = now_minute.saturating_sub(60);
+    let minutes: Vec<(u64, &common::stats::Minute)> =
+        stats.timeline.range(from..=now_minute).map(|(m, v)| (*m, v)).collect();
+    // From the job's first minute within the hour to now.
+    let start = minutes.first().map_or(now_minute, |(m, _)| *m);
+    let throughput_chart = chart::minute_columns(
+        &minutes.iter().map(|(m, v)| (*m, v.done + v.failed)).collect::<Vec<_>>(),
+        start,
+        now_minute,
+        "records settled per minute",
+    );
+    let mut cumulative = stats.timeline.range(..from).map(|(_, v)| v.nusd).sum::<u64>() as f64 / 1e9;
+    // The line starts from what was spent before its first minute.
+    let mut cost_points = Vec::new();
+    if !minutes.is_empty() {
+        cost_points.push((start.saturating_sub(1), cumulative));
+    }
+    for (m, v) in &minutes {
+        cumulative += v.nusd as f64 / 1e9;
+        cost_points.push((*m, cumulative));
+    }
+    let cost_chart = chart::line(&cost_points, "cost so far");
+    let attempts_chart = chart::bars(
+        &stats
+            .attempts
+            .iter()
+            .map(|(a, n)| (a.to_string(), *n))
+            .collect::<Vec<_>>(),
+        "records done by attempts",
+    );
+    (throughput_chart, cost_chart, attempts_chart)
+}
+
+/// Validation errors as a table: codes as columns, fields as rows.
+fn error_table(errors: &std::collections::BTreeMap<String, u64>) -> (Vec<String>, Vec<(String, Vec<u64>)>) {
+    let mut codes: Vec<String> = Vec::new();
+    let mut rows: std::collections::BTreeMap<String, HashMap<String, u64>> = Default::default();
+    for (key, n) in errors {
+        let (code, field) = key.split_once(' ').unwrap_or((key.as_str(), ""));
+        if !codes.iter().any(|c| c == code) {
+            codes.push(code.to_owned());
+        }
+        *rows
+            .entry(if field.is_empty() {
+                "(the output)".into()
+            } else {
+                field.to_owned()
+            })
+            .or_default()
+            .entry(code.to_owned())
+            .or_default() += n;
+    }
+    codes.sort();
+    let error_rows = rows
+        .into_iter()
+        .map(|(field, by_code)| {
+            let counts = codes.iter().map(|c| by_code.get(c).copied().unwrap_or(0)).collect();
+            (field, counts)
+        })
+        .collect();
+    (codes, error_rows)
 }
 
 fn now_secs() -> u64 {
