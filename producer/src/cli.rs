@@ -26,6 +26,9 @@ pub enum Command {
     /// Job specs.
     #[command(subcommand)]
     Spec(spec::SpecCmd),
+    /// Every job of the Redis: created, records, done / review / dropped /
+    /// remaining, state (halted, waiting, cancelled...), spend.
+    Jobs(status::JobsCmd),
     /// Print a job's manifest (JSON).
     Manifest(JobArgs),
     /// Where every record of a job is (from Redis, not counters).
@@ -80,6 +83,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
     match command {
         Command::Enqueue(cmd) => enqueue::run(cmd, cancel).await,
         Command::Spec(cmd) => spec::run(cmd).await,
+        Command::Jobs(cmd) => status::jobs(cmd).await,
         Command::Manifest(cmd) => status::manifest(cmd).await,
         Command::Status(cmd) => status::status(cmd, cancel).await,
         Command::Report(cmd) => report::report(cmd).await,

@@ -9,6 +9,7 @@
 //! - [`out`]: standard output that survives a closed pipe.
 //! - [`enqueue`]: a dataset into the job's streams, exactly once, resumable.
 //! - [`estimate`]: after a sample, the full dataset's cost and duration.
+//! - [`jobs`]: every job of a Redis, a line each (`producer jobs`, the console's jobs page).
 //! - [`reader`]: flat-memory line reading with byte offsets; file hashing.
 //! - [`progress`]: progress bar or periodic log lines.
 //! - [`status`]: where every record of a job is; results export.
@@ -27,6 +28,7 @@ pub mod console;
 pub mod control;
 pub mod enqueue;
 pub mod estimate;
+pub mod jobs;
 pub mod out;
 pub mod precheck;
 pub mod progress;

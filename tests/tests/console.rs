@@ -2,7 +2,7 @@
 //! jobs and job pages of a running job (live, without reloading), draining
 //! the review queue with the keyboard, an invalid edit refused inline, two
 //! reviewers racing on one entry, hostile model output kept as text, sign-in
-//! and CSRF refusals. Every server (Redis, llm-sim, the console, the
+//! and CSRF refusals; `producer jobs` lists what the jobs page lists. Every server (Redis, llm-sim, the console, the
 //! browser's driver) is a child process on 127.0.0.1 the test stops.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
@@ -12,8 +12,8 @@ use std::time::Duration;
 use common::keys;
 use harness::browser::{Browser, ConsoleServer};
 use harness::{
-    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, enqueue, http_send, spec_with, status_json, worker_cmd,
-    write_records,
+    LlmSim, RedisServer, Running, TEST_REDIS_PASSWORD, TempDir, enqueue, http_send, producer, spec_with, status_json,
+    stderr, stdout, worker_cmd, write_records,
 };
 use redis::Commands;
 use reqwest::Method;
@@ -78,6 +78,107 @@ fn archived(redis: &RedisServer, job: &str, rid: &str) -> Value {
 
 fn rid_on_page(b: &Browser) -> String {
     b.text("#rid")
+}
+
+/// `producer jobs`, text and JSON, against the console's jobs page: the same
+/// jobs, states and figures (a finished job with failures in review, a
+/// cancelled one, one queued with no worker yet).
+#[test]
+fn producer_jobs_lists_every_job_as_the_jobs_page_does() {
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let empty = producer(&["jobs", "--redis", &url]);
+    assert!(empty.status.success(), "{}", stderr(&empty));
+    assert!(stdout(&empty).is_empty());
+    assert!(
+        stderr(&empty).contains("no jobs in the Redis at")
+            && stderr(&empty).contains("producer enqueue DATASET.jsonl --job NAME --spec SPEC.toml"),
+        "{}",
+        stderr(&empty)
+    );
+    assert!(!stderr(&empty).contains(TEST_REDIS_PASSWORD));
+
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.3", "--seed", "11"]);
+    let dir = TempDir::new("console-jobs");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 60);
+    let spec = spec_with(&dir, &[("max_attempts = 4", "max_attempts = 1")]);
+    for job in ["finished", "idle", "queued"] {
+        enqueue(&redis, &data, job, &spec);
+    }
+    let (exit, log) =
+        Running::spawn(worker_cmd(&redis, "finished", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let cancel = producer(&["cancel", "--job", "idle", "--redis", &url]);
+    assert!(cancel.status.success(), "{}", stderr(&cancel));
+
+    let out = producer(&["jobs", "--json", "--redis", &url]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<Value> = stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let names: Vec<&str> = lines.iter().map(|l| l["job"].as_str().unwrap()).collect();
+    assert_eq!(names, ["finished", "idle", "queued"]);
+    let (finished, idle, queued) = (&lines[0], &lines[1], &lines[2]);
+    assert_eq!(finished["state"], "complete", "{finished}");
+    assert_eq!(finished["records"], 60);
+    assert!(
+        finished["review"].as_u64().unwrap() > 0,
+        "bad_enum answers wait in review: {finished}"
+    );
+    assert_eq!(
+        finished["done"].as_u64().unwrap() + finished["review"].as_u64().unwrap(),
+        60
+    );
+    assert_eq!(finished["remaining"], 0);
+    assert!(finished["spent_usd"].as_f64().unwrap() > 0.0, "{finished}");
+    assert!(
+        finished["created"].as_str().is_some_and(|c| c.starts_with("20")),
+        "{finished}"
+    );
+    assert_eq!(idle["state"], "cancelled", "{idle}");
+    assert_eq!(idle["cancelled"], 60);
+    assert_eq!(queued["state"], "running", "{queued}");
+    assert_eq!(
+        (queued["done"].as_u64(), queued["remaining"].as_u64()),
+        (Some(0), Some(60))
+    );
+    // `status` of each job says the same.
+    for l in &lines {
+        let (_, s) = status_json(&redis, l["job"].as_str().unwrap());
+        for set in ["done", "review", "dropped", "cancelled"] {
+            assert_eq!(l[set], s[set], "{set} of {}", l["job"]);
+        }
+    }
+    let text = stdout(&producer(&["jobs", "--redis", &url]));
+    let rows: Vec<&str> = text.lines().collect();
+    assert!(
+        rows[0].starts_with("JOB") && rows[0].contains("REMAINING") && rows[0].ends_with("STATE"),
+        "{text}"
+    );
+    for (row, l) in rows[1..].iter().zip(&lines) {
+        let words: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(words[0], l["job"], "{text}");
+        assert!(row.ends_with(l["state"].as_str().unwrap()), "{text}");
+        assert!(words.contains(&l["done"].to_string().as_str()), "{text}");
+    }
+
+    // The console's jobs page lists the same jobs with the same figures.
+    let console = ConsoleServer::start(&url, &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    for l in &lines {
+        let row = format!("tr[data-job={}]", l["job"].as_str().unwrap());
+        b.wait("the job's reconciliation on the page", Duration::from_secs(20), |b| {
+            b.goto(&console.url("/"));
+            b.text(&format!("{row} td:nth-child(4)")) != "…"
+        });
+        assert_eq!(b.text(&format!("{row} .state")), l["state"].as_str().unwrap());
+        for (cell, set) in [(4, "done"), (5, "review"), (6, "dropped")] {
+            let shown = b.text(&format!("{row} td:nth-child({cell})")).replace(',', "");
+            assert_eq!(shown, l[set].to_string(), "{set} of {}", l["job"]);
+        }
+        let cost = b.text(&format!("{row} td:nth-child(8)"));
+        assert_eq!(cost, format!("{:.4}", l["spent_usd"].as_f64().unwrap()), "{}", l["job"]);
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@
 //!
 //! - [`enqueue`]: `enqueue` (a dataset, a sample, another job's records).
 //! - [`spec`]: `spec check`, `spec update`.
-//! - [`status`]: `status`, `export`, `manifest`, `dropped`.
+//! - [`status`]: `status`, `jobs`, `export`, `manifest`, `dropped`.
 //! - [`report`]: `report`, `estimate`, `compare`, `audit`.
 //! - [`control`]: `cancel`, `resume`, `retry`.
 //! - [`review`]: `review` (list, show, accept, revise, requeue, reject, next, export, import).

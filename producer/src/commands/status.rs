@@ -1,5 +1,5 @@
-//! `producer status`, `export`, `manifest` and `dropped`: where a job's
-//! records are, and its sets written out.
+//! `producer status`, `jobs`, `export`, `manifest` and `dropped`: where a
+//! job's records are, every job a line, and a job's sets written out.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -179,6 +179,35 @@ pub async fn dropped(cmd: JobArgs) -> anyhow::Result<ExitCode> {
     let store = job_store(&cmd.redis, &cmd.job).await?;
     for d in store.dropped_lines(&cmd.job).await? {
         crate::outln!("{}", serde_json::to_string(&d)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Args)]
+pub struct JobsCmd {
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// One JSON object per job, a line each.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `producer jobs`: every job of the Redis, reconciled now, a line each.
+pub async fn jobs(cmd: JobsCmd) -> anyhow::Result<ExitCode> {
+    let store = RedisStore::connect(&cmd.redis.url).await?;
+    let lines = crate::jobs::list(&store).await?;
+    if lines.is_empty() {
+        common::errln!(
+            "no jobs in the Redis at {}. Enqueue one with: producer enqueue DATASET.jsonl --job NAME --spec SPEC.toml{}",
+            common::secret::redact_url(&cmd.redis.url),
+            common::secret::redis_flag(&cmd.redis.url)
+        );
+    } else if cmd.json {
+        for l in &lines {
+            crate::outln!("{}", serde_json::to_string(l)?);
+        }
+    } else {
+        crate::jobs::print(&lines, &common::secret::redis_flag(&cmd.redis.url));
     }
     Ok(ExitCode::SUCCESS)
 }

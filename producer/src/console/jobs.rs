@@ -226,7 +226,8 @@ impl Live {
         let settled = status.done + status.review + status.dropped + status.cancelled;
         let percent = (settled * 100).checked_div(expected).unwrap_or(0).min(100);
         let open = queued + in_flight + delayed + shards_open > 0;
-        let (state, state_class) = state_of(halted.as_deref(), waiting.is_some(), cancelled, status.complete, open);
+        let (state, state_class) =
+            crate::jobs::state(halted.as_deref(), waiting.is_some(), cancelled, status.complete, open);
         let verdict = verdict_of(reconciled, &status);
         let sink = sink_line(store, job, partitions).await?;
         let (throughput_chart, cost_chart, attempts_chart) = charts(&stats, now_minute);
@@ -265,7 +266,7 @@ impl Live {
                 "…".to_owned()
             },
             percent,
-            state,
+            state: state.to_owned(),
             state_class,
             halted,
             waiting,
@@ -303,26 +304,6 @@ impl Live {
             status,
         })
     }
-}
-
-/// The job's state and its CSS class.
-fn state_of(
-    halted: Option<&str>,
-    waiting: bool,
-    cancelled: bool,
-    complete: bool,
-    open: bool,
-) -> (String, &'static str) {
-    let (state, class) = match (halted, cancelled, complete) {
-        (Some(r), _, _) if r.starts_with("budget") => ("halted: budget", "bad"),
-        (Some(_), _, _) => ("halted", "bad"),
-        (None, true, _) => ("cancelled", "warn"),
-        (None, false, false) if waiting => ("waiting: provider unavailable", "warn"),
-        (None, false, true) => ("complete", "good"),
-        (None, false, false) if open => ("running", "run"),
-        _ => ("waiting", "warn"),
-    };
-    (state.to_owned(), class)
 }
 
 /// What reconciliation says of the job, and its CSS class.
