@@ -48,6 +48,10 @@ pub enum Command {
     Resume(control::ResumeCmd),
     /// A new round of attempts for a set of records (ids kept, attempts count on).
     Retry(control::RetryCmd),
+    /// Remove every key of a job from Redis (asks first; --yes for scripts).
+    /// Refused while workers hold its tasks, unless --force. A sink's rows
+    /// are kept.
+    Delete(control::DeleteCmd),
     /// Drain the review queue: list, show, accept, requeue, reject.
     Review(review::ReviewArgs),
     /// Print a job's dropped lines (JSONL: line, id, reason, detail).
@@ -93,6 +97,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Cancel(cmd) => control::cancel(cmd).await,
         Command::Resume(cmd) => control::resume(cmd).await,
         Command::Retry(cmd) => control::retry(cmd).await,
+        Command::Delete(cmd) => control::delete(cmd).await,
         Command::Review(cmd) => review::run(cmd, cancel).await,
         Command::Dropped(cmd) => status::dropped(cmd).await,
         Command::Audit(cmd) => report::audit(cmd).await,

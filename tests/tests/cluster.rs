@@ -1,6 +1,6 @@
 //! The whole pipeline against a local 3-master Redis Cluster: enqueue,
 //! workers, status, review, export; partitions spread over several nodes;
-//! a node kill -9d and restarted mid-run.
+//! a node kill -9d and restarted mid-run; the job deleted from every node.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
@@ -119,4 +119,21 @@ fn a_job_runs_end_to_end_on_a_cluster_and_survives_a_node_restart() {
         (Some(3), Some(3)),
         "{audit}"
     );
+
+    // Deleted, the job leaves no key on any node (its keys are named one by
+    // one from its hashes, slot by slot: no key pattern reaching one node).
+    let deleted = producer(&["delete", "--job", "cl", "--redis", &url, "--yes"]);
+    assert!(deleted.status.success(), "{}", stderr(&deleted));
+    for node in &cluster.nodes {
+        let keys: Vec<String> = redis::Commands::keys(&mut node.conn(), "*").unwrap();
+        let left: Vec<&String> = keys
+            .iter()
+            .filter(|k| k.contains("{cl}") || k.contains("{cl:p"))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "keys of the deleted job on node {}: {left:?}",
+            node.port
+        );
+    }
 }

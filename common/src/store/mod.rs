@@ -5,6 +5,7 @@
 
 mod audit_ops;
 mod budget_ops;
+mod delete_ops;
 mod job_ops;
 mod limit_ops;
 mod outage_ops;

@@ -8,7 +8,8 @@
 //! start leaves nothing in Redis's error statistics, which operators alert
 //! on. The probe keys are this process's own (a random name in one slot) and
 //! are deleted at the end. A NOPERM answer names a missing permission.
-//! `deploy/redis/users.acl` holds the ACL line that grants exactly these.
+//! `deploy/redis/users.acl` holds the ACL line that grants these, and the two
+//! that only `producer delete` needs (checked by it: `store::delete_ops`).
 
 use redis::{Cmd, cmd};
 

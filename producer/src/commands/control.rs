@@ -1,11 +1,12 @@
-//! `producer cancel`, `resume` and `retry`: stop a job, bring it back, or
-//! give a set of its records a new round (see [`crate::control`]).
+//! `producer cancel`, `resume`, `retry` and `delete`: stop a job, bring it
+//! back, give a set of its records a new round (see [`crate::control`]), or
+//! remove it from Redis.
 
 use std::process::ExitCode;
 
 use clap::Args;
 
-use super::{JobArgs, RedisArgs, job_store, print_json_or, refuse};
+use super::{JobArgs, RedisArgs, job_store, print_json_or, refuse, this_command};
 use crate::control::ControlError;
 
 #[derive(Debug, Args)]
@@ -76,4 +77,66 @@ pub async fn retry(cmd: RetryCmd) -> anyhow::Result<ExitCode> {
         Err(e) => return refuse(e),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Args)]
+pub struct DeleteCmd {
+    #[arg(long)]
+    pub job: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// No question asked (for scripts): delete at once.
+    #[arg(long)]
+    pub yes: bool,
+    /// Delete even while live workers hold tasks of the job (stop them
+    /// first: an outcome they store afterwards writes keys of the job again).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `producer delete`: every key of the job in Redis, after a confirmation
+/// (the job's name typed at a terminal, or `--yes`); never the sink's rows.
+pub async fn delete(cmd: DeleteCmd) -> anyhow::Result<ExitCode> {
+    let job = cmd.job.as_str();
+    let store = job_store(&cmd.redis, job).await?;
+    let partitions = match store.load_manifest(job).await? {
+        Some(m) => m.partitions,
+        None => store.job_spec(job).await.ok().flatten().map_or(0, |s| s.job.partitions),
+    };
+    let this = this_command(None, &cmd.redis.url);
+    let held = store.held_by_live_workers(job, partitions).await?;
+    if held > 0 && !cmd.force {
+        return refuse(format_args!(
+            "{held} tasks of job `{job}` are held by workers right now: stop them (or wait until they are done; \
+             `producer status --job {job}` shows what is in flight), or delete anyway with: {this} --force"
+        ));
+    }
+    if !cmd.yes && !confirmed(job)? {
+        return refuse(format_args!(
+            "job `{job}` not deleted: confirm by typing its name at a terminal, or add --yes: {this} --yes"
+        ));
+    }
+    let removed = store.delete_job(job, partitions).await?;
+    crate::outln!(
+        "job {job} deleted: {removed} keys removed from Redis (a sink's rows, in PostgreSQL or files, are kept)"
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Asks for the job's name on the terminal; false without a terminal.
+fn confirmed(job: &str) -> anyhow::Result<bool> {
+    use std::io::{BufRead, IsTerminal, Write};
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        return Ok(false);
+    }
+    let mut err = std::io::stderr();
+    write!(
+        err,
+        "delete every key of job `{job}` from Redis? Type its name to confirm: "
+    )?;
+    err.flush()?;
+    let mut answer = String::new();
+    stdin.lock().read_line(&mut answer)?;
+    Ok(answer.trim() == job)
 }

@@ -9,7 +9,7 @@
 //! - [`spec`]: `spec check`, `spec update`.
 //! - [`status`]: `status`, `jobs`, `export`, `manifest`, `dropped`.
 //! - [`report`]: `report`, `estimate`, `compare`, `audit`.
-//! - [`control`]: `cancel`, `resume`, `retry`.
+//! - [`control`]: `cancel`, `resume`, `retry`, `delete`.
 //! - [`review`]: `review` (list, show, accept, revise, requeue, reject, next, export, import).
 //! - [`console`]: `console` (the web console's flags and reviewers).
 
