@@ -1,6 +1,7 @@
-//! Cancelling and resuming a job, with the checks both the command line and
-//! the console make: a job halted on its budget resumes only with a new cap
-//! above what it spent and has in flight.
+//! Cancelling, resuming and deleting a job, with the checks both the command
+//! line and the console make: a job halted on its budget resumes only with a
+//! new cap above what it spent and has in flight; a job whose tasks live
+//! workers hold is deleted only when forced.
 
 use common::store::RedisStore;
 
@@ -70,6 +71,36 @@ pub async fn resume(store: &RedisStore, job: &str, budget: Option<f64>) -> Resul
         "job {job} resumed: {n} cancelled records re-queued; cancel and halt flags lifted"
     ));
     Ok(said.join("\n"))
+}
+
+/// Deletes every key of a job from Redis (never the sink's rows); refused
+/// while live workers hold its tasks unless `force`. Returns the keys removed.
+pub async fn delete(store: &RedisStore, job: &str, force: bool) -> Result<u64, ControlError> {
+    let partitions = if force {
+        partitions(store, job).await?
+    } else {
+        refuse_held(store, job).await?
+    };
+    Ok(store.delete_job(job, partitions).await?)
+}
+
+/// Refused while live workers hold tasks of the job (saying how many);
+/// else the job's partitions.
+pub async fn refuse_held(store: &RedisStore, job: &str) -> Result<u32, ControlError> {
+    let partitions = partitions(store, job).await?;
+    match store.held_by_live_workers(job, partitions).await? {
+        0 => Ok(partitions),
+        held => Err(ControlError::Refused(format!(
+            "{held} tasks of job `{job}` are held by workers right now"
+        ))),
+    }
+}
+
+async fn partitions(store: &RedisStore, job: &str) -> Result<u32, ControlError> {
+    Ok(match store.load_manifest(job).await? {
+        Some(m) => m.partitions,
+        None => spec(store, job).await?.job.partitions,
+    })
 }
 
 async fn spec(store: &RedisStore, job: &str) -> Result<common::spec::JobSpec, ControlError> {

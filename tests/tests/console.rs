@@ -2,7 +2,8 @@
 //! jobs and job pages of a running job (live, without reloading), draining
 //! the review queue with the keyboard, an invalid edit refused inline, two
 //! reviewers racing on one entry, hostile model output kept as text, sign-in
-//! and CSRF refusals; `producer jobs` lists what the jobs page lists. Every server (Redis, llm-sim, the console, the
+//! and CSRF refusals; `producer jobs` lists what the jobs page lists; a job
+//! deleted from its page with its name typed. Every server (Redis, llm-sim, the console, the
 //! browser's driver) is a child process on 127.0.0.1 the test stops.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
@@ -179,6 +180,84 @@ fn producer_jobs_lists_every_job_as_the_jobs_page_does() {
         let cost = b.text(&format!("{row} td:nth-child(8)"));
         assert_eq!(cost, format!("{:.4}", l["spent_usd"].as_f64().unwrap()), "{}", l["job"]);
     }
+}
+
+/// A job is deleted from its page only with its name typed: a wrong name
+/// deletes nothing; the right one removes every key and the jobs page no
+/// longer lists it.
+#[test]
+fn a_job_is_deleted_from_its_page_only_with_its_name_typed() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("console-delete");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    for job in ["old", "kept"] {
+        enqueue(&redis, &data, job, &spec_with(&dir, &[]));
+    }
+    let keys_of = |job: &str| -> usize {
+        let keys: Vec<String> = redis.conn().keys("*").unwrap();
+        let (whole, part) = (format!("{{{job}}}"), format!("{{{job}:p"));
+        keys.iter().filter(|k| k.contains(&whole) || k.contains(&part)).count()
+    };
+    let (old_keys, kept_keys) = (keys_of("old"), keys_of("kept"));
+    assert!(old_keys > 0);
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.goto(&console.url("/jobs/old"));
+    b.click("#delete");
+    b.wait("the confirmation", Duration::from_secs(10), |b| {
+        b.find("#confirm-name").is_some()
+    });
+    assert!(
+        b.text("#confirm-form").contains("Type the job's name"),
+        "{}",
+        b.text("#confirm-form")
+    );
+    b.fill("#confirm-name", "olx");
+    b.click("#confirm");
+    b.wait("the refusal", Duration::from_secs(10), |b| {
+        b.source().contains("Not deleted")
+    });
+    assert!(b.source().contains("type `old` to delete it"), "{}", b.source());
+    assert_eq!(keys_of("old"), old_keys, "a wrong name deletes nothing");
+
+    b.goto(&console.url("/jobs/old/confirm?action=delete"));
+    b.fill("#confirm-name", "old");
+    b.click("#confirm");
+    b.wait("the jobs page", Duration::from_secs(10), |b| {
+        b.find("tr[data-job=kept]").is_some()
+    });
+    assert!(b.find("tr[data-job=old]").is_none(), "the deleted job is still listed");
+    assert_eq!(keys_of("old"), 0, "every key of the deleted job is gone");
+    assert_eq!(keys_of("kept"), kept_keys, "the other job's keys stay");
+
+    // While a live worker holds tasks of a job, the page says so and only
+    // "delete anyway" deletes it.
+    let sim = LlmSim::start(&["--latency-ms", "30000"]);
+    let worker = Running::spawn(worker_cmd(&redis, "kept", &sim, &["--concurrency", "2"]));
+    harness::wait_for("tasks in flight", Duration::from_secs(20), || {
+        status_json(&redis, "kept").1["in_flight"].as_u64().unwrap_or(0) > 0
+    });
+    b.goto(&console.url("/jobs/kept/confirm?action=delete"));
+    assert!(b.text("#held").contains("held by live workers"), "{}", b.text("#held"));
+    let busy_keys = keys_of("kept");
+    b.fill("#confirm-name", "kept");
+    b.click("#confirm");
+    b.wait("the refusal", Duration::from_secs(10), |b| {
+        b.source().contains("Not deleted")
+    });
+    assert!(b.source().contains("held by workers"), "{}", b.source());
+    assert!(keys_of("kept") >= busy_keys, "nothing deleted");
+    drop(worker);
+    b.goto(&console.url("/jobs/kept/confirm?action=delete"));
+    b.fill("#confirm-name", "kept");
+    b.click("#force");
+    b.click("#confirm");
+    b.wait("the jobs page", Duration::from_secs(10), |b| {
+        b.source().contains("No job yet")
+    });
+    assert_eq!(keys_of("kept"), 0);
 }
 
 #[test]

@@ -99,28 +99,36 @@ pub struct DeleteCmd {
 pub async fn delete(cmd: DeleteCmd) -> anyhow::Result<ExitCode> {
     let job = cmd.job.as_str();
     let store = job_store(&cmd.redis, job).await?;
-    let partitions = match store.load_manifest(job).await? {
-        Some(m) => m.partitions,
-        None => store.job_spec(job).await.ok().flatten().map_or(0, |s| s.job.partitions),
-    };
     let this = this_command(None, &cmd.redis.url);
-    let held = store.held_by_live_workers(job, partitions).await?;
-    if held > 0 && !cmd.force {
-        return refuse(format_args!(
-            "{held} tasks of job `{job}` are held by workers right now: stop them (or wait until they are done; \
-             `producer status --job {job}` shows what is in flight), or delete anyway with: {this} --force"
-        ));
+    // Refused before the question when workers hold tasks (and checked
+    // again after it: a worker may have started meanwhile).
+    if !cmd.force
+        && let Err(e) = crate::control::refuse_held(&store, job).await
+    {
+        return deleted(Err(e), job, &this);
     }
     if !cmd.yes && !confirmed(job)? {
         return refuse(format_args!(
             "job `{job}` not deleted: confirm by typing its name at a terminal, or add --yes: {this} --yes"
         ));
     }
-    let removed = store.delete_job(job, partitions).await?;
-    crate::outln!(
-        "job {job} deleted: {removed} keys removed from Redis (a sink's rows, in PostgreSQL or files, are kept)"
-    );
-    Ok(ExitCode::SUCCESS)
+    deleted(crate::control::delete(&store, job, cmd.force).await, job, &this)
+}
+
+fn deleted(r: Result<u64, ControlError>, job: &str, this: &str) -> anyhow::Result<ExitCode> {
+    match r {
+        Ok(removed) => {
+            crate::outln!(
+                "job {job} deleted: {removed} keys removed from Redis (a sink's rows, in PostgreSQL or files, are kept)"
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(ControlError::Refused(why)) => refuse(format_args!(
+            "{why}: stop them (or wait until they are done; `producer status --job {job}` shows what is in \
+             flight), or delete anyway with: {this} --force"
+        )),
+        Err(ControlError::Store(e)) => Err(e.into()),
+    }
 }
 
 /// Asks for the job's name on the terminal; false without a terminal.

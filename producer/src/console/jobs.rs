@@ -1,4 +1,4 @@
-//! The jobs page, a job's page and its live part, cancel and resume.
+//! The jobs page, a job's page and its live part, cancel, resume and delete.
 //!
 //! A job's figures come from counters (the queues, the spend and outcome
 //! counters, the sink's backlog), read on each view; its reconciliation (the
@@ -503,9 +503,13 @@ struct ConfirmPage {
     action: String,
     what: String,
     needs_budget: bool,
+    /// Delete: the job's name must be typed; `held` tasks of live workers
+    /// need the force box ticked.
+    needs_name: bool,
+    held: u64,
 }
 
-/// Asks before a cancel or resume.
+/// Asks before a cancel, a resume or a delete (which wants the job's name typed).
 pub async fn confirm_page(
     State(c): State<Shared>,
     Path(job): Path<String>,
@@ -517,6 +521,10 @@ pub async fn confirm_page(
     let work = c.store.work_left(&job, spec.job.partitions).await?;
     let left: u64 = work.iter().map(|w| w.queued + w.delayed).sum();
     let halted = c.store.halted(&job).await?;
+    let held = match q.action.as_str() {
+        "delete" => c.store.held_by_live_workers(&job, spec.job.partitions).await?,
+        _ => 0,
+    };
     let (what, needs_budget) = match q.action.as_str() {
         "cancel" => (
             format!(
@@ -536,6 +544,13 @@ pub async fn confirm_page(
                 on_budget,
             )
         }
+        "delete" => (
+            format!(
+                "Delete job {job}? Every key of it leaves Redis: its queue, records, review entries, ledger, \
+                 spend and flags. Its sink's rows stay. Type the job's name to confirm."
+            ),
+            false,
+        ),
         other => return Err(Refusal::NotFound(format!("No action `{other}`."))),
     };
     Ok(page(
@@ -543,9 +558,11 @@ pub async fn confirm_page(
         &ConfirmPage {
             chrome: Chrome::of(&c, &who),
             job,
+            needs_name: q.action == "delete",
             action: q.action,
             what,
             needs_budget,
+            held,
         },
     ))
 }
@@ -555,6 +572,11 @@ pub struct ControlForm {
     csrf: String,
     #[serde(default)]
     budget: String,
+    /// Delete: the job's name as typed, and the force box.
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    force: Option<String>,
 }
 
 pub async fn cancel(
@@ -592,6 +614,41 @@ pub async fn resume(
     let done = crate::control::resume(&c.store, &job, budget).await;
     tracing::info!(job = %job, reviewer = %who, "resumed from the console");
     controlled(&c, &job, done)
+}
+
+/// Deletes the job once its name was typed (and, while live workers hold
+/// its tasks, the force box ticked); then the jobs page.
+pub async fn delete(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+    Form(f): Form<ControlForm>,
+) -> Result<Response, Refusal> {
+    let who = may_act(&c, &headers, &f.csrf)?;
+    if f.name.trim() != job {
+        return Ok(super::message(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Not deleted",
+            &format!(
+                "The name typed, `{}`, is not the job's: type `{job}` to delete it.",
+                f.name.trim()
+            ),
+        ));
+    }
+    let done = crate::control::delete(&c.store, &job, f.force.is_some()).await;
+    c.cache.forget(&job);
+    match done {
+        Ok(removed) => {
+            tracing::info!(job = %job, reviewer = %who, removed, "deleted from the console");
+            Ok(Redirect::to("/").into_response())
+        }
+        Err(crate::control::ControlError::Refused(why)) => Ok(super::message(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Not deleted",
+            &format!("{why}: stop them first, or tick \"delete anyway\"."),
+        )),
+        Err(crate::control::ControlError::Store(e)) => Err(Refusal::Store(e)),
+    }
 }
 
 fn controlled(c: &Console, job: &str, done: Result<String, crate::control::ControlError>) -> Result<Response, Refusal> {

@@ -110,6 +110,7 @@ pub fn router(console: Shared) -> Router {
         .route("/jobs/{job}/confirm", get(jobs::confirm_page))
         .route("/jobs/{job}/cancel", post(jobs::cancel))
         .route("/jobs/{job}/resume", post(jobs::resume))
+        .route("/jobs/{job}/delete", post(jobs::delete))
         .route("/jobs/{job}/review", get(queue::queue_page))
         .route("/jobs/{job}/review/next", get(queue::next_entry))
         .route("/jobs/{job}/review/{rid}", get(queue::entry_page))
