@@ -98,6 +98,8 @@ fn producer_jobs_lists_every_job_as_the_jobs_page_does() {
         stderr(&empty)
     );
     assert!(!stderr(&empty).contains(TEST_REDIS_PASSWORD));
+    let none = producer(&["jobs", "--json", "--redis", &url]);
+    assert_eq!(stdout(&none).trim(), r#"{"jobs":[]}"#, "{}", stderr(&none));
 
     let sim = LlmSim::start(&["--faults", "bad_enum=0.3", "--seed", "11"]);
     let dir = TempDir::new("console-jobs");
@@ -115,7 +117,8 @@ fn producer_jobs_lists_every_job_as_the_jobs_page_does() {
 
     let out = producer(&["jobs", "--json", "--redis", &url]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let lines: Vec<Value> = stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let doc: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let lines: Vec<Value> = doc["jobs"].as_array().unwrap().clone();
     let names: Vec<&str> = lines.iter().map(|l| l["job"].as_str().unwrap()).collect();
     assert_eq!(names, ["finished", "idle", "queued"]);
     let (finished, idle, queued) = (&lines[0], &lines[1], &lines[2]);

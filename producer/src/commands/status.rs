@@ -187,7 +187,7 @@ pub async fn dropped(cmd: JobArgs) -> anyhow::Result<ExitCode> {
 pub struct JobsCmd {
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// One JSON object per job, a line each.
+    /// One JSON document: `{"jobs": [...]}`, an object per job.
     #[arg(long)]
     pub json: bool,
 }
@@ -196,16 +196,14 @@ pub struct JobsCmd {
 pub async fn jobs(cmd: JobsCmd) -> anyhow::Result<ExitCode> {
     let store = RedisStore::connect(&cmd.redis.url).await?;
     let lines = crate::jobs::list(&store).await?;
-    if lines.is_empty() {
+    if cmd.json {
+        crate::outln!("{}", serde_json::json!({ "jobs": lines }));
+    } else if lines.is_empty() {
         common::errln!(
             "no jobs in the Redis at {}. Enqueue one with: producer enqueue DATASET.jsonl --job NAME --spec SPEC.toml{}",
             common::secret::redact_url(&cmd.redis.url),
             common::secret::redis_flag(&cmd.redis.url)
         );
-    } else if cmd.json {
-        for l in &lines {
-            crate::outln!("{}", serde_json::to_string(l)?);
-        }
     } else {
         crate::jobs::print(&lines, &common::secret::redis_flag(&cmd.redis.url));
     }
