@@ -189,6 +189,19 @@ impl Scrubber {
         self.secrets.iter().any(|s| text.contains(s.as_str()))
     }
 }
+/// Whether a URL's host is this machine (`localhost`, 127.0.0.0/8, `::1`).
+pub fn is_loopback_url(url: &str) -> bool {
+    let Some(rest) = url.split_once("://").map(|(_, r)| r) else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority.rsplit('@').next().unwrap_or_default();
+    let host = match host_port.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host_port.split(':').next().unwrap_or_default(),
+    };
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
 
 /// Why an API key cannot be used, in words that never show the key.
 pub fn check_api_key(var: &str, key: &str) -> Result<(), String> {
@@ -225,6 +238,31 @@ pub fn check_api_key(var: &str, key: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loopback_urls_are_this_machine_and_no_other() {
+        for url in [
+            "http://127.0.0.1:8080/v1",
+            "http://localhost:11434/v1",
+            "http://LOCALHOST/v1",
+            "http://[::1]:8000/v1",
+            "http://127.1.2.3/v1",
+            "http://user:pw@127.0.0.1:8080/v1",
+        ] {
+            assert!(is_loopback_url(url), "{url}");
+        }
+        for url in [
+            "https://api.openai.com/v1",
+            "http://10.0.0.5:8000/v1",
+            "http://127.0.0.1.example.com/v1",
+            "http://localhost.example.com/v1",
+            "http://evil@example.com/?u=127.0.0.1",
+            "127.0.0.1:8080",
+            "http://[::2]/v1",
+        ] {
+            assert!(!is_loopback_url(url), "{url}");
+        }
+    }
 
     /// Passwords that break hand-written parsing.
     const NASTY: &[&str] = &[

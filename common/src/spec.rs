@@ -453,6 +453,11 @@ pub struct Provider {
     /// Name of the environment variable that holds the API key (never the key itself).
     #[serde(default = "default_api_key_env")]
     pub api_key_env: String,
+    /// false: the server takes no key (llama.cpp, vLLM or Ollama started
+    /// without one): no `Authorization` header is sent and `api_key_env`
+    /// need not be set.
+    #[serde(default = "default_true")]
+    pub needs_key: bool,
     /// Per-request timeout in seconds.
     #[serde(default = "default_timeout_secs")]
     pub timeout_secs: u64,

@@ -1,7 +1,7 @@
 //! Real servers' behaviours, imitated by llm-sim: a proxy that answers a
 //! wrong key with 400, a model the server does not serve, a server that
-//! takes only `application/json` bodies, and resuming a halted job without
-//! waiting for a visibility timeout.
+//! takes only `application/json` bodies, a local server that takes no key,
+//! and resuming a halted job without waiting for a visibility timeout.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
@@ -545,4 +545,77 @@ fn a_body_not_sent_as_json_is_refused_with_415_and_every_request_of_the_worker_i
     let stats = sim.stats();
     assert_eq!(stats["by_status"]["415"], 3, "{stats}");
     assert!(stats["by_status"]["200"].as_u64().unwrap() >= 3 + 20, "{stats}");
+}
+
+/// A draining worker without `OPENAI_API_KEY`, for `job` against `base_url`.
+fn keyless_worker(redis: &RedisServer, job: &str, base_url: &str) -> (std::process::ExitStatus, String) {
+    let mut cmd = std::process::Command::new(harness::bin("worker"));
+    cmd.args(["--redis", &redis.url(), "--base-url", base_url, "--job", job, "--drain"])
+        .args([
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--idle-poll-ms",
+            "20",
+            "--log-format",
+            "json",
+        ])
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("REDIS_URL")
+        .env_remove("BATCHFLEET_BASE_URL");
+    Running::spawn(cmd).finish(Duration::from_secs(60))
+}
+
+/// Local servers started without a key (llama.cpp, vLLM, Ollama), imitated
+/// by llm-sim `--no-auth`: a spec saying `needs_key = false` sends no key at
+/// all and says nothing; a loopback server with the variable unset is called
+/// without one after a one-line notice; any other server with the variable
+/// unset is refused at start, naming the setting.
+#[test]
+fn a_server_that_takes_no_key_is_called_without_one() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--no-auth"]);
+    let dir = TempDir::new("keyless");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 20);
+    let key_line = "api_key_env = \"OPENAI_API_KEY\"";
+    let said = spec_with(
+        &dir,
+        &[(key_line, "api_key_env = \"OPENAI_API_KEY\"\nneeds_key = false")],
+    );
+    enqueue(&redis, &data, "said", &said);
+    let (exit, log) = keyless_worker(&redis, "said", &sim.base_url());
+    assert!(exit.success(), "{log}");
+    assert_eq!(status_json(&redis, "said").1["done"], 20);
+    let stats = sim.stats();
+    assert!(stats["requests"].as_u64().unwrap() >= 20, "{stats}");
+    assert_eq!(
+        stats["without_key"], stats["requests"],
+        "no Authorization header at all: {stats}"
+    );
+    assert!(!log.contains("without a key"), "needs_key = false says nothing: {log}");
+
+    let unsaid = TempDir::new("keyless-loopback");
+    enqueue(&redis, &data, "loopback", &spec_with(&unsaid, &[]));
+    let before = sim.stats()["without_key"].as_u64().unwrap();
+    let (exit, log) = keyless_worker(&redis, "loopback", &sim.base_url());
+    assert!(exit.success(), "{log}");
+    assert_eq!(status_json(&redis, "loopback").1["done"], 20);
+    assert!(sim.stats()["without_key"].as_u64().unwrap() >= before + 20);
+    assert_eq!(
+        log.matches("OPENAI_API_KEY is not set: calling a server on this machine without a key")
+            .count(),
+        1,
+        "one notice: {log}"
+    );
+
+    let far = TempDir::new("keyless-far");
+    enqueue(&redis, &data, "far", &spec_with(&far, &[]));
+    let (exit, log) = keyless_worker(&redis, "far", "http://192.0.2.1:9/v1");
+    assert_eq!(exit.code(), Some(2), "{log}");
+    assert!(
+        log.contains("OPENAI_API_KEY (provider.api_key_env) is not set")
+            && log.contains("set provider.needs_key = false"),
+        "{log}"
+    );
+    assert_eq!(status_json(&redis, "far").1["done"], 0);
 }

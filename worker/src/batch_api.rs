@@ -155,13 +155,8 @@ impl BatchApi {
 
     /// A file's content (a batch's output or error file).
     pub async fn content(&self, file_id: &str) -> Result<String, ApiError> {
-        let resp = self
-            .files
-            .get(format!("{}/files/{file_id}/content", self.base))
-            .bearer_auth(&self.api_key)
-            .send()
-            .await
-            .map_err(transport)?;
+        let resp = self.files.get(format!("{}/files/{file_id}/content", self.base));
+        let resp = self.authorized(resp).send().await.map_err(transport)?;
         let status = resp.status();
         let text = resp.text().await.map_err(transport)?;
         if status.is_success() {
@@ -171,8 +166,17 @@ impl BatchApi {
         Err(self.failure(status, &text))
     }
 
+    /// The request with the key, unless the server takes none.
+    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        if self.api_key.is_empty() {
+            req
+        } else {
+            req.bearer_auth(&self.api_key)
+        }
+    }
+
     async fn send(&self, req: reqwest::RequestBuilder) -> Result<Value, ApiError> {
-        let resp = req.bearer_auth(&self.api_key).send().await.map_err(transport)?;
+        let resp = self.authorized(req).send().await.map_err(transport)?;
         let status = resp.status();
         let text = resp.text().await.map_err(transport)?;
         if !status.is_success() {

@@ -122,7 +122,8 @@ pub struct Provider {
     /// reqwest refuses it).
     url: Result<reqwest::Url, String>,
     /// `Authorization: Bearer <key>`, made once and marked sensitive (None:
-    /// the key is no valid header value, and each call fails on it as before).
+    /// no key, and no header, for a server that takes none; or a key that is
+    /// no valid header value, and each call fails on it as before).
     auth: Option<HeaderValue>,
     timeout: Duration,
     model: String,
@@ -146,10 +147,14 @@ impl Provider {
             .build()?;
         let base = base_url.unwrap_or(&spec.provider.base_url).trim_end_matches('/');
         let url = format!("{base}/chat/completions");
-        let auth = HeaderValue::try_from(format!("Bearer {api_key}")).ok().map(|mut v| {
-            v.set_sensitive(true);
-            v
-        });
+        // A server that takes no key gets no header (an empty key).
+        let key = (!api_key.is_empty()).then_some(&api_key);
+        let auth = key
+            .and_then(|k| HeaderValue::try_from(format!("Bearer {k}")).ok())
+            .map(|mut v| {
+                v.set_sensitive(true);
+                v
+            });
         Ok(Provider {
             http,
             base: base.to_owned(),
@@ -214,6 +219,8 @@ impl Provider {
         };
         let request = match &self.auth {
             Some(auth) => request.header(AUTHORIZATION, auth.clone()),
+            // A server that takes no key gets no header.
+            None if self.api_key.is_empty() => request,
             None => request.bearer_auth(&self.api_key),
         };
         let sent = request

@@ -193,6 +193,30 @@ async fn record_cut_off_calls(fleet: &Fleet) -> u64 {
     recorded
 }
 
+/// The job's API key: none for a server that takes none (`provider.needs_key
+/// = false`, or a loopback server with the variable unset: said once); else
+/// the variable's value, checked.
+fn api_key(name: &str, spec: &JobSpec, base_url: &str) -> Result<String, RunError> {
+    let var = &spec.provider.api_key_env;
+    if !spec.provider.needs_key {
+        return Ok(String::new());
+    }
+    let api_key = std::env::var(var).unwrap_or_default();
+    if api_key.is_empty() && common::secret::is_loopback_url(base_url) {
+        tracing::info!(job = %name, base_url = %common::secret::redact_url(base_url),
+            "{var} is not set: calling a server on this machine without a key (provider.needs_key = false says so and silences this)");
+        return Ok(api_key);
+    }
+    if api_key.is_empty() {
+        return Err(RunError::Refused(format!(
+            "job `{name}`: the environment variable {var} (provider.api_key_env) is not set; \
+             for a server that takes no key, set provider.needs_key = false in the spec"
+        )));
+    }
+    common::secret::check_api_key(var, &api_key).map_err(|e| RunError::Refused(format!("job `{name}`: {e}")))?;
+    Ok(api_key)
+}
+
 /// How often a worker looks for the jobs it waits for.
 const JOB_WAIT_POLL: Duration = Duration::from_secs(1);
 
@@ -433,14 +457,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
                 "job `{name}` does not exist (no spec in Redis): enqueue it first"
             ))
         })?;
-    let var = &spec.provider.api_key_env;
-    let api_key = std::env::var(var).unwrap_or_default();
-    if api_key.is_empty() {
-        return Err(RunError::Refused(format!(
-            "job `{name}`: the environment variable {var} (provider.api_key_env) is not set"
-        )));
-    }
-    common::secret::check_api_key(var, &api_key).map_err(|e| RunError::Refused(format!("job `{name}`: {e}")))?;
+    let api_key = api_key(name, &spec, base_url.unwrap_or(&spec.provider.base_url))?;
     let sink = match (spec.sink.kind, spec.sink.url_env.as_deref()) {
         (common::spec::SinkKind::Files, _) => {
             let dir = std::path::PathBuf::from(spec.sink.dir.clone().unwrap_or_default());

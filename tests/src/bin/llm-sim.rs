@@ -78,6 +78,11 @@ struct Args {
     /// Require this bearer token (401 otherwise); any non-empty one when unset.
     #[arg(long, env = "LLM_SIM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// Take no key, as llama.cpp, vLLM and Ollama do when started without
+    /// one: every request is answered, with a header or without (`/stats`
+    /// counts those that came without one).
+    #[arg(long, conflicts_with = "api_key")]
+    no_auth: bool,
     /// Echo the request's Authorization header in every answer, like a
     /// debugging proxy: for half of the records (by prompt) inside the first
     /// string field of a valid object, for the other half as the whole
@@ -311,6 +316,8 @@ struct Stats {
     generating: u64,
     max_generating: u64,
     abandoned: u64,
+    /// Requests that carried no `Authorization` header.
+    without_key: u64,
 }
 
 const LOG_CAP: usize = 20_000;
@@ -596,14 +603,20 @@ fn redirect(to: &str) -> Response {
 }
 
 /// A 401 unless the request carries the `--api-key` bearer token (any
-/// non-empty one without `--api-key`).
+/// non-empty one without `--api-key`; none needed with `--no-auth`).
 fn check_auth(sim: &Sim, headers: &HeaderMap) -> Option<Response> {
     let token = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
+    if !headers.contains_key("authorization")
+        && let Ok(mut s) = sim.stats.lock()
+    {
+        s.without_key += 1;
+    }
     let authorized = match &sim.args.api_key {
+        _ if sim.args.no_auth => true,
         Some(k) => token == k,
         None => !token.is_empty(),
     };
