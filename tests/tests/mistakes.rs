@@ -1,7 +1,8 @@
 //! A person's mistakes stop early with a way out: a mistyped job name
 //! (`producer`, `worker`), a worker started before its job, a template
-//! placeholder no record has. Each message names what is wrong and what
-//! exists, and every command it suggests works when typed as written.
+//! placeholder no record has; a Redis given as `host:port`. Each message
+//! names what is wrong and what exists, and every command it suggests works
+//! when typed as written.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
@@ -153,4 +154,37 @@ fn a_placeholder_no_record_has_stops_before_anything_is_enqueued_and_the_fix_wor
         (Some(50), Some(0)),
         "{s}"
     );
+}
+
+/// `--redis host:port`, as people type it, is a plain `redis://` server for
+/// every command: enqueue, the worker, status (here with the ACL user's
+/// credentials in front, still without a scheme).
+#[test]
+fn a_redis_given_as_host_and_port_is_a_plain_redis_url() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let bare = redis.url().trim_start_matches("redis://").to_owned();
+    assert!(!bare.contains("://"));
+    let dir = TempDir::new("bare-redis");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 10);
+    let spec = spec_with(&dir, &[]);
+    let enqueued = producer(&[
+        "enqueue",
+        data.to_str().unwrap(),
+        "--job",
+        "bare",
+        "--spec",
+        spec.to_str().unwrap(),
+        "--redis",
+        &bare,
+        "--no-progress",
+    ]);
+    assert!(enqueued.status.success(), "{}", stderr(&enqueued));
+    let worker = harness::worker_cmd_url(&bare, "bare", &sim, &["--drain"]);
+    let (exit, log) = Running::spawn(worker).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let status = producer(&["status", "--job", "bare", "--redis", &bare, "--require-done"]);
+    assert!(status.status.success(), "{}", stderr(&status));
+    assert!(!stderr(&status).contains(TEST_REDIS_PASSWORD));
 }

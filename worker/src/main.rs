@@ -22,7 +22,7 @@ const EXIT_HALTED: u8 = 3;
 #[derive(Debug, Parser)]
 #[command(name = "worker", version, about = "batchfleet worker: claim, call, validate, commit")]
 struct Args {
-    /// Redis URL (`redis://[user:password@]host:port[/db]`).
+    /// Redis URL (`redis://[user:password@]host:port[/db]`, or `host:port`).
     #[arg(
         long = "redis",
         env = "REDIS_URL",

@@ -15,7 +15,7 @@ use worker::scaler::{Config, Scaler};
     about = "batchfleet scaler: the work left (queued + in flight + delayed) for the autoscaler, and due retries promoted while no worker runs"
 )]
 struct Args {
-    /// Redis URL (`redis://[user:password@]host:port[/db]`).
+    /// Redis URL (`redis://[user:password@]host:port[/db]`, or `host:port`).
     #[arg(
         long = "redis",
         env = "REDIS_URL",

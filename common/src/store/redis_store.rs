@@ -181,9 +181,14 @@ fn tls_certificates(url: &str) -> Result<Option<redis::TlsCertificates>, StoreEr
 /// A URL's connection settings, without the `CLIENT SETINFO` handshake:
 /// servers before 7.2 answer it with an error, which shows in their error
 /// statistics (operators alert on those).
+/// A URL, or `host:port` as people type it (a plain `redis://` server).
 fn connection_info(url: &str) -> redis::RedisResult<redis::ConnectionInfo> {
     use redis::IntoConnectionInfo;
-    let info = url.into_connection_info()?;
+    let info = if url.contains("://") {
+        url.into_connection_info()?
+    } else {
+        format!("redis://{url}").as_str().into_connection_info()?
+    };
     let settings = info.redis_settings().clone().set_skip_set_lib_name();
     Ok(info.set_redis_settings(settings))
 }

@@ -37,7 +37,7 @@ pub const EXIT_INTERRUPTED: u8 = 130;
 
 #[derive(Debug, Args, Clone)]
 pub struct RedisArgs {
-    /// Redis URL (`redis://[user:password@]host:port[/db]`).
+    /// Redis URL (`redis://[user:password@]host:port[/db]`, or `host:port`).
     #[arg(
         long = "redis",
         env = "REDIS_URL",
