@@ -8,9 +8,6 @@ use redis::AsyncCommands;
 use super::{RedisStore, StoreError};
 use crate::keys;
 
-/// Keys unlinked per command (all of one hash tag).
-const CHUNK: usize = 500;
-
 impl RedisStore {
     /// Tasks of the job delivered to a live worker (one whose consumer
     /// lease holds) and not yet acknowledged; a dead worker's are not counted.
@@ -49,14 +46,18 @@ impl RedisStore {
     }
 
     /// A partition's keys: each record's idempotency key (every record has
-    /// a state entry), its shards, then the partition's own keys.
+    /// a state entry), a page of the state hash at a time (memory stays flat
+    /// however many records), its shards, then the partition's own keys.
     async fn delete_partition(&self, job: &str, p: u32) -> Result<u64, StoreError> {
-        let mut idem = Vec::new();
-        self.hash_fields(&keys::state(job, p), |rid| idem.push(keys::idem(job, p, &rid)))
-            .await?;
-        let mut removed = 0;
-        for chunk in idem.chunks(CHUNK) {
-            removed += self.unlink(chunk).await?;
+        let (state, mut cursor, mut removed) = (keys::state(job, p), "0".to_owned(), 0);
+        loop {
+            let (next, rids) = self.hash_fields_page(&state, &cursor).await?;
+            let idem: Vec<String> = rids.iter().map(|rid| keys::idem(job, p, rid)).collect();
+            removed += self.unlink(&idem).await?;
+            match next {
+                Some(c) => cursor = c,
+                None => break,
+            }
         }
         let mut own = Vec::new();
         self.hash_fields(&keys::shards(job, p), |id| {

@@ -610,6 +610,26 @@ impl RedisStore {
         read_ahead("0".to_owned(), fetch, |page| page.for_each(&mut f)).await
     }
 
+    /// One page of a hash's fields (up to 1,000) and the cursor of the next
+    /// (None: this was the last), for a caller that acts on each page.
+    pub(super) async fn hash_fields_page(
+        &self,
+        key: &str,
+        cursor: &str,
+    ) -> Result<(Option<String>, Vec<String>), StoreError> {
+        let page: Vec<String> = self
+            .scripts
+            .ids_page
+            .key(key)
+            .arg(cursor)
+            .arg(1000)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let mut page = page.into_iter();
+        let next = page.next().filter(|n| n != "0");
+        Ok((next, page.collect()))
+    }
+
     /// Entries delivered but not yet acknowledged, per the consumer group.
     pub async fn pending_count(&self, job: &str, partition: u32) -> Result<u64, StoreError> {
         let reply: redis::Value = redis::cmd("XPENDING")
