@@ -19,7 +19,7 @@
 //! - [`secret`]: Redis URLs shown without passwords; secrets scrubbed from
 //!   what providers send back; unusable API keys refused.
 //! - [`shard`]: provider batch mode's shards, their states and output lines.
-//! - [`sink`], [`sink_files`]: the result sinks (PostgreSQL, JSONL segments).
+//! - [`sink`]: the result sinks behind one trait (PostgreSQL, JSONL segments, memory).
 //! - [`otel`]: OTLP traces (off unless an endpoint is configured).
 //! - [`suggest`]: the nearest existing name to a mistyped one.
 //! - [`log`]: standard error that never blocks or panics (lines dropped and counted).
@@ -37,7 +37,6 @@ pub mod record;
 pub mod secret;
 pub mod shard;
 pub mod sink;
-pub mod sink_files;
 pub mod spec;
 pub mod stats;
 pub mod store;

@@ -102,7 +102,7 @@ pub async fn current_result(
         SinkKind::None => Ok(None),
         SinkKind::Files => {
             let dir = std::path::PathBuf::from(spec.sink.dir.clone().unwrap_or_default());
-            let Some(w) = common::sink_files::find_written(&dir, job, rid).map_err(io)? else {
+            let Some(w) = common::sink::files::find_written(&dir, job, rid).map_err(io)? else {
                 return Ok(None);
             };
             let mut r = w.result.clone();

@@ -208,7 +208,7 @@ pub async fn revise(
         (_, Some(r)) => Some(Value::Object(r.output.clone())),
         (SinkKind::None, None) => None,
         (SinkKind::Files, None) => {
-            written = common::sink_files::find_written(Path::new(&dir), job, &rid).map_err(io)?;
+            written = common::sink::files::find_written(Path::new(&dir), job, &rid).map_err(io)?;
             written
                 .as_ref()
                 .map(|w| w.current(Path::new(&dir), job))
@@ -282,7 +282,7 @@ pub async fn revise(
             "no segment in {dir} holds a result of record {rid}"
         )));
     };
-    let n = common::sink_files::revise(Path::new(&dir), job, &written, &value, reviewer, note).map_err(io)?;
+    let n = common::sink::files::revise(Path::new(&dir), job, &written, &value, reviewer, note).map_err(io)?;
     Ok((rid, n, format!("in the files sink ({dir}, revisions/)")))
 }
 

@@ -7,8 +7,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use common::ledger::PaidCall;
-use common::sink::PgSink;
-use common::sink_files;
+use common::sink::{AnySink, PgSink, ResultSink, Target, files};
 use common::spec::{JobSpec, SinkKind};
 use common::store::RedisStore;
 use common::task::ResultRecord;
@@ -134,37 +133,29 @@ pub async fn sink_status(
     };
     if let Some(mut done) = verify {
         done.sort_unstable();
-        if spec.sink.kind == SinkKind::Files {
-            let c = sink_files::check(std::path::Path::new(spec.sink.dir.as_deref().unwrap_or_default()), job)?;
-            let mut v = SinkVerified {
-                rows: c.result_ids.len() as u64,
-                open_failures: c.open_failures,
-                segments: Some(c.segments),
-                damaged: c.damaged,
-                unlisted: c.unlisted,
-                ..SinkVerified::default()
-            };
-            let mut ids = c.result_ids;
-            let before = ids.len();
-            ids.dedup();
-            v.duplicates = (before - ids.len()) as u64;
-            v.ledger = LedgerCheck::new(store, job, partitions, c.ledger_calls, c.ledger_duplicates).await?;
-            compare(&done, &ids, &mut v);
-            v.exact =
-                v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty() && v.ledger.complete;
-            s.verified = Some(v);
-            return Ok(Some(s));
-        }
-        let db = connect(spec, &format!("job `{job}` writes to PostgreSQL"), "to check the sink").await?;
-        let rows = db.result_ids(job).await?;
+        let sink = open(
+            spec,
+            job,
+            &format!("job `{job}` writes to {}", place(spec, job)),
+            "to check the sink",
+        )
+        .await?;
+        let held = sink.holdings(job).await?;
         let mut v = SinkVerified {
-            rows: rows.len() as u64,
-            open_failures: db.open_failures(job).await?,
-            ledger: LedgerCheck::new(store, job, partitions, db.ledger_rows(job).await?, 0).await?,
+            rows: held.result_ids.len() as u64,
+            open_failures: held.open_failures,
+            segments: held.segments,
+            damaged: held.damaged,
+            unlisted: held.unlisted,
             ..SinkVerified::default()
         };
-        compare(&done, &rows, &mut v);
-        v.exact = v.exact && v.ledger.complete;
+        let mut ids = held.result_ids;
+        let before = ids.len();
+        ids.dedup();
+        v.duplicates = (before - ids.len()) as u64;
+        v.ledger = LedgerCheck::new(store, job, partitions, held.ledger_calls, held.ledger_duplicates).await?;
+        compare(&done, &ids, &mut v);
+        v.exact = v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty() && v.ledger.complete;
         s.verified = Some(v);
     }
     Ok(Some(s))
@@ -172,7 +163,7 @@ pub async fn sink_status(
 
 /// The files sink's directory of a job.
 fn files_dir(spec: &JobSpec, job: &str) -> anyhow::Result<std::path::PathBuf> {
-    Ok(sink_files::job_dir(
+    Ok(files::job_dir(
         std::path::Path::new(spec.sink.dir.as_deref().unwrap_or_default()),
         job,
     )?)
@@ -239,27 +230,15 @@ pub async fn each_result(
     if left == 0 {
         return Ok(());
     }
-    if spec.sink.kind == SinkKind::Files {
-        let dir = spec.sink.dir.as_deref().unwrap_or_default();
-        sink_files::results(std::path::Path::new(dir), job, |r| {
-            if !seen.contains(&r.record_id) {
-                f(r)
-            }
-        })
-        .map_err(|e| anyhow::anyhow!("{left} results of job `{job}` are only in the files sink ({dir}): {e}"))?;
-        return Ok(());
-    }
-    let context = format!(
-        "{left} results of job `{job}` are only in PostgreSQL, table {}",
-        spec.sink.table()
-    );
-    let db = connect(spec, &context, "to read them").await?;
-    db.results(job, |r| {
+    let context = format!("{left} results of job `{job}` are only in {}", place(spec, job));
+    let sink = open(spec, job, &context, "to read them").await?;
+    sink.results(job, |r| {
         if !seen.contains(&r.record_id) {
             f(r)
         }
     })
-    .await?;
+    .await
+    .map_err(|e| anyhow::anyhow!("{context}: {e}"))?;
     Ok(())
 }
 
@@ -290,36 +269,59 @@ pub async fn each_paid_call(
     if seen.len() as u64 >= store.spend(job, partitions).await?.totals.calls {
         return Ok(()); // every call is still in Redis
     }
-    let mut unseen = |c: PaidCall| {
+    let unseen = |c: PaidCall| {
         if !seen.contains(&c.key()) {
             f(c)
         }
     };
-    if spec.sink.kind == SinkKind::Files {
-        let dir = spec.sink.dir.as_deref().unwrap_or_default();
-        sink_files::ledger(std::path::Path::new(dir), job, unseen)
-            .map_err(|e| anyhow::anyhow!("the cost ledger of job `{job}` is in the files sink ({dir}): {e}"))?;
-        return Ok(());
-    }
-    let context = format!(
-        "the cost ledger of job `{job}` is in PostgreSQL, table {}_ledger",
-        spec.sink.table()
-    );
-    let db = connect(spec, &context, "to read it").await?;
-    db.ledger(job, &mut unseen).await?;
+    let context = format!("the cost ledger of job `{job}` is in {}", place(spec, job));
+    let sink = open(spec, job, &context, "to read it").await?;
+    sink.ledger(job, unseen)
+        .await
+        .map_err(|e| anyhow::anyhow!("{context}: {e}"))?;
     Ok(())
+}
+
+/// Where the job's sink keeps its rows, in words.
+fn place(spec: &JobSpec, job: &str) -> String {
+    match spec.sink.kind {
+        SinkKind::Files => format!(
+            "the files sink ({})",
+            files_dir(spec, job).map_or_else(
+                |_| spec.sink.dir.clone().unwrap_or_default(),
+                |d| d.display().to_string()
+            )
+        ),
+        _ => format!("PostgreSQL, table {}", spec.sink.table()),
+    }
+}
+
+/// The job's sink, opened to be read: the directory `sink.dir`, or the
+/// database at the URL in the variable `sink.url_env` names (without it,
+/// the error says what it is needed for: `<context>: set DATABASE_URL
+/// (sink.url_env) to the database URL <why>`).
+pub async fn open(spec: &JobSpec, job: &str, context: &str, why: &str) -> anyhow::Result<AnySink> {
+    let target = match spec.sink.kind {
+        SinkKind::Files => Target::Files(spec.sink.dir.clone().unwrap_or_default().into()),
+        _ => Target::Postgres(database_url(spec, context, why)?),
+    };
+    Ok(AnySink::open(&target, job, spec).await?)
+}
+
+fn database_url(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<String> {
+    let var = spec.sink.url_env.as_deref().unwrap_or_default();
+    let url = std::env::var(var).unwrap_or_default();
+    if url.is_empty() {
+        anyhow::bail!("{context}: set {var} (sink.url_env) to the database URL {why}");
+    }
+    Ok(url)
 }
 
 /// The job's PostgreSQL sink, at the URL in the variable `sink.url_env`
 /// names; without it, the error says what it is needed for
 /// (`<context>: set DATABASE_URL (sink.url_env) to the database URL <why>`).
 pub async fn connect(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<PgSink> {
-    let var = spec.sink.url_env.as_deref().unwrap_or_default();
-    let url = std::env::var(var).unwrap_or_default();
-    if url.is_empty() {
-        anyhow::bail!("{context}: set {var} (sink.url_env) to the database URL {why}");
-    }
-    Ok(PgSink::connect(&url, spec).await?)
+    Ok(PgSink::connect(&database_url(spec, context, why)?, spec).await?)
 }
 
 /// The human lines of a sink status.

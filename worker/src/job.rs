@@ -14,15 +14,6 @@ use crate::limiter::{Limiter, RateHeaders, Used};
 use crate::provider::Provider;
 use crate::telemetry::Metrics;
 
-/// Where a job's results go after Redis.
-#[derive(Debug, Clone)]
-pub enum SinkTarget {
-    /// The database URL (from `sink.url_env`).
-    Postgres(String),
-    /// `sink.dir`.
-    Files(std::path::PathBuf),
-}
-
 /// Everything a worker needs to process one job's tasks.
 pub struct JobCtx {
     pub name: String,
@@ -40,7 +31,7 @@ pub struct JobCtx {
     /// The job's provider outage: one probe at a time while it is down.
     pub outage: crate::outage::OutageWatch,
     /// Where the job's results go after Redis (None: they stay there).
-    pub sink: Option<SinkTarget>,
+    pub sink: Option<common::sink::Target>,
     /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
     /// for the job until the sink catches up (set by its sink writer).
     pub sink_full: std::sync::atomic::AtomicBool,

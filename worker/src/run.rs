@@ -313,7 +313,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     for name in names {
         let (job, key) = load_job(&store, &name, &config).await?;
         secrets.push(key);
-        if let Some(crate::job::SinkTarget::Postgres(url)) = &job.sink {
+        if let Some(common::sink::Target::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
         jobs.push(job);
@@ -462,12 +462,12 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         (common::spec::SinkKind::Files, _) => {
             let dir = std::path::PathBuf::from(spec.sink.dir.clone().unwrap_or_default());
             // Refused now, not at the first batch: a directory it cannot create or write.
-            common::sink_files::FileSink::open(&dir, name, spec.sink.segment_limits())
+            common::sink::FileSink::open(&dir, name, spec.sink.segment_limits())
                 .map_err(|e| RunError::Refused(format!("job `{name}`: sink.dir: {e}")))?;
-            Some(crate::job::SinkTarget::Files(dir))
+            Some(common::sink::Target::Files(dir))
         }
         (common::spec::SinkKind::Postgres, Some(var)) => match std::env::var(var) {
-            Ok(url) if !url.is_empty() => Some(crate::job::SinkTarget::Postgres(url)),
+            Ok(url) if !url.is_empty() => Some(common::sink::Target::Postgres(url)),
             _ => {
                 return Err(RunError::Refused(format!(
                     "job `{name}`: the environment variable {var} (sink.url_env) is not set: it holds the database URL results are written to"

@@ -14,20 +14,18 @@
 //! The files sink takes the same path into JSONL segments: a writer holds
 //! each of its partitions alone (a lock file), appends batches to the
 //! partition's open segment and acknowledges them when the segment is
-//! finished (renamed into place); see `common::sink_files`.
+//! finished (renamed into place); see `common::sink::files`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use std::collections::HashMap;
 
-use common::sink::{PgSink, SinkError};
-use common::sink_files::{FileSink, Take};
-use common::store::{SinkBatch, SinkEntry, SunkResult};
+use common::sink::{AnySink, ResultSink, SinkBatch, SinkEntry, SinkError, SunkResult};
 use common::task::{ResultRecord, ReviewEntry};
 
 use crate::fleet::Fleet;
-use crate::job::{JobCtx, SinkTarget};
+use crate::job::JobCtx;
 use crate::service::Service;
 
 /// The wait between rounds when every stream is empty.
@@ -38,41 +36,36 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// the database fails: a backing-off writer still stops the claims).
 const BACKLOG_CHECK: Duration = Duration::from_millis(250);
 
-enum Backend {
-    Pg(PgSink),
-    Files(FileSink),
-}
-
 /// Sink stream entries acknowledged per call.
 const ACK_CHUNK: usize = 1000;
 /// How often an idle writer lets the paid calls whose time has come leave
 /// its partitions' ledger hashes (a busy one does with every acknowledgement).
 const LEDGER_TRIM: Duration = Duration::from_secs(30);
 
-pub struct SinkWriter {
+pub struct SinkWriter<S: ResultSink> {
     fleet: Arc<Fleet>,
     job: Arc<JobCtx>,
-    target: SinkTarget,
+    target: S::Target,
     /// This writer's share of the partitions: those with `p % lanes == lane`.
     lane: u32,
     lanes: u32,
-    sink: Option<Backend>,
-    /// Files: entries taken and not appended yet (Redis failed reading
-    /// what they name), by partition.
+    sink: Option<S>,
+    /// Entries taken and not stored yet (Redis failed reading what they
+    /// name, or the sink failed storing them), by partition: stored first.
     held: HashMap<u32, Vec<SinkEntry>>,
-    /// Files: chunks of a partition's pending batch already acknowledged.
+    /// Chunks of a partition's durable batch already acknowledged.
     acked_chunks: HashMap<u32, usize>,
-    /// Files: partitions whose last round failed, with when the next try is
-    /// due and the back-off (the others go on meanwhile).
+    /// A sink that holds its partitions alone: those whose last round
+    /// failed, with when the next try is due and the back-off (the others
+    /// go on meanwhile).
     part_wait: HashMap<u32, (Instant, Duration)>,
-    /// Files: finish every open segment now (the worker is leaving).
+    /// Make every stored batch durable now (the worker is leaving).
     flushing: bool,
     /// Fault injection for tests (`BATCHFLEET_FAULT=sink_exit_after_rename`):
-    /// the process exits at once after its first segment is renamed into
-    /// place and before it is acknowledged, as if killed there.
+    /// the process exits at once after its first batch is durable (a
+    /// segment renamed into place, a transaction committed) and before it
+    /// is acknowledged, as if killed there.
     exit_after_rename: bool,
-    /// A batch whose write failed: written again first, before anything new.
-    retry: Option<(u32, Vec<SinkEntry>)>,
     backoff: Duration,
     /// The first error of the current failure, for logging it once at ERROR.
     failing: Option<(SinkError, Instant)>,
@@ -95,18 +88,20 @@ pub struct SinkWriter {
 /// How often lane 0 reads the job's manifest for the jobs table.
 const JOB_ROW_CHECK: Duration = Duration::from_secs(5);
 
-impl SinkWriter {
+impl SinkWriter<AnySink> {
     /// The writers of a job for one worker, one per lane (`sink.writers`);
     /// none for a job without a sink.
-    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Vec<SinkWriter> {
+    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Vec<SinkWriter<AnySink>> {
         let Some(target) = &job.sink else { return Vec::new() };
         let lanes = job.spec.sink.writers(job.spec.job.partitions);
         (0..lanes)
             .map(|lane| SinkWriter::new(fleet.clone(), job.clone(), target.clone(), lane, lanes))
             .collect()
     }
+}
 
-    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, target: SinkTarget, lane: u32, lanes: u32) -> SinkWriter {
+impl<S: ResultSink> SinkWriter<S> {
+    pub fn new(fleet: Arc<Fleet>, job: Arc<JobCtx>, target: S::Target, lane: u32, lanes: u32) -> SinkWriter<S> {
         SinkWriter {
             fleet,
             job,
@@ -119,7 +114,6 @@ impl SinkWriter {
             part_wait: HashMap::new(),
             flushing: false,
             exit_after_rename: std::env::var("BATCHFLEET_FAULT").as_deref() == Ok("sink_exit_after_rename"),
-            retry: None,
             backoff: Duration::from_millis(200),
             failing: None,
             own_pending_read: false,
@@ -184,60 +178,63 @@ impl SinkWriter {
         }
     }
 
-    /// One pass over every partition: at most one batch each. Returns the
-    /// outcomes written (acknowledged), or the error that stopped the pass.
+    /// One pass over this writer's partitions: at most one batch each.
+    /// Returns the entries taken, or the error that stopped the pass (a sink
+    /// that holds its partitions alone goes on with the others, each failed
+    /// partition waiting for its own back-off).
     pub async fn write_round(&mut self) -> Result<usize, SinkError> {
-        let closed = match &self.sink {
-            None => true,
-            Some(Backend::Pg(s)) => s.is_closed(),
-            Some(Backend::Files(_)) => false,
-        };
-        if closed {
-            self.sink = Some(match &self.target {
-                SinkTarget::Postgres(url) => Backend::Pg(PgSink::connect(url, &self.job.spec).await?),
-                SinkTarget::Files(dir) => Backend::Files(FileSink::open(
-                    dir,
-                    &self.job.name,
-                    self.job.spec.sink.segment_limits(),
-                )?),
-            });
+        if self.sink.as_ref().is_none_or(|s| s.is_closed()) {
+            self.sink = Some(S::open(&self.target, &self.job.name, &self.job.spec).await?);
         }
         self.write_job_row().await?;
-        if matches!(self.sink, Some(Backend::Files(_))) {
-            return self.files_round().await;
+        let alone = self.sink.as_ref().is_some_and(|s| s.holds_partitions());
+        if alone {
+            // Entries pending for this writer are taken over with the
+            // partition, not read separately.
+            self.own_pending_read = true;
         }
-        let mut moved = 0;
-        if let Some((p, entries)) = self.retry.take() {
-            moved += self.write_batch(p, entries).await?;
-        }
-        let f = self.fleet.clone();
-        let batch = self.job.spec.sink.batch_rows();
         let own = !self.own_pending_read;
         // Entries a dead writer left pending are looked for four times per
         // visibility timeout, not every round (one call less per partition).
-        let stale = self
-            .stale_checked
-            .is_none_or(|t| t.elapsed() >= f.visibility / 4)
-            .then(|| f.visibility.as_millis() as u64);
+        let visibility = self.fleet.visibility;
+        let stale = (!alone && self.stale_checked.is_none_or(|t| t.elapsed() >= visibility / 4))
+            .then_some(visibility.as_millis() as u64);
         if stale.is_some() {
             self.stale_checked = Some(Instant::now());
         }
+        let mut moved = 0;
+        let mut first_error = None;
         let (lane, lanes) = (self.lane, self.lanes);
         for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
-            let entries = match f
-                .store
-                .sink_take(&self.job.name, p, &f.config.consumer, batch, stale, own)
-                .await
-            {
-                Ok(e) => e,
-                Err(e) => {
-                    f.store_error(&e).await;
-                    continue;
-                }
-            };
-            if !entries.is_empty() {
-                moved += self.write_batch(p, entries).await?;
+            if self.part_wait.get(&p).is_some_and(|(due, _)| *due > Instant::now()) {
+                continue;
             }
+            match self.write_partition(p, own, stale).await {
+                Ok(n) => {
+                    moved += n;
+                    self.part_wait.remove(&p);
+                }
+                Err(e) if alone => {
+                    // What the partition stored and did not make durable is
+                    // stored again by whoever takes it next (this writer,
+                    // after the partition's back-off); the others go on.
+                    if let Some(sink) = self.sink.as_mut() {
+                        sink.release(p);
+                    }
+                    self.held.remove(&p);
+                    self.acked_chunks.remove(&p);
+                    let backoff = self
+                        .part_wait
+                        .get(&p)
+                        .map_or(Duration::from_millis(200), |(_, b)| (*b * 2).min(MAX_BACKOFF));
+                    self.part_wait.insert(p, (Instant::now() + backoff, backoff));
+                    first_error.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
         }
         if own && moved == 0 {
             // Every partition's own pending entries are written (or there were none).
@@ -267,106 +264,28 @@ impl SinkWriter {
         if self.job_row.0.as_deref() == Some(manifest.updated_at.as_str()) {
             return Ok(());
         }
-        match &self.sink {
-            Some(Backend::Pg(sink)) => sink.write_job(&manifest).await?,
-            Some(Backend::Files(sink)) => blocking(|| sink.write_job(&manifest))?,
-            None => return Ok(()),
-        }
+        let Some(sink) = &self.sink else { return Ok(()) };
+        sink.write_job(&manifest).await?;
         self.job_row.0 = Some(manifest.updated_at);
         Ok(())
     }
 
-    /// Files: one pass over this writer's partitions.
-    async fn files_round(&mut self) -> Result<usize, SinkError> {
-        // Entries pending for this writer are taken over with the partition
-        // (see `files_partition`), not read separately.
-        self.own_pending_read = true;
-        let mut moved = 0;
-        let mut first_error = None;
-        let (lane, lanes) = (self.lane, self.lanes);
-        for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
-            if self.part_wait.get(&p).is_some_and(|(due, _)| *due > Instant::now()) {
-                continue;
-            }
-            match self.files_partition(p).await {
-                Ok(n) => {
-                    moved += n;
-                    self.part_wait.remove(&p);
-                }
-                Err(e) => {
-                    // What the open segment held is written again by whoever
-                    // takes the partition next (this writer, after the
-                    // partition's back-off); the other partitions go on.
-                    if let Some(Backend::Files(sink)) = self.sink.as_mut() {
-                        sink.release(p);
-                    }
-                    self.held.remove(&p);
-                    self.acked_chunks.remove(&p);
-                    let backoff = self
-                        .part_wait
-                        .get(&p)
-                        .map_or(Duration::from_millis(200), |(_, b)| (*b * 2).min(MAX_BACKOFF));
-                    self.part_wait.insert(p, (Instant::now() + backoff, backoff));
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => {
-                if moved == 0 {
-                    self.trim_ledger().await;
-                }
-                Ok(moved)
-            }
-        }
-    }
-
-    /// Files: takes the partition (unless another writer holds it),
-    /// acknowledges a finished batch first, appends the next batch to the
-    /// open segment, and finishes the segment when it is due. Returns the
-    /// entries taken.
-    async fn files_partition(&mut self, p: u32) -> Result<usize, SinkError> {
-        let f = self.fleet.clone();
-        let job = self.job.name.clone();
-        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
-            return Ok(0);
-        };
-        if let Take::Busy = blocking(|| sink.take(p))? {
+    /// One partition: takes it (unless another writer holds it),
+    /// acknowledges a durable batch first, stores the next batch, makes it
+    /// durable when due and acknowledges it. Returns the entries taken.
+    async fn write_partition(&mut self, p: u32, own: bool, stale: Option<u64>) -> Result<usize, SinkError> {
+        let Some(sink) = self.sink.as_mut() else { return Ok(0) };
+        if !sink.take(p)? || !self.ack_durable(p).await? {
             return Ok(0);
         }
-        if !self.ack_pending(p).await? {
+        let Some(entries) = self.next_entries(p, own, stale).await else {
             return Ok(0);
-        }
-        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
-            return Ok(0);
-        };
-        let entries = match self.held.remove(&p) {
-            Some(e) => e,
-            None => {
-                let cursor = sink.orphans(p).map(str::to_owned);
-                let batch = self.job.spec.sink.batch_rows();
-                match f
-                    .store
-                    .sink_take_held(&job, p, &f.config.consumer, batch, cursor.as_deref())
-                    .await
-                {
-                    Ok((entries, next)) => {
-                        if cursor.is_some() {
-                            sink.set_orphans(p, next);
-                        }
-                        entries
-                    }
-                    Err(e) => {
-                        f.store_error(&e).await;
-                        return Ok(0);
-                    }
-                }
-            }
         };
         let taken = entries.len();
         if !entries.is_empty() {
-            let read = match f.store.sink_read(&job, p, &entries, &self.job.spec.prices).await {
+            let f = self.fleet.clone();
+            let job = self.job.name.as_str();
+            let read = match f.store.sink_read(job, p, &entries, &self.job.spec.prices).await {
                 Ok(r) => r,
                 Err(e) => {
                     f.store_error(&e).await;
@@ -374,41 +293,89 @@ impl SinkWriter {
                     return Ok(0);
                 }
             };
-            blocking(|| sink.append(p, &entries, &read.results, &read.sunk, &read.failures, &read.paid))?;
+            let Some(sink) = self.sink.as_mut() else { return Ok(0) };
+            let refused = match sink.store(job, p, &entries, &read).await {
+                Ok(refused) => refused,
+                Err(e) => {
+                    self.held.insert(p, entries);
+                    return Err(e);
+                }
+            };
+            if !refused.is_empty() {
+                self.refused(p, &read, &refused).await;
+            }
         }
-        if sink.is_open(p) && (self.flushing || sink.due(p)) {
-            blocking(|| sink.finish(p))?;
-            self.ack_pending(p).await?;
+        let flushing = self.flushing;
+        if let Some(sink) = self.sink.as_mut() {
+            sink.seal(p, flushing)?;
         }
+        self.ack_durable(p).await?;
         Ok(taken)
     }
 
-    /// Files: acknowledges the partition's finished batch in Redis (its
-    /// results leave Redis), in chunks, then removes its pending file.
-    /// Returns false when Redis failed (tried again next round).
-    async fn ack_pending(&mut self, p: u32) -> Result<bool, SinkError> {
+    /// The partition's next entries: those held back from an earlier round,
+    /// else a batch from its sink stream (None when Redis failed). A sink
+    /// that holds the partition alone takes over what any writer left
+    /// pending first; the others read their own pending entries (`own`),
+    /// then entries pending longer than `stale` ms (their writer died), then
+    /// new ones.
+    async fn next_entries(&mut self, p: u32, own: bool, stale: Option<u64>) -> Option<Vec<SinkEntry>> {
+        if let Some(entries) = self.held.remove(&p) {
+            return Some(entries);
+        }
+        let f = self.fleet.clone();
+        let (job, consumer) = (self.job.name.as_str(), f.config.consumer.as_str());
+        let batch = self.job.spec.sink.batch_rows();
+        let sink = self.sink.as_mut()?;
+        let taken = if sink.holds_partitions() {
+            let cursor = sink.take_over(p);
+            match f.store.sink_take_held(job, p, consumer, batch, cursor.as_deref()).await {
+                Ok((entries, next)) => {
+                    if cursor.is_some() {
+                        sink.taken_over(p, next);
+                    }
+                    Ok(entries)
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            f.store.sink_take(job, p, consumer, batch, stale, own).await
+        };
+        match taken {
+            Ok(entries) => Some(entries),
+            Err(e) => {
+                f.store_error(&e).await;
+                None
+            }
+        }
+    }
+
+    /// Acknowledges the partition's durable batch in Redis (its results
+    /// leave Redis), in chunks, then tells the sink. Returns false when
+    /// Redis failed (tried again next round).
+    async fn ack_durable(&mut self, p: u32) -> Result<bool, SinkError> {
         let f = self.fleet.clone();
         let hold = self.hold();
-        let Some(Backend::Files(sink)) = self.sink.as_mut() else {
+        let Some(sink) = self.sink.as_mut() else {
             return Ok(true);
         };
-        let Some(pending) = sink.pending(p) else {
+        let Some(durable) = sink.durable(p) else {
             return Ok(true);
         };
-        if self.exit_after_rename && !pending.recovered {
-            tracing::error!(segment = ?pending.segments.first().map(|s| &s.file), "BATCHFLEET_FAULT: exiting before the acknowledgement");
+        if self.exit_after_rename && !durable.recovered {
+            tracing::error!(partition = p, "BATCHFLEET_FAULT: exiting before the acknowledgement");
             std::process::exit(137);
         }
-        let entries: Vec<&[SinkEntry]> = pending.entries.chunks(ACK_CHUNK).collect();
-        let sunk: Vec<&[SunkResult]> = pending.sunk.chunks(ACK_CHUNK).collect();
-        let paid: Vec<&[String]> = pending.paid.chunks(ACK_CHUNK).collect();
+        let entries: Vec<&[SinkEntry]> = durable.entries.chunks(ACK_CHUNK).collect();
+        let sunk: Vec<&[SunkResult]> = durable.sunk.chunks(ACK_CHUNK).collect();
+        let paid: Vec<&[String]> = durable.paid.chunks(ACK_CHUNK).collect();
         let chunks = entries.len().max(sunk.len()).max(paid.len());
         let done = self.acked_chunks.get(&p).copied().unwrap_or(0);
         for i in done..chunks {
             // The rows that were new are counted with the last chunk (and
-            // not at all for a batch a previous writer finished: a lower bound).
-            let written = if i + 1 == chunks && !pending.recovered {
-                pending.written
+            // not at all for a batch a previous writer made durable: a lower bound).
+            let written = if i + 1 == chunks && !durable.recovered {
+                durable.written
             } else {
                 0
             };
@@ -423,84 +390,34 @@ impl SinkWriter {
                 return Ok(false);
             }
         }
-        if !pending.recovered {
+        if !durable.recovered {
             f.metrics
                 .sink_written
                 .with_label_values(&[self.job.name.as_str()])
-                .inc_by(pending.written);
+                .inc_by(durable.written);
         }
         self.acked_chunks.remove(&p);
-        blocking(|| sink.acknowledged(p))?;
+        sink.acknowledged(p)?;
         Ok(true)
     }
 
-    /// Writes one batch; on a database error keeps it for the next round.
-    async fn write_batch(&mut self, p: u32, entries: Vec<SinkEntry>) -> Result<usize, SinkError> {
-        let f = self.fleet.clone();
-        let job = &self.job.name;
-        let read = match f.store.sink_read(job, p, &entries, &self.job.spec.prices).await {
-            Ok(r) => r,
-            Err(e) => {
-                f.store_error(&e).await;
-                self.retry = Some((p, entries));
-                return Ok(0);
-            }
-        };
-        let (results, failures, paid) = (&read.results, &read.failures, &read.paid);
-        let Some(Backend::Pg(sink)) = self.sink.as_mut() else {
-            self.retry = Some((p, entries));
-            return Ok(0);
-        };
-        // Records the database refused: not in the sink (they go back to review).
-        let mut refused_ids = std::collections::HashSet::new();
-        let written = match sink.write(job, p, results, failures, paid).await {
-            Ok(n) => n,
-            Err(SinkError::Rejected(first)) => {
-                // One row the database refuses must not hold back the others.
-                let (n, refused) = match sink.write_each(job, p, results, failures, paid).await {
-                    Ok(found) => found,
-                    Err(e) => {
-                        self.retry = Some((p, entries));
-                        return Err(e);
-                    }
-                };
-                f.metrics
-                    .sink_errors
-                    .with_label_values(&[job.as_str(), "rejected"])
-                    .inc_by(refused.len() as u64);
-                tracing::error!(
-                    job = %job,
-                    rejected = refused.len(),
-                    first_record = refused.first().map_or("", |(rid, _)| rid.as_str()),
-                    error = %first,
-                    "the database rejected rows: the records go back to review (`sink_rejected`), with its message"
-                );
-                self.back_to_review(p, &read, &refused).await;
-                refused_ids.extend(refused.into_iter().map(|(rid, _)| rid));
-                n
-            }
-            Err(e) => {
-                self.retry = Some((p, entries));
-                return Err(e);
-            }
-        };
-        f.metrics
-            .sink_written
-            .with_label_values(&[job.as_str()])
-            .inc_by(written);
-        let sunk: Vec<SunkResult> = read
-            .sunk
-            .into_iter()
-            .filter(|s| !refused_ids.contains(&s.rid))
-            .collect();
-        let paid: Vec<String> = read.paid.iter().map(|c| c.key()).collect();
-        let hold = self.hold();
-        if let Err(e) = f.store.sink_ack(job, p, &entries, written, &sunk, &paid, hold).await {
-            // Written but not acknowledged: the entries are written again
-            // later, and add nothing then.
-            f.store_error(&e).await;
-        }
-        Ok(entries.len())
+    /// Records the sink refused (the rest of their batch is stored): counted,
+    /// logged, and sent back to review with the sink's message.
+    async fn refused(&self, p: u32, read: &SinkBatch, refused: &[(String, String)]) {
+        let job = self.job.name.as_str();
+        self.fleet
+            .metrics
+            .sink_errors
+            .with_label_values(&[job, "rejected"])
+            .inc_by(refused.len() as u64);
+        tracing::error!(
+            job = %job,
+            rejected = refused.len(),
+            first_record = refused.first().map_or("", |(rid, _)| rid.as_str()),
+            error = %refused.first().map_or("", |(_, m)| m.as_str()),
+            "the database rejected rows: the records go back to review (`sink_rejected`), with its message"
+        );
+        self.back_to_review(p, read, refused).await;
     }
 
     /// Sends each refused result back to review with the database's
@@ -566,7 +483,7 @@ impl SinkWriter {
         if matches!(e, SinkError::Unreachable(_)) {
             self.sink = None;
         }
-        let files = matches!(self.sink, Some(Backend::Files(_)));
+        let alone = self.sink.as_ref().is_some_and(|s| s.holds_partitions());
         match &self.failing {
             Some((first, _)) if *first == e => {
                 tracing::warn!(job, error = %e, retry_in_ms = self.backoff.as_millis() as u64, "sink still failing; outcomes wait in Redis")
@@ -580,7 +497,7 @@ impl SinkWriter {
             .health
             .sink_failing
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        if files {
+        if alone {
             // Each failing partition waits for its own back-off.
             self.next_attempt = Some(Instant::now() + IDLE);
         } else {
@@ -602,7 +519,7 @@ impl SinkWriter {
     }
 }
 
-impl Service for SinkWriter {
+impl<S: ResultSink> Service for SinkWriter<S> {
     fn name(&self) -> &'static str {
         "sink"
     }
@@ -629,13 +546,5 @@ impl Service for SinkWriter {
                 Some(BACKLOG_CHECK.min(self.backoff))
             }
         }
-    }
-}
-
-/// Runs file work off the async threads when the runtime has others.
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        _ => f(),
     }
 }

@@ -26,10 +26,10 @@ pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 
 pub use crate::secret::{cluster_seeds, redact_url};
-pub use crate::sink::{SinkEntry, SunkResult, Tokens};
+pub use crate::sink::{SinkBatch, SinkEntry, SunkResult, Tokens};
 pub use review_ops::{ReviewAction, ReviewOutcome};
 pub use shard_ops::Packed;
-pub use sink_ops::{SinkBatch, Sunk};
+pub use sink_ops::Sunk;
 pub use wake_ops::Wake;
 pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining, WorkLeft};
 

@@ -9,7 +9,7 @@ use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
 use crate::keys;
 use crate::ledger::PaidCall;
-use crate::sink::{FailureRow, ResultRow, SinkEntry, SunkResult, Tokens};
+use crate::sink::{FailureRow, ResultRow, SinkBatch, SinkEntry, SunkResult, Tokens};
 use crate::spec::Prices;
 use crate::task::{RecordState, ReviewEntry};
 
@@ -24,24 +24,6 @@ pub struct Sunk {
     pub tokens: Tokens,
     /// Attempts -> results removed that took that many.
     pub attempts_histogram: std::collections::BTreeMap<u64, u64>,
-}
-
-/// What a batch of sink entries names, read from Redis.
-#[derive(Debug, Default)]
-pub struct SinkBatch {
-    /// The committed results as rows (their large JSON parts as Redis holds
-    /// them, unparsed), ...
-    pub results: Vec<ResultRow>,
-    /// ... the figures each keeps in the `sunk` counters once it leaves Redis, ...
-    pub sunk: Vec<SunkResult>,
-    /// ... and each one's encoding in Redis (decoded only when needed).
-    pub texts: Vec<String>,
-    /// Records whose state is review, dropped or cancelled now, and results
-    /// that cannot be read (kept as `rejected`).
-    pub failures: Vec<FailureRow>,
-    /// The paid calls the batch names that are still in the ledger hash
-    /// (each once).
-    pub paid: Vec<PaidCall>,
 }
 
 /// The entries of a stream reply (`[[id, [field, value...]]...]`).

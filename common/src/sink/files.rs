@@ -39,11 +39,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::{Durable, FailureRow, Holdings, ResultRow, ResultSink, RevisionRow, SinkBatch, SinkEntry, SinkError};
+use super::{SunkResult, blocking};
 use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
-use crate::sink::{FailureRow, ResultRow, RevisionRow, SinkError};
-use crate::sink::{SinkEntry, SunkResult};
-use crate::spec::SegmentLimits;
+use crate::spec::{JobSpec, SegmentLimits};
 use crate::task::ResultRecord;
 
 /// How many finished results segments of a partition the writer remembers
@@ -128,6 +128,8 @@ pub enum Take {
 
 /// A job's files sink, as one writer sees it.
 pub struct FileSink {
+    /// `sink.dir`, and the job's directory in it.
+    dir: PathBuf,
     root: PathBuf,
     job: String,
     limits: SegmentLimits,
@@ -274,6 +276,7 @@ impl FileSink {
             fs::create_dir_all(&d).map_err(|e| disk("cannot create directory", &d, e))?;
         }
         Ok(FileSink {
+            dir: dir.to_owned(),
             root,
             job: job.to_owned(),
             limits,
@@ -846,36 +849,95 @@ pub fn read_manifest(root: &Path) -> Result<Option<FilesManifest>, SinkError> {
     }
 }
 
-/// What the segments on disk hold, checked against the manifest.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct FilesCheck {
-    /// Every record id of the results segments, sorted (a record twice is
-    /// there twice).
-    #[serde(skip)]
-    pub result_ids: Vec<String>,
-    /// Segments the manifest lists.
-    pub segments: u64,
-    /// Listed segments whose line count or sha256 differ, or that are gone.
-    pub damaged: Vec<String>,
-    /// Finished segments on disk the manifest does not list (a writer died
-    /// between the rename and the manifest; the next one lists them).
-    pub unlisted: Vec<String>,
-    /// Unresolved failures by state: the last line of each record in the
-    /// failures segments, unless it has a result line.
-    pub open_failures: BTreeMap<String, u64>,
-    /// Paid calls in the ledger segments (each once), and the lines that
-    /// repeat a call already there.
-    pub ledger_calls: u64,
-    pub ledger_duplicates: u64,
+impl ResultSink for FileSink {
+    type Target = PathBuf;
+
+    async fn open(dir: &PathBuf, job: &str, spec: &JobSpec) -> Result<FileSink, SinkError> {
+        FileSink::open(dir, job, spec.sink.segment_limits())
+    }
+
+    fn kind(&self) -> &'static str {
+        "files"
+    }
+
+    fn holds_partitions(&self) -> bool {
+        true
+    }
+
+    fn take(&mut self, p: u32) -> Result<bool, SinkError> {
+        Ok(matches!(blocking(|| FileSink::take(self, p))?, Take::Held))
+    }
+
+    fn take_over(&mut self, p: u32) -> Option<String> {
+        self.orphans(p).map(str::to_owned)
+    }
+
+    fn taken_over(&mut self, p: u32, next: Option<String>) {
+        self.set_orphans(p, next);
+    }
+
+    fn release(&mut self, p: u32) {
+        FileSink::release(self, p);
+    }
+
+    /// Appended to the partition's open segments: nothing is refused.
+    async fn store(
+        &mut self,
+        _job: &str,
+        p: u32,
+        entries: &[SinkEntry],
+        batch: &SinkBatch,
+    ) -> Result<Vec<(String, String)>, SinkError> {
+        let b = batch;
+        blocking(|| self.append(p, entries, &b.results, &b.sunk, &b.failures, &b.paid))?;
+        Ok(Vec::new())
+    }
+
+    fn seal(&mut self, p: u32, now: bool) -> Result<(), SinkError> {
+        if self.is_open(p) && (now || self.due(p)) {
+            blocking(|| self.finish(p))?;
+        }
+        Ok(())
+    }
+
+    fn durable(&self, p: u32) -> Option<Durable<'_>> {
+        self.pending(p).map(|pending| Durable {
+            entries: &pending.entries,
+            sunk: &pending.sunk,
+            paid: &pending.paid,
+            written: pending.written,
+            recovered: pending.recovered,
+        })
+    }
+
+    fn acknowledged(&mut self, p: u32) -> Result<(), SinkError> {
+        blocking(|| FileSink::acknowledged(self, p))
+    }
+
+    async fn write_job(&self, manifest: &Manifest) -> Result<(), SinkError> {
+        blocking(|| FileSink::write_job(self, manifest))
+    }
+
+    async fn holdings(&self, job: &str) -> Result<Holdings, SinkError> {
+        blocking(|| check(&self.dir, job))
+    }
+
+    async fn results(&self, job: &str, f: impl FnMut(ResultRecord)) -> Result<u64, SinkError> {
+        blocking(|| results(&self.dir, job, f))
+    }
+
+    async fn ledger(&self, job: &str, f: impl FnMut(PaidCall)) -> Result<u64, SinkError> {
+        blocking(|| ledger(&self.dir, job, f))
+    }
 }
 
 /// Reads and checks every segment of `job` in `dir`.
-pub fn check(dir: &Path, job: &str) -> Result<FilesCheck, SinkError> {
+pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
     let root = job_dir(dir, job)?;
     let manifest = read_manifest(&root)?.unwrap_or_default();
-    let mut c = FilesCheck {
-        segments: manifest.segments.len() as u64,
-        ..FilesCheck::default()
+    let mut c = Holdings {
+        segments: Some(manifest.segments.len() as u64),
+        ..Holdings::default()
     };
     let listed: HashSet<&str> = manifest.segments.iter().map(|s| s.file.as_str()).collect();
     for d in KINDS {
@@ -945,7 +1007,7 @@ pub fn results(dir: &Path, job: &str, mut f: impl FnMut(ResultRecord)) -> Result
             Ok(row) => {
                 let r = row.into_record();
                 f(match revisions.get(&r.record_id) {
-                    Some(v) => crate::sink::with_revisions(r, v),
+                    Some(v) => super::with_revisions(r, v),
                     None => r,
                 });
                 n += 1;
