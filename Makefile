@@ -6,7 +6,8 @@ CARGO ?= cargo
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 ## (MODE=batch: the same job through the provider's Batch API, at batch prices)
-demo: deps
+demo:
+	@scripts/ensure-deps.sh demo
 	$(CARGO) build --release --workspace --bins
 	MODE=$(MODE) scripts/demo.sh
 
@@ -49,8 +50,9 @@ bench-enqueue: deps
 	$(CARGO) build --release --workspace --bins
 	scripts/bench-enqueue.sh
 
+## deps: what the tests need (`scripts/ensure-deps.sh test`, and Helm's tools); `make demo` installs only its own
 deps:
-	@scripts/ensure-deps.sh
+	@scripts/ensure-deps.sh test
 	@scripts/ensure-chart-tools.sh
 
 clean:

@@ -1,37 +1,59 @@
 #!/usr/bin/env bash
-# Makes sure the tools the tests and the demo run are installed: redis-server
-# and redis-cli (real Redis for every test), promtool (checks the metrics
-# exposition), openssl (makes the TLS test's CA), rotel (the OTLP receiver
-# the trace test exports to), PostgreSQL's server binaries (initdb, pg_ctl:
-# the result sink's tests start their own throwaway server), Chromium and
-# its WebDriver (the console's tests drive a real headless browser). Installs
-# them with apt-get / pip when this machine allows it, else says exactly what
-# to run.
+# Makes sure the tools a command needs are installed.
+#   scripts/ensure-deps.sh demo   what `make demo` runs: redis-server and
+#                                 redis-cli, PostgreSQL's server binaries and psql
+#                                 (the demo's sink; without them it writes files)
+#   scripts/ensure-deps.sh [test] what the tests run besides: promtool (checks
+#                                 the metrics exposition), openssl (the TLS test's
+#                                 CA), rotel (the OTLP receiver the trace test
+#                                 exports to), Chromium and its WebDriver (the
+#                                 console's tests drive a real headless browser)
+# Installs them with apt-get / pip when this machine allows it, else says
+# exactly what to run. ENSURE_DEPS_DRY_RUN=1: prints what is missing
+# (`missing: ...`) and installs nothing.
 set -euo pipefail
-if ! python3 -c "import rotel" >/dev/null 2>&1; then
-  echo "rotel is missing: installing it (pip install rotel==0.0.1a15)" >&2
-  python3 -m pip install -q rotel==0.0.1a15 >/dev/null 2>&1 || {
-    echo "error: could not install rotel: pip install rotel==0.0.1a15" >&2
-    exit 1
-  }
-fi
+what=${1:-test}
+case "$what" in
+  demo|test) ;;
+  *) echo "error: unknown set \`$what\`: scripts/ensure-deps.sh demo, or scripts/ensure-deps.sh test" >&2; exit 2 ;;
+esac
+dry=${ENSURE_DEPS_DRY_RUN:-}
 missing=()
+if [ "$what" = test ] && ! python3 -c "import rotel" >/dev/null 2>&1; then
+  if [ -n "$dry" ]; then
+    missing+=(rotel)
+  else
+    echo "rotel is missing: installing it (pip install rotel==0.0.1a15)" >&2
+    python3 -m pip install -q rotel==0.0.1a15 >/dev/null 2>&1 || {
+      echo "error: could not install rotel: pip install rotel==0.0.1a15" >&2
+      exit 1
+    }
+  fi
+fi
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
-command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
-command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   missing+=(postgresql)
   # Only the binaries: no cluster of the package's own listening on 5432.
-  as_root=""; [ "$(id -u)" = 0 ] || as_root="sudo -n"
-  if $as_root true 2>/dev/null; then
-    $as_root mkdir -p /etc/postgresql-common
-    echo "create_main_cluster = false" | $as_root tee /etc/postgresql-common/createcluster.conf >/dev/null
+  if [ -z "$dry" ]; then
+    as_root=""; [ "$(id -u)" = 0 ] || as_root="sudo -n"
+    if $as_root true 2>/dev/null; then
+      $as_root mkdir -p /etc/postgresql-common
+      echo "create_main_cluster = false" | $as_root tee /etc/postgresql-common/createcluster.conf >/dev/null
+    fi
   fi
 fi
 command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
-command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-dejavu-core)
-command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+if [ "$what" = test ]; then
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-dejavu-core)
+  command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
+if [ -n "$dry" ]; then
+  echo "missing: ${missing[*]}"
+  exit 0
+fi
 install="apt-get install -y --no-install-recommends ${missing[*]}"
 if command -v apt-get >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
