@@ -26,6 +26,14 @@ pub fn dropped() -> u64 {
     DROPPED.load(Ordering::Relaxed)
 }
 
+/// Whether text on standard error may carry colours: only on a terminal,
+/// and never when `NO_COLOR` is set to anything but the empty string
+/// (<https://no-color.org>).
+pub fn colour() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 fn sender() -> &'static SyncSender<Vec<u8>> {
     SENDER.get_or_init(|| {
         let (tx, rx) = sync_channel(QUEUE);

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use crate::commands::{EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, review, spec, status};
+use crate::commands::{EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, review, shell, spec, status};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,8 +54,8 @@ pub enum Command {
     Delete(control::DeleteCmd),
     /// Drain the review queue: list, show, accept, requeue, reject.
     Review(review::ReviewArgs),
-    /// Print a job's dropped lines (JSONL: line, id, reason, detail).
-    Dropped(JobArgs),
+    /// A job's dropped lines: line, id, reason, detail.
+    Dropped(status::DroppedCmd),
     /// Spot checks: with --sample N, put N more committed results of the job
     /// in its audit queue (people judge them in the console); without, print
     /// the accuracy the verdicts so far estimate.
@@ -64,6 +64,12 @@ pub enum Command {
     /// Reviewers sign in with a token of their own: `name:token` lines in
     /// --tokens-file or in the variable BATCHFLEET_CONSOLE_TOKENS.
     Console(console::ConsoleArgs),
+    /// Shell completions, generated from this command line: `producer
+    /// completions bash > ~/.local/share/bash-completion/completions/producer`.
+    Completions(shell::CompletionsCmd),
+    /// Man pages, generated from this command line: `producer man --dir
+    /// ~/.local/share/man/man1` writes one per command.
+    Man(shell::ManCmd),
 }
 
 /// Runs a parsed command line; `main` only sets up the runtime and signals.
@@ -102,5 +108,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Dropped(cmd) => status::dropped(cmd).await,
         Command::Audit(cmd) => report::audit(cmd).await,
         Command::Console(cmd) => console::run(cmd, cancel).await,
+        Command::Completions(cmd) => shell::completions(cmd),
+        Command::Man(cmd) => shell::man(cmd),
     }
 }

@@ -77,7 +77,7 @@ fn a_job_runs_end_to_end_on_a_cluster_and_survives_a_node_restart() {
     assert!(n("review") > 0, "the fault mix sent nothing to review: {status}");
 
     // Review and export work on the cluster too.
-    let listed = producer(&["review", "--job", "cl", "--redis", &url, "list", "--json"]);
+    let listed = producer(&["review", "--job", "cl", "--redis", &url, "list", "--jsonl"]);
     assert!(listed.status.success(), "{}", stderr(&listed));
     let first: serde_json::Value = serde_json::from_str(stdout(&listed).lines().next().unwrap()).unwrap();
     let rid = first["record_id"].as_str().unwrap();

@@ -99,6 +99,8 @@ fn every_sh_block_of_the_readme_and_docs_runs_as_written() {
                 .env("REDIS_URL", redis.url())
                 .env("BATCHFLEET_BASE_URL", sim.base_url())
                 .env("OPENAI_API_KEY", "sk-test-key")
+                // What a block installs (completions, man pages) stays in its folder.
+                .env("XDG_DATA_HOME", dir.join("share"))
                 .env_remove("BATCHFLEET_JOBS")
                 .output()
                 .unwrap();

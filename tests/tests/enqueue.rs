@@ -298,7 +298,7 @@ fn every_bad_line_is_dropped_with_its_line_number_and_reason() {
         (11, "too_large"),
         (12, "invalid_utf8"),
     ]);
-    let listed = producer(&["dropped", "--job", "bad", "--redis", &redis.url()]);
+    let listed = producer(&["dropped", "--job", "bad", "--redis", &redis.url(), "--jsonl"]);
     let got: BTreeMap<u64, String> = stdout(&listed)
         .lines()
         .map(|l| {

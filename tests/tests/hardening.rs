@@ -94,7 +94,7 @@ fn a_deep_model_answer_is_invalid_by_name_and_its_review_entry_readable() {
     enqueue(&redis, &data, "deepa", &spec);
     let (exit, log) = Running::spawn(worker_cmd(&redis, "deepa", &sim, &["--drain"])).finish(Duration::from_secs(30));
     assert!(exit.success(), "{log}");
-    let list = producer(&["review", "--job", "deepa", "--redis", &redis.url(), "list", "--json"]);
+    let list = producer(&["review", "--job", "deepa", "--redis", &redis.url(), "list", "--jsonl"]);
     let entries: Vec<Value> = stdout(&list)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -380,7 +380,7 @@ fn every_command_survives_a_closed_pipe() {
         vec!["status", "--job", "pipe", "--redis", &url],
         vec!["report", "--job", "pipe", "--redis", &url],
         vec!["review", "--job", "pipe", "--redis", &url, "list"],
-        vec!["review", "--job", "pipe", "--redis", &url, "list", "--json"],
+        vec!["review", "--job", "pipe", "--redis", &url, "list", "--jsonl"],
         vec![
             "export", "--job", "pipe", "--what", "review", "--out", "-", "--redis", &url,
         ],

@@ -81,7 +81,7 @@ fn a_deleted_job_leaves_no_key_and_the_others_and_the_sink_rows_stay() {
     assert!(exit.success(), "{log}");
     // A reviewer acted on one entry of each job (the archive of actions is a key too).
     for job in ["keep", "gone"] {
-        let list = producer(&["review", "--job", job, "--redis", &url, "list", "--json"]);
+        let list = producer(&["review", "--job", job, "--redis", &url, "list", "--jsonl"]);
         let entry = stdout(&list).lines().next().map(str::to_owned);
         let entry = entry.unwrap_or_else(|| panic!("no review entry in {job}: {}", stderr(&list)));
         let first: serde_json::Value = serde_json::from_str(&entry).unwrap();

@@ -67,18 +67,20 @@ const GOOD: &str =
 #[test]
 fn review_actions_validate_record_who_and_cannot_both_win() {
     let (redis, dir) = all_in_review(8);
+    // --json: one document; --jsonl: the same entries, one per line.
     let listed = review(&redis, &["list", "--json"]);
     assert!(listed.status.success(), "{}", stderr(&listed));
-    let entries: Vec<Value> = stdout(&listed)
+    let doc: Value = serde_json::from_str(&stdout(&listed)).unwrap();
+    let entries = doc["entries"].as_array().unwrap().clone();
+    assert_eq!((entries.len(), doc["count"].as_u64()), (8, Some(8)));
+    let lines: Vec<Value> = stdout(&review(&redis, &["list", "--jsonl"]))
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(entries.len(), 8);
+    assert_eq!(lines, entries, "the same entries as JSON Lines");
     assert!(entries.iter().all(|e| e["reason"] == "refused:content_filter"));
     assert_eq!(
-        stdout(&review(&redis, &["list", "--json", "--reason", "poison"]))
-            .lines()
-            .count(),
+        serde_json::from_str::<Value>(&stdout(&review(&redis, &["list", "--json", "--reason", "poison"]))).unwrap()["count"],
         0
     );
 

@@ -178,7 +178,7 @@ fn the_ledger_keeps_every_paid_call_by_cause_and_review_never_changes_the_past()
     assert_eq!(s["expected"], 40);
 
     // People act on the review queue: what was spent does not change.
-    let listed = review(&redis, "led", &["list", "--json"]);
+    let listed = review(&redis, "led", &["list", "--jsonl"]);
     let entries: Vec<Value> = stdout(&listed)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -370,7 +370,7 @@ fn a_record_whose_next_call_could_pass_its_cap_goes_to_review_as_budget() {
     // One call per record, never a second past the cap.
     assert_eq!(r["spend"]["calls"], records, "{r}");
     assert_eq!(r["attempts_histogram"]["1"], records, "{r}");
-    let listed = review(&redis, "rec", &["list", "--json"]);
+    let listed = review(&redis, "rec", &["list", "--jsonl"]);
     for line in stdout(&listed).lines() {
         let e: Value = serde_json::from_str(line).unwrap();
         let tokens: u64 = e["history"]

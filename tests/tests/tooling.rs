@@ -36,7 +36,14 @@ fn make_demo_installs_only_what_the_demo_runs() {
     assert!(demo.contains("redis-server"), "Redis is found missing: {demo:?}");
     assert!(demo.is_subset(&allowed), "the demo installs only {allowed:?}: {demo:?}");
     let test = missing("test");
-    for tool in ["prometheus", "openssl", "rotel", "chromium", "chromium-driver", "redis-server"] {
+    for tool in [
+        "prometheus",
+        "openssl",
+        "rotel",
+        "chromium",
+        "chromium-driver",
+        "redis-server",
+    ] {
         assert!(test.contains(tool), "the tests need {tool}: {test:?}");
     }
 

@@ -3,7 +3,8 @@
 use std::io::IsTerminal;
 
 /// Sets up logs on stderr: JSON when `format` says so, or by default when
-/// stderr is not a terminal. Returns whether the format is JSON. Lines go
+/// stderr is not a terminal; text in colour only on a terminal, and never
+/// with `NO_COLOR` set. Returns whether the format is JSON. Lines go
 /// through [`common::log`]: a closed or full stderr drops them (counted),
 /// never stalls or panics the worker.
 pub fn init_logs(format: Option<&str>) -> bool {
@@ -22,6 +23,7 @@ pub fn init_logs(format: Option<&str>) -> bool {
             .init();
     } else {
         tracing_subscriber::fmt()
+            .with_ansi(common::log::colour())
             .with_env_filter(filter)
             .with_writer(common::log::Stderr)
             .log_internal_errors(false)

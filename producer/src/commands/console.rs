@@ -35,6 +35,7 @@ pub const TOKENS_ENV: &str = "BATCHFLEET_CONSOLE_TOKENS";
 /// Runs `producer console` until cancelled.
 pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
     let _ = tracing_subscriber::fmt()
+        .with_ansi(common::log::colour())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

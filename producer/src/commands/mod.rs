@@ -18,6 +18,7 @@ pub mod control;
 pub mod enqueue;
 pub mod report;
 pub mod review;
+pub mod shell;
 pub mod spec;
 pub mod status;
 

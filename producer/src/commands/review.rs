@@ -34,8 +34,12 @@ pub enum ReviewCmd {
         /// Only entries with this validation error code (E_ENUM...).
         #[arg(long)]
         code: Option<String>,
-        #[arg(long)]
+        /// One JSON document: `{"entries": [...], "count": N}`.
+        #[arg(long, conflicts_with = "jsonl")]
         json: bool,
+        /// JSON Lines: one entry per line, as the review queue encodes it.
+        #[arg(long)]
+        jsonl: bool,
     },
     /// Show one entry: input, rendered prompt, last raw output, errors, attempts, history.
     Show { id: String },
@@ -91,7 +95,19 @@ pub async fn run(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<
     let store = job_store(&args.redis, &args.job).await?;
     let (job, who) = (args.job.as_str(), args.reviewer.as_str());
     let done = match args.action {
-        ReviewCmd::List { reason, code, json } => list(&store, job, reason.as_deref(), code.as_deref(), json).await,
+        ReviewCmd::List {
+            reason,
+            code,
+            json,
+            jsonl,
+        } => {
+            let form = match (json, jsonl) {
+                (true, _) => Form::Json,
+                (_, true) => Form::Jsonl,
+                _ => Form::Text,
+            };
+            list(&store, job, reason.as_deref(), code.as_deref(), form).await
+        }
         ReviewCmd::Show { id } => show(&store, job, &id).await,
         ReviewCmd::Accept { id, output, edit } => accept(&store, job, &id, output, edit, who).await,
         ReviewCmd::Revise { id, output, note } => match std::fs::read_to_string(&output) {
@@ -125,17 +141,33 @@ pub async fn run(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<
     })
 }
 
-/// `review list`: a line (or a JSON object) per entry.
+/// How `review list` prints.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Text,
+    Json,
+    Jsonl,
+}
+
+/// `review list`: a line per entry (text, or JSON Lines), or one document.
 async fn list(
     store: &RedisStore,
     job: &str,
     reason: Option<&str>,
     code: Option<&str>,
-    json: bool,
+    form: Form,
 ) -> Result<(), ReviewError> {
     let entries = review::list(store, job, reason, code).await?;
+    if form == Form::Json {
+        let listed: Vec<serde_json::Value> = entries
+            .iter()
+            .map(|e| serde_json::from_str(&e.encode()).unwrap_or_default())
+            .collect();
+        crate::outln!("{}", serde_json::json!({ "entries": listed, "count": entries.len() }));
+        return Ok(());
+    }
     for e in &entries {
-        if json {
+        if form == Form::Jsonl {
             crate::outln!("{}", e.encode());
             continue;
         }
@@ -153,7 +185,7 @@ async fn list(
             codes.join(", ")
         );
     }
-    if !json {
+    if form == Form::Text {
         common::errln!("{} entries in review", entries.len());
     }
     Ok(())

@@ -18,9 +18,12 @@ pub struct StatusCmd {
     pub job: String,
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// Print one JSON object.
-    #[arg(long)]
+    /// Print one JSON document.
+    #[arg(long, conflicts_with = "jsonl")]
     pub json: bool,
+    /// JSON Lines: one status object per line (with `--watch`, one per refresh).
+    #[arg(long)]
+    pub jsonl: bool,
     /// Exit non-zero unless every expected record is in exactly one terminal set.
     #[arg(long)]
     pub require_complete: bool,
@@ -31,7 +34,8 @@ pub struct StatusCmd {
     /// List the record ids of missing, duplicated and unknown records.
     #[arg(long)]
     pub ids: bool,
-    /// Refresh every 2 seconds until interrupted (or complete).
+    /// Refresh every 2 seconds until interrupted (or complete); as a stream
+    /// of JSON Lines with `--jsonl`.
     #[arg(long)]
     pub watch: bool,
 }
@@ -53,6 +57,14 @@ pub struct ExportCmd {
 
 /// `producer status`: once, or every 2 s with `--watch` until complete.
 pub async fn status(cmd: StatusCmd, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
+    if cmd.watch && cmd.json {
+        return refuse(format!(
+            "--watch with --json would print a document every 2 seconds, and --json is one document. \
+             For a stream of JSON Lines (one status per line): producer status --job {} --watch --jsonl{}",
+            cmd.job,
+            common::secret::redis_flag(&cmd.redis.url)
+        ));
+    }
     let job = cmd.job.as_str();
     let store = job_store(&cmd.redis, job).await?;
     let spec = store.job_spec(job).await.ok().flatten();
@@ -60,10 +72,10 @@ pub async fn status(cmd: StatusCmd, cancel: CancellationToken) -> anyhow::Result
     let verify = (cmd.require_complete || cmd.require_done) && spec.as_ref().is_some_and(|s| !s.sink.is_none());
     loop {
         let s = status_once(&store, &cmd, spec.as_ref(), verify).await?;
-        if cmd.json {
+        if cmd.json || cmd.jsonl {
             crate::outln!("{}", serde_json::to_string(&s)?);
         } else {
-            if cmd.watch {
+            if cmd.watch && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
                 crate::out!("\x1b[2J\x1b[H"); // clear the screen, cursor home
             }
             crate::status::print(&s);
@@ -174,11 +186,38 @@ pub async fn manifest(cmd: JobArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// `producer dropped`: the job's dropped lines, one JSON object each.
-pub async fn dropped(cmd: JobArgs) -> anyhow::Result<ExitCode> {
-    let store = job_store(&cmd.redis, &cmd.job).await?;
-    for d in store.dropped_lines(&cmd.job).await? {
-        crate::outln!("{}", serde_json::to_string(&d)?);
+#[derive(Debug, Args)]
+pub struct DroppedCmd {
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// One JSON document: `{"dropped": [...], "count": N}`.
+    #[arg(long, conflicts_with = "jsonl")]
+    pub json: bool,
+    /// JSON Lines: one dropped line per line (line, record_id, key, reason, detail).
+    #[arg(long)]
+    pub jsonl: bool,
+}
+
+/// `producer dropped`: the job's dropped lines, a line each (text or JSON
+/// Lines), or one document.
+pub async fn dropped(cmd: DroppedCmd) -> anyhow::Result<ExitCode> {
+    let job = &cmd.job.job;
+    let store = job_store(&cmd.job.redis, job).await?;
+    let lines = store.dropped_lines(job).await?;
+    if cmd.json {
+        crate::outln!("{}", serde_json::json!({ "dropped": lines, "count": lines.len() }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    for d in &lines {
+        if cmd.jsonl {
+            crate::outln!("{}", serde_json::to_string(d)?);
+        } else {
+            let id = d.key.as_deref().or(d.record_id.as_deref()).unwrap_or("-");
+            crate::outln!("line {:<8} {:<24} {:<24} {}", d.line, id, d.reason, d.detail);
+        }
+    }
+    if !cmd.json && !cmd.jsonl {
+        common::errln!("{} dropped lines", lines.len());
     }
     Ok(ExitCode::SUCCESS)
 }
