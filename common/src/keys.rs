@@ -30,6 +30,12 @@ pub fn jobs() -> String {
     "bf:jobs".to_owned()
 }
 
+/// The fleet's workers: consumer name -> its last heartbeat (JSON, see
+/// `crate::heartbeat`); a worker's field leaves once it expired.
+pub fn workers() -> String {
+    "bf:workers".to_owned()
+}
+
 /// The fleet's wake-up stream (capped): an entry says "new work for job J"
 /// or "job J's flags changed"; idle workers block on it (XREAD) instead of
 /// polling every partition.

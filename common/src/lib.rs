@@ -12,6 +12,7 @@
 //! - [`json`]: the one depth limit for every JSON value taken from outside.
 //! - [`validate`]: model output vs the field spec -> valid (with repairs) or errors.
 //! - [`decision`]: (attempt, outcome, policy) -> commit | retry | review | drop | halt.
+//! - [`heartbeat`]: what a worker says of itself every few seconds; alive, draining, stopped or dead.
 //! - [`store`]: job state in Redis, in queue verbs; its Lua scripts.
 //! - [`stats`]: a job's outcome counters (errors, retries, attempts, per minute).
 //! - [`audit`]: spot checks: verdicts and the accuracy they estimate.
@@ -27,6 +28,7 @@
 pub mod audit;
 pub mod batch;
 pub mod decision;
+pub mod heartbeat;
 pub mod json;
 pub mod keys;
 pub mod ledger;

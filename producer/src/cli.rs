@@ -29,6 +29,9 @@ pub enum Command {
     /// Every job of the Redis: created, records, done / review / dropped /
     /// remaining, state (halted, waiting, cancelled...), spend.
     Jobs(status::JobsCmd),
+    /// The fleet's workers: id, host, version, jobs, in flight, records/s,
+    /// started, last seen; alive, draining, stopped or dead.
+    Workers(status::WorkersCmd),
     /// Print a job's manifest (JSON).
     Manifest(JobArgs),
     /// Where every record of a job is (from Redis, not counters).
@@ -106,6 +109,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Delete(cmd) => control::delete(cmd).await,
         Command::Review(cmd) => review::run(cmd, cancel).await,
         Command::Dropped(cmd) => status::dropped(cmd).await,
+        Command::Workers(cmd) => status::workers(cmd).await,
         Command::Audit(cmd) => report::audit(cmd).await,
         Command::Console(cmd) => console::run(cmd, cancel).await,
         Command::Completions(cmd) => shell::completions(cmd),

@@ -41,3 +41,4 @@ pub mod select;
 pub mod sink;
 pub mod status;
 pub mod terminal;
+pub mod workers;

@@ -58,6 +58,14 @@ pub struct JobStatus {
     /// The job's spend cap, when it has one (`[budget] max_cost_usd`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget: Option<common::store::BudgetState>,
+    /// Records the whole fleet settled (done, to review, dropped) per second
+    /// over the last minute (from the job's counters).
+    pub rate_per_sec: f64,
+    /// Expected records not settled yet.
+    pub remaining: u64,
+    /// At the current rate, seconds until none remain (None: nothing was
+    /// settled in the last minute, so no estimate; 0: none remain).
+    pub eta_secs: Option<u64>,
     /// Dataset lines refused at enqueue (not records of the job: see `producer dropped`).
     pub dropped_at_enqueue: u64,
     pub halted: Option<String>,
@@ -166,7 +174,35 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     if with_ids {
         s.anomalies = Some(r);
     }
+    s.rate_per_sec = store.stats(job, partitions).await?.throughput(now_secs(), 1);
+    s.remaining = s.expected.unwrap_or(s.known).saturating_sub(terminal);
+    s.eta_secs = eta(s.remaining, s.rate_per_sec);
     Ok(s)
+}
+
+/// Unix seconds now.
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Seconds until `remaining` records are settled at `rate` per second.
+pub fn eta(remaining: u64, rate: f64) -> Option<u64> {
+    match remaining {
+        0 => Some(0),
+        _ if rate > 0.0 => Some((remaining as f64 / rate).ceil() as u64),
+        _ => None,
+    }
+}
+
+/// `95` -> `1m35s`, `7260` -> `2h01m`.
+pub fn duration_words(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
 }
 
 /// Which terminal set `export` writes.
@@ -347,6 +383,18 @@ pub fn print(s: &JobStatus) {
     if s.cancelled > 0 {
         crate::outln!("  cancelled    {}", s.cancelled);
     }
+    let eta = match s.eta_secs {
+        Some(0) => "none remaining".to_owned(),
+        Some(secs) => format!("{} remaining, about {} at this rate", s.remaining, duration_words(secs)),
+        None => format!(
+            "{} remaining, no estimate: none settled in the last minute",
+            s.remaining
+        ),
+    };
+    crate::outln!(
+        "  rate         {:.2} records/s over the last minute (the fleet); {eta}",
+        s.rate_per_sec
+    );
     crate::outln!("  missing      {}", s.missing);
     crate::outln!("  duplicates   {}", s.duplicates);
     crate::outln!("  unknown      {}", s.unknown);

@@ -52,6 +52,7 @@ fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
         max_deliveries: 5,
         breaker_errors: 3,
         idle_poll: Duration::from_millis(20),
+        heartbeat: Duration::from_secs(5),
         base_url: Some(sim.base_url()),
         allow_evicting_redis: false,
         metrics_addr: None,

@@ -30,6 +30,8 @@ pub struct Config {
     pub breaker_errors: u64,
     /// Sleep between claims when there is nothing to do.
     pub idle_poll: Duration,
+    /// How often the worker's heartbeat is written (`bf:workers`).
+    pub heartbeat: Duration,
     /// Overrides every job's `provider.base_url`.
     pub base_url: Option<String>,
     /// Start even when Redis may evict keys (never in production).

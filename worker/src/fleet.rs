@@ -51,6 +51,10 @@ pub struct Fleet {
     store_errors: AtomicU64,
     /// Paid answers lost per job, not yet counted in Redis (it was away).
     lost_answers: Mutex<BTreeMap<String, u64>>,
+    /// Records this worker settled (done, to review, dropped), for its heartbeat.
+    pub settled: AtomicU64,
+    /// When it started (Unix ms).
+    pub started_ms: u64,
     /// This process's token on its consumer name's lease.
     pub lease_token: String,
     /// Fired to stop the services: a signal, `--drain` done, or the consumer
@@ -102,6 +106,8 @@ impl Fleet {
             own_pending_read: AtomicBool::new(false),
             store_errors: AtomicU64::new(0),
             lost_answers: Mutex::new(BTreeMap::new()),
+            settled: AtomicU64::new(0),
+            started_ms: crate::clock::now_ms(),
             lease_token: format!("{:016x}{:08x}", rand::random::<u64>(), std::process::id()),
             shutdown: tokio_util::sync::CancellationToken::new(),
             wake_claimer: tokio::sync::Notify::new(),
@@ -245,6 +251,9 @@ impl Fleet {
         match settled {
             Ok(settled) => {
                 *s.outcomes.entry(settled.label().to_owned()).or_default() += 1;
+                if matches!(settled, Settled::Committed | Settled::Reviewed | Settled::Dropped) {
+                    self.settled.fetch_add(1, Ordering::Relaxed);
+                }
                 self.metrics.records.with_label_values(&[job, settled.label()]).inc();
                 if let Settled::Halted(reason) = settled {
                     self.halted_here(job, reason);

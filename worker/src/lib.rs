@@ -33,6 +33,7 @@ pub mod config;
 pub mod entry;
 pub mod fleet;
 pub mod form;
+pub mod heartbeat;
 pub mod http;
 pub mod job;
 pub mod judge;

@@ -61,6 +61,11 @@ struct Args {
     /// a wake-up (new work wakes idle workers at once: this is a safety net).
     #[arg(long, default_value_t = 30_000)]
     idle_poll_ms: u64,
+    /// How often the worker says who it is and what it does (`producer
+    /// workers`, the console's Workers page); it is taken for dead after
+    /// three missed beats.
+    #[arg(long, default_value_t = 5_000)]
+    heartbeat_ms: u64,
     /// Override every job's provider.base_url (e.g. a local simulator).
     #[arg(long, env = "BATCHFLEET_BASE_URL")]
     base_url: Option<String>,
@@ -132,6 +137,7 @@ async fn run_worker(args: Args) -> ExitCode {
         max_deliveries: args.max_deliveries,
         breaker_errors: args.breaker_errors,
         idle_poll: Duration::from_millis(args.idle_poll_ms.max(1)),
+        heartbeat: Duration::from_millis(args.heartbeat_ms.max(10)),
         base_url: args.base_url,
         allow_evicting_redis: args.allow_evicting_redis,
     };

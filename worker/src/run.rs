@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::claim::Claimer;
 pub use crate::config::{Config, DEFAULT_METRICS_ADDR, DRAIN_MARGIN, RunError, RunSummary};
 use crate::fleet::Fleet;
+use crate::heartbeat::Beater;
 use crate::http::{Health, serve};
 use crate::job::{JobCtx, Limits};
 use crate::limiter::Limiter;
@@ -34,6 +35,7 @@ use crate::promote::Promoter;
 use crate::provider::Provider;
 use crate::reclaim::Rescuer;
 use crate::service;
+use crate::service::Service;
 use crate::sink::SinkWriter;
 use crate::telemetry::Metrics;
 use crate::wake::Listener;
@@ -71,13 +73,16 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
 
     // 1. No new claims.
     loops.wait().await;
-    // 2. Not ready any more.
+    // 2. Not ready any more; the fleet sees it draining.
     fleet.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut beater = Beater::new(fleet.clone());
+    let _ = beater.run_once().await;
     // 3. In-flight work gets its deadline; 4. what the limiters saw.
     let summary = drain(&fleet).await;
     fleet.flush_lost_answers().await;
     // 5. The consumer name is free again; the HTTP endpoints go last.
     signalled.abort();
+    beater.goodbye().await;
     if let Err(e) = fleet
         .store
         .release_consumer(&fleet.config.consumer, &fleet.lease_token)
@@ -102,6 +107,7 @@ fn spawn_services(
     loops.spawn(service::run(Rescuer::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Promoter::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(Watcher::new(fleet.clone()), stop.clone()));
+    loops.spawn(service::run(Beater::new(fleet.clone()), stop.clone()));
     loops.spawn(service::run(
         Listener::new(fleet.clone(), listener_store, wake_cursor),
         stop.clone(),

@@ -3,7 +3,7 @@
 //! entry to `bf:wake`; idle workers wait on it with one blocking XREAD
 //! instead of polling every partition of every job.
 
-use redis::Value;
+use redis::{AsyncCommands, Value};
 
 use super::worker_ops::{as_array, as_string};
 use super::{RedisStore, StoreError};
@@ -122,5 +122,40 @@ impl RedisStore {
             .and_then(|e| as_array(e).first())
             .and_then(as_string)
             .map(|last| (last, flags)))
+    }
+}
+
+impl RedisStore {
+    /// Writes a worker's heartbeat (its field of `bf:workers`).
+    pub async fn beat(&self, beat: &crate::heartbeat::Heartbeat) -> Result<(), StoreError> {
+        let _: () = self.conn.clone().hset(keys::workers(), &beat.id, beat.encode()).await?;
+        Ok(())
+    }
+
+    /// Every worker's last heartbeat, by id (entries no version can read are skipped).
+    pub async fn workers(&self) -> Result<Vec<crate::heartbeat::Heartbeat>, StoreError> {
+        let all: Vec<(String, String)> = self.conn.clone().hgetall(keys::workers()).await?;
+        let mut beats: Vec<_> = all
+            .iter()
+            .filter_map(|(_, v)| crate::heartbeat::Heartbeat::decode(v))
+            .collect();
+        beats.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(beats)
+    }
+
+    /// Removes the entries of workers whose heartbeat expired at `now_ms`;
+    /// returns how many.
+    pub async fn forget_workers(&self, now_ms: u64) -> Result<usize, StoreError> {
+        let gone: Vec<String> = self
+            .workers()
+            .await?
+            .into_iter()
+            .filter(|b| b.expired(now_ms))
+            .map(|b| b.id)
+            .collect();
+        if !gone.is_empty() {
+            let _: () = self.conn.clone().hdel(keys::workers(), &gone).await?;
+        }
+        Ok(gone.len())
     }
 }

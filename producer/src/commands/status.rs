@@ -223,6 +223,33 @@ pub async fn dropped(cmd: DroppedCmd) -> anyhow::Result<ExitCode> {
 }
 
 #[derive(Debug, Args)]
+pub struct WorkersCmd {
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// One JSON document: `{"workers": [...]}`, an object per worker.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `producer workers`: the fleet's workers, as their heartbeats say.
+pub async fn workers(cmd: WorkersCmd) -> anyhow::Result<ExitCode> {
+    let store = RedisStore::connect(&cmd.redis.url).await?;
+    let lines = crate::workers::list(&store).await?;
+    if cmd.json {
+        crate::outln!("{}", serde_json::json!({ "workers": lines }));
+    } else if lines.is_empty() {
+        common::errln!(
+            "no worker has reported to the Redis at {} in the last minutes. Start one with: worker --job NAME{}",
+            common::secret::redact_url(&cmd.redis.url),
+            common::secret::redis_flag(&cmd.redis.url)
+        );
+    } else {
+        crate::workers::print(&lines);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Args)]
 pub struct JobsCmd {
     #[command(flatten)]
     pub redis: RedisArgs,

@@ -221,7 +221,7 @@ impl Live {
         let budget = store.budget(job).await?;
         let stats = store.stats(job, partitions).await?;
         let accuracy = store.accuracy(job, partitions).await?;
-        let now_minute = now_secs() / 60;
+        let now_minute = crate::status::now_secs() / 60;
         let expected = status.expected.unwrap_or(status.known);
         let settled = status.done + status.review + status.dropped + status.cancelled;
         let percent = (settled * 100).checked_div(expected).unwrap_or(0).min(100);
@@ -283,7 +283,7 @@ impl Live {
                     budget.spent_usd, budget.reserved_usd
                 )
             }),
-            throughput: format!("{:.2}/s", stats.throughput(now_secs(), 5)),
+            throughput: format!("{:.2}/s", stats.throughput(crate::status::now_secs(), 5)),
             verdict: verdict.0,
             verdict_class: verdict.1,
             sink,
@@ -413,12 +413,6 @@ fn error_table(errors: &std::collections::BTreeMap<String, u64>) -> (Vec<String>
         })
         .collect();
     (codes, error_rows)
-}
-
-fn now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[derive(Template)]

@@ -22,6 +22,7 @@ pub mod chart;
 pub mod compare;
 pub mod jobs;
 pub mod queue;
+pub mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -105,6 +106,7 @@ pub fn router(console: Shared) -> Router {
         .route("/static/console.js", get(script))
         .route("/static/console.css", get(style))
         .route("/compare", get(compare::compare_page))
+        .route("/workers", get(workers::workers_page))
         .route("/jobs/{job}", get(jobs::job_page))
         .route("/jobs/{job}/live", get(jobs::job_live))
         .route("/jobs/{job}/confirm", get(jobs::confirm_page))

@@ -1,0 +1,124 @@
+//! The worker's heartbeat: every `--heartbeat-ms` it writes who it is and
+//! what it is doing into `bf:workers` (see `common::heartbeat`), with its
+//! rate over the last minute; a last beat when it leaves says it stopped.
+//! Once a minute it also removes the entries of workers long dead.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::heartbeat::Heartbeat;
+
+use crate::fleet::Fleet;
+use crate::service::Service;
+
+/// The window of the rate a beat reports.
+const RATE_WINDOW: Duration = Duration::from_secs(60);
+/// How often expired entries are looked for.
+const FORGET_EVERY: Duration = Duration::from_secs(60);
+
+pub struct Beater {
+    fleet: Arc<Fleet>,
+    host: String,
+    started_ms: u64,
+    /// (when, records settled by then), over the last [`RATE_WINDOW`].
+    window: VecDeque<(Instant, u64)>,
+    forgot: Option<Instant>,
+}
+
+impl Beater {
+    pub fn new(fleet: Arc<Fleet>) -> Beater {
+        Beater {
+            started_ms: fleet.started_ms,
+            fleet,
+            host: host_name(),
+            window: VecDeque::new(),
+            forgot: None,
+        }
+    }
+
+    /// The worker now, as its heartbeat says it.
+    pub fn heartbeat(&mut self) -> Heartbeat {
+        let f = &self.fleet;
+        let settled = f.settled.load(Ordering::Relaxed);
+        let now = Instant::now();
+        self.window.push_back((now, settled));
+        while self
+            .window
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > RATE_WINDOW)
+        {
+            self.window.pop_front();
+        }
+        let rate_per_sec = match self.window.front() {
+            Some((t, n)) if now.duration_since(*t) >= Duration::from_secs(1) => {
+                (settled - n) as f64 / now.duration_since(*t).as_secs_f64()
+            }
+            // Less than a second of history: what it settled since it started.
+            _ => settled as f64 / (crate::clock::now_ms().saturating_sub(self.started_ms).max(1000) as f64 / 1000.0),
+        };
+        Heartbeat {
+            id: f.config.consumer.clone(),
+            host: self.host.clone(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            jobs: f.jobs.iter().map(|j| j.name.clone()).collect(),
+            // Concurrency permits taken: the requests it works on now.
+            in_flight: f
+                .config
+                .concurrency
+                .max(1)
+                .saturating_sub(f.permits.available_permits()) as u64,
+            rate_per_sec: (rate_per_sec * 100.0).round() / 100.0,
+            settled,
+            started_ms: self.started_ms,
+            seen_ms: crate::clock::now_ms(),
+            every_ms: f.config.heartbeat.as_millis() as u64,
+            draining: f.shutdown.is_cancelled(),
+            drain_mode: f.config.drain,
+            stopped: false,
+        }
+    }
+
+    /// The last beat: the worker stopped.
+    pub async fn goodbye(&mut self) {
+        let beat = Heartbeat {
+            stopped: true,
+            in_flight: 0,
+            ..self.heartbeat()
+        };
+        if let Err(e) = self.fleet.store.beat(&beat).await {
+            tracing::debug!(error = %e, "the last heartbeat was not written");
+        }
+    }
+}
+
+impl Service for Beater {
+    fn name(&self) -> &'static str {
+        "heartbeat"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        let beat = self.heartbeat();
+        if let Err(e) = self.fleet.store.beat(&beat).await {
+            self.fleet.store_error(&e).await;
+        }
+        if self.forgot.is_none_or(|t| t.elapsed() >= FORGET_EVERY) {
+            self.forgot = Some(Instant::now());
+            if let Err(e) = self.fleet.store.forget_workers(crate::clock::now_ms()).await {
+                self.fleet.store_error(&e).await;
+            }
+        }
+        Some(self.fleet.config.heartbeat)
+    }
+}
+
+/// This machine's name (the pod's, on Kubernetes).
+fn host_name() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
