@@ -224,6 +224,11 @@ pub fn review(job: &str, partition: u32) -> String {
     format!("bf:{}:review", partition_tag(job, partition))
 }
 
+/// A reviewer's lease on one review entry (its name; expires by itself).
+pub fn review_lease(job: &str, partition: u32, rid: &str) -> String {
+    format!("bf:{}:rlease:{rid}", partition_tag(job, partition))
+}
+
 /// Hash record_id -> review entry after a person acted on it (with its actions).
 pub fn reviewed(job: &str, partition: u32) -> String {
     format!("bf:{}:reviewed", partition_tag(job, partition))

@@ -563,6 +563,7 @@ pub async fn next_loop(
     job: &str,
     who: &str,
     cancel: &CancellationToken,
+    lease: std::time::Duration,
 ) -> Result<u64, ReviewError> {
     let spec = job_spec(store, job).await?;
     let partitions = spec.job.partitions;
@@ -573,19 +574,32 @@ pub async fn next_loop(
     let mut term = Terminal::enter();
     loop {
         let left = store.review_depth(job, partitions).await?;
-        let Some((e, p)) = next_not_skipped(store, job, partitions, &skipped).await? else {
+        let (next, held) = next_free(store, job, partitions, &skipped, who, lease).await?;
+        let Some((e, p)) = next else {
+            let others = if held > 0 {
+                format!(", {held} held by other reviewers")
+            } else {
+                String::new()
+            };
             term.say(&format!(
-                "\nreview queue of {job}: nothing left to review ({} skipped): {acted} acted on\n",
+                "\nreview queue of {job}: nothing left to review ({} skipped{others}): {acted} acted on\n",
                 skipped.len()
             ))
             .map_err(io)?;
             return Ok(acted);
         };
         let rid = e.record_id.clone();
+        // Whatever the key, the entry is given back when this one is done with it.
+        let give_back = || async {
+            if let Err(e) = store.review_release(job, p, &rid, who).await {
+                tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
+            }
+        };
         term.say(&entry_screen(&e, left, skipped.len())).map_err(io)?;
         term.say("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ")
             .map_err(io)?;
         let Some(key) = term.key(cancel).map_err(io)? else {
+            give_back().await;
             term.say(&format!("\n{acted} acted on\n")).map_err(io)?;
             return Ok(acted);
         };
@@ -634,6 +648,7 @@ pub async fn next_loop(
                 Ok("skipped")
             }
             'q' => {
+                give_back().await;
                 term.say(&format!("{acted} acted on\n")).map_err(io)?;
                 return Ok(acted);
             }
@@ -641,6 +656,9 @@ pub async fn next_loop(
         };
         match result {
             Ok(what) => {
+                if matches!(what, "accepted" | "requeued" | "rejected" | "skipped") {
+                    give_back().await;
+                }
                 if matches!(what, "accepted" | "requeued" | "rejected") {
                     acted += 1;
                     edits.remove(&rid);
@@ -654,20 +672,27 @@ pub async fn next_loop(
     }
 }
 
-/// The first entry of the queue not skipped, and its partition (paged: the
-/// queue is never read whole).
-async fn next_not_skipped(
+/// The first entry of the queue not skipped that no other reviewer holds,
+/// now leased to `who` for `lease`, and its partition; and how many entries
+/// other reviewers hold (paged: the queue is never read whole).
+async fn next_free(
     store: &RedisStore,
     job: &str,
     partitions: u32,
     skipped: &HashSet<String>,
-) -> Result<Option<(ReviewEntry, u32)>, ReviewError> {
+    who: &str,
+    lease: std::time::Duration,
+) -> Result<(Option<(ReviewEntry, u32)>, u64), ReviewError> {
+    let mut held = 0;
     for p in 0..partitions {
         let mut cursor = 0;
         loop {
             let (entries, next) = store.review_page(job, p, cursor, 100).await?;
-            if let Some(e) = entries.into_iter().find(|e| !skipped.contains(&e.record_id)) {
-                return Ok(Some((e, p)));
+            for e in entries.into_iter().filter(|e| !skipped.contains(&e.record_id)) {
+                match store.review_lease(job, p, &e.record_id, who, lease).await? {
+                    common::store::ReviewLease::Mine => return Ok((Some((e, p)), held)),
+                    common::store::ReviewLease::HeldBy { .. } => held += 1,
+                }
             }
             if next == 0 {
                 break;
@@ -675,7 +700,7 @@ async fn next_not_skipped(
             cursor = next;
         }
     }
-    Ok(None)
+    Ok((None, held))
 }
 
 /// An entry as `review next` shows it: text, not JSON strings.

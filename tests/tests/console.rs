@@ -505,6 +505,10 @@ fn two_reviewers_race_on_one_entry_and_the_second_is_told_who_decided() {
     let rid = rid_on_page(&ann);
     bob.goto(&entry);
     assert_eq!(rid_on_page(&bob), rid);
+    // Ann opened it first: she holds it, and Bob's page says so.
+    let held = bob.text("#held");
+    assert!(held.contains("ann is reviewing this entry"), "{held}");
+    assert!(ann.find("#held").is_none(), "ann holds it herself");
     // Ann accepts first; Bob's rejection then finds the entry decided.
     ann.fill("#editor", GOOD);
     ann.click("#accept");
@@ -523,6 +527,17 @@ fn two_reviewers_race_on_one_entry_and_the_second_is_told_who_decided() {
     assert_eq!((s["done"].as_u64(), s["dropped"].as_u64()), (Some(1), Some(0)), "{s}");
     let a = archived(&r.redis, "race", &rid);
     assert_eq!(a["actions"].as_array().unwrap().len(), 1, "one decision: {a}");
+
+    // Ann's next entry is leased to her: Bob's next is another one.
+    let anns = rid_on_page(&ann);
+    for _ in 0..2 {
+        bob.goto(&r.console.url("/jobs/race/review/next"));
+        bob.wait("bob's next entry", Duration::from_secs(10), |b| {
+            b.find("#rid").is_some()
+        });
+        assert_ne!(rid_on_page(&bob), anns, "ann holds {anns}");
+        assert!(bob.find("#held").is_none(), "bob was handed a free entry");
+    }
 }
 
 #[test]

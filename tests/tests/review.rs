@@ -616,3 +616,108 @@ fn the_terminal_reviewer_shows_text_keeps_an_edit_asks_before_acting_and_the_not
         "and it is done now"
     );
 }
+
+/// A `review next` session left open: what it shows, read as it comes.
+struct Session {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Session {
+    fn start(redis: &RedisServer, who: &str, lease_secs: &str) -> Session {
+        use std::io::BufRead;
+        use std::process::Stdio;
+        let mut child = Command::new(bin("producer"))
+            .args(review_args(redis, who, &["next", "--lease-secs", lease_secs]))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let err = child.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        let tx_err = tx.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        // What it says on stderr comes in the same stream, marked.
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                if tx_err.send(format!("stderr: {line}")).is_err() {
+                    break;
+                }
+            }
+        });
+        Session { child, lines }
+    }
+
+    /// The business key of the entry on screen (`=== KEY (rid)`), or None
+    /// when the session found nothing left for it.
+    fn shown(&self) -> Option<String> {
+        loop {
+            let line = self.lines.recv_timeout(Duration::from_secs(20)).expect("a screen");
+            assert!(!line.starts_with("stderr: error"), "{line}");
+            if let Some(rest) = line.strip_prefix("=== ") {
+                return rest.split_whitespace().next().map(str::to_owned);
+            }
+            if line.contains("nothing left to review") {
+                return None;
+            }
+        }
+    }
+
+    /// Ends the session as a closed terminal does (its lease given back).
+    fn close(mut self) {
+        drop(self.child.stdin.take());
+        let status = harness::wait_exit(&mut self.child, Duration::from_secs(20));
+        assert!(status.success());
+    }
+}
+
+#[test]
+fn two_reviewers_are_never_handed_the_same_entry_while_a_lease_holds() {
+    let (redis, _dir) = all_in_review(3);
+    // Rounds of two sessions started at once: never the same entry.
+    for round in 0..4 {
+        let (a, b) = (
+            Session::start(&redis, "ann", "600"),
+            Session::start(&redis, "bob", "600"),
+        );
+        let (ka, kb) = (a.shown().unwrap(), b.shown().unwrap());
+        assert_ne!(ka, kb, "round {round}: both were handed {ka}");
+        // A third gets the last free one; a fourth, nothing while three hold.
+        let c = Session::start(&redis, "cy", "600");
+        let kc = c.shown().unwrap();
+        assert!(kc != ka && kc != kb, "round {round}: {kc}");
+        let d = Session::start(&redis, "dee", "600");
+        assert_eq!(d.shown(), None, "every entry is held");
+        d.close();
+        // A session that ends gives its entry back at once.
+        c.close();
+        let d = Session::start(&redis, "dee", "600");
+        assert_eq!(d.shown(), Some(kc), "the entry cy left");
+        for s in [a, b, d] {
+            s.close();
+        }
+    }
+    // A lease nobody gives back (a reviewer gone quiet) returns the entry once it expires.
+    let quiet = Session::start(&redis, "ann", "1");
+    let held = quiet.shown().unwrap();
+    let (b, c) = (
+        Session::start(&redis, "bob", "600"),
+        Session::start(&redis, "cy", "600"),
+    );
+    let others = [b.shown().unwrap(), c.shown().unwrap()];
+    assert!(!others.contains(&held), "{held} is ann's");
+    std::thread::sleep(Duration::from_millis(1500));
+    let d = Session::start(&redis, "dee", "600");
+    assert_eq!(d.shown(), Some(held), "ann's lease expired: the entry is free");
+    for s in [quiet, b, c, d] {
+        s.close();
+    }
+}

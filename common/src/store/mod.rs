@@ -27,7 +27,7 @@ pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};
 
 pub use crate::secret::{cluster_seeds, redact_url};
 pub use crate::sink::{SinkBatch, SinkEntry, SunkResult, Tokens};
-pub use review_ops::{ReviewAction, ReviewOutcome};
+pub use review_ops::{ReviewAction, ReviewLease, ReviewOutcome};
 pub use shard_ops::Packed;
 pub use sink_ops::Sunk;
 pub use wake_ops::Wake;

@@ -1,5 +1,7 @@
 //! The store's review verbs: read the queue, apply a person's decision.
 
+use redis::AsyncCommands;
+
 use super::{RedisStore, StoreError};
 use crate::keys;
 use crate::task::{ResultRecord, ReviewEntry, Task};
@@ -65,5 +67,61 @@ impl RedisStore {
             -1 => ReviewOutcome::AlreadyDone,
             _ => ReviewOutcome::Lost,
         })
+    }
+}
+
+/// A reviewer's hold on a review entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReviewLease {
+    /// This reviewer holds it (now, or still: the lease was renewed).
+    Mine,
+    /// Another reviewer holds it (until they act, leave it, or the lease runs out).
+    HeldBy { reviewer: String },
+}
+
+impl RedisStore {
+    /// Takes (or renews) `who`'s lease on a review entry for `lease`, unless
+    /// another reviewer holds it. Two reviewers never hold one entry at once
+    /// (`lease.lua`: one step); a lease nobody gives back expires by itself.
+    pub async fn review_lease(
+        &self,
+        job: &str,
+        partition: u32,
+        rid: &str,
+        who: &str,
+        lease: std::time::Duration,
+    ) -> Result<ReviewLease, StoreError> {
+        let key = keys::review_lease(job, partition, rid);
+        let n: i64 = self
+            .scripts
+            .lease
+            .key(&key)
+            .arg(who)
+            .arg("take")
+            .arg(lease.as_millis().max(1) as u64)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if n == 1 {
+            return Ok(ReviewLease::Mine);
+        }
+        let reviewer: Option<String> = self.conn.clone().get(&key).await?;
+        Ok(match reviewer {
+            Some(reviewer) => ReviewLease::HeldBy { reviewer },
+            // It expired in between: take it now.
+            None => Box::pin(self.review_lease(job, partition, rid, who, lease)).await?,
+        })
+    }
+
+    /// Gives `who`'s lease on a review entry back (nothing when another holds it).
+    pub async fn review_release(&self, job: &str, partition: u32, rid: &str, who: &str) -> Result<(), StoreError> {
+        let _: i64 = self
+            .scripts
+            .lease
+            .key(keys::review_lease(job, partition, rid))
+            .arg(who)
+            .arg("release")
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
     }
 }

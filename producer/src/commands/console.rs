@@ -26,6 +26,11 @@ pub struct ConsoleArgs {
     /// can reach).
     #[arg(long, value_name = "HEADER")]
     pub trusted_header: Option<String>,
+    /// How long an entry a reviewer opened stays held for them: other
+    /// reviewers (here or at `review next`) are given the next free one;
+    /// a lease nobody gives back returns the entry then.
+    #[arg(long, default_value_t = 600)]
+    pub lease_secs: u64,
 }
 
 /// The variable that may hold reviewer tokens (`name:token` lines, or
@@ -57,6 +62,7 @@ pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result
         bind: args.bind,
         reviewers,
         trusted_header: args.trusted_header,
+        lease: std::time::Duration::from_secs(args.lease_secs.max(1)),
     };
     match crate::console::run(config, store, cancel, None).await {
         Ok(()) => Ok(ExitCode::SUCCESS),

@@ -78,7 +78,14 @@ pub enum ReviewCmd {
         reason: String,
     },
     /// One entry at a time at a terminal: accept / edit / requeue / reject / skip / quit, one key each.
-    Next,
+    /// Each entry shown is held for this reviewer (a lease): another
+    /// reviewer (here or in the console) gets the next free one.
+    Next {
+        /// How long an entry stays held while it is on screen; a lease
+        /// nobody gives back (a closed terminal) returns the entry then.
+        #[arg(long, default_value_t = 600)]
+        lease_secs: u64,
+    },
     /// Write the queue as JSONL with empty decision / output / note columns.
     Export {
         /// Output file (`-` for stdout).
@@ -122,7 +129,10 @@ pub async fn run(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<
         ReviewCmd::Reject { id, reason } => review::reject(&store, job, &id, &reason, who)
             .await
             .map(|rid| crate::outln!("rejected {rid}")),
-        ReviewCmd::Next => review::next_loop(&store, job, who, &cancel).await.map(|_| ()),
+        ReviewCmd::Next { lease_secs } => {
+            let lease = std::time::Duration::from_secs(lease_secs.max(1));
+            review::next_loop(&store, job, who, &cancel, lease).await.map(|_| ())
+        }
         ReviewCmd::Export { out } => export(&store, job, &out).await,
         ReviewCmd::Import { file } => import(&store, job, &file, who).await,
     };

@@ -47,6 +47,8 @@ pub struct ConsoleConfig {
     /// signed-in reviewer's name (trusted as is: only for a console the
     /// proxy alone can reach).
     pub trusted_header: Option<String>,
+    /// How long an entry a reviewer opened stays held for them.
+    pub lease: std::time::Duration,
 }
 
 /// What every handler shares.

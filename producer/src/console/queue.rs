@@ -12,6 +12,7 @@ use askama::Template;
 use axum::extract::{Form, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
+use common::store::ReviewLease;
 use common::task::{HistoryItem, ReviewEntry};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -315,6 +316,9 @@ struct EntryPage {
     query: String,
     next: String,
     base: String,
+    /// Another reviewer holds the entry: who, and for how long (empty: this
+    /// reviewer holds it).
+    held: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -331,14 +335,19 @@ pub async fn entry_page(
 ) -> Result<Response, Refusal> {
     let who = signed_in(&c, &headers)?;
     let spec = job_spec(&c, &job).await?;
-    let (entry, _) = read_entry(&c, &job, &spec, &rid)
+    let (entry, p) = read_entry(&c, &job, &spec, &rid)
         .await?
         .ok_or_else(|| gone(&job, &rid))?;
     let editor = crate::review::editable(&entry);
-    Ok(page(
-        StatusCode::OK,
-        &entry_view(&c, &who, &job, entry, &q.f, editor, Vec::new()),
-    ))
+    let mut view = entry_view(&c, &who, &job, entry, &q.f, editor, Vec::new());
+    // Opening an entry holds it for this reviewer, unless another does.
+    if let ReviewLease::HeldBy { reviewer } = c.store.review_lease(&job, p, &rid, &who, c.config.lease).await? {
+        view.held = format!(
+            "{reviewer} is reviewing this entry (held until they act on it, leave it, or their lease runs out): \
+             the next entry button finds a free one."
+        );
+    }
+    Ok(page(StatusCode::OK, &view))
 }
 
 fn gone(job: &str, rid: &str) -> Refusal {
@@ -448,6 +457,7 @@ fn entry_view(
         base,
         query,
         e,
+        held: String::new(),
     }
 }
 
@@ -457,6 +467,14 @@ pub struct NextQuery {
     f: Filters,
     #[serde(default)]
     after: String,
+}
+
+/// Gives a reviewer's lease on an entry back (it expires by itself anyway).
+async fn release(c: &Console, job: &str, partitions: u32, rid: &str, who: &str) {
+    let p = common::record::partition_of(rid, partitions);
+    if let Err(e) = c.store.review_release(job, p, rid, who).await {
+        tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
+    }
 }
 
 /// The next entry of the queue (from the page the last one was on, past
@@ -483,13 +501,22 @@ async fn next_href(
 ) -> Result<String, Refusal> {
     let mut skipped = c.skipped.of(who, job);
     skipped.insert(after.to_owned());
+    let partitions = spec.job.partitions;
+    if !after.is_empty() {
+        // The entry this reviewer leaves is free for others again.
+        release(c, job, partitions, after, who).await;
+    }
     let base = format!("/jobs/{}/review", path_part(job));
     let mut from = f.clone();
     // From the page the last entry was on, then on; then once from the start.
+    // The first entry no other reviewer holds is leased to this one.
     for _ in 0..4 {
-        let (entries, next) = page_of(c, job, spec.job.partitions, &from, &skipped).await?;
-        if let Some(e) = entries.first() {
-            return Ok(format!("{base}/{}{}", path_part(&e.record_id), from.query()));
+        let (entries, next) = page_of(c, job, partitions, &from, &skipped).await?;
+        for e in &entries {
+            let p = common::record::partition_of(&e.record_id, partitions);
+            if c.store.review_lease(job, p, &e.record_id, who, c.config.lease).await? == ReviewLease::Mine {
+                return Ok(format!("{base}/{}{}", path_part(&e.record_id), from.query()));
+            }
         }
         match next {
             Some(n) => from = from.at(&n),
