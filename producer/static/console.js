@@ -72,7 +72,31 @@
     });
   }
 
+  // The edit form's JSON boxes: the browser refuses to submit one that is
+  // not JSON of the field's kind (or holds too many items), saying why.
+  function jsonBoxes() {
+    Array.prototype.forEach.call(document.querySelectorAll("textarea[data-json]"), function (box) {
+      function check() {
+        var why = "";
+        if (box.value.trim() !== "") {
+          try {
+            var v = JSON.parse(box.value);
+            var kind = box.getAttribute("data-json");
+            var max = parseInt(box.getAttribute("data-max-len") || "", 10);
+            if (kind === "array" && !Array.isArray(v)) { why = "a JSON array is expected, like [\"a\", \"b\"]"; }
+            else if (kind === "object" && (v === null || typeof v !== "object" || Array.isArray(v))) { why = "a JSON object is expected"; }
+            else if (kind === "array" && !isNaN(max) && v.length > max) { why = "at most " + max + " items"; }
+          } catch (e) { why = "not JSON: " + e.message; }
+        }
+        box.setCustomValidity(why);
+      }
+      box.addEventListener("input", check);
+      check();
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
+    jsonBoxes();
     Array.prototype.forEach.call(document.querySelectorAll("[data-live]"), live);
     var p = document.body.getAttribute("data-page");
     if (p === "queue") { queueKeys(); }

@@ -493,6 +493,98 @@ fn an_invalid_edit_is_refused_inline_and_nothing_is_saved_until_it_is_fixed() {
 }
 
 #[test]
+fn the_edit_form_follows_the_field_spec_and_is_checked_in_the_page_and_again_on_the_server() {
+    let r = reviewed("form", 3, "bad_enum=1.0");
+    let b = Browser::start();
+    sign_in(&b, &r.console, ANN);
+    b.goto(&r.console.url("/jobs/form/review"));
+    b.click("#queue tbody tr a");
+    b.wait("the entry page", Duration::from_secs(10), |b| {
+        b.find("#fields").is_some()
+    });
+    let rid = rid_on_page(&b);
+    let js = |code: &str| b.script(code);
+    // Each field's control follows its spec (examples/job.toml).
+    assert_eq!(
+        js("return Array.from(document.querySelectorAll('#field-label option')).map(o => o.value);"),
+        serde_json::json!(["billing", "shipping", "bug", "feature_request", "account", "other"])
+    );
+    let attrs = |id: &str, names: &[&str]| -> Vec<Value> {
+        names
+            .iter()
+            .map(|n| js(&format!("return document.getElementById('{id}').getAttribute('{n}');")))
+            .collect()
+    };
+    assert_eq!(
+        attrs("field-confidence", &["type", "min", "max", "step"]),
+        ["number", "0", "1", "any"]
+    );
+    assert_eq!(attrs("field-reason", &["type", "maxlength"]), ["text", "60"]);
+    assert_eq!(attrs("field-items", &["data-json", "data-max-len"]), ["array", "20"]);
+    assert_eq!(
+        js("return Array.from(document.querySelectorAll('#field-task_type option')).map(o => o.value);"),
+        serde_json::json!(["classify", "extract"])
+    );
+    let set = |id: &str, v: &str| {
+        js(&format!(
+            "var e = document.getElementById('{id}'); e.value = {}; e.dispatchEvent(new Event('input'));",
+            serde_json::to_string(v).unwrap()
+        ));
+    };
+    let invalid = |id: &str| js(&format!("return !document.getElementById('{id}').checkValidity();"));
+    let done = || status_json(&r.redis, "form").1["done"].as_u64().unwrap();
+
+    // In the page: a number out of its bounds, a JSON box that is not JSON:
+    // the browser does not submit.
+    set("field-label", "billing");
+    set("field-reason", "checked by a person");
+    set("field-task_type", "classify");
+    set("field-confidence", "3");
+    set("field-items", "[\"A-1\"");
+    assert_eq!(invalid("field-confidence"), Value::Bool(true));
+    assert_eq!(invalid("field-items"), Value::Bool(true));
+    assert!(
+        js("return document.getElementById('field-items').validationMessage;")
+            .as_str()
+            .unwrap()
+            .starts_with("not JSON"),
+    );
+    b.click("#accept-fields");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(rid_on_page(&b), rid, "not submitted");
+    assert!(b.find("#refused").is_none());
+    assert_eq!(done(), 0);
+
+    // Past the page's checks (the bound removed), the server refuses it again.
+    js("document.getElementById('field-confidence').removeAttribute('max');");
+    set("field-items", "[\"A-1\"]");
+    b.click("#accept-fields");
+    b.wait("the refusal", Duration::from_secs(10), |b| b.find("#refused").is_some());
+    let refused = b.text("#refused");
+    assert!(refused.contains("confidence"), "{refused}");
+    assert_eq!(rid_on_page(&b), rid);
+    assert_eq!(done(), 0, "nothing saved");
+    // The form comes back filled with what was sent.
+    assert_eq!(js("return document.getElementById('field-label').value;"), "billing");
+
+    set("field-confidence", "0.5");
+    b.click("#accept-fields");
+    b.wait("the next entry", Duration::from_secs(10), |b| {
+        b.find("#rid").is_none() || rid_on_page(b) != rid
+    });
+    assert_eq!(done(), 1);
+    let p = common::record::partition_of(&rid, 4);
+    let result: String = r.redis.conn().hget(keys::results("form", p), &rid).unwrap();
+    let result: Value = serde_json::from_str(&result).unwrap();
+    assert_eq!(
+        result["output"],
+        serde_json::json!({"label": "billing", "reason": "checked by a person", "confidence": 0.5,
+                           "task_type": "classify", "items": ["A-1"], "record_id": rid, "_reviewer": "ann"}),
+        "typed as the spec says: {result}"
+    );
+}
+
+#[test]
 fn two_reviewers_race_on_one_entry_and_the_second_is_told_who_decided() {
     let r = reviewed("race", 4, "bad_enum=1.0");
     let (ann, bob) = (Browser::start(), Browser::start());

@@ -20,6 +20,7 @@ pub mod audit;
 pub mod auth;
 pub mod chart;
 pub mod compare;
+pub mod form;
 pub mod jobs;
 pub mod queue;
 pub mod workers;

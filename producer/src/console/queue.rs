@@ -316,9 +316,10 @@ struct EntryPage {
     query: String,
     next: String,
     base: String,
-    /// Another reviewer holds the entry: who, and for how long (empty: this
-    /// reviewer holds it).
+    /// Another reviewer holds the entry: who (empty: this reviewer holds it).
     held: String,
+    /// The edit form, from the field spec.
+    form_fields: Vec<super::form::FormField>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -339,7 +340,7 @@ pub async fn entry_page(
         .await?
         .ok_or_else(|| gone(&job, &rid))?;
     let editor = crate::review::editable(&entry);
-    let mut view = entry_view(&c, &who, &job, entry, &q.f, editor, Vec::new());
+    let mut view = entry_view(&c, &who, &job, &spec, entry, &q.f, editor, Vec::new());
     // Opening an entry holds it for this reviewer, unless another does.
     if let ReviewLease::HeldBy { reviewer } = c.store.review_lease(&job, p, &rid, &who, c.config.lease).await? {
         view.held = format!(
@@ -372,10 +373,12 @@ fn version_of(e: &ReviewEntry) -> String {
     hex::encode(&sha2::Sha256::digest(e.seen.as_bytes())[..12])
 }
 
+#[allow(clippy::too_many_arguments)]
 fn entry_view(
     c: &Console,
     who: &str,
     job: &str,
+    spec: &common::spec::JobSpec,
     e: ReviewEntry,
     f: &Filters,
     editor: String,
@@ -403,6 +406,17 @@ fn entry_view(
             });
         }
     }
+    // The edit form, filled from the output being edited, with the model's
+    // errors at their fields.
+    let mut form_errors: HashMap<String, Vec<String>> = HashMap::new();
+    for err in &e.errors {
+        form_errors
+            .entry(field_of(&err.field).to_owned())
+            .or_default()
+            .push(err.to_string());
+    }
+    let editing = serde_json::from_str::<Value>(&editor).unwrap_or(Value::Null);
+    let form_fields = super::form::fields(spec, &editing, &form_errors);
     // Errors about fields the output lacks, or about the output as a whole.
     let mut general: Vec<String> = by_field.into_values().flatten().collect();
     general.sort();
@@ -458,6 +472,7 @@ fn entry_view(
         query,
         e,
         held: String::new(),
+        form_fields,
     }
 }
 
@@ -541,6 +556,13 @@ pub struct ActionForm {
     version: String,
     #[serde(default)]
     output: String,
+    /// `fields`: the output comes from the edit form's fields (`field.NAME`);
+    /// otherwise from `output` (the JSON editor).
+    #[serde(default)]
+    mode: String,
+    /// The edit form's fields, and anything else the form sent.
+    #[serde(flatten)]
+    fields: HashMap<String, String>,
     #[serde(default)]
     note: String,
     #[serde(default)]
@@ -695,7 +717,28 @@ pub async fn accept(
         Ok(found) => found,
         Err(answer) => return Ok(answer),
     };
-    match crate::review::accept_entry(&c.store, &spec, &job, p, &entry, &form.output, &who).await {
+    // The output the form made: its fields, checked again here, or the JSON editor's text.
+    let output = if form.mode == "fields" {
+        match super::form::output_of(&spec, &form.fields) {
+            Ok(output) => output,
+            Err(problems) => {
+                let view = entry_view(
+                    &c,
+                    &who,
+                    &job,
+                    &spec,
+                    entry,
+                    &form.filters(),
+                    form.output.clone(),
+                    problems,
+                );
+                return Ok(page(StatusCode::UNPROCESSABLE_ENTITY, &view));
+            }
+        }
+    } else {
+        form.output.clone()
+    };
+    match crate::review::accept_entry(&c.store, &spec, &job, p, &entry, &output, &who).await {
         // Nothing saved: the page again, with the edit and the errors at it.
         Err(ReviewError::Invalid(errors)) => {
             let errors = errors
@@ -704,7 +747,7 @@ pub async fn accept(
                 .collect();
             Ok(page(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                &entry_view(&c, &who, &job, entry, &form.filters(), form.output.clone(), errors),
+                &entry_view(&c, &who, &job, &spec, entry, &form.filters(), output, errors),
             ))
         }
         done => acted(&c, &who, &job, &spec, &rid, &form, done).await,
