@@ -280,6 +280,12 @@ pub fn outage(job: &str) -> String {
     format!("bf:{{{job}}}:outage")
 }
 
+/// Stream: every bulk action people took on the job (who, what, the
+/// filter, how many entries it touched); append-only.
+pub fn bulk_log(job: &str) -> String {
+    format!("bf:{{{job}}}:bulk")
+}
+
 /// The structured-output form an endpoint and model accept, learned by
 /// `structured_output = "auto"` (`endpoint` is a hash of base URL and model).
 pub fn accepted_form(endpoint: &str) -> String {

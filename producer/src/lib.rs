@@ -21,6 +21,7 @@
 //! - [`terminal`]: the reviewer's terminal (raw keys, lines, always restored).
 
 pub mod audit;
+pub mod bulk;
 pub mod cli;
 pub mod commands;
 pub mod compare;

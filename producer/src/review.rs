@@ -29,6 +29,10 @@ pub enum ReviewError {
     Store(#[from] common::store::StoreError),
     #[error("{0}")]
     Io(String),
+    /// A command that would do something other than what was meant (a
+    /// flag missing, a bulk action past its threshold without --yes).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// A job's spec as enqueued.

@@ -585,6 +585,92 @@ fn the_edit_form_follows_the_field_spec_and_is_checked_in_the_page_and_again_on_
 }
 
 #[test]
+fn a_filtered_queue_is_counted_before_its_bulk_buttons_act_and_a_changed_queue_is_refused() {
+    let r = reviewed("bulk", 16, "bad_enum=0.5,content_filter=0.5");
+    let url = r.redis.url();
+    let dry = |args: &[&str]| -> u64 {
+        let mut a = vec![
+            "review",
+            "--job",
+            "bulk",
+            "--redis",
+            &url,
+            "bulk",
+            "requeue",
+            "--dry-run",
+            "--json",
+        ];
+        a.extend(args);
+        let out = producer(&a);
+        serde_json::from_str::<Value>(&stdout(&out)).unwrap()["matched"]
+            .as_u64()
+            .unwrap()
+    };
+    let (enums, refused) = (dry(&["--code", "E_ENUM"]), dry(&["--reason", "refused"]));
+    assert!(enums > 0 && refused > 0, "{enums} {refused}");
+    let b = Browser::start();
+    sign_in(&b, &r.console, ANN);
+    // No filter: no bulk buttons.
+    b.goto(&r.console.url("/jobs/bulk/review"));
+    assert!(b.find("#bulk").is_none());
+    // Filtered: the count of the whole queue, before any button.
+    b.goto(&r.console.url("/jobs/bulk/review?code=E_ENUM"));
+    assert_eq!(
+        b.text("#matching"),
+        enums.to_string(),
+        "the same count as the command line"
+    );
+    assert_eq!(b.text("#bulk-requeue-button"), format!("requeue all {enums}"));
+    b.fill("#bulk-requeue input[name=note]", "look at the label");
+    b.click("#bulk-requeue-button");
+    b.wait("the answer", Duration::from_secs(10), |b| {
+        b.source().contains("bulk-action log")
+    });
+    assert!(
+        b.source().contains(&format!("requeue {enums} of {enums} entries")),
+        "{}",
+        b.source()
+    );
+    assert_eq!(
+        count(&r.redis, "bulk", "review"),
+        refused,
+        "the E_ENUM entries left review"
+    );
+
+    // The page counted; then someone decided one entry: the bulk action is refused.
+    b.goto(&r.console.url("/jobs/bulk/review?reason=refused"));
+    assert_eq!(b.text("#matching"), refused.to_string());
+    let listed = producer(&["review", "--job", "bulk", "--redis", &url, "list", "--jsonl"]);
+    let first: Value = serde_json::from_str(stdout(&listed).lines().next().unwrap()).unwrap();
+    let rid = first["record_id"].as_str().unwrap();
+    let out = producer(&[
+        "review", "--job", "bulk", "--redis", &url, "reject", rid, "--reason", "spam",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    b.fill("#bulk-reject input[name=because]", "refused by the model");
+    b.click("#bulk-reject-button");
+    b.wait("the answer", Duration::from_secs(10), |b| {
+        b.source().contains("The queue changed")
+    });
+    assert!(
+        b.source().contains(&format!("counted {refused} entries")),
+        "{}",
+        b.source()
+    );
+    assert_eq!(count(&r.redis, "bulk", "review"), refused - 1, "nothing done");
+    // The action that ran is in the log; the refused one is not.
+    let log = producer(&["review", "--job", "bulk", "--redis", &url, "bulk-log", "--json"]);
+    let log: Value = serde_json::from_str(&stdout(&log)).unwrap();
+    let actions = log["actions"].as_array().unwrap();
+    assert_eq!(actions.len(), 1, "{log}");
+    assert_eq!(
+        (actions[0]["by"].as_str(), actions[0]["action"].as_str()),
+        (Some("ann"), Some("requeue"))
+    );
+    assert_eq!(actions[0]["filter"], serde_json::json!({"code": "E_ENUM"}));
+}
+
+#[test]
 fn two_reviewers_race_on_one_entry_and_the_second_is_told_who_decided() {
     let r = reviewed("race", 4, "bad_enum=1.0");
     let (ann, bob) = (Browser::start(), Browser::start());

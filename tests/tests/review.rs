@@ -721,3 +721,149 @@ fn two_reviewers_are_never_handed_the_same_entry_while_a_lease_holds() {
         s.close();
     }
 }
+
+/// A job "rv" of 30 records in review after one attempt each: about half
+/// with a wrong label (E_ENUM), the rest refused by the model.
+fn mixed_review() -> (RedisServer, TempDir) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("bulk");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    let spec = harness::spec_with(&dir, &[("max_attempts = 4", "max_attempts = 1")]);
+    enqueue(&redis, &data, "rv", &spec);
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.5,content_filter=0.5", "--seed", "5"]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rv", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    (redis, dir)
+}
+
+fn json_out(out: &std::process::Output) -> Value {
+    assert!(out.status.success(), "{}", stderr(out));
+    serde_json::from_str(&stdout(out)).unwrap()
+}
+
+#[test]
+fn bulk_actions_select_by_filter_say_how_many_first_and_are_logged() {
+    let (redis, _dir) = mixed_review();
+    let listed = json_out(&review(&redis, &["list", "--json"]));
+    let entries = listed["entries"].as_array().unwrap();
+    assert_eq!(entries.len(), 30);
+    let enum_ids: Vec<&str> = entries
+        .iter()
+        .filter(|e| {
+            e["errors"]
+                .as_array()
+                .is_some_and(|x| x.iter().any(|x| x["code"] == "E_ENUM"))
+        })
+        .map(|e| e["record_id"].as_str().unwrap())
+        .collect();
+    assert!(enum_ids.len() > 10 && enum_ids.len() < 30, "{}", enum_ids.len());
+
+    // A dry run: the count and a sample, nothing done.
+    let dry = json_out(&review(
+        &redis,
+        &[
+            "bulk",
+            "reject",
+            "--code",
+            "E_ENUM",
+            "--because",
+            "x",
+            "--dry-run",
+            "--json",
+        ],
+    ));
+    assert_eq!(dry["matched"], enum_ids.len());
+    assert_eq!(dry["sample"].as_array().unwrap().len(), 5);
+    assert!(enum_ids.contains(&dry["sample"][0]["record_id"].as_str().unwrap()));
+    // Past ten entries, it wants --yes, and says so.
+    let refused = review(&redis, &["bulk", "reject", "--code", "E_ENUM", "--because", "x"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let err = stderr(&refused);
+    assert!(
+        err.contains(&format!("would touch {} review entries", enum_ids.len())) && err.contains("--yes"),
+        "{err}"
+    );
+    assert!(err.contains("--dry-run"), "{err}");
+    assert_eq!(
+        states(&redis).values().filter(|s| *s == "review").count(),
+        30,
+        "nothing done"
+    );
+    // Mistyped filters are refused, naming the flag.
+    let bad = review(&redis, &["bulk", "requeue", "--since", "yesterday"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(stderr(&bad).contains("--since `yesterday`"), "{}", stderr(&bad));
+    let bad = review(&redis, &["bulk", "reject", "--code", "E_ENUM"]);
+    assert!(stderr(&bad).contains("--because TEXT"), "{}", stderr(&bad));
+    for (flags, n) in [
+        (vec!["--min-attempts", "2"], 0),
+        (vec!["--since", "2999-01-01T00:00:00Z"], 0),
+        (vec!["--until", "2999-01-01T00:00:00Z"], 30),
+        (vec!["--reason", "refused"], 30 - enum_ids.len()),
+        (vec!["--field", "label", "--max-attempts", "1"], enum_ids.len()),
+    ] {
+        let mut args = vec!["bulk", "requeue", "--dry-run", "--json"];
+        args.extend(&flags);
+        assert_eq!(json_out(&review(&redis, &args))["matched"], n, "{flags:?}");
+    }
+
+    // A JSON path on the input: one record, requeued with a note.
+    let one = entries.iter().find(|e| e["record_id"] == enum_ids[0]).unwrap();
+    let text = serde_json::from_str::<Value>(one["input"].to_string().as_str()).unwrap()["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("$.text={text}");
+    let done = json_out(&review(
+        &redis,
+        &["bulk", "requeue", "--input", &path, "--note", "use billing", "--json"],
+    ));
+    assert_eq!(
+        (done["matched"].as_u64(), done["acted"].as_u64()),
+        (Some(1), Some(1)),
+        "{done}"
+    );
+    assert_eq!(states(&redis)[enum_ids[0]], "queued");
+    // The rest of the wrong labels, rejected.
+    let done = json_out(&review(
+        &redis,
+        &[
+            "bulk",
+            "reject",
+            "--code",
+            "E_ENUM",
+            "--because",
+            "bad labels",
+            "--yes",
+            "--json",
+        ],
+    ));
+    assert_eq!(done["acted"], enum_ids.len() - 1);
+    let s = states(&redis);
+    assert_eq!(
+        s.values().filter(|v| *v == "dropped:rejected").count(),
+        enum_ids.len() - 1
+    );
+    assert_eq!(
+        hash_entry(&redis, keys::reviewed, enum_ids[1]).unwrap()["actions"][0]["reason"],
+        "bad labels"
+    );
+
+    // The log holds both, with their filters and counts.
+    let log = json_out(&review(&redis, &["bulk-log", "--json"]));
+    let actions = log["actions"].as_array().unwrap();
+    assert_eq!(actions.len(), 2, "{log}");
+    assert_eq!(actions[0]["action"], "requeue");
+    assert_eq!(actions[0]["filter"]["input"][0], path.as_str());
+    assert_eq!(
+        (actions[0]["matched"].as_u64(), actions[0]["by"].as_str()),
+        (Some(1), Some("alice"))
+    );
+    assert_eq!(actions[0]["detail"], "use billing");
+    assert_eq!(actions[1]["action"], "reject");
+    assert_eq!(actions[1]["filter"], serde_json::json!({"code": "E_ENUM"}));
+    assert_eq!(actions[1]["acted"], enum_ids.len() - 1);
+    let text = stdout(&review(&redis, &["bulk-log"]));
+    assert_eq!(text.lines().count(), 2, "{text}");
+}

@@ -124,6 +124,7 @@ pub fn job_keys(job: &str) -> Vec<String> {
         keys::counters(job),
         keys::breaker(job),
         keys::outage(job),
+        keys::bulk_log(job),
     ]
 }
 

@@ -125,3 +125,29 @@ impl RedisStore {
         Ok(())
     }
 }
+
+impl RedisStore {
+    /// Appends a bulk action (its fields) to the job's bulk-action log.
+    pub async fn bulk_log_add(&self, job: &str, fields: &[(&str, String)]) -> Result<String, StoreError> {
+        let id: String = self.conn.clone().xadd(keys::bulk_log(job), "*", fields).await?;
+        Ok(id)
+    }
+
+    /// The job's bulk-action log, oldest first: (entry id, fields).
+    pub async fn bulk_log(&self, job: &str) -> Result<Vec<(String, Vec<(String, String)>)>, StoreError> {
+        let reply: redis::streams::StreamRangeReply = self.conn.clone().xrange_all(keys::bulk_log(job)).await?;
+        Ok(reply
+            .ids
+            .into_iter()
+            .map(|e| {
+                let mut fields: Vec<(String, String)> = e
+                    .map
+                    .iter()
+                    .filter_map(|(k, v)| Some((k.clone(), redis::from_redis_value::<String>(v.clone()).ok()?)))
+                    .collect();
+                fields.sort();
+                (e.id, fields)
+            })
+            .collect())
+    }
+}

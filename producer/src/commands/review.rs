@@ -94,6 +94,89 @@ pub enum ReviewCmd {
     },
     /// Apply decisions from a JSONL file (each line checked; bad lines change nothing).
     Import { file: PathBuf },
+    /// Requeue or reject every entry a filter matches. It says how many
+    /// first; --dry-run shows the count and a sample and does nothing; more
+    /// than 10 entries need --yes. Each one is recorded in the job's
+    /// bulk-action log (`review bulk-log`).
+    Bulk(BulkCmd),
+    /// The job's bulk actions: when, by whom, the filter, how many.
+    BulkLog {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BulkVerb {
+    Requeue,
+    Reject,
+}
+
+#[derive(Debug, Args)]
+pub struct BulkCmd {
+    /// requeue (a new round of attempts) or reject (dropped, with --because).
+    pub action: BulkVerb,
+    /// Entries whose reason starts with this (attempts_exhausted, refused, poison...).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Entries with this validation error code (E_ENUM...).
+    #[arg(long)]
+    pub code: Option<String>,
+    /// Entries with an error at this output field.
+    #[arg(long)]
+    pub field: Option<String>,
+    /// Entries whose input contains this text (case-insensitive).
+    #[arg(long)]
+    pub text: Option<String>,
+    /// Entries with at least / at most this many attempts.
+    #[arg(long)]
+    pub min_attempts: Option<u32>,
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// Entries that came to review at or after / before this UTC time (2026-12-04T18:00:00Z).
+    #[arg(long)]
+    pub since: Option<String>,
+    #[arg(long)]
+    pub until: Option<String>,
+    /// PATH=VALUE on the record's input (`$.channel=chat`); repeat for more.
+    #[arg(long)]
+    pub input: Vec<String>,
+    /// PATH=VALUE on the last output (`$.label=other`); repeat for more.
+    #[arg(long)]
+    pub output: Vec<String>,
+    /// requeue: a note the model sees on the next attempts.
+    #[arg(long)]
+    pub note: Option<String>,
+    /// reject: why (required).
+    #[arg(long)]
+    pub because: Option<String>,
+    /// Show how many entries match and a sample; do nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Act on more than 10 entries.
+    #[arg(long)]
+    pub yes: bool,
+    /// What it did as one JSON document.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl BulkCmd {
+    fn filter(&self) -> crate::bulk::Filter {
+        let s = |o: &Option<String>| o.clone().unwrap_or_default();
+        crate::bulk::Filter {
+            reason: s(&self.reason),
+            code: s(&self.code),
+            field: s(&self.field),
+            text: s(&self.text),
+            min_attempts: self.min_attempts,
+            max_attempts: self.max_attempts,
+            since: s(&self.since),
+            until: s(&self.until),
+            input: self.input.clone(),
+            output: self.output.clone(),
+        }
+    }
 }
 
 /// Runs a `producer review` action; another reviewer's earlier action on
@@ -135,6 +218,8 @@ pub async fn run(args: ReviewArgs, cancel: CancellationToken) -> anyhow::Result<
         }
         ReviewCmd::Export { out } => export(&store, job, &out).await,
         ReviewCmd::Import { file } => import(&store, job, &file, who).await,
+        ReviewCmd::Bulk(cmd) => bulk(&store, &args.redis, job, cmd, who).await,
+        ReviewCmd::BulkLog { json } => bulk_log(&store, job, json).await,
     };
     Ok(match done {
         Ok(()) => ExitCode::SUCCESS,
@@ -279,4 +364,124 @@ async fn import(store: &RedisStore, job: &str, file: &Path, who: &str) -> Result
         s.rejected_lines.len(),
         file.display()
     )))
+}
+
+/// `review bulk`: select, say how many, then act (or not).
+async fn bulk(store: &RedisStore, redis: &RedisArgs, job: &str, cmd: BulkCmd, who: &str) -> Result<(), ReviewError> {
+    let f = cmd.filter();
+    f.check().map_err(ReviewError::Refused)?;
+    let action = match (cmd.action, &cmd.because) {
+        (BulkVerb::Requeue, _) => crate::bulk::Bulk::Requeue { note: cmd.note.clone() },
+        (BulkVerb::Reject, Some(because)) if !because.trim().is_empty() => crate::bulk::Bulk::Reject {
+            reason: because.trim().to_owned(),
+        },
+        (BulkVerb::Reject, _) => {
+            return Err(ReviewError::Refused(
+                "a bulk reject needs a reason: add --because TEXT (the reviewers read it)".into(),
+            ));
+        }
+    };
+    let partitions = review::job_spec(store, job).await?.job.partitions;
+    let entries = crate::bulk::select(store, job, partitions, &f).await?;
+    let n = entries.len();
+    let verb = action.name();
+    if cmd.dry_run {
+        let sample: Vec<&common::task::ReviewEntry> =
+            entries.iter().take(crate::bulk::SAMPLE).map(|(e, _)| e).collect();
+        if cmd.json {
+            let sample: Vec<serde_json::Value> = sample
+                .iter()
+                .map(|e| serde_json::json!({"record_id": e.record_id, "key": e.key, "reason": e.reason, "attempts": e.attempts}))
+                .collect();
+            crate::outln!(
+                "{}",
+                serde_json::json!({"action": verb, "dry_run": true, "matched": n, "sample": sample})
+            );
+        } else {
+            crate::outln!("{verb} would touch {n} review entries of job {job} (dry run: nothing done)");
+            for e in sample {
+                let codes: Vec<&str> = e.errors.iter().map(|x| x.code.as_str()).collect();
+                crate::outln!(
+                    "  {}  {:<24} {:<22} attempts {}  {}",
+                    &e.record_id[..16.min(e.record_id.len())],
+                    e.key,
+                    e.reason,
+                    e.attempts,
+                    codes.join(",")
+                );
+            }
+            if n > crate::bulk::SAMPLE {
+                crate::outln!("  ... and {} more", n - crate::bulk::SAMPLE);
+            }
+        }
+        return Ok(());
+    }
+    if n > crate::bulk::CONFIRM_ABOVE && !cmd.yes {
+        return Err(ReviewError::Refused(format!(
+            "{verb} would touch {n} review entries of job {job}, more than {}: look first with --dry-run, \
+             then run it again with --yes (producer review --job {job}{} bulk {verb} ... --yes)",
+            crate::bulk::CONFIRM_ABOVE,
+            common::secret::redis_flag(&redis.url)
+        )));
+    }
+    if !cmd.json {
+        common::errln!("{verb}: {n} review entries of job {job} match");
+    }
+    let done = crate::bulk::apply(store, job, &action, &f, &entries, who).await?;
+    if cmd.json {
+        crate::outln!(
+            "{}",
+            serde_json::json!({"action": verb, "matched": done.matched, "acted": done.acted, "lost": done.lost, "log_id": done.log_id})
+        );
+    } else {
+        crate::outln!(
+            "{verb}: {} of {} entries ({} decided by someone else meanwhile); recorded in the bulk-action log as {}",
+            done.acted,
+            done.matched,
+            done.lost,
+            done.log_id
+        );
+    }
+    Ok(())
+}
+
+/// `review bulk-log`: the job's bulk actions, oldest first.
+async fn bulk_log(store: &RedisStore, job: &str, json: bool) -> Result<(), ReviewError> {
+    let log = store.bulk_log(job).await?;
+    let rows: Vec<serde_json::Value> = log
+        .iter()
+        .map(|(id, fields)| {
+            let mut o = serde_json::Map::new();
+            o.insert("id".into(), id.clone().into());
+            for (k, v) in fields {
+                let value = match k.as_str() {
+                    "filter" => serde_json::from_str(v).unwrap_or_else(|_| v.clone().into()),
+                    "matched" | "acted" | "lost" => v.parse::<u64>().map_or_else(|_| v.clone().into(), Into::into),
+                    _ => v.clone().into(),
+                };
+                o.insert(k.clone(), value);
+            }
+            serde_json::Value::Object(o)
+        })
+        .collect();
+    if json {
+        crate::outln!("{}", serde_json::json!({ "actions": rows }));
+        return Ok(());
+    }
+    for r in &rows {
+        crate::outln!(
+            "{}  {:<8} by {:<12} {} of {} entries  filter {}  {}",
+            r["at"].as_str().unwrap_or(""),
+            r["action"].as_str().unwrap_or(""),
+            r["by"].as_str().unwrap_or(""),
+            r["acted"],
+            r["matched"],
+            r["filter"],
+            r["detail"].as_str().unwrap_or("")
+        );
+    }
+    if rows.is_empty() {
+        common::errln!("no bulk action on job {job} yet");
+    }
+    Ok(())
 }

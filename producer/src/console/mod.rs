@@ -118,6 +118,7 @@ pub fn router(console: Shared) -> Router {
         .route("/jobs/{job}/delete", post(jobs::delete))
         .route("/jobs/{job}/review", get(queue::queue_page))
         .route("/jobs/{job}/review/next", get(queue::next_entry))
+        .route("/jobs/{job}/review-bulk", post(queue::bulk))
         .route("/jobs/{job}/review/{rid}", get(queue::entry_page))
         .route("/jobs/{job}/review/{rid}/accept", post(queue::accept))
         .route("/jobs/{job}/review/{rid}/requeue", post(queue::requeue))
@@ -186,6 +187,17 @@ impl IntoResponse for Refusal {
 impl From<common::store::StoreError> for Refusal {
     fn from(e: common::store::StoreError) -> Self {
         Refusal::Store(e)
+    }
+}
+
+/// A review action's failure other than a lost race (those are answered
+/// where they happen): Redis, or what it names.
+impl From<crate::review::ReviewError> for Refusal {
+    fn from(e: crate::review::ReviewError) -> Self {
+        match e {
+            crate::review::ReviewError::Store(e) => Refusal::Store(e),
+            other => Refusal::NotFound(other.to_string()),
+        }
     }
 }
 

@@ -85,10 +85,18 @@ pub struct Filters {
 
 impl Filters {
     fn matches(&self, e: &ReviewEntry) -> bool {
-        (self.reason.is_empty() || e.reason.starts_with(self.reason.as_str()))
-            && (self.code.is_empty() || e.errors.iter().any(|x| x.code.as_str() == self.code))
-            && (self.field.is_empty() || e.errors.iter().any(|x| field_of(&x.field) == self.field))
-            && (self.q.is_empty() || e.input.get().to_lowercase().contains(&self.q.to_lowercase()))
+        self.bulk().matches(e)
+    }
+
+    /// The same selection as the command line's `review bulk` makes.
+    pub fn bulk(&self) -> crate::bulk::Filter {
+        crate::bulk::Filter {
+            reason: self.reason.clone(),
+            code: self.code.clone(),
+            field: self.field.clone(),
+            text: self.q.clone(),
+            ..crate::bulk::Filter::default()
+        }
     }
 
     /// The query string (`?...`, or empty).
@@ -201,6 +209,9 @@ struct QueuePage {
     first: Option<String>,
     skipped: usize,
     filtered: bool,
+    /// With filters: how many entries of the whole queue they match (the
+    /// bulk buttons act on exactly these).
+    matching: Option<usize>,
 }
 
 pub async fn queue_page(
@@ -259,10 +270,98 @@ pub async fn queue_page(
             }),
             skipped: skipped.len(),
             filtered: f.active(),
+            matching: match f.active() {
+                true => Some(
+                    crate::bulk::select(&c.store, &job, spec.job.partitions, &f.bulk())
+                        .await?
+                        .len(),
+                ),
+                false => None,
+            },
             rows,
             f,
             job,
         },
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct BulkForm {
+    csrf: String,
+    /// `requeue` or `reject`.
+    action: String,
+    /// How many entries the page said the filters match: the action is
+    /// refused when that changed meanwhile.
+    expected: usize,
+    #[serde(default)]
+    note: String,
+    #[serde(default)]
+    because: String,
+    #[serde(flatten)]
+    f: Filters,
+}
+
+/// Requeues or rejects every entry the queue page's filters match, when
+/// they still match as many as the page said; recorded in the job's
+/// bulk-action log.
+pub async fn bulk(
+    State(c): State<Shared>,
+    Path(job): Path<String>,
+    headers: HeaderMap,
+    Form(form): Form<BulkForm>,
+) -> Result<Response, Refusal> {
+    let who = may_act(&c, &headers, &form.csrf)?;
+    let spec = job_spec(&c, &job).await?;
+    let action = match form.action.as_str() {
+        "requeue" => crate::bulk::Bulk::Requeue {
+            note: Some(form.note.trim().to_owned()).filter(|n| !n.is_empty()),
+        },
+        "reject" if !form.because.trim().is_empty() => crate::bulk::Bulk::Reject {
+            reason: form.because.trim().to_owned(),
+        },
+        "reject" => {
+            return Ok(super::message(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Not rejected",
+                "A bulk rejection needs a reason. Nothing was done.",
+            ));
+        }
+        other => return Err(Refusal::NotFound(format!("no bulk action `{other}`"))),
+    };
+    let filter = form.f.bulk();
+    if filter == crate::bulk::Filter::default() {
+        return Ok(super::message(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Nothing done",
+            "A bulk action needs a filter (reason, error code, field or text). Nothing was done.",
+        ));
+    }
+    let entries = crate::bulk::select(&c.store, &job, spec.job.partitions, &filter).await?;
+    if entries.len() != form.expected {
+        return Ok(super::message(
+            StatusCode::CONFLICT,
+            "The queue changed",
+            &format!(
+                "The page counted {} entries matching these filters; {} match now. Nothing was done: look at the queue again.",
+                form.expected,
+                entries.len()
+            ),
+        ));
+    }
+    let done = crate::bulk::apply(&c.store, &job, &action, &filter, &entries, &who).await?;
+    tracing::info!(job = %job, reviewer = %who, action = action.name(), acted = done.acted, "bulk review action from the console");
+    let back = format!("/jobs/{}/review", path_part(&job));
+    Ok(super::message(
+        StatusCode::OK,
+        "Done",
+        &format!(
+            "{} {} of {} entries ({} decided by someone else meanwhile); recorded in the bulk-action log ({}). Back to the queue: {back}",
+            action.name(),
+            done.acted,
+            done.matched,
+            done.lost,
+            done.log_id
+        ),
     ))
 }
 

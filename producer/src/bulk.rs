@@ -1,0 +1,280 @@
+//! Bulk actions on the review queue: requeue or reject every entry a
+//! filter matches (reason, error code, field, attempts, time range, text or
+//! a JSON path of the input or the last output). The CLI (`producer review
+//! bulk`) and the console select with the same [`Filter`]; each action is
+//! recorded in the job's bulk-action log with its filter and count.
+
+use common::store::RedisStore;
+use common::task::ReviewEntry;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::review::ReviewError;
+
+/// Entries a bulk action may touch without `--yes` (or the console's count).
+pub const CONFIRM_ABOVE: usize = 10;
+/// Entries a dry run shows.
+pub const SAMPLE: usize = 5;
+
+/// What selects review entries; an empty part matches everything.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Filter {
+    /// The entry's reason starts with this (`attempts_exhausted`, `refused`...).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    /// One of its validation errors has this code (`E_ENUM`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub code: String,
+    /// One of its errors is about this output field (`items[0]` is `items`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub field: String,
+    /// Its input contains this text (case-insensitive).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub text: String,
+    /// Its attempts are at least / at most this many.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_attempts: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    /// It came to review at or after / before this time (RFC 3339, UTC).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub since: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub until: String,
+    /// `PATH=VALUE` on the input, and on the last output: the value at the
+    /// JSON path (`$.a.b[0]`, or a JSON Pointer `/a/b/0`) is VALUE (a
+    /// string without quotes; anything else as JSON).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub input: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub output: Vec<String>,
+}
+
+impl Filter {
+    /// Checks the paths and times before anything is read.
+    pub fn check(&self) -> Result<(), String> {
+        for (flag, conds) in [("--input", &self.input), ("--output", &self.output)] {
+            for c in conds {
+                let Some((path, _)) = c.split_once('=') else {
+                    return Err(format!("{flag} `{c}`: give PATH=VALUE, e.g. {flag} '$.channel=chat'"));
+                };
+                pointer(path).map_err(|e| format!("{flag} `{c}`: {e}"))?;
+            }
+        }
+        for (flag, t) in [("--since", &self.since), ("--until", &self.until)] {
+            if !t.is_empty() && !is_rfc3339(t) {
+                return Err(format!("{flag} `{t}`: give a UTC time like 2026-12-04T18:00:00Z"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn matches(&self, e: &ReviewEntry) -> bool {
+        let field_of = |f: &str| f.split(['.', '[']).next().unwrap_or(f).to_owned();
+        (self.reason.is_empty() || e.reason.starts_with(self.reason.as_str()))
+            && (self.code.is_empty() || e.errors.iter().any(|x| x.code.as_str() == self.code))
+            && (self.field.is_empty() || e.errors.iter().any(|x| field_of(&x.field) == self.field))
+            && (self.text.is_empty() || e.input.get().to_lowercase().contains(&self.text.to_lowercase()))
+            && self.min_attempts.is_none_or(|n| e.attempts >= n)
+            && self.max_attempts.is_none_or(|n| e.attempts <= n)
+            && (self.since.is_empty() || e.created_at.as_str() >= self.since.as_str())
+            && (self.until.is_empty() || e.created_at.as_str() < self.until.as_str())
+            && paths_match(&self.input, || serde_json::from_str(e.input.get()).ok())
+            && paths_match(&self.output, || serde_json::from_str(&e.last_raw_output).ok())
+    }
+
+    /// The filter as the log keeps it (JSON of its non-empty parts).
+    pub fn describe(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+}
+
+fn is_rfc3339(t: &str) -> bool {
+    let b = t.as_bytes();
+    b.len() >= 20 && b[4] == b'-' && b[7] == b'-' && b[10] == b'T' && b[13] == b':' && t.ends_with('Z')
+}
+
+/// Every `PATH=VALUE` holds of the document (read only when there are some).
+fn paths_match(conds: &[String], doc: impl FnOnce() -> Option<Value>) -> bool {
+    if conds.is_empty() {
+        return true;
+    }
+    let Some(doc) = doc() else { return false };
+    conds.iter().all(|c| {
+        let Some((path, want)) = c.split_once('=') else {
+            return false;
+        };
+        let Ok(ptr) = pointer(path) else { return false };
+        match doc.pointer(&ptr) {
+            Some(Value::String(s)) => s == want,
+            Some(v) => serde_json::from_str::<Value>(want).is_ok_and(|w| &w == v),
+            None => false,
+        }
+    })
+}
+
+/// A JSON Pointer from `$.a.b[0]` (or a pointer given as one).
+pub fn pointer(path: &str) -> Result<String, String> {
+    if path.starts_with('/') {
+        return Ok(path.to_owned());
+    }
+    let rest = path
+        .strip_prefix('$')
+        .ok_or_else(|| format!("`{path}` is no JSON path: start it with $ (`$.a.b[0]`) or / (`/a/b/0`)"))?;
+    let mut out = String::new();
+    let mut chars = rest.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '.' => out.push('/'),
+            '[' => {
+                out.push('/');
+                let mut index = String::new();
+                for d in chars.by_ref() {
+                    if d == ']' {
+                        break;
+                    }
+                    index.push(d);
+                }
+                if index.is_empty() || !index.chars().all(|d| d.is_ascii_digit()) {
+                    return Err(format!("`{path}`: an index is a number, like [0]"));
+                }
+                out.push_str(&index);
+            }
+            '~' => out.push_str("~0"),
+            '/' => out.push_str("~1"),
+            c => out.push(c),
+        }
+    }
+    if out.is_empty() || out.contains("//") {
+        return Err(format!("`{path}` names no field"));
+    }
+    Ok(out)
+}
+
+/// The review entries of a job the filter matches, with their partitions.
+pub async fn select(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    f: &Filter,
+) -> Result<Vec<(ReviewEntry, u32)>, ReviewError> {
+    let mut out = Vec::new();
+    for p in 0..partitions {
+        store
+            .review_entries(job, p, |e| {
+                if f.matches(&e) {
+                    out.push((e, p));
+                }
+            })
+            .await?;
+    }
+    Ok(out)
+}
+
+/// What a bulk action does to each entry.
+#[derive(Debug, Clone)]
+pub enum Bulk {
+    Requeue { note: Option<String> },
+    Reject { reason: String },
+}
+
+impl Bulk {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Bulk::Requeue { .. } => "requeue",
+            Bulk::Reject { .. } => "reject",
+        }
+    }
+}
+
+/// What a bulk action did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Done {
+    pub matched: usize,
+    pub acted: usize,
+    /// Decided by someone else meanwhile (nothing done to them here).
+    pub lost: usize,
+    /// Its entry in the job's bulk-action log.
+    pub log_id: String,
+}
+
+/// Applies `bulk` to `entries` (selected with `f`) as `who`, then records
+/// it in the job's bulk-action log with its filter and counts.
+pub async fn apply(
+    store: &RedisStore,
+    job: &str,
+    bulk: &Bulk,
+    f: &Filter,
+    entries: &[(ReviewEntry, u32)],
+    who: &str,
+) -> Result<Done, ReviewError> {
+    let mut done = Done {
+        matched: entries.len(),
+        ..Done::default()
+    };
+    for (e, p) in entries {
+        let r = match bulk {
+            Bulk::Requeue { note } => crate::review::requeue_entry(store, job, *p, e, note.as_deref(), who).await,
+            Bulk::Reject { reason } => crate::review::reject_entry(store, job, *p, e, reason, who).await,
+        };
+        match r {
+            Ok(_) => done.acted += 1,
+            Err(ReviewError::Lost(_) | ReviewError::AlreadyDone(_)) => done.lost += 1,
+            Err(err) => return Err(err),
+        }
+    }
+    let detail = match bulk {
+        Bulk::Requeue { note } => note.clone().unwrap_or_default(),
+        Bulk::Reject { reason } => reason.clone(),
+    };
+    done.log_id = store
+        .bulk_log_add(
+            job,
+            &[
+                ("action", bulk.name().to_owned()),
+                ("by", who.to_owned()),
+                ("at", common::manifest::now_rfc3339()),
+                ("filter", f.describe()),
+                ("matched", done.matched.to_string()),
+                ("acted", done.acted.to_string()),
+                ("lost", done.lost.to_string()),
+                ("detail", detail),
+            ],
+        )
+        .await?;
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_become_json_pointers() {
+        assert_eq!(pointer("$.a.b[0]").unwrap(), "/a/b/0");
+        assert_eq!(pointer("$.channel").unwrap(), "/channel");
+        assert_eq!(pointer("/a/0").unwrap(), "/a/0");
+        assert!(pointer("channel").unwrap_err().contains("start it with $"));
+        assert!(pointer("$.a[x]").is_err());
+        assert!(pointer("$").is_err());
+    }
+
+    #[test]
+    fn values_at_paths_match_as_text_or_json() {
+        let doc = || serde_json::from_str(r#"{"channel": "chat", "n": 3, "tags": ["a", "b"]}"#).ok();
+        assert!(paths_match(&["$.channel=chat".into()], doc));
+        assert!(paths_match(&["$.n=3".into(), "$.tags[1]=b".into()], doc));
+        assert!(!paths_match(&["$.n=4".into()], doc));
+        assert!(!paths_match(&["$.missing=x".into()], doc));
+        let f = Filter {
+            input: vec!["channel=chat".into()],
+            ..Filter::default()
+        };
+        assert!(f.check().unwrap_err().contains("--input `channel=chat`"));
+        let f = Filter {
+            since: "yesterday".into(),
+            ..Filter::default()
+        };
+        assert!(f.check().unwrap_err().contains("--since"));
+    }
+}
