@@ -187,6 +187,22 @@ pub fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// `12.50 records/s over the last minute (the fleet); 340 remaining, about 27s at this rate`.
+fn rate_line(s: &JobStatus) -> String {
+    let eta = match s.eta_secs {
+        Some(0) => "none remaining".to_owned(),
+        Some(secs) => format!("{} remaining, about {} at this rate", s.remaining, duration_words(secs)),
+        None => format!(
+            "{} remaining, no estimate: none settled in the last minute",
+            s.remaining
+        ),
+    };
+    format!(
+        "{:.2} records/s over the last minute (the fleet); {eta}",
+        s.rate_per_sec
+    )
+}
+
 /// Seconds until `remaining` records are settled at `rate` per second.
 pub fn eta(remaining: u64, rate: f64) -> Option<u64> {
     match remaining {
@@ -383,18 +399,7 @@ pub fn print(s: &JobStatus) {
     if s.cancelled > 0 {
         crate::outln!("  cancelled    {}", s.cancelled);
     }
-    let eta = match s.eta_secs {
-        Some(0) => "none remaining".to_owned(),
-        Some(secs) => format!("{} remaining, about {} at this rate", s.remaining, duration_words(secs)),
-        None => format!(
-            "{} remaining, no estimate: none settled in the last minute",
-            s.remaining
-        ),
-    };
-    crate::outln!(
-        "  rate         {:.2} records/s over the last minute (the fleet); {eta}",
-        s.rate_per_sec
-    );
+    crate::outln!("  rate         {}", rate_line(s));
     crate::outln!("  missing      {}", s.missing);
     crate::outln!("  duplicates   {}", s.duplicates);
     crate::outln!("  unknown      {}", s.unknown);

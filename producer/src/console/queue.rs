@@ -519,34 +519,7 @@ fn entry_view(
     // Errors about fields the output lacks, or about the output as a whole.
     let mut general: Vec<String> = by_field.into_values().flatten().collect();
     general.sort();
-    let steps = e
-        .history
-        .iter()
-        .map(|h| match h {
-            HistoryItem::Attempt(a) => Step {
-                what: format!("attempt {} (call {})", a.attempt, a.call),
-                at: a.at.clone(),
-                outcome: format!("{} → {}", a.outcome, a.decision),
-                detail: {
-                    let mut d: Vec<String> = a.errors.iter().map(ToString::to_string).collect();
-                    if let Some(u) = &a.usage {
-                        d.push(format!("{} + {} tokens", u.prompt, u.completion));
-                    }
-                    if let Some(m) = &a.error {
-                        d.push(m.clone());
-                    }
-                    d.push(format!("{} ms, {}", a.elapsed_ms, a.worker));
-                    d.join("; ")
-                },
-            },
-            HistoryItem::Action(a) => Step {
-                what: format!("{} by {}", a.action, a.by),
-                at: a.at.clone(),
-                outcome: String::new(),
-                detail: a.note.clone().or_else(|| a.reason.clone()).unwrap_or_default(),
-            },
-        })
-        .collect();
+    let steps = steps_of(&e);
     let query = f.query();
     let next = format!(
         "{base}/next{}{}after={}",
@@ -573,6 +546,37 @@ fn entry_view(
         held: String::new(),
         form_fields,
     }
+}
+
+/// The entry's history as the page lists it: attempts and people's actions.
+fn steps_of(e: &ReviewEntry) -> Vec<Step> {
+    e.history
+        .iter()
+        .map(|h| match h {
+            HistoryItem::Attempt(a) => Step {
+                what: format!("attempt {} (call {})", a.attempt, a.call),
+                at: a.at.clone(),
+                outcome: format!("{} → {}", a.outcome, a.decision),
+                detail: {
+                    let mut d: Vec<String> = a.errors.iter().map(ToString::to_string).collect();
+                    if let Some(u) = &a.usage {
+                        d.push(format!("{} + {} tokens", u.prompt, u.completion));
+                    }
+                    if let Some(m) = &a.error {
+                        d.push(m.clone());
+                    }
+                    d.push(format!("{} ms, {}", a.elapsed_ms, a.worker));
+                    d.join("; ")
+                },
+            },
+            HistoryItem::Action(a) => Step {
+                what: format!("{} by {}", a.action, a.by),
+                at: a.at.clone(),
+                outcome: String::new(),
+                detail: a.note.clone().or_else(|| a.reason.clone()).unwrap_or_default(),
+            },
+        })
+        .collect()
 }
 
 #[derive(Debug, Deserialize)]
