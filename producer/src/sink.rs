@@ -305,7 +305,7 @@ pub async fn open(spec: &JobSpec, job: &str, context: &str, why: &str) -> anyhow
         SinkKind::Files => Target::Files(spec.sink.dir.clone().unwrap_or_default().into()),
         _ => Target::Postgres(database_url(spec, context, why)?),
     };
-    Ok(AnySink::open(&target, job, spec).await?)
+    Ok(AnySink::reader(&target, job, spec).await?)
 }
 
 fn database_url(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<String> {

@@ -349,6 +349,13 @@ async fn files_keep_the_sink_contract() {
         )),
     };
     conformance(&s).await;
+    // Read only (status, report, export): a job that never wrote reads as
+    // empty, and nothing is created.
+    let reader = AnySink::reader(&s.target, "never", &s.spec).await.unwrap();
+    let held = reader.holdings("never").await.unwrap();
+    assert!(held.result_ids.is_empty() && held.ledger_calls == 0, "{held:?}");
+    assert_eq!(read_back(&reader, "never").await, (vec![], vec![]));
+    assert!(!root.join("never").exists(), "reading created the job's folder");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

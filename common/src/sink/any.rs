@@ -41,6 +41,17 @@ macro_rules! each {
     };
 }
 
+impl AnySink {
+    /// The sink to read only: a files sink's directories are not created
+    /// (a job that never wrote reads as empty); the others as [`ResultSink::open`].
+    pub async fn reader(target: &Target, job: &str, spec: &JobSpec) -> Result<AnySink, SinkError> {
+        match target {
+            Target::Files(dir) => Ok(AnySink::Files(FileSink::reader(dir, job, spec.sink.segment_limits())?)),
+            other => AnySink::open(other, job, spec).await,
+        }
+    }
+}
+
 impl ResultSink for AnySink {
     type Target = Target;
 

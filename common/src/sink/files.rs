@@ -284,6 +284,18 @@ impl FileSink {
         })
     }
 
+    /// The sink of `job` in `dir` to read (its holdings, results, ledger):
+    /// nothing is created.
+    pub fn reader(dir: &Path, job: &str, limits: SegmentLimits) -> Result<FileSink, SinkError> {
+        Ok(FileSink {
+            dir: dir.to_owned(),
+            root: job_dir(dir, job)?,
+            job: job.to_owned(),
+            limits,
+            parts: HashMap::new(),
+        })
+    }
+
     /// Takes partition `p` for this writer unless another holds it. Taking
     /// it rolls forward what a previous writer left: a pending
     /// acknowledgement is returned through [`FileSink::pending`], open
