@@ -51,8 +51,16 @@ pub struct Filter {
 }
 
 impl Filter {
-    /// Checks the paths and times before anything is read.
+    /// Checks the paths and times before anything is read; a filter that
+    /// would select the whole queue is refused (say what to select).
     pub fn check(&self) -> Result<(), String> {
+        if *self == Filter::default() {
+            return Err(
+                "a bulk action needs a filter: --reason, --code, --field, --text, --min-attempts, \
+                 --max-attempts, --since, --until, --input or --output (see them all with --dry-run first)"
+                    .into(),
+            );
+        }
         for (flag, conds) in [("--input", &self.input), ("--output", &self.output)] {
             for c in conds {
                 let Some((path, _)) = c.split_once('=') else {
@@ -151,6 +159,20 @@ pub fn pointer(path: &str) -> Result<String, String> {
     Ok(out)
 }
 
+/// A digest of the selected entries (their record ids): the console's
+/// confirmation names exactly the set it counted.
+pub fn digest(entries: &[(ReviewEntry, u32)]) -> String {
+    use sha2::Digest;
+    let mut ids: Vec<&str> = entries.iter().map(|(e, _)| e.record_id.as_str()).collect();
+    ids.sort_unstable();
+    let mut h = sha2::Sha256::new();
+    for id in ids {
+        h.update(id.as_bytes());
+        h.update(b"\n");
+    }
+    hex::encode(&h.finalize()[..12])
+}
+
 /// The review entries of a job the filter matches, with their partitions.
 pub async fn select(
     store: &RedisStore,
@@ -194,6 +216,8 @@ pub struct Done {
     pub acted: usize,
     /// Decided by someone else meanwhile (nothing done to them here).
     pub lost: usize,
+    /// Held by another reviewer who has them open (left to them).
+    pub held: usize,
     /// Its entry in the job's bulk-action log.
     pub log_id: String,
 }
@@ -212,7 +236,17 @@ pub async fn apply(
         matched: entries.len(),
         ..Done::default()
     };
+    let mut failed = None;
     for (e, p) in entries {
+        // An entry another reviewer has open is theirs to decide.
+        if store
+            .review_holder(job, *p, &e.record_id)
+            .await?
+            .is_some_and(|h| h != who)
+        {
+            done.held += 1;
+            continue;
+        }
         let r = match bulk {
             Bulk::Requeue { note } => crate::review::requeue_entry(store, job, *p, e, note.as_deref(), who).await,
             Bulk::Reject { reason } => crate::review::reject_entry(store, job, *p, e, reason, who).await,
@@ -220,7 +254,11 @@ pub async fn apply(
         match r {
             Ok(_) => done.acted += 1,
             Err(ReviewError::Lost(_) | ReviewError::AlreadyDone(_)) => done.lost += 1,
-            Err(err) => return Err(err),
+            // Stop, but what was done goes to the log first.
+            Err(err) => {
+                failed = Some(err);
+                break;
+            }
         }
     }
     let detail = match bulk {
@@ -238,11 +276,16 @@ pub async fn apply(
                 ("matched", done.matched.to_string()),
                 ("acted", done.acted.to_string()),
                 ("lost", done.lost.to_string()),
+                ("held", done.held.to_string()),
                 ("detail", detail),
+                ("complete", failed.is_none().to_string()),
             ],
         )
         .await?;
-    Ok(done)
+    match failed {
+        Some(err) => Err(err),
+        None => Ok(done),
+    }
 }
 
 #[cfg(test)]

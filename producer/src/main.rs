@@ -43,9 +43,21 @@ async fn shutdown_signal() {
                 return;
             }
         };
+        // A closed terminal (SIGHUP) ends a command as Ctrl-C does: `review
+        // next` then gives its entry back.
+        let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+        let hung_up = async {
+            match hangup.as_mut() {
+                Some(h) => {
+                    h.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
+            _ = hung_up => {}
         }
     }
     #[cfg(not(unix))]

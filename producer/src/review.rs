@@ -576,9 +576,27 @@ pub async fn next_loop(
     let mut skipped: HashSet<String> = HashSet::new();
     let mut edits: HashMap<String, String> = HashMap::new();
     let mut term = Terminal::enter();
+    // This session's leases: another session of the same reviewer is
+    // another holder.
+    let token = format!("{who}#{:08x}", rand::random::<u32>());
+    let mut holding: Option<(String, u32)> = None;
+    let release = |rid: String, p: u32| {
+        let token = token.clone();
+        async move {
+            if let Err(e) = store.review_release(job, p, &rid, &token).await {
+                tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
+            }
+        }
+    };
     loop {
         let left = store.review_depth(job, partitions).await?;
-        let (next, held) = next_free(store, job, partitions, &skipped, who, lease).await?;
+        let (next, held) = next_free(store, job, partitions, &skipped, &token, lease).await?;
+        // The entry shown before, when this is another one, is free again.
+        if let Some((rid, p)) = holding.take()
+            && next.as_ref().is_none_or(|(e, _)| e.record_id != rid)
+        {
+            release(rid, p).await;
+        }
         let Some((e, p)) = next else {
             let others = if held > 0 {
                 format!(", {held} held by other reviewers")
@@ -593,12 +611,8 @@ pub async fn next_loop(
             return Ok(acted);
         };
         let rid = e.record_id.clone();
-        // Whatever the key, the entry is given back when this one is done with it.
-        let give_back = || async {
-            if let Err(e) = store.review_release(job, p, &rid, who).await {
-                tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
-            }
-        };
+        holding = Some((rid.clone(), p));
+        let give_back = || release(rid.clone(), p);
         term.say(&entry_screen(&e, left, skipped.len())).map_err(io)?;
         term.say("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ")
             .map_err(io)?;
@@ -684,7 +698,7 @@ async fn next_free(
     job: &str,
     partitions: u32,
     skipped: &HashSet<String>,
-    who: &str,
+    token: &str,
     lease: std::time::Duration,
 ) -> Result<(Option<(ReviewEntry, u32)>, u64), ReviewError> {
     let mut held = 0;
@@ -693,7 +707,7 @@ async fn next_free(
         loop {
             let (entries, next) = store.review_page(job, p, cursor, 100).await?;
             for e in entries.into_iter().filter(|e| !skipped.contains(&e.record_id)) {
-                match store.review_lease(job, p, &e.record_id, who, lease).await? {
+                match store.review_lease(job, p, &e.record_id, token, lease).await? {
                     common::store::ReviewLease::Mine => return Ok((Some((e, p)), held)),
                     common::store::ReviewLease::HeldBy { .. } => held += 1,
                 }

@@ -31,10 +31,8 @@ impl WorkerLine {
 
 /// Every worker with an entry, live ones first, then by id.
 pub async fn list(store: &RedisStore) -> Result<Vec<WorkerLine>, StoreError> {
-    let now_ms = crate::status::now_secs() * 1000;
-    let mut lines: Vec<WorkerLine> = store
-        .workers()
-        .await?
+    let (beats, now_ms) = store.workers().await?;
+    let mut lines: Vec<WorkerLine> = beats
         .into_iter()
         .filter(|b| !b.expired(now_ms))
         .map(|beat| WorkerLine {

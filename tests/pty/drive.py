@@ -3,12 +3,14 @@
 
 usage: drive.py INPUT [INPUT...] -- COMMAND [ARGS...]
 Each INPUT (one key, or a line of text ending with a newline) is sent once
-the program has printed its next prompt (`> `). Prints everything the
+the program has printed its next prompt (`> `); the INPUT `<HUP>` hangs the
+terminal up instead (SIGHUP to the program, as when its window closes). Prints everything the
 program wrote; exits with its exit code.
 """
 import os
 import pty
 import select
+import signal
 import sys
 import time
 
@@ -35,7 +37,11 @@ def main():
             out += chunk
         if pending and out.count(b"> ") > prompts_seen:
             prompts_seen = out.count(b"> ")
-            os.write(fd, pending.pop(0).encode())
+            key = pending.pop(0)
+            if key == "<HUP>":
+                os.kill(pid, signal.SIGHUP)
+            else:
+                os.write(fd, key.encode())
     _, status = os.waitpid(pid, 0)
     sys.stdout.write(out.decode(errors="replace"))
     sys.exit(os.waitstatus_to_exitcode(status))

@@ -705,6 +705,14 @@ fn two_reviewers_are_never_handed_the_same_entry_while_a_lease_holds() {
             s.close();
         }
     }
+    // Two sessions of one reviewer are two holders.
+    let (a, b) = (
+        Session::start(&redis, "ann", "600"),
+        Session::start(&redis, "ann", "600"),
+    );
+    assert_ne!(a.shown().unwrap(), b.shown().unwrap());
+    a.close();
+    b.close();
     // A lease nobody gives back (a reviewer gone quiet) returns the entry once it expires.
     let quiet = Session::start(&redis, "ann", "1");
     let held = quiet.shown().unwrap();
@@ -794,6 +802,12 @@ fn bulk_actions_select_by_filter_say_how_many_first_and_are_logged() {
     let bad = review(&redis, &["bulk", "requeue", "--since", "yesterday"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(stderr(&bad).contains("--since `yesterday`"), "{}", stderr(&bad));
+    let bad = review(&redis, &["bulk", "requeue"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("needs a filter"),
+        "the whole queue is never one keystroke away"
+    );
     let bad = review(&redis, &["bulk", "reject", "--code", "E_ENUM"]);
     assert!(stderr(&bad).contains("--because TEXT"), "{}", stderr(&bad));
     for (flags, n) in [
@@ -866,4 +880,30 @@ fn bulk_actions_select_by_filter_say_how_many_first_and_are_logged() {
     assert_eq!(actions[1]["acted"], enum_ids.len() - 1);
     let text = stdout(&review(&redis, &["bulk-log"]));
     assert_eq!(text.lines().count(), 2, "{text}");
+}
+
+#[test]
+fn a_closed_terminal_gives_its_entry_back_at_once() {
+    let (redis, _dir) = all_in_review(2);
+    let out = Command::new("python3")
+        .arg(harness::workspace().join("tests/pty/drive.py"))
+        .arg("<HUP>")
+        .arg("--")
+        .arg(bin("producer"))
+        .args(review_args(&redis, "ann", &["next", "--lease-secs", "600"]))
+        .output()
+        .unwrap();
+    let screen = stdout(&out);
+    assert!(out.status.success(), "{screen}\n{}", stderr(&out));
+    let first = screen
+        .lines()
+        .find_map(|l| l.strip_prefix("=== "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+    // Ann's window closed while her first entry was on screen: it is free
+    // at once (not in ten minutes), so the next reviewer is handed it.
+    let bob = Session::start(&redis, "bob", "600");
+    assert_eq!(bob.shown(), Some(first));
+    bob.close();
 }

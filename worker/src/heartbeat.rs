@@ -105,7 +105,7 @@ impl Service for Beater {
         }
         if self.forgot.is_none_or(|t| t.elapsed() >= FORGET_EVERY) {
             self.forgot = Some(Instant::now());
-            if let Err(e) = self.fleet.store.forget_workers(crate::clock::now_ms()).await {
+            if let Err(e) = self.fleet.store.forget_workers().await {
                 self.fleet.store_error(&e).await;
             }
         }

@@ -75,14 +75,24 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     loops.wait().await;
     // 2. Not ready any more; the fleet sees it draining.
     fleet.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut beater = Beater::new(fleet.clone());
-    let _ = beater.run_once().await;
+    // The heartbeat goes on through the drain (draining, not dead).
+    let beats = {
+        let fleet = fleet.clone();
+        tokio::spawn(async move {
+            let mut beater = Beater::new(fleet.clone());
+            loop {
+                let wait = beater.run_once().await.unwrap_or(fleet.config.heartbeat);
+                tokio::time::sleep(wait).await;
+            }
+        })
+    };
     // 3. In-flight work gets its deadline; 4. what the limiters saw.
     let summary = drain(&fleet).await;
     fleet.flush_lost_answers().await;
     // 5. The consumer name is free again; the HTTP endpoints go last.
     signalled.abort();
-    beater.goodbye().await;
+    beats.abort();
+    Beater::new(fleet.clone()).goodbye().await;
     if let Err(e) = fleet
         .store
         .release_consumer(&fleet.config.consumer, &fleet.lease_token)

@@ -185,6 +185,11 @@ impl<S: ResultSink> SinkWriter<S> {
     pub async fn write_round(&mut self) -> Result<usize, SinkError> {
         if self.sink.as_ref().is_none_or(|s| s.is_closed()) {
             self.sink = Some(S::open(&self.target, &self.job.name, &self.job.spec).await?);
+            // A new sink knows nothing of a batch the old one stored and did
+            // not see acknowledged: its entries are this consumer's pending
+            // ones, read again first (and stored again: nothing new).
+            self.acked_chunks.clear();
+            self.own_pending_read = false;
         }
         self.write_job_row().await?;
         let alone = self.sink.as_ref().is_some_and(|s| s.holds_partitions());

@@ -70,6 +70,12 @@ impl RedisStore {
     }
 }
 
+/// The reviewer of a lease's token: `ann` of `ann#3f2a` (a session of
+/// hers at a terminal) or of `ann` (her console).
+pub(crate) fn reviewer_of(token: &str) -> &str {
+    token.split_once('#').map_or(token, |(who, _)| who)
+}
+
 /// A reviewer's hold on a review entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReviewLease {
@@ -81,7 +87,8 @@ pub enum ReviewLease {
 
 impl RedisStore {
     /// Takes (or renews) `who`'s lease on a review entry for `lease`, unless
-    /// another reviewer holds it. Two reviewers never hold one entry at once
+    /// another reviewer (or another session: `who` may be `name#session`)
+    /// holds it. Two reviewers never hold one entry at once
     /// (`lease.lua`: one step); a lease nobody gives back expires by itself.
     pub async fn review_lease(
         &self,
@@ -106,10 +113,18 @@ impl RedisStore {
         }
         let reviewer: Option<String> = self.conn.clone().get(&key).await?;
         Ok(match reviewer {
-            Some(reviewer) => ReviewLease::HeldBy { reviewer },
+            Some(token) => ReviewLease::HeldBy {
+                reviewer: reviewer_of(&token).to_owned(),
+            },
             // It expired in between: take it now.
             None => Box::pin(self.review_lease(job, partition, rid, who, lease)).await?,
         })
+    }
+
+    /// Who holds a review entry now (None: nobody).
+    pub async fn review_holder(&self, job: &str, partition: u32, rid: &str) -> Result<Option<String>, StoreError> {
+        let holder: Option<String> = self.conn.clone().get(keys::review_lease(job, partition, rid)).await?;
+        Ok(holder.map(|h| reviewer_of(&h).to_owned()))
     }
 
     /// Gives `who`'s lease on a review entry back (nothing when another holds it).

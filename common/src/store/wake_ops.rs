@@ -126,32 +126,46 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Writes a worker's heartbeat (its field of `bf:workers`).
+    /// Redis's clock, in Unix ms: the one clock every worker and reader of
+    /// heartbeats agrees on.
+    pub async fn server_ms(&self) -> Result<u64, StoreError> {
+        let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut self.conn.clone()).await?;
+        Ok(secs * 1000 + micros / 1000)
+    }
+
+    /// Writes a worker's heartbeat (its field of `bf:workers`), seen now by
+    /// Redis's clock.
     pub async fn beat(&self, beat: &crate::heartbeat::Heartbeat) -> Result<(), StoreError> {
+        let beat = crate::heartbeat::Heartbeat {
+            seen_ms: self.server_ms().await?,
+            ..beat.clone()
+        };
         let _: () = self.conn.clone().hset(keys::workers(), &beat.id, beat.encode()).await?;
         Ok(())
     }
 
-    /// Every worker's last heartbeat, by id (entries no version can read are skipped).
-    pub async fn workers(&self) -> Result<Vec<crate::heartbeat::Heartbeat>, StoreError> {
+    /// Every worker's last heartbeat, by id, and Redis's clock now to judge
+    /// them by. Entries no version can read are left out (and removed by
+    /// [`RedisStore::forget_workers`]).
+    pub async fn workers(&self) -> Result<(Vec<crate::heartbeat::Heartbeat>, u64), StoreError> {
         let all: Vec<(String, String)> = self.conn.clone().hgetall(keys::workers()).await?;
         let mut beats: Vec<_> = all
             .iter()
             .filter_map(|(_, v)| crate::heartbeat::Heartbeat::decode(v))
             .collect();
         beats.sort_by(|a, b| a.id.cmp(&b.id));
-        Ok(beats)
+        Ok((beats, self.server_ms().await?))
     }
 
-    /// Removes the entries of workers whose heartbeat expired at `now_ms`;
-    /// returns how many.
-    pub async fn forget_workers(&self, now_ms: u64) -> Result<usize, StoreError> {
-        let gone: Vec<String> = self
-            .workers()
-            .await?
-            .into_iter()
-            .filter(|b| b.expired(now_ms))
-            .map(|b| b.id)
+    /// Removes the entries of workers whose heartbeat expired (by Redis's
+    /// clock), and entries that are no heartbeat; returns how many.
+    pub async fn forget_workers(&self) -> Result<usize, StoreError> {
+        let all: Vec<(String, String)> = self.conn.clone().hgetall(keys::workers()).await?;
+        let now = self.server_ms().await?;
+        let gone: Vec<&String> = all
+            .iter()
+            .filter(|(_, v)| crate::heartbeat::Heartbeat::decode(v).is_none_or(|b| b.expired(now)))
+            .map(|(id, _)| id)
             .collect();
         if !gone.is_empty() {
             let _: () = self.conn.clone().hdel(keys::workers(), &gone).await?;

@@ -431,14 +431,17 @@ async fn bulk(store: &RedisStore, redis: &RedisArgs, job: &str, cmd: BulkCmd, wh
     if cmd.json {
         crate::outln!(
             "{}",
-            serde_json::json!({"action": verb, "matched": done.matched, "acted": done.acted, "lost": done.lost, "log_id": done.log_id})
+            serde_json::json!({"action": verb, "matched": done.matched, "acted": done.acted, "lost": done.lost,
+                "held": done.held, "log_id": done.log_id})
         );
     } else {
         crate::outln!(
-            "{verb}: {} of {} entries ({} decided by someone else meanwhile); recorded in the bulk-action log as {}",
+            "{verb}: {} of {} entries ({} decided by someone else meanwhile, {} left to the reviewers who have \
+             them open); recorded in the bulk-action log as {}",
             done.acted,
             done.matched,
             done.lost,
+            done.held,
             done.log_id
         );
     }

@@ -44,10 +44,15 @@ pub fn man(cmd: ManCmd) -> anyhow::Result<ExitCode> {
     clap_mangen::generate_to(Cli::command(), &dir)
         .map_err(|e| anyhow::anyhow!("cannot write into {}: {e}", dir.display()))?;
     let pages = std::fs::read_dir(&dir)?
-        .filter(|e| e.as_ref().is_ok_and(|e| e.path().extension().is_some_and(|x| x == "1")))
+        .filter(|e| {
+            e.as_ref().is_ok_and(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.starts_with("producer") && name.ends_with(".1")
+            })
+        })
         .count();
     common::errln!(
-        "{pages} man pages in {}; read one with: man -l {}",
+        "{pages} man pages of producer in {}; read one with: man -l {}",
         dir.display(),
         dir.join("producer-status.1").display()
     );

@@ -136,6 +136,23 @@ pub fn output_of(spec: &JobSpec, form: &HashMap<String, String>) -> Result<Strin
     }
 }
 
+/// The submitted fields as an output to fill the form again with: each
+/// value read as its field's type where it can be, else kept as the text
+/// typed (so a refused form comes back as the reviewer left it).
+pub fn echo(spec: &JobSpec, form: &HashMap<String, String>) -> String {
+    let mut out = Map::new();
+    for (name, f) in spec.output.fields.iter() {
+        let text = form.get(&format!("{PREFIX}{name}")).map_or("", |t| t.trim());
+        let value = match value_of(f, text) {
+            Ok(Some(v)) => v,
+            Ok(None) => continue,
+            Err(_) => Value::String(text.to_owned()),
+        };
+        out.insert(name.clone(), value);
+    }
+    Value::Object(out).to_string()
+}
+
 /// A field's value from its text: None leaves the field out.
 fn value_of(f: &FieldSpec, text: &str) -> Result<Option<Value>, String> {
     if text.is_empty() {
@@ -164,10 +181,13 @@ fn value_of(f: &FieldSpec, text: &str) -> Result<Option<Value>, String> {
             "false" => Ok(Some(Value::Bool(false))),
             _ => Err(format!("`{text}` is not true or false")),
         },
+        // `3`, `3.0` and `3e0` are all the whole number 3 (as the validator counts them).
         FieldType::Integer => text
-            .parse::<i64>()
-            .map(|n| Some(Value::from(n)))
-            .map_err(|_| format!("`{text}` is not a whole number")),
+            .parse::<f64>()
+            .ok()
+            .filter(|n| n.fract() == 0.0 && n.abs() < 9.0e15)
+            .map(|n| Some(Value::from(n as i64)))
+            .ok_or_else(|| format!("`{text}` is not a whole number")),
         FieldType::Number => text
             .parse::<f64>()
             .ok()
@@ -243,5 +263,42 @@ mod tests {
         assert!(bad.iter().any(|b| b.starts_with("confidence: `high` is not a number")));
         assert!(bad.iter().any(|b| b.starts_with("task_type: a value is required")));
         assert!(bad.iter().any(|b| b.starts_with("items: not JSON")));
+    }
+
+    #[test]
+    fn a_refused_form_comes_back_as_sent_and_whole_numbers_are_integers() {
+        let text = include_str!("../../../examples/job.toml").replacen(
+            "[output.fields.reason]",
+            "[output.fields.count]\ntype = \"integer\"\nrequired = false\n\n[output.fields.reason]",
+            1,
+        );
+        let spec = JobSpec::parse(&text, "example").unwrap();
+        for (typed, want) in [("3", 3), ("3.0", 3), ("3e0", 3)] {
+            let out = output_of(
+                &spec,
+                &form(&[("label", "bug"), ("task_type", "classify"), ("count", typed)]),
+            )
+            .unwrap();
+            assert_eq!(serde_json::from_str::<Value>(&out).unwrap()["count"], want, "{typed}");
+        }
+        assert!(
+            output_of(&spec, &form(&[("count", "3.5")]))
+                .unwrap_err()
+                .iter()
+                .any(|p| p.contains("`3.5` is not a whole number"))
+        );
+        let sent = form(&[
+            ("label", "bug"),
+            ("count", "3.5"),
+            ("confidence", "high"),
+            ("reason", "why"),
+        ]);
+        let back: Value = serde_json::from_str(&echo(&spec, &sent)).unwrap();
+        assert_eq!(back["label"], "bug");
+        assert_eq!(back["count"], "3.5", "kept as typed");
+        assert_eq!(back["confidence"], "high");
+        assert_eq!(back["reason"], "why");
+        let refilled = fields(&spec, &back, &HashMap::new());
+        assert_eq!(refilled.iter().find(|f| f.name == "confidence").unwrap().value, "high");
     }
 }

@@ -209,9 +209,10 @@ struct QueuePage {
     first: Option<String>,
     skipped: usize,
     filtered: bool,
-    /// With filters: how many entries of the whole queue they match (the
-    /// bulk buttons act on exactly these).
+    /// With filters: how many entries of the whole queue they match, and
+    /// their digest (the bulk buttons act on exactly these).
     matching: Option<usize>,
+    digest: String,
 }
 
 pub async fn queue_page(
@@ -225,6 +226,12 @@ pub async fn queue_page(
     let skipped = c.skipped.of(&who, &job);
     let (entries, next) = page_of(&c, &job, spec.job.partitions, &f, &skipped).await?;
     let base = format!("/jobs/{}/review", path_part(&job));
+    // With filters, the whole queue's matches are counted (a read of the
+    // whole queue: only then), for the bulk buttons.
+    let matching = match f.active() {
+        true => Some(crate::bulk::select(&c.store, &job, spec.job.partitions, &f.bulk()).await?),
+        false => None,
+    };
     let rows = entries
         .iter()
         .map(|e| Row {
@@ -270,14 +277,8 @@ pub async fn queue_page(
             }),
             skipped: skipped.len(),
             filtered: f.active(),
-            matching: match f.active() {
-                true => Some(
-                    crate::bulk::select(&c.store, &job, spec.job.partitions, &f.bulk())
-                        .await?
-                        .len(),
-                ),
-                false => None,
-            },
+            matching: matching.as_ref().map(Vec::len),
+            digest: matching.as_deref().map(crate::bulk::digest).unwrap_or_default(),
             rows,
             f,
             job,
@@ -290,9 +291,10 @@ pub struct BulkForm {
     csrf: String,
     /// `requeue` or `reject`.
     action: String,
-    /// How many entries the page said the filters match: the action is
-    /// refused when that changed meanwhile.
+    /// How many entries the page said the filters match, and their digest:
+    /// the action is refused when the set changed meanwhile.
     expected: usize,
+    digest: String,
     #[serde(default)]
     note: String,
     #[serde(default)]
@@ -337,12 +339,12 @@ pub async fn bulk(
         ));
     }
     let entries = crate::bulk::select(&c.store, &job, spec.job.partitions, &filter).await?;
-    if entries.len() != form.expected {
+    if crate::bulk::digest(&entries) != form.digest {
         return Ok(super::message(
             StatusCode::CONFLICT,
             "The queue changed",
             &format!(
-                "The page counted {} entries matching these filters; {} match now. Nothing was done: look at the queue again.",
+                "The page counted {} entries matching these filters; the {} matching now are not the same entries. Nothing was done: look at the queue again.",
                 form.expected,
                 entries.len()
             ),
@@ -355,11 +357,12 @@ pub async fn bulk(
         StatusCode::OK,
         "Done",
         &format!(
-            "{} {} of {} entries ({} decided by someone else meanwhile); recorded in the bulk-action log ({}). Back to the queue: {back}",
+            "{} {} of {} entries ({} decided by someone else meanwhile, {} left to the reviewers who have them open); recorded in the bulk-action log ({}). Back to the queue: {back}",
             action.name(),
             done.acted,
             done.matched,
             done.lost,
+            done.held,
             done.log_id
         ),
     ))
@@ -825,16 +828,9 @@ pub async fn accept(
         match super::form::output_of(&spec, &form.fields) {
             Ok(output) => output,
             Err(problems) => {
-                let view = entry_view(
-                    &c,
-                    &who,
-                    &job,
-                    &spec,
-                    entry,
-                    &form.filters(),
-                    form.output.clone(),
-                    problems,
-                );
+                // The page again, filled with what was sent.
+                let sent = super::form::echo(&spec, &form.fields);
+                let view = entry_view(&c, &who, &job, &spec, entry, &form.filters(), sent, problems);
                 return Ok(page(StatusCode::UNPROCESSABLE_ENTITY, &view));
             }
         }
