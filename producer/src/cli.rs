@@ -112,7 +112,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Workers(cmd) => status::workers(cmd).await,
         Command::Audit(cmd) => report::audit(cmd).await,
         Command::Console(cmd) => console::run(cmd, cancel).await,
-        Command::Completions(cmd) => shell::completions(cmd),
-        Command::Man(cmd) => shell::man(cmd),
+        Command::Completions(cmd) => shell::completions(cmd, <Cli as clap::CommandFactory>::command()),
+        Command::Man(cmd) => shell::man(cmd, <Cli as clap::CommandFactory>::command()),
     }
 }

@@ -5,10 +5,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, CommandFactory};
+use clap::Args;
 use clap_complete::Shell;
-
-use crate::cli::Cli;
 
 #[derive(Debug, Args)]
 pub struct CompletionsCmd {
@@ -24,24 +22,26 @@ pub struct ManCmd {
     pub dir: Option<PathBuf>,
 }
 
-/// The completion script of `shell`, on standard output.
-pub fn completions(cmd: CompletionsCmd) -> anyhow::Result<ExitCode> {
+/// The completion script of `shell` for the command line `producer`, on
+/// standard output.
+pub fn completions(cmd: CompletionsCmd, mut producer: clap::Command) -> anyhow::Result<ExitCode> {
     let mut script = Vec::new();
-    clap_complete::generate(cmd.shell, &mut Cli::command(), "producer", &mut script);
+    clap_complete::generate(cmd.shell, &mut producer, "producer", &mut script);
     crate::out!("{}", String::from_utf8_lossy(&script));
     Ok(ExitCode::SUCCESS)
 }
 
-/// The man pages: the main one on standard output, or every command's into a folder.
-pub fn man(cmd: ManCmd) -> anyhow::Result<ExitCode> {
+/// The man pages of the command line `producer`: the main one on standard
+/// output, or every command's into a folder.
+pub fn man(cmd: ManCmd, producer: clap::Command) -> anyhow::Result<ExitCode> {
     let Some(dir) = cmd.dir else {
         let mut page = Vec::new();
-        clap_mangen::Man::new(Cli::command()).render(&mut page)?;
+        clap_mangen::Man::new(producer.clone()).render(&mut page)?;
         crate::out!("{}", String::from_utf8_lossy(&page));
         return Ok(ExitCode::SUCCESS);
     };
     std::fs::create_dir_all(&dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
-    clap_mangen::generate_to(Cli::command(), &dir)
+    clap_mangen::generate_to(producer, &dir)
         .map_err(|e| anyhow::anyhow!("cannot write into {}: {e}", dir.display()))?;
     let pages = std::fs::read_dir(&dir)?
         .filter(|e| {
