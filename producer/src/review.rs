@@ -623,44 +623,6 @@ pub async fn next_loop(
         };
         term.say(&format!("{key}\n")).map_err(io)?;
         let result = match key {
-            'a' => accept_entry(store, &spec, job, p, &e, &e.last_raw_output, who)
-                .await
-                .map(|_| "accepted"),
-            'e' => {
-                let before = edits.get(&rid).cloned().unwrap_or_else(|| editable(&e));
-                let edited = {
-                    let _cooked = term.cooked();
-                    edit_in_editor(&before, &std::env::temp_dir())
-                };
-                match edited {
-                    Ok(text) if text.trim() == before.trim() => Ok("unchanged: nothing done"),
-                    Ok(text) => {
-                        edits.insert(rid.clone(), text.clone());
-                        accept_entry(store, &spec, job, p, &e, &text, who)
-                            .await
-                            .map(|_| "accepted")
-                    }
-                    Err(err) => Err(err),
-                }
-            }
-            'r' => match term
-                .line("note for the next attempt (the model sees it; Enter alone: nothing done) > ")
-                .map_err(io)?
-            {
-                Some(note) if !note.trim().is_empty() => requeue_entry(store, job, p, &e, Some(note.trim()), who)
-                    .await
-                    .map(|_| "requeued"),
-                _ => Ok("nothing done"),
-            },
-            'j' => match term
-                .line("reason for rejecting (Enter alone: nothing done) > ")
-                .map_err(io)?
-            {
-                Some(reason) if !reason.trim().is_empty() => reject_entry(store, job, p, &e, reason.trim(), who)
-                    .await
-                    .map(|_| "rejected"),
-                _ => Ok("nothing done"),
-            },
             's' => {
                 skipped.insert(rid.clone());
                 Ok("skipped")
@@ -670,7 +632,17 @@ pub async fn next_loop(
                 term.say(&format!("{acted} acted on\n")).map_err(io)?;
                 return Ok(acted);
             }
-            _ => Ok("unknown key: nothing done"),
+            key => {
+                let entry = Shown {
+                    store,
+                    spec: &spec,
+                    job,
+                    who,
+                    p,
+                    e: &e,
+                };
+                entry.decide(key, &mut term, &mut edits).await?
+            }
         };
         match result {
             Ok(what) => {
@@ -687,6 +659,71 @@ pub async fn next_loop(
             // An invalid accept or a lost race: say so, stay on the queue.
             Err(err) => term.say(&format!("{err}\n")).map_err(io)?,
         }
+    }
+}
+
+/// The entry `review next` shows, and what its keys do to it.
+struct Shown<'a> {
+    store: &'a RedisStore,
+    spec: &'a JobSpec,
+    job: &'a str,
+    who: &'a str,
+    p: u32,
+    e: &'a ReviewEntry,
+}
+
+impl Shown<'_> {
+    /// What `a`, `e`, `r` or `j` did (another key: nothing); Err only when
+    /// the terminal failed.
+    async fn decide(
+        &self,
+        key: char,
+        term: &mut Terminal,
+        edits: &mut HashMap<String, String>,
+    ) -> Result<Result<&'static str, ReviewError>, ReviewError> {
+        let io = |e: std::io::Error| ReviewError::Io(e.to_string());
+        let (store, spec, job, who, p, e) = (self.store, self.spec, self.job, self.who, self.p, self.e);
+        Ok(match key {
+            'a' => accept_entry(store, spec, job, p, e, &e.last_raw_output, who)
+                .await
+                .map(|_| "accepted"),
+            'e' => {
+                let before = edits.get(&e.record_id).cloned().unwrap_or_else(|| editable(e));
+                let edited = {
+                    let _cooked = term.cooked();
+                    edit_in_editor(&before, &std::env::temp_dir())
+                };
+                match edited {
+                    Ok(text) if text.trim() == before.trim() => Ok("unchanged: nothing done"),
+                    Ok(text) => {
+                        edits.insert(e.record_id.clone(), text.clone());
+                        accept_entry(store, spec, job, p, e, &text, who)
+                            .await
+                            .map(|_| "accepted")
+                    }
+                    Err(err) => Err(err),
+                }
+            }
+            'r' => match term
+                .line("note for the next attempt (the model sees it; Enter alone: nothing done) > ")
+                .map_err(io)?
+            {
+                Some(note) if !note.trim().is_empty() => requeue_entry(store, job, p, e, Some(note.trim()), who)
+                    .await
+                    .map(|_| "requeued"),
+                _ => Ok("nothing done"),
+            },
+            'j' => match term
+                .line("reason for rejecting (Enter alone: nothing done) > ")
+                .map_err(io)?
+            {
+                Some(reason) if !reason.trim().is_empty() => reject_entry(store, job, p, e, reason.trim(), who)
+                    .await
+                    .map(|_| "rejected"),
+                _ => Ok("nothing done"),
+            },
+            _ => Ok("unknown key: nothing done"),
+        })
     }
 }
 
