@@ -613,6 +613,9 @@ pub async fn next_loop(
         let rid = e.record_id.clone();
         holding = Some((rid.clone(), p));
         let give_back = || release(rid.clone(), p);
+        // Held while it is on screen, however long that is (an editor
+        // included); a session that dies stops renewing and the lease lapses.
+        let _renewing = Renewal::start(store, job, p, &rid, &token, lease);
         term.say(&entry_screen(&e, left, skipped.len())).map_err(io)?;
         term.say("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ")
             .map_err(io)?;
@@ -659,6 +662,29 @@ pub async fn next_loop(
             // An invalid accept or a lost race: say so, stay on the queue.
             Err(err) => term.say(&format!("{err}\n")).map_err(io)?,
         }
+    }
+}
+
+/// Renews a review lease every third of its time until dropped.
+struct Renewal(tokio::task::JoinHandle<()>);
+
+impl Renewal {
+    fn start(store: &RedisStore, job: &str, p: u32, rid: &str, token: &str, lease: std::time::Duration) -> Renewal {
+        let (store, job, rid, token) = (store.clone(), job.to_owned(), rid.to_owned(), token.to_owned());
+        Renewal(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(lease / 3).await;
+                if let Err(e) = store.review_lease(&job, p, &rid, &token, lease).await {
+                    tracing::debug!(error = %e, "a review lease was not renewed");
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -713,8 +713,10 @@ fn two_reviewers_are_never_handed_the_same_entry_while_a_lease_holds() {
     assert_ne!(a.shown().unwrap(), b.shown().unwrap());
     a.close();
     b.close();
-    // A lease nobody gives back (a reviewer gone quiet) returns the entry once it expires.
-    let quiet = Session::start(&redis, "ann", "1");
+    // A session that sits on an entry keeps it, past its lease time (it
+    // renews it); one that dies (killed) lets the lease lapse, and the
+    // entry comes back.
+    let mut quiet = Session::start(&redis, "ann", "1");
     let held = quiet.shown().unwrap();
     let (b, c) = (
         Session::start(&redis, "bob", "600"),
@@ -722,10 +724,20 @@ fn two_reviewers_are_never_handed_the_same_entry_while_a_lease_holds() {
     );
     let others = [b.shown().unwrap(), c.shown().unwrap()];
     assert!(!others.contains(&held), "{held} is ann's");
+    std::thread::sleep(Duration::from_millis(2500));
+    let d = Session::start(&redis, "dee", "600");
+    assert_eq!(d.shown(), None, "ann still has {held} open: renewed");
+    d.close();
+    quiet.child.kill().unwrap();
+    quiet.child.wait().unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     let d = Session::start(&redis, "dee", "600");
-    assert_eq!(d.shown(), Some(held), "ann's lease expired: the entry is free");
-    for s in [quiet, b, c, d] {
+    assert_eq!(
+        d.shown(),
+        Some(held),
+        "ann's session died: its lease lapsed and the entry is free"
+    );
+    for s in [b, c, d] {
         s.close();
     }
 }

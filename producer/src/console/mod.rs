@@ -165,6 +165,8 @@ pub enum Refusal {
     /// A form without the reviewer's CSRF token, or from another site.
     Forbidden,
     NotFound(String),
+    /// A request that names something real but cannot be done as asked.
+    Unprocessable(String),
     /// Redis failed: the page says so (never a secret: store errors carry none).
     Store(common::store::StoreError),
 }
@@ -179,6 +181,7 @@ impl IntoResponse for Refusal {
                 "This form did not come from this console's page (its token is missing or stale). Reload the page and try again.",
             ),
             Refusal::NotFound(what) => message(StatusCode::NOT_FOUND, "Not found", &what),
+            Refusal::Unprocessable(what) => message(StatusCode::UNPROCESSABLE_ENTITY, "Not done", &what),
             Refusal::Store(e) => message(StatusCode::SERVICE_UNAVAILABLE, "Redis failed", &e.to_string()),
         }
     }
@@ -196,7 +199,8 @@ impl From<crate::review::ReviewError> for Refusal {
     fn from(e: crate::review::ReviewError) -> Self {
         match e {
             crate::review::ReviewError::Store(e) => Refusal::Store(e),
-            other => Refusal::NotFound(other.to_string()),
+            crate::review::ReviewError::NotFound(what) => Refusal::NotFound(what),
+            other => Refusal::Unprocessable(other.to_string()),
         }
     }
 }
