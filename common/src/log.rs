@@ -31,7 +31,12 @@ pub fn dropped() -> u64 {
 /// (<https://no-color.org>).
 pub fn colour() -> bool {
     use std::io::IsTerminal;
-    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+    colour_on(std::io::stderr().is_terminal())
+}
+
+/// Whether a stream that is (or is not) a terminal may carry colours.
+pub fn colour_on(terminal: bool) -> bool {
+    terminal && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn sender() -> &'static SyncSender<Vec<u8>> {

@@ -78,7 +78,6 @@ impl Filter {
     }
 
     pub fn matches(&self, e: &ReviewEntry) -> bool {
-        let field_of = |f: &str| f.split(['.', '[']).next().unwrap_or(f).to_owned();
         (self.reason.is_empty() || e.reason.starts_with(self.reason.as_str()))
             && (self.code.is_empty() || e.errors.iter().any(|x| x.code.as_str() == self.code))
             && (self.field.is_empty() || e.errors.iter().any(|x| field_of(&x.field) == self.field))
@@ -95,6 +94,12 @@ impl Filter {
     pub fn describe(&self) -> String {
         serde_json::to_string(self).unwrap_or_default()
     }
+}
+
+/// The top-level output field an error is about (`items[0].qty` -> `items`).
+pub fn field_of(path: &str) -> &str {
+    let end = path.find(['.', '[']).unwrap_or(path.len());
+    &path[..end]
 }
 
 fn is_rfc3339(t: &str) -> bool {

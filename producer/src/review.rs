@@ -52,18 +52,16 @@ pub async fn list(
     code: Option<&str>,
 ) -> Result<Vec<ReviewEntry>, ReviewError> {
     let spec = job_spec(store, job).await?;
-    let mut out = Vec::new();
-    for p in 0..spec.job.partitions {
-        store
-            .review_entries(job, p, |e| {
-                let reason_ok = reason.is_none_or(|r| e.reason.starts_with(r));
-                let code_ok = code.is_none_or(|c| e.errors.iter().any(|x| x.code.as_str() == c));
-                if reason_ok && code_ok {
-                    out.push(e);
-                }
-            })
-            .await?;
-    }
+    let f = crate::bulk::Filter {
+        reason: reason.unwrap_or_default().to_owned(),
+        code: code.unwrap_or_default().to_owned(),
+        ..crate::bulk::Filter::default()
+    };
+    let mut out: Vec<ReviewEntry> = crate::bulk::select(store, job, spec.job.partitions, &f)
+        .await?
+        .into_iter()
+        .map(|(e, _)| e)
+        .collect();
     out.sort_by(|a, b| a.record_id.cmp(&b.record_id));
     Ok(out)
 }

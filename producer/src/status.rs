@@ -191,7 +191,11 @@ pub fn now_secs() -> u64 {
 fn rate_line(s: &JobStatus) -> String {
     let eta = match s.eta_secs {
         Some(0) => "none remaining".to_owned(),
-        Some(secs) => format!("{} remaining, about {} at this rate", s.remaining, duration_words(secs)),
+        Some(secs) => format!(
+            "{} remaining, about {} at this rate",
+            s.remaining,
+            common::manifest::human_duration(secs * 1000)
+        ),
         None => format!(
             "{} remaining, no estimate: none settled in the last minute",
             s.remaining
@@ -209,15 +213,6 @@ pub fn eta(remaining: u64, rate: f64) -> Option<u64> {
         0 => Some(0),
         _ if rate > 0.0 => Some((remaining as f64 / rate).ceil() as u64),
         _ => None,
-    }
-}
-
-/// `95` -> `1m35s`, `7260` -> `2h01m`.
-pub fn duration_words(secs: u64) -> String {
-    match secs {
-        s if s < 60 => format!("{s}s"),
-        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
-        s => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
     }
 }
 

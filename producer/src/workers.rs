@@ -25,7 +25,7 @@ impl WorkerLine {
 
     /// `3s ago`, `4m10s ago`.
     pub fn last_seen(&self) -> String {
-        format!("{} ago", crate::status::duration_words(self.last_seen_secs))
+        format!("{} ago", common::manifest::human_duration(self.last_seen_secs * 1000))
     }
 }
 
@@ -49,7 +49,7 @@ pub async fn list(store: &RedisStore) -> Result<Vec<WorkerLine>, StoreError> {
 /// terminal that takes colour.
 pub fn print(lines: &[WorkerLine]) {
     use std::io::IsTerminal;
-    let dim = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let dim = common::log::colour_on(std::io::stdout().is_terminal());
     crate::outln!(
         "{:<32} {:<16} {:<8} {:<9} {:<20} {:>9} {:>9}  {:<20}  last seen",
         "worker",

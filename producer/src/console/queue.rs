@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{Chrome, Console, Refusal, Shared, job_spec, may_act, page, signed_in, thousands};
+use crate::bulk::field_of;
 use crate::review::ReviewError;
 
 /// Entries a page aims at (a scan step may bring a few more).
@@ -115,12 +116,6 @@ impl Filters {
     fn active(&self) -> bool {
         !(self.reason.is_empty() && self.code.is_empty() && self.field.is_empty() && self.q.is_empty())
     }
-}
-
-/// The top-level output field an error is about (`items[0].qty` -> `items`).
-fn field_of(path: &str) -> &str {
-    let end = path.find(['.', '[']).unwrap_or(path.len());
-    &path[..end]
 }
 
 /// Where a page of the queue starts: a partition and its `HSCAN` cursor.
@@ -502,7 +497,7 @@ fn entry_view(
     if let Ok(Value::Object(o)) = serde_json::from_str::<Value>(&e.last_raw_output) {
         for (k, v) in o {
             fields.push(OutputField {
-                errors: by_field.remove(&k).unwrap_or_default(),
+                errors: by_field.get(&k).cloned().unwrap_or_default(),
                 value: serde_json::to_string_pretty(&v).unwrap_or_default(),
                 name: k,
             });
@@ -510,17 +505,14 @@ fn entry_view(
     }
     // The edit form, filled from the output being edited, with the model's
     // errors at their fields.
-    let mut form_errors: HashMap<String, Vec<String>> = HashMap::new();
-    for err in &e.errors {
-        form_errors
-            .entry(field_of(&err.field).to_owned())
-            .or_default()
-            .push(err.to_string());
-    }
     let editing = serde_json::from_str::<Value>(&editor).unwrap_or(Value::Null);
-    let form_fields = super::form::fields(spec, &editing, &form_errors);
+    let form_fields = super::form::fields(spec, &editing, &by_field);
     // Errors about fields the output lacks, or about the output as a whole.
-    let mut general: Vec<String> = by_field.into_values().flatten().collect();
+    let mut general: Vec<String> = by_field
+        .into_iter()
+        .filter(|(k, _)| !fields.iter().any(|f| f.name == *k))
+        .flat_map(|(_, v)| v)
+        .collect();
     general.sort();
     let steps = steps_of(&e);
     let query = f.query();
