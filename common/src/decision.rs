@@ -160,7 +160,7 @@ pub fn decide(at: Standing, outcome: &Outcome, policy: &RetryPolicy, unit: f64) 
         },
         // Only this record's calls fail, and for longer than the job waits
         // out an outage: something about the record, not the world.
-        Outcome::Transient { .. } if matches!(provider, ProviderState::Up { failing_ms } if failing_ms >= policy.outage_budget_ms()) => {
+        Outcome::Transient { .. } if matches!(provider, ProviderState::Up { failing_ms } if failing_ms > 0 && failing_ms >= policy.outage_budget_ms()) => {
             Decision::Review {
                 reason: "transient_exhausted".into(),
             }

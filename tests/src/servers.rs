@@ -359,6 +359,14 @@ impl LlmSim {
         http_request(&self.addr, Method::POST, "/admin/limits", Some(body.to_string()));
     }
 
+    /// `POST /admin/script`: the next calls for `record` meet `faults` in
+    /// order (`ok`: a clean answer), then draw as usual.
+    pub fn script(&self, record: &str, faults: &[&str]) {
+        let body = serde_json::json!({ "record": record, "faults": faults });
+        let (status, text) = http_request(&self.addr, Method::POST, "/admin/script", Some(body.to_string()));
+        assert_eq!(status, 204, "llm-sim refused the script for {record}: {text}");
+    }
+
     /// Makes every chat request fail with `STATUS:CODE:MESSAGE`, or (None) stops it.
     pub fn fail_all(&self, spec: Option<&str>) {
         let body = serde_json::json!({ "fail": spec });

@@ -340,7 +340,7 @@ impl Batcher {
             tokens += prep.at_most.prompt + prep.at_most.completion;
         }
         for d in unsent {
-            let settled = settle_unsent(&f.store, job, &d, &f.limits).await;
+            let settled = settle_unsent(job, &d, &f.limits).await;
             f.count_settled(&job.name, &settled).await;
             settled?;
         }
@@ -608,9 +608,8 @@ impl Batcher {
         }
         // The answers, through the same path as online ones.
         let limits = &f.limits;
-        let store = &f.store;
         let settled: Vec<Result<Settled, StoreError>> = futures_util::stream::iter(answers)
-            .map(|(d, result, name)| async move { settle_batch_line(store, job, &d, limits, result, name).await })
+            .map(|(d, result, name)| async move { settle_batch_line(job, &d, limits, result, name).await })
             .buffer_unordered(SETTLE_AT_ONCE)
             .collect()
             .await;

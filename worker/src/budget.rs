@@ -21,7 +21,9 @@ use std::time::Duration;
 use common::batch::GroupCommit;
 use common::ledger::nano_usd;
 use common::spec::JobSpec;
-use common::store::{RedisStore, Reserved, StoreError};
+use common::store::{Reserved, StoreError};
+
+use crate::queue::JobQueue;
 use common::task::{HistoryItem, Task, Usage};
 
 /// Reservations or settlements per script call.
@@ -56,23 +58,22 @@ pub struct Reservation {
 }
 
 impl JobBudget {
-    pub fn new(store: &RedisStore, job: &str) -> JobBudget {
+    pub fn new(queue: std::sync::Arc<dyn JobQueue>) -> JobBudget {
         let lease_ms = std::sync::Arc::new(AtomicU64::new(600_000));
-        let (rs, rj, rl) = (store.clone(), job.to_owned(), lease_ms.clone());
+        let (rq, rl) = (queue.clone(), lease_ms.clone());
         let reserver = GroupCommit::new(BATCH, move |calls: Vec<Reserve>| {
-            let (store, job, lease) = (rs.clone(), rj.clone(), rl.load(Ordering::Relaxed));
+            let (queue, lease) = (rq.clone(), rl.load(Ordering::Relaxed));
             async move {
-                match store.budget_reserve(&job, lease, &calls).await {
+                match queue.budget_reserve(lease, &calls).await {
                     Ok(granted) => granted.into_iter().map(Ok).collect(),
                     Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
                 }
             }
         });
-        let (ss, sj) = (store.clone(), job.to_owned());
         let settler = GroupCommit::new(BATCH, move |calls: Vec<Settle>| {
-            let (store, job) = (ss.clone(), sj.clone());
+            let queue = queue.clone();
             async move {
-                match store.budget_settle(&job, &calls).await {
+                match queue.budget_settle(&calls).await {
                     Ok(()) => calls.iter().map(|_| Ok(())).collect(),
                     Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
                 }

@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, RunSummary};
 use crate::http::Health;
 use crate::job::{JobCtx, Limits, Settled};
-use crate::limiter::Grant;
+use crate::limiter::{Grant, Limiter};
 use crate::process::process;
 use crate::telemetry::Metrics;
 
@@ -24,6 +24,8 @@ use crate::telemetry::Metrics;
 pub struct Fleet {
     pub store: RedisStore,
     pub jobs: Vec<Arc<JobCtx>>,
+    /// Each job's fleet-wide rate limits (by job name; one for every job).
+    limiters: BTreeMap<String, Arc<Limiter>>,
     pub limits: Limits,
     pub config: Config,
     /// A pending task idle this long is taken over.
@@ -82,18 +84,24 @@ struct Flags {
 impl Fleet {
     pub fn new(
         store: RedisStore,
-        jobs: Vec<Arc<JobCtx>>,
+        jobs: Vec<(JobCtx, Limiter)>,
         limits: Limits,
         config: Config,
         visibility: Duration,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
     ) -> Fleet {
+        let (mut served, mut limiters) = (Vec::new(), BTreeMap::new());
+        for (job, limiter) in jobs {
+            limiters.insert(job.name.clone(), Arc::new(limiter));
+            served.push(Arc::new(job));
+        }
         Fleet {
             permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
             tracker: TaskTracker::new(),
             store,
-            jobs,
+            jobs: served,
+            limiters,
             limits,
             drain_timeout: config.drain_timeout.unwrap_or(crate::config::DRAIN_MARGIN),
             config,
@@ -163,6 +171,12 @@ impl Fleet {
         self.health.halted.store(true, Ordering::Relaxed);
     }
 
+    /// The job's fleet-wide rate limits.
+    pub fn limiter(&self, job: &JobCtx) -> &Arc<Limiter> {
+        // Fleet::new makes one for every job it is given.
+        &self.limiters[&job.name]
+    }
+
     /// Up to `want` grants of the job's limiter, and how long to wait when
     /// none was given.
     pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration) {
@@ -170,12 +184,12 @@ impl Fleet {
         // answers (SIGTERM) must not leave the reservation it made unsettled;
         // with nobody to take them, the grants go straight back.
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let limiter_job = job.clone();
+        let limiter = self.limiter(job).clone();
         self.tracker.spawn(async move {
-            let got = limiter_job.limiter.try_acquire(want).await;
+            let got = limiter.try_acquire(want).await;
             if let Err(Ok((grants, _))) = tx.send(got) {
                 for g in grants {
-                    let _ = limiter_job.limiter.release(g).await;
+                    let _ = limiter.release(g).await;
                 }
             }
         });
@@ -188,7 +202,7 @@ impl Fleet {
             Err(_) => (Vec::new(), Duration::from_millis(200)),
         };
         let held = HeldGrants {
-            job: job.clone(),
+            limiter: self.limiter(job).clone(),
             grants,
             tracker: self.tracker.clone(),
         };
@@ -217,7 +231,7 @@ impl Fleet {
                 // The job was cancelled before this task ran: keep it for resume.
                 Some(me.cancel_task(&job, &d).await)
             } else {
-                Some(process(&me.store, &job, d, &me.limits, &mut report).await)
+                Some(process(&job, d, &me.limits, &mut report).await)
             };
             drop(permit);
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -228,9 +242,10 @@ impl Fleet {
                 me.store_error(&e).await;
             }
             if let Some(grant) = grant {
+                let limiter = me.limiter(&job);
                 let settled_budget = match &report {
-                    Some(r) => job.limiter.settle(grant, &r.used, &r.headers).await,
-                    None => job.limiter.release(grant).await,
+                    Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
+                    None => limiter.release(grant).await,
                 };
                 if let Err(e) = settled_budget {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
@@ -340,7 +355,7 @@ impl Fleet {
 /// back to the fleet's budget: at once with [`HeldGrants::release`], or,
 /// when the round is cancelled mid-way, from a task started on drop.
 pub struct HeldGrants {
-    job: Arc<JobCtx>,
+    limiter: Arc<Limiter>,
     grants: Vec<Grant>,
     tracker: TaskTracker,
 }
@@ -362,7 +377,7 @@ impl HeldGrants {
     /// Gives back the grants not used.
     pub async fn release(mut self, fleet: &Fleet) {
         for g in std::mem::take(&mut self.grants) {
-            if let Err(e) = self.job.limiter.release(g).await {
+            if let Err(e) = self.limiter.release(g).await {
                 fleet.store_error(&e).await;
             }
         }
@@ -375,10 +390,10 @@ impl Drop for HeldGrants {
         if grants.is_empty() {
             return;
         }
-        let job = self.job.clone();
+        let limiter = self.limiter.clone();
         self.tracker.spawn(async move {
             for g in grants {
-                if let Err(e) = job.limiter.release(g).await {
+                if let Err(e) = limiter.release(g).await {
                     tracing::warn!(error = %e, "could not give back a rate-limit grant (it expires by itself)");
                 }
             }

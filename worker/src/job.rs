@@ -2,16 +2,18 @@
 //! provider client, fleet-wide controls and outcome store), what it was told
 //! about the run ([`Limits`]), and how a task ends for it ([`Settled`]).
 
-use common::batch::GroupCommit;
+use std::sync::Arc;
+
 use common::ledger::PaidCall;
 use common::otel::Traces;
 use common::spec::JobSpec;
-use common::store::{Finish, Finished, Finishing, RedisStore, StoreError};
+use common::store::{Finish, Finished, StoreError};
 use common::task::{Delivery, Stamp};
 use common::template::Template;
 
-use crate::limiter::{Limiter, RateHeaders, Used};
+use crate::limiter::{RateHeaders, Used};
 use crate::provider::Provider;
+use crate::queue::JobQueue;
 use crate::telemetry::Metrics;
 
 /// Everything a worker needs to process one job's tasks.
@@ -23,9 +25,6 @@ pub struct JobCtx {
     /// The structured-output form sent (negotiated with `auto`).
     pub forms: crate::form::Forms,
     pub provider: Provider,
-    /// The fleet-wide budget of the job's provider (always on; the spec's
-    /// limits are its ceilings).
-    pub limiter: Limiter,
     /// Halts the job on systematic provider errors.
     pub breaker: crate::breaker::Breaker,
     /// The job's provider outage: one probe at a time while it is down.
@@ -37,28 +36,48 @@ pub struct JobCtx {
     pub sink_full: std::sync::atomic::AtomicBool,
     /// The job's model and versions (renewed with the time for each record).
     pub stamp: Stamp,
-    /// Outcomes of the job's tasks, batched (see [`finisher`]).
-    pub finisher: GroupCommit<Finishing, Result<Finished, StoreError>>,
+    /// What the fleet shares about the job: the pipeline's one door to it.
+    pub queue: Arc<dyn JobQueue>,
     /// The job's spend cap, when its spec has one (`[budget] max_cost_usd`).
     pub budget: Option<crate::budget::JobBudget>,
 }
 
-/// Outcomes stored together while the last call is on its way: one script
-/// call per partition serves every task that finished meanwhile (at most
-/// this many a call).
-const FINISH_BATCH: usize = 64;
-
-/// The job's batched outcome store: each outcome still atomic and
-/// first-writer-wins on its own (see `finish.lua`).
-pub fn finisher(store: &RedisStore, job: &str) -> GroupCommit<Finishing, Result<Finished, StoreError>> {
-    let (store, job) = (store.clone(), job.to_owned());
-    GroupCommit::new(FINISH_BATCH, move |items: Vec<Finishing>| {
-        let (store, job) = (store.clone(), job.clone());
-        async move { store.finish_many(&job, &items).await }
-    })
-}
-
 impl JobCtx {
+    /// A job's context over `queue`: its prompts parsed, its structured-output
+    /// form, breaker, outage view and budget fresh (a fleet then reads what
+    /// the fleet already learned: see `run::load_job`). `base_url`: the
+    /// worker's override of the spec's. Err names the spec field at fault.
+    pub fn new(
+        name: &str,
+        spec: JobSpec,
+        provider: Provider,
+        queue: Arc<dyn JobQueue>,
+        base_url: Option<&str>,
+        breaker_errors: u64,
+    ) -> Result<JobCtx, String> {
+        let user = Template::parse(&spec.prompt.user).map_err(|e| format!("prompt.user: {e}"))?;
+        let base_url = base_url.unwrap_or(&spec.provider.base_url);
+        Ok(JobCtx {
+            stamp: Stamp::now(&spec),
+            breaker: crate::breaker::Breaker::new(breaker_errors),
+            outage: crate::outage::OutageWatch::new(spec.retry.outage_budget_ms(), base_url),
+            forms: crate::form::Forms::new(&spec, base_url, None),
+            sink: None,
+            sink_full: std::sync::atomic::AtomicBool::new(false),
+            // Its lease is set once every job is loaded (the visibility timeout).
+            budget: spec
+                .budget
+                .max_cost_usd
+                .map(|_| crate::budget::JobBudget::new(queue.clone())),
+            queue,
+            name: name.to_owned(),
+            system: common::spec::system_prompt(&spec),
+            user,
+            provider,
+            spec,
+        })
+    }
+
     /// Stores a task's outcome (with its ack), batched with the job's other
     /// outcomes of the moment.
     pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
@@ -74,10 +93,7 @@ impl JobCtx {
         paid: Option<&PaidCall>,
     ) -> Result<Finished, StoreError> {
         let sampled = self.spec.audit.sampled(&d.task.rid);
-        self.finisher
-            .call(Finishing::new(d, how).paid(paid).audit(sampled))
-            .await
-            .unwrap_or(Err(StoreError::ShuttingDown))
+        self.queue.finish(d, how, paid, sampled).await
     }
 }
 

@@ -11,6 +11,8 @@
 //! - [`calls`]: the model calls in flight, as the ledger would record them.
 //! - [`clock`]: Unix milliseconds.
 //! - [`process`]: one task from delivery to its single atomic outcome.
+//! - [`queue`]: the pipeline's one door to what the fleet shares about a job
+//!   (Redis in a fleet, memory in in-process tests).
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`outage`]: a provider failing every call: one probe at a time, a halt past the budget.
@@ -42,6 +44,7 @@ pub mod outage;
 pub mod process;
 pub mod promote;
 pub mod provider;
+pub mod queue;
 pub mod reclaim;
 pub mod run;
 pub mod scaler;

@@ -14,6 +14,7 @@ use common::decision::ProviderState;
 use common::store::{FailedCall, OutageRules, Provider, ProviderOutage, RedisStore, StoreError};
 
 use crate::provider::{CallError, ErrorKind};
+use crate::queue::JobQueue;
 
 /// How often, at most, this worker tells the fleet its calls are answered
 /// while the provider is up (at once while it is down).
@@ -37,8 +38,13 @@ pub struct OutageWatch {
 
 impl OutageWatch {
     pub fn new(budget_ms: u64, base_url: &str) -> OutageWatch {
+        OutageWatch::with_rules(budget_ms, base_url, OutageRules::default())
+    }
+
+    /// With other rules than the fleet's (tests that take a provider down quickly).
+    pub fn with_rules(budget_ms: u64, base_url: &str, rules: OutageRules) -> OutageWatch {
         OutageWatch {
-            rules: OutageRules::default(),
+            rules,
             budget_ms,
             base_url: common::secret::redact_url(base_url),
             down: AtomicBool::new(false),
@@ -128,7 +134,7 @@ impl OutageWatch {
     /// down for longer than the job's budget.
     pub async fn failed(
         &self,
-        store: &RedisStore,
+        queue: &dyn JobQueue,
         job: &str,
         rid: &str,
         err: &CallError,
@@ -150,7 +156,7 @@ impl OutageWatch {
             worker,
             probe: self.probe_ended(rid),
         };
-        let noted = store.outage_failed(job, &call, &self.rules).await?;
+        let noted = queue.provider_failed(&call, &self.rules).await?;
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
         if noted.state == Provider::Up {
             return Ok((noted.answered_ms, None));
@@ -176,7 +182,7 @@ impl OutageWatch {
 
     /// A call for `rid` was answered (valid or not: the provider is up).
     /// Tells the fleet at most once a second, at once while the provider is down.
-    pub async fn answered(&self, store: &RedisStore, job: &str, rid: &str) -> Result<(), StoreError> {
+    pub async fn answered(&self, queue: &dyn JobQueue, job: &str, rid: &str) -> Result<(), StoreError> {
         self.probe_ended(rid);
         {
             let mut noted = self.answer_noted.lock().unwrap_or_else(|e| e.into_inner());
@@ -185,7 +191,7 @@ impl OutageWatch {
             }
             *noted = Some(Instant::now());
         }
-        let ended = store.outage_answered(job).await?;
+        let ended = queue.provider_answered().await?;
         if self.is_down() || ended.is_some() {
             let (since_ms, now_ms) = ended.unwrap_or((self.since_ms.load(Ordering::Relaxed), 0));
             self.set(job, false, since_ms, || match ended {

@@ -6,7 +6,7 @@
 use common::decision::{Decision, Outcome, Standing, decide};
 use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind};
-use common::store::{Finish, Finished, RedisStore, StoreError};
+use common::store::{Finish, Finished, StoreError};
 use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task, Usage,
 };
@@ -30,14 +30,13 @@ use crate::telemetry::status_class;
 /// With tracing on, the attempt is a span (child of the record's enqueue
 /// span) holding `model_call`, `validate` and `commit` spans.
 pub async fn process(
-    store: &RedisStore,
     job: &JobCtx,
     d: Delivery,
     limits: &Limits,
     report: &mut Option<CallReport>,
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, &d, limits);
-    let settled = run_attempt(store, job, d, limits, report, &span).await;
+    let settled = run_attempt(job, d, limits, report, &span).await;
     attempt_settled(&span, &settled);
     settled
 }
@@ -170,7 +169,6 @@ enum Via<'a> {
 }
 
 async fn run_attempt(
-    store: &RedisStore,
     job: &JobCtx,
     d: Delivery,
     limits: &Limits,
@@ -181,10 +179,10 @@ async fn run_attempt(
     // checks again), no round trip of its own.
     let (state, live) = match &d.state_at_claim {
         Some(state) if d.claimed_at.elapsed() < limits.visibility / 4 => (state.clone(), true),
-        _ => store.check_delivery(&job.name, &d).await?,
+        _ => job.queue.check(&d).await?,
     };
     if state.as_ref().is_some_and(RecordState::is_terminal) {
-        store.ack(&job.name, &d).await?;
+        job.queue.ack(&d).await?;
         return Ok(Settled::AlreadySettled);
     }
     if !live {
@@ -196,13 +194,12 @@ async fn run_attempt(
         Ok(prep) => prep,
         Err(unsent) => {
             let (before, outcome) = *unsent;
-            return without_call(store, job, &d, &before, outcome, None, limits, span).await;
+            return without_call(job, &d, &before, outcome, None, limits, span).await;
         }
     };
     if d.task.answered.contains(&prep.fp) {
         // The same request already got its answer: sending it again buys the same one.
         return without_call(
-            store,
             job,
             &d,
             &prep.before,
@@ -217,7 +214,7 @@ async fn run_attempt(
     if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &prep.at_most) {
         tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
         let outcome = Outcome::OverBudget { why };
-        return without_call(store, job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
+        return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
     let reservation = match &job.budget {
         Some(budget) => {
@@ -234,7 +231,7 @@ async fn run_attempt(
                 Ok(r) => Some(r),
                 Err(crate::budget::Refused::Halted) => {
                     // The job's cap could pass: halted (by the script), the task handed back.
-                    let reason = store.halted(&job.name).await?.unwrap_or_else(|| "budget".into());
+                    let reason = job.queue.halted().await?.unwrap_or_else(|| "budget".into());
                     tracing::error!(job = %job.name, reason = %reason, "job halted on its budget: tasks stay queued");
                     let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
                     return Ok(Settled::Halted(reason));
@@ -263,7 +260,7 @@ async fn run_attempt(
         headers,
     });
     let via = Via::Online { waiting, reservation };
-    conclude(store, job, &d, limits, span, &prep, result, Some(elapsed), via).await
+    conclude(job, &d, limits, span, &prep, result, Some(elapsed), via).await
 }
 
 /// The paid call an attempt makes, at online prices.
@@ -286,7 +283,6 @@ fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u32, usage: U
 /// names the line (the batch and its line id): its paid call is recorded
 /// once however often the line is settled.
 pub async fn settle_batch_line(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
@@ -295,12 +291,12 @@ pub async fn settle_batch_line(
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, d, limits);
     let settled = match prepare(job, d, limits) {
-        Ok(prep) => conclude(store, job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
+        Ok(prep) => conclude(job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
         // Its template no longer renders (a spec changed under the shard):
         // decided as before a call; the answer is not used.
         Err(unsent) => {
             let (before, outcome) = *unsent;
-            without_call(store, job, d, &before, outcome, None, limits, &span).await
+            without_call(job, d, &before, outcome, None, limits, &span).await
         }
     };
     attempt_settled(&span, &settled);
@@ -311,21 +307,16 @@ pub async fn settle_batch_line(
 /// Decides a task a shard held that was left out of the shard's file:
 /// poison, an input error, or a request that would repeat one already
 /// answered (decided as online, without a call).
-pub async fn settle_unsent(
-    store: &RedisStore,
-    job: &JobCtx,
-    d: &Delivery,
-    limits: &Limits,
-) -> Result<Settled, StoreError> {
+pub async fn settle_unsent(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Settled, StoreError> {
     let span = Span::none();
     match prepare(job, d, limits) {
         Err(unsent) => {
             let (before, outcome) = *unsent;
-            without_call(store, job, d, &before, outcome, None, limits, &span).await
+            without_call(job, d, &before, outcome, None, limits, &span).await
         }
         Ok(prep) => {
             let outcome = Outcome::NoNewAttempt;
-            without_call(store, job, d, &prep.before, outcome, Some(&prep.user), limits, &span).await
+            without_call(job, d, &prep.before, outcome, Some(&prep.user), limits, &span).await
         }
     }
 }
@@ -335,7 +326,6 @@ pub async fn settle_unsent(
 /// line's latency is the batch's).
 #[allow(clippy::too_many_arguments)]
 async fn conclude(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
@@ -348,7 +338,7 @@ async fn conclude(
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
-    judge_errors(store, job, &mut reply, prep.form).await;
+    judge_errors(job, &mut reply, prep.form).await;
     if reply.usage.is_none() && (timed_out || answered) {
         // The server may have generated (and billed) it after we gave up,
         // or answered without saying what it used.
@@ -359,7 +349,7 @@ async fn conclude(
     // An online call tells the fleet whether the provider answers (an
     // outage that outlasted the job's budget halts it).
     let (failing_since, answered_ms) = match elapsed {
-        Some(took) => note_provider(store, job, d, limits, &mut reply, took).await,
+        Some(took) => note_provider(job, d, limits, &mut reply, took).await,
         // A batch's line: the provider answered the batch.
         None => (failing_since(d, &reply.outcome, std::time::Duration::ZERO), now_ms()),
     };
@@ -441,7 +431,6 @@ async fn conclude(
         failing_since,
     };
     apply(
-        store,
         job,
         d,
         decision.clone(),
@@ -525,7 +514,6 @@ impl AttemptRecord<'_> {
 /// provider has been down for longer than the job's outage budget the
 /// outcome becomes a halt.
 async fn note_provider(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
@@ -537,7 +525,7 @@ async fn note_provider(
         (Some(err), true) => {
             let noted = job
                 .outage
-                .failed(store, &job.name, &d.task.rid, err, took, &limits.worker)
+                .failed(&*job.queue, &job.name, &d.task.rid, err, took, &limits.worker)
                 .await;
             noted.map(|(answered_ms, halt)| {
                 if let Some(reason) = halt {
@@ -546,7 +534,11 @@ async fn note_provider(
                 answered_ms
             })
         }
-        _ => job.outage.answered(store, &job.name, &d.task.rid).await.map(|()| 0),
+        _ => job
+            .outage
+            .answered(&*job.queue, &job.name, &d.task.rid)
+            .await
+            .map(|()| 0),
     };
     // Unknown (Redis away): the record only waits.
     let answered_ms = noted.unwrap_or_else(|e| {
@@ -573,7 +565,7 @@ fn failing_since(d: &Delivery, outcome: &Outcome, took: std::time::Duration) -> 
 /// (see [`crate::breaker`]): it stays about the record, or makes the record
 /// wait, or halts the job with the provider's message. Any answer proves the
 /// provider (told to Redis once).
-async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form: common::spec::StructuredOutput) {
+async fn judge_errors(job: &JobCtx, reply: &mut Reply, form: common::spec::StructuredOutput) {
     use crate::breaker::Verdict;
     let mut form_refused = None;
     // A request refused for its shape: with `auto`, the next structured-output
@@ -591,7 +583,7 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
                     message = err.message.as_deref().unwrap_or(""),
                     "the server refuses this structured-output form: falling back (remembered for the fleet)"
                 );
-                if let Err(e) = store.remember_form(&job.forms.endpoint, next.name()).await {
+                if let Err(e) = job.queue.remember_form(&job.forms.endpoint, next.name()).await {
                     tracing::warn!(error = %e, "could not remember the accepted form");
                 }
             }
@@ -607,7 +599,7 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
         // The provider answers (valid or not, the model is at fault, not the setup).
         Outcome::Valid | Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => {
             if job.breaker.on_answer()
-                && let Err(e) = store.mark_proven(&job.name).await
+                && let Err(e) = job.queue.mark_proven().await
             {
                 tracing::warn!(error = %e, "could not note the provider as proven");
             }
@@ -618,7 +610,7 @@ async fn judge_errors(store: &RedisStore, job: &JobCtx, reply: &mut Reply, form:
             let count = if job.breaker.proven() {
                 0
             } else {
-                store.breaker_count(&job.name, &signature).await.unwrap_or(0)
+                job.queue.breaker_count(&signature).await.unwrap_or(0)
             };
             let message = err.message.as_deref().unwrap_or("no message");
             match job.breaker.judge(&signature, count) {
@@ -660,7 +652,6 @@ fn refused_form_hint(job: &JobCtx, form: common::spec::StructuredOutput) -> Stri
 /// (poison, an input error, a request that would repeat an answered one).
 #[allow(clippy::too_many_arguments)]
 async fn without_call(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     before: &Before,
@@ -702,10 +693,7 @@ async fn without_call(
     );
     let stamp = job.stamp.renewed();
     let history = d.task.history.clone();
-    apply(
-        store, job, d, decision, before, facts, None, history, &stamp, limits, span,
-    )
-    .await
+    apply(job, d, decision, before, facts, None, history, &stamp, limits, span).await
 }
 
 /// Before a call: a task delivered too often is poison, a record whose
@@ -745,7 +733,6 @@ struct Call<'a> {
 /// fleet and leaves the task pending). `answer` is the call made, if any.
 #[allow(clippy::too_many_arguments)]
 async fn apply(
-    store: &RedisStore,
     job: &JobCtx,
     d: &Delivery,
     decision: Decision,
@@ -822,7 +809,7 @@ async fn apply(
         Decision::Halt { reason } => {
             // Leave the task pending: it is not the record's fault and must not
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
-            store.halt(&job.name, &reason).await?;
+            job.queue.halt(&reason).await?;
             tracing::error!(job = %job.name, reason = %reason, "fleet halted: tasks stay queued");
             // Handed back at once: it runs as soon as the halt is lifted. The
             // call it made (a timed-out one may be billed) stays in its

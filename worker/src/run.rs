@@ -19,9 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::spec::JobSpec;
-use common::spec::system_prompt;
 use common::store::{RedisStore, StoreError, valid_job_name};
-use common::template::Template;
 use tokio_util::sync::CancellationToken;
 
 use crate::claim::Claimer;
@@ -162,7 +160,7 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
     while flushes.join_next().await.is_some() {}
     let mut summary = fleet.summary.lock().await.clone();
     for job in &fleet.jobs {
-        if let Ok(report) = job.limiter.report().await {
+        if let Ok(report) = fleet.limiter(job).report().await {
             summary.limiters.insert(job.name.clone(), report);
         }
     }
@@ -327,18 +325,22 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let mut jobs = Vec::new();
     let mut secrets = common::secret::url_passwords(&config.redis_url);
     for name in names {
-        let (job, key) = load_job(&store, &name, &config).await?;
+        let (job, limiter, key) = load_job(&store, &name, &config).await?;
         secrets.push(key);
         if let Some(common::sink::Target::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
-        jobs.push(job);
+        jobs.push((job, limiter));
     }
     let scrubber = common::secret::Scrubber::new(secrets);
-    for job in &mut jobs {
+    for (job, _) in &mut jobs {
         job.provider.set_scrubber(scrubber.clone());
     }
-    let max_timeout = jobs.iter().map(|j| j.spec.provider.timeout_secs).max().unwrap_or(60);
+    let max_timeout = jobs
+        .iter()
+        .map(|(j, _)| j.spec.provider.timeout_secs)
+        .max()
+        .unwrap_or(60);
     let visibility = config
         .visibility_timeout
         .unwrap_or(Duration::from_secs(max_timeout + 30));
@@ -361,15 +363,14 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     }
     // A grant's concurrency slot lives as long as its task may: a dead
     // worker's slots come back when its tasks could be reclaimed.
-    for job in &mut jobs {
-        job.limiter.set_lease(visibility);
+    for (job, limiter) in &mut jobs {
+        limiter.set_lease(visibility);
         if let Some(b) = &job.budget {
             b.set_lease(visibility);
         }
     }
-    let jobs: Vec<Arc<JobCtx>> = jobs.into_iter().map(Arc::new).collect();
     let metrics = Arc::new(Metrics::new());
-    for job in &jobs {
+    for (job, _) in &jobs {
         metrics.set_limits(&job.name, &job.spec.limits);
     }
     let health = Arc::new(Health::default());
@@ -377,10 +378,10 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     if let Some(addr) = config.metrics_addr {
         let jobs_info: Vec<crate::telemetry::Watched> = jobs
             .iter()
-            .map(|j| crate::telemetry::Watched {
+            .map(|(j, limiter)| crate::telemetry::Watched {
                 job: j.name.clone(),
                 partitions: j.spec.job.partitions,
-                limiter: Some(j.limiter.id().to_owned()),
+                limiter: Some(limiter.id().to_owned()),
             })
             .collect();
         let serve_on = |addr| {
@@ -457,8 +458,8 @@ async fn take_consumer_name(fleet: &Fleet) -> Result<(), RunError> {
     }
 }
 
-/// A job's context, and its API key (for the scrubber).
-async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(JobCtx, String), RunError> {
+/// A job's context, its rate limits, and its API key (for the scrubber).
+async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(JobCtx, Limiter, String), RunError> {
     let (base_url, breaker_errors) = (config.base_url.as_deref(), config.breaker_errors);
     valid_job_name(name).map_err(|e| RunError::Refused(e.to_string()))?;
     let spec: JobSpec = store
@@ -494,47 +495,25 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     };
     let provider =
         Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
-    let user = Template::parse(&spec.prompt.user).map_err(|e| RunError::Refused(format!("prompt.user: {e}")))?;
-    let forms = crate::form::Forms::new(&spec, base_url.unwrap_or(&spec.provider.base_url), None);
-    if let Some(learned) = store.accepted_form(&forms.endpoint).await? {
-        forms.learned(&learned);
-    }
     if let Some(cap) = spec.budget.max_cost_usd {
         // The cap the workers reserve against exists (a spec updated to have one, or a lost key).
         store.set_budget_cap(name, cap, true).await?;
     }
-    let breaker = crate::breaker::Breaker::new(breaker_errors);
-    if store.proven(name).await? {
-        breaker.set_proven();
+    let limiter = Limiter::for_job(
+        store,
+        &spec,
+        base_url.unwrap_or(&spec.provider.base_url),
+        &config.consumer,
+    );
+    let queue = Arc::new(crate::queue::RedisQueue::new(store, name));
+    let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
+    job.sink = sink;
+    // What the fleet already learned about the provider.
+    if let Some(learned) = store.accepted_form(&job.forms.endpoint).await? {
+        job.forms.learned(&learned);
     }
-    let job = JobCtx {
-        stamp: common::task::Stamp::now(&spec),
-        breaker,
-        outage: crate::outage::OutageWatch::new(
-            spec.retry.outage_budget_ms(),
-            base_url.unwrap_or(&spec.provider.base_url),
-        ),
-        // Its lease is set once every job is loaded (the visibility timeout).
-        limiter: Limiter::for_job(
-            store,
-            &spec,
-            base_url.unwrap_or(&spec.provider.base_url),
-            &config.consumer,
-        ),
-        sink,
-        sink_full: std::sync::atomic::AtomicBool::new(false),
-        finisher: crate::job::finisher(store, name),
-        // Its lease too.
-        budget: spec
-            .budget
-            .max_cost_usd
-            .map(|_| crate::budget::JobBudget::new(store, name)),
-        name: name.to_owned(),
-        system: system_prompt(&spec),
-        user,
-        forms,
-        provider,
-        spec,
-    };
-    Ok((job, api_key))
+    if store.proven(name).await? {
+        job.breaker.set_proven();
+    }
+    Ok((job, limiter, api_key))
 }

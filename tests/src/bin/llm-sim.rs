@@ -15,7 +15,7 @@ mod batch;
 #[path = "llm-sim/outage.rs"]
 mod outage;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -269,6 +269,10 @@ struct Sim {
     calls: Mutex<Vec<Value>>,
     /// `--fail-all` as it stands now: (status, code, message).
     fail_all: Mutex<Option<(u16, String, String)>>,
+    /// Per record (`x-batchfleet-record`), what its next calls meet, in
+    /// order (`POST /admin/script`; None: a clean answer): a test's way to
+    /// give one record an exact story whatever else is running.
+    scripts: Mutex<HashMap<String, VecDeque<Option<Fault>>>>,
     /// `--slots`: the generation slots, taken in arrival order.
     slots: Option<Arc<tokio::sync::Semaphore>>,
     /// Outages planned and under way (`--outage`, `/admin/outage`).
@@ -345,6 +349,7 @@ async fn main() -> anyhow::Result<()> {
         served: Default::default(),
         calls: Default::default(),
         fail_all: Mutex::new(args.fail_all.as_deref().and_then(parse_fail)),
+        scripts: Mutex::new(HashMap::new()),
         slots: (args.slots > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.slots))),
         faults,
         batch_faults,
@@ -371,6 +376,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/calls", get(calls))
         .route("/admin/limits", post(set_limits))
         .route("/admin/fail", post(set_fail))
+        .route("/admin/script", post(set_script))
         .route("/admin/outage", post(set_outage))
         .layer(axum::middleware::from_fn_with_state(sim.clone(), count_api))
         .with_state(sim);
@@ -522,11 +528,12 @@ async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
         Admission::RateLimited(refused) => return refused,
     };
     let (fault, latency) = draw_fault_and_latency(sim, body);
-    // Feedback retries get a clean answer: the model "listened" (unless stubborn).
-    let fault = if chat.with_feedback && !sim.args.stubborn {
-        None
-    } else {
-        fault
+    // Feedback retries get a clean answer: the model "listened" (unless
+    // stubborn); a record's script says exactly what it meets.
+    let fault = match scripted(sim, headers) {
+        Some(fault) => fault,
+        None if chat.with_feedback && !sim.args.stubborn => None,
+        None => fault,
     };
     if let Some(f) = fault
         && let Ok(mut s) = sim.stats.lock()
@@ -1371,6 +1378,41 @@ async fn set_fail(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Statu
     };
     *f = body["fail"].as_str().and_then(parse_fail);
     StatusCode::NO_CONTENT
+}
+
+/// A record's script: `{"record": "r1", "faults": ["server_error", "ok",
+/// "missing_field"]}` (`ok`: a clean answer); its calls meet them in order,
+/// then draw as usual. An empty list clears it.
+async fn set_script(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Response {
+    let Some(record) = body["record"].as_str() else {
+        return (StatusCode::BAD_REQUEST, "record: a string").into_response();
+    };
+    let mut steps = VecDeque::new();
+    for name in body["faults"].as_array().into_iter().flatten() {
+        match name.as_str() {
+            Some("ok") => steps.push_back(None),
+            Some(n) => match n.parse::<Fault>() {
+                Ok(f) => steps.push_back(Some(f)),
+                Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+            },
+            None => return (StatusCode::BAD_REQUEST, "faults: a list of names").into_response(),
+        }
+    }
+    let mut scripts = sim.scripts.lock().unwrap_or_else(|e| e.into_inner());
+    scripts.insert(record.to_owned(), steps);
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// The next step of the request's record's script, if it has one left.
+fn scripted(sim: &Sim, headers: &HeaderMap) -> Option<Option<Fault>> {
+    let record = headers.get("x-batchfleet-record")?.to_str().ok()?;
+    let mut scripts = sim.scripts.lock().unwrap_or_else(|e| e.into_inner());
+    let steps = scripts.get_mut(record)?;
+    let step = steps.pop_front();
+    if steps.is_empty() {
+        scripts.remove(record);
+    }
+    step
 }
 
 /// Starts (`{"mode": "hang", "secs": 20}`) or ends (`{"mode": null}`) an outage.

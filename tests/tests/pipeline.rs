@@ -1,0 +1,463 @@
+//! The pipeline in process: each record's whole story (claim, call,
+//! validate, decide, apply) through `worker::process` over the in-memory
+//! queue (`worker::queue::MemoryQueue`, the same rules as the Redis scripts)
+//! and a real llm-sim over HTTP, whose `/admin/script` gives every record
+//! the exact faults it meets. No worker process, no Redis: hundreds of
+//! stories in seconds.
+//!
+//! Time: the pipeline never sleeps on a decision (a retry is a due time in
+//! the queue), so a story runs at the speed of its HTTP calls; the queue's
+//! clock is moved forward to make a retry due or a reservation expire.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::spec::JobSpec;
+use common::store::OutageRules;
+use common::task::{RecordState, Task};
+use harness::{LlmSim, example_spec, record_line};
+use worker::job::{JobCtx, Limits, Settled};
+use worker::process::process;
+use worker::provider::Provider;
+use worker::queue::MemoryQueue;
+
+const WORKER: &str = "w1";
+
+/// The example job, pointed at `sim`, changed by `change`, over `queue`.
+fn job(sim: &LlmSim, queue: &MemoryQueue, change: impl FnOnce(&mut JobSpec)) -> JobCtx {
+    let text = std::fs::read_to_string(example_spec()).expect("example spec");
+    let mut spec = JobSpec::parse(&text, "examples/job.toml").expect("example spec parses");
+    spec.provider.base_url = sim.base_url();
+    change(&mut spec);
+    let provider = Provider::new(&spec, None, "sk-test-key".to_owned()).expect("HTTP client");
+    JobCtx::new("pipeline", spec, provider, Arc::new(queue.clone()), None, 3).expect("job context")
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_deliveries: 5,
+        worker: WORKER.to_owned(),
+        metrics: Arc::new(worker::telemetry::Metrics::new()),
+        traces: common::otel::Traces::off(),
+        visibility: Duration::from_secs(60),
+        retry_scheduled: tokio::sync::Notify::new(),
+        calls: worker::calls::CallsInFlight::default(),
+    }
+}
+
+fn task(rid: &str) -> Task {
+    Task::new(rid, &record_line(rid, &format!("text of {rid}")), "").expect("task")
+}
+
+/// Runs the queue's tasks to their ends (retries made due at once, as the
+/// promoter would once their time came), at most `steps` deliveries.
+/// Returns each delivery's settlement, in order.
+async fn drain(queue: &MemoryQueue, job: &JobCtx, limits: &Limits, steps: usize) -> Vec<(String, Settled)> {
+    let mut seen = Vec::new();
+    for _ in 0..steps {
+        let d = match queue.deliver(WORKER) {
+            Some(d) => d,
+            None => {
+                let Some(due) = queue.next_due() else { break };
+                queue.advance(due.saturating_sub(queue.now_ms()));
+                queue.promote();
+                continue;
+            }
+        };
+        let rid = d.task.rid.clone();
+        let mut report = None;
+        let settled = process(job, d, limits, &mut report)
+            .await
+            .expect("the memory queue never fails");
+        let halted = matches!(settled, Settled::Halted(_));
+        seen.push((rid, settled));
+        if halted {
+            break;
+        }
+    }
+    seen
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// What every story must leave, whatever its faults: one outcome at most,
+/// every paid call in the ledger once, spend equal to the ledger's sum,
+/// nothing left in the stream for a settled record.
+fn invariants(queue: &MemoryQueue, rid: &str, calls_made: usize) {
+    let paid: Vec<_> = queue.paid().into_iter().filter(|c| c.rid == rid).collect();
+    assert!(
+        paid.len() <= calls_made,
+        "{rid}: {} paid calls recorded for {calls_made} calls made",
+        paid.len()
+    );
+    let mut keys: Vec<String> = paid.iter().map(|c| c.key()).collect();
+    keys.dedup();
+    assert_eq!(keys.len(), paid.len(), "{rid}: a paid call recorded twice");
+    let numbers: std::collections::BTreeSet<u32> = paid.iter().map(|c| c.call).collect();
+    assert_eq!(
+        numbers.len(),
+        paid.len(),
+        "{rid}: two paid calls with the same call number"
+    );
+    match queue.state(rid) {
+        Some(RecordState::Done) => {
+            let r = queue.result(rid).expect("a done record has its result");
+            assert!(r.attempts >= 1, "{rid}: a result of no attempt");
+            assert!(queue.review_entry(rid).is_none(), "{rid}: done and in review");
+        }
+        Some(RecordState::Review) => assert!(queue.result(rid).is_none(), "{rid}: in review with a result"),
+        _ => {}
+    }
+}
+
+/// Every fault llm-sim can inject, met once, twice or on every call, for
+/// jobs of 1 to 3 attempts: each story ends, its record is settled the way
+/// its faults say, and the money rules hold.
+#[test]
+fn every_fault_on_any_call_ends_in_one_outcome_and_no_call_is_paid_twice() {
+    let sim = LlmSim::start(&[]);
+    let mut cases = Vec::new();
+    for attempts in 1..=3u32 {
+        let kinds = [&RECORD_FAULTS[..], &REPAIRED, &WORLD_FAULTS, &REFUSALS];
+        for fault in kinds.concat() {
+            for times in [1usize, 2, 4] {
+                cases.push((attempts, fault, times));
+            }
+        }
+    }
+    let started = std::time::Instant::now();
+    rt().block_on(async {
+        let mut stories = Vec::new();
+        for (i, (attempts, fault, times)) in cases.iter().enumerate() {
+            let rid = format!("f{i}-{fault}-x{times}-a{attempts}");
+            let faults = vec![*fault; *times];
+            sim.script(&rid, &faults);
+            stories.push((rid, *attempts, *fault, *times));
+        }
+        let stories = futures_util::future::join_all(stories.into_iter().map(|(rid, attempts, fault, times)| {
+            let sim = &sim;
+            async move {
+                let queue = MemoryQueue::new();
+                let job = job(sim, &queue, |s| {
+                    s.retry.max_attempts = attempts;
+                    s.retry.base_delay_ms = 10;
+                });
+                let limits = limits();
+                queue.enqueue(task(&rid));
+                let seen = drain(&queue, &job, &limits, 40).await;
+                (rid, attempts, fault, times, queue, seen)
+            }
+        }))
+        .await;
+        let mut wrong = Vec::new();
+        for (rid, attempts, fault, times, queue, seen) in &stories {
+            invariants(queue, rid, seen.len());
+            if let Err(why) = story_ends_as_its_faults_say(queue, rid, *attempts, fault, *times, seen) {
+                wrong.push(why);
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "{} of {} stories ended wrong:\n{}",
+            wrong.len(),
+            stories.len(),
+            wrong.join("\n")
+        );
+        assert!(stories.len() >= 100, "{} stories", stories.len());
+    });
+    eprintln!("{} stories in {:?}", cases.len(), started.elapsed());
+}
+
+/// Faults that are the record's (they count as attempts), that the
+/// validator repairs, that are the world's (never an attempt, never a
+/// review), and refusals (reviewed at once).
+const RECORD_FAULTS: [&str; 7] = [
+    "broken_json",
+    "missing_field",
+    "bad_enum",
+    "bool_number",
+    "length",
+    "deep",
+    "hostile",
+];
+const REPAIRED: [&str; 2] = ["fence", "prose"];
+/// (`empty`: a 200 with an empty body, which says no usage: nothing to bill.)
+const WORLD_FAULTS: [&str; 4] = ["rate_limit", "server_error", "unavailable", "empty"];
+const REFUSALS: [&str; 1] = ["content_filter"];
+
+/// Whether a story ended as its faults say it must (Err: how it did not).
+fn story_ends_as_its_faults_say(
+    queue: &MemoryQueue,
+    rid: &str,
+    attempts: u32,
+    fault: &str,
+    times: usize,
+    seen: &[(String, Settled)],
+) -> Result<(), String> {
+    let calls = seen.len();
+    let state = queue.state(rid);
+    let story = format!(
+        "{rid}: {:?} -> {state:?}",
+        seen.iter().map(|(_, s)| s.label()).collect::<Vec<_>>()
+    );
+    let fails = times.min(calls);
+    let result_attempts = queue.result(rid).map(|r| r.attempts);
+    let expect = |ok: bool, what: &str| if ok { Ok(()) } else { Err(format!("{story}: {what}")) };
+    if WORLD_FAULTS.contains(&fault) {
+        expect(
+            state == Some(RecordState::Done),
+            "the world's faults wait, then the record commits",
+        )?;
+        expect(result_attempts == Some(1), "the world's faults are no attempt")?;
+    } else if REPAIRED.contains(&fault) {
+        expect(
+            state == Some(RecordState::Done) && result_attempts == Some(1),
+            "repaired on its first attempt",
+        )?;
+    } else if REFUSALS.contains(&fault) {
+        expect(
+            state == Some(RecordState::Review) && calls == 1,
+            "a refusal is reviewed at once",
+        )?;
+    } else if times as u32 >= attempts {
+        let entry = queue.review_entry(rid);
+        expect(
+            state == Some(RecordState::Review),
+            "wrong on every attempt allowed: review",
+        )?;
+        expect(
+            entry.map(|e| e.attempts) == Some(attempts),
+            "reviewed after exactly its attempts",
+        )?;
+    } else {
+        expect(
+            state == Some(RecordState::Done),
+            "wrong fewer times than allowed: the retry commits",
+        )?;
+        expect(
+            result_attempts == Some(times as u32 + 1),
+            "one attempt per wrong answer, and the right one",
+        )?;
+    }
+    // Every answered call is in the ledger (a 429 or a 5xx is not billed).
+    let paid = queue.paid().iter().filter(|c| c.rid == rid).count();
+    let answered = if WORLD_FAULTS.contains(&fault) {
+        calls - fails
+    } else {
+        calls
+    };
+    expect(paid == answered, &format!("{paid} paid calls for {answered} answered"))
+}
+
+/// A delivery taken over by another worker (this one hung past the
+/// visibility timeout) stores nothing: its paid call is in the ledger, the
+/// record has the one result the live delivery stored.
+#[test]
+fn a_delivery_taken_over_mid_call_applies_nothing_and_its_call_stays_paid() {
+    let sim = LlmSim::start(&["--latency-ms", "400", "--steady-latency"]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = Arc::new(job(&sim, &queue, |_| {}));
+        let limits = Arc::new(limits());
+        queue.enqueue(task("r1"));
+        let first = queue.deliver(WORKER).expect("delivered");
+        let (j, l) = (job.clone(), limits.clone());
+        let late = tokio::spawn(async move { process(&j, first, &l, &mut None).await });
+        // Taken over while its call is on its way.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let second = queue.take_over("r1", "w2").expect("taken over");
+        let late = late.await.expect("task").expect("process");
+        assert_eq!(late, Settled::Stale);
+        assert_eq!(queue.state("r1"), Some(RecordState::Queued), "nothing applied");
+        assert_eq!(queue.paid().len(), 1, "the late call was paid and is recorded");
+        let live = process(&job, second, &limits, &mut None).await.expect("process");
+        assert_eq!(live, Settled::Committed);
+        assert_eq!(queue.state("r1"), Some(RecordState::Done));
+        assert_eq!(queue.paid().len(), 2, "both calls, each once");
+        assert_eq!(queue.spend().0, 2, "spend counts each paid call once");
+        // Enqueued again: nothing new (the record is known).
+        assert!(!queue.enqueue(task("r1")));
+        assert_eq!(queue.in_stream(), 0);
+    });
+}
+
+/// A delivery whose record is already settled (a redelivery, a late copy):
+/// acknowledged, not called.
+#[test]
+fn a_settled_record_delivered_again_is_acknowledged_without_a_call() {
+    let sim = LlmSim::start(&[]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |_| {});
+        let limits = limits();
+        queue.enqueue(task("s1"));
+        let d = queue.deliver(WORKER).expect("delivered");
+        let copy = d.clone();
+        assert_eq!(
+            process(&job, d, &limits, &mut None).await.expect("process"),
+            Settled::Committed
+        );
+        let again = process(&job, copy, &limits, &mut None).await.expect("process");
+        assert!(matches!(again, Settled::AlreadySettled | Settled::Stale), "{again:?}");
+        assert_eq!(sim.stats()["requests"].as_u64(), Some(1), "one call");
+        assert_eq!(queue.paid().len(), 1);
+    });
+}
+
+/// A record whose template cannot be filled is dropped without a call; a
+/// task delivered too often goes to review as poison without a call.
+#[test]
+fn input_errors_and_poison_are_decided_without_a_call() {
+    let sim = LlmSim::start(&[]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |_| {});
+        let limits = limits();
+        let bad = Task::new("no-text", r#"{"message_id": "no-text", "channel": "chat"}"#, "").expect("task");
+        queue.enqueue(bad);
+        let seen = drain(&queue, &job, &limits, 5).await;
+        assert_eq!(seen.len(), 1);
+        assert!(
+            matches!(queue.state("no-text"), Some(RecordState::Dropped(ref why)) if why.contains("task_type") || why.contains("text")),
+            "{:?}",
+            queue.state("no-text")
+        );
+        queue.enqueue(task("poison"));
+        let mut d = queue.deliver(WORKER).expect("delivered");
+        for n in 2..=6 {
+            d = queue.take_over("poison", &format!("w{n}")).expect("again");
+        }
+        assert_eq!(d.deliveries, 6);
+        let settled = process(&job, d, &limits, &mut None).await.expect("process");
+        assert_eq!(settled, Settled::Reviewed);
+        let entry = queue.review_entry("poison").expect("in review");
+        assert!(entry.reason.contains("poison"), "{}", entry.reason);
+        assert!(queue.paid().is_empty(), "neither made a call");
+        assert_eq!(sim.stats()["requests"].as_u64().unwrap_or(0), 0, "llm-sim saw no request");
+    });
+}
+
+/// The job's cap: a call that could pass it halts the job before it is
+/// sent, the task goes back to the stream, nothing is paid; resumed with a
+/// higher cap it runs.
+#[test]
+fn a_call_that_could_pass_the_job_s_cap_halts_the_job_before_it_is_sent() {
+    let sim = LlmSim::start(&[]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |s| s.budget.max_cost_usd = Some(1e-9));
+        queue.set_budget_cap(1e-9);
+        let limits = limits();
+        queue.enqueue(task("b1"));
+        let seen = drain(&queue, &job, &limits, 5).await;
+        assert!(
+            matches!(&seen[..], [(_, Settled::Halted(why))] if why.starts_with("budget")),
+            "{seen:?}"
+        );
+        assert!(
+            queue
+                .halt_reason()
+                .is_some_and(|r| r.contains("producer resume --budget"))
+        );
+        assert_eq!(queue.state("b1"), Some(RecordState::Queued), "handed back");
+        assert_eq!(queue.in_stream(), 1);
+        assert!(queue.paid().is_empty());
+        let (spent, reserved) = queue.budget();
+        assert_eq!((spent, reserved), (0, 0));
+        // Raised and resumed: the record runs and its spend settles.
+        queue.set_budget_cap(10.0);
+        queue.resume();
+        let seen = drain(&queue, &job, &limits, 5).await;
+        assert_eq!(seen.last().map(|(_, s)| s.clone()), Some(Settled::Committed));
+        let (spent, reserved) = queue.budget();
+        assert!(spent > 0 && reserved == 0, "spent {spent}, reserved {reserved}");
+    });
+}
+
+/// A provider that fails every call: the fleet's streak takes it for down
+/// (records wait, no attempt is used), and past the job's outage budget the
+/// job halts with the provider's words; records are never reviewed for it.
+#[test]
+fn a_provider_down_past_the_outage_budget_halts_the_job_and_reviews_nothing() {
+    let sim = LlmSim::start(&[]);
+    sim.fail_all(Some("503:overloaded:the engine is overloaded"));
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let mut job = job(&sim, &queue, |s| {
+            s.retry.base_delay_ms = 1;
+            s.retry.outage_budget_secs = Some(1);
+        });
+        let rules = OutageRules {
+            min_fails: 3,
+            window: Duration::ZERO,
+            window_429: Duration::ZERO,
+            probe_every_max: Duration::from_secs(1),
+        };
+        job.outage = worker::outage::OutageWatch::with_rules(0, &sim.base_url(), rules);
+        let limits = limits();
+        for i in 0..4 {
+            queue.enqueue(task(&format!("o{i}")));
+        }
+        let seen = drain(&queue, &job, &limits, 20).await;
+        let last = seen.last().map(|(_, s)| s.clone());
+        assert!(
+            matches!(&last, Some(Settled::Halted(why)) if why.contains("provider unavailable") && why.contains("overloaded")),
+            "{seen:?}"
+        );
+        assert_eq!(queue.outages(), 1, "one outage");
+        for i in 0..4 {
+            let rid = format!("o{i}");
+            assert!(
+                matches!(queue.state(&rid), Some(RecordState::Queued | RecordState::Delayed)),
+                "{rid}: {:?} {seen:?}",
+                queue.state(&rid)
+            );
+            assert!(queue.review_entry(&rid).is_none());
+        }
+        assert!(seen.iter().all(|(_, s)| !matches!(s, Settled::Reviewed)));
+        // Back: resumed, every record commits on its first attempt.
+        sim.fail_all(None);
+        queue.resume();
+        let seen = drain(&queue, &job, &limits, 40).await;
+        for i in 0..4 {
+            let rid = format!("o{i}");
+            assert_eq!(queue.state(&rid), Some(RecordState::Done), "{rid}: {seen:?}");
+            assert_eq!(queue.result(&rid).map(|r| r.attempts), Some(1), "{rid}: the outage used no attempt");
+        }
+        assert!(!queue.is_down(), "the first answer ended the outage");
+    });
+}
+
+/// A wrong key (401 on every call) before the provider ever answered: the
+/// breaker halts the job after its threshold instead of reviewing records.
+#[test]
+fn a_systematic_provider_error_halts_the_job_instead_of_reviewing_records() {
+    let sim = LlmSim::start(&[]);
+    sim.fail_all(Some("401:invalid_api_key:Incorrect API key provided"));
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |_| {});
+        let limits = limits();
+        for i in 0..5 {
+            queue.enqueue(task(&format!("k{i}")));
+        }
+        let seen = drain(&queue, &job, &limits, 20).await;
+        let last = seen.last().map(|(_, s)| s.clone());
+        assert!(
+            matches!(&last, Some(Settled::Halted(why)) if why.contains("invalid_api_key") || why.contains("401")),
+            "{seen:?}"
+        );
+        for i in 0..5 {
+            assert!(
+                queue.review_entry(&format!("k{i}")).is_none(),
+                "k{i} reviewed: {seen:?}"
+            );
+        }
+    });
+}

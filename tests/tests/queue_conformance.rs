@@ -1,0 +1,339 @@
+//! One suite, two queues: the same cases against the Redis store (a real
+//! redis-server) and the in-memory queue the pipeline's in-process tests
+//! run on, through the pipeline's seam (`worker::queue::JobQueue`). What
+//! the memory queue answers is what Redis answers, so a story proven over
+//! it holds in a fleet.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::time::Duration;
+
+use common::ledger::PaidCall;
+use common::store::{FailedCall, Finish, Finished, IdleEntry, OutageRules, Provider, RedisStore, Reserved, TaskEntry};
+use common::task::{Delivery, RecordState, Task, Usage};
+use harness::RedisServer;
+use worker::queue::{JobQueue, MemoryQueue, RedisQueue};
+
+const JOB: &str = "seam";
+
+/// A queue under test, and the parts a fleet's services play on it.
+#[allow(clippy::large_enum_variant)] // two values a test makes once
+enum Bed {
+    Redis {
+        _server: RedisServer,
+        store: RedisStore,
+        queue: RedisQueue,
+    },
+    Memory(MemoryQueue),
+}
+
+impl Bed {
+    async fn redis() -> Bed {
+        let server = RedisServer::start();
+        let store = RedisStore::connect(&server.url()).await.unwrap();
+        store.prepare_job(JOB, "", 1, false).await.unwrap();
+        let queue = RedisQueue::new(&store, JOB);
+        Bed::Redis {
+            _server: server,
+            store,
+            queue,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Bed::Redis { .. } => "redis",
+            Bed::Memory(_) => "memory",
+        }
+    }
+
+    fn queue(&self) -> &dyn JobQueue {
+        match self {
+            Bed::Redis { queue, .. } => queue,
+            Bed::Memory(q) => q,
+        }
+    }
+
+    async fn enqueue(&self, rid: &str) {
+        let task = Task::new(rid, "{}", "").unwrap();
+        match self {
+            Bed::Redis { store, .. } => {
+                let entry = TaskEntry {
+                    partition: 0,
+                    record_id: rid.to_owned(),
+                    origin: format!("ds:{rid}"),
+                    key: rid.to_owned(),
+                    task: Ok(task),
+                };
+                store.enqueue(JOB, 60, &[entry]).await.unwrap();
+            }
+            Bed::Memory(q) => {
+                q.enqueue(task);
+            }
+        }
+    }
+
+    async fn deliver(&self, consumer: &str) -> Delivery {
+        match self {
+            Bed::Redis { store, .. } => store.claim(JOB, 0, consumer, 1, false).await.unwrap().remove(0),
+            Bed::Memory(q) => q.deliver(consumer).unwrap(),
+        }
+    }
+
+    async fn take_over(&self, d: &Delivery, consumer: &str) -> Delivery {
+        match self {
+            Bed::Redis { store, .. } => {
+                let idle = [IdleEntry {
+                    entry_id: d.entry_id.clone(),
+                    deliveries: d.deliveries,
+                }];
+                store.reclaim(JOB, 0, consumer, 0, &idle).await.unwrap().remove(0)
+            }
+            Bed::Memory(q) => q.take_over(&d.task.rid, consumer).unwrap(),
+        }
+    }
+
+    async fn state(&self, rid: &str) -> Option<RecordState> {
+        match self {
+            Bed::Redis { store, .. } => store.record_state(JOB, 0, rid).await.unwrap(),
+            Bed::Memory(q) => q.state(rid),
+        }
+    }
+
+    /// Paid calls counted in the spend.
+    async fn paid_calls(&self) -> u64 {
+        match self {
+            Bed::Redis { store, .. } => store.spend(JOB, 1).await.unwrap().totals.calls,
+            Bed::Memory(q) => q.spend().0,
+        }
+    }
+
+    async fn set_cap(&self, usd: f64) {
+        match self {
+            Bed::Redis { store, .. } => store.set_budget_cap(JOB, usd, false).await.unwrap(),
+            Bed::Memory(q) => q.set_budget_cap(usd),
+        }
+    }
+}
+
+/// Runs `case` against both queues.
+macro_rules! both {
+    ($case:ident) => {
+        $case(&Bed::redis().await).await;
+        $case(&Bed::Memory(MemoryQueue::new())).await;
+    };
+}
+
+fn paid(d: &Delivery) -> PaidCall {
+    let usage = Usage {
+        prompt: 100,
+        completion: 20,
+        ..Usage::default()
+    };
+    PaidCall::new(
+        &d.task,
+        1,
+        1,
+        d.deliveries,
+        &d.consumer,
+        usage,
+        &common::spec::Prices::default(),
+        1,
+    )
+}
+
+async fn first_writer_wins_and_a_late_or_repeated_outcome_changes_nothing(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    bed.enqueue("a").await;
+    let d = bed.deliver("w1").await;
+    assert_eq!(q.check(&d).await.unwrap(), (Some(RecordState::Queued), true), "{name}");
+    let retry = Finish::Retry {
+        due_ms: 1,
+        task: d.task.next(1, 1, vec![], vec![]),
+    };
+    assert_eq!(
+        q.finish(&d, &retry, None, false).await.unwrap(),
+        Finished::Moved,
+        "{name}"
+    );
+    assert_eq!(bed.state("a").await, Some(RecordState::Delayed), "{name}");
+    // The same delivery again (a retried store call): acknowledged already.
+    let drop = Finish::Drop { reason: "x".into() };
+    assert_eq!(
+        q.finish(&d, &drop, None, false).await.unwrap(),
+        Finished::Stale,
+        "{name}"
+    );
+    assert_eq!(bed.state("a").await, Some(RecordState::Delayed), "{name}");
+    assert!(!q.check(&d).await.unwrap().1, "{name}: no longer live");
+}
+
+async fn a_delivery_taken_over_is_stale_but_its_paid_call_counts_once(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    bed.enqueue("b").await;
+    let first = bed.deliver("w1").await;
+    let second = bed.take_over(&first, "w2").await;
+    assert_eq!(second.deliveries, 2, "{name}");
+    assert_eq!(
+        q.check(&first).await.unwrap(),
+        (Some(RecordState::Queued), false),
+        "{name}"
+    );
+    let call = paid(&first);
+    let late = Finish::Drop { reason: "late".into() };
+    assert_eq!(
+        q.finish(&first, &late, Some(&call), false).await.unwrap(),
+        Finished::Stale,
+        "{name}"
+    );
+    assert_eq!(
+        bed.state("b").await,
+        Some(RecordState::Queued),
+        "{name}: nothing applied"
+    );
+    assert_eq!(bed.paid_calls().await, 1, "{name}: the late call was paid");
+    // The live delivery releases its task back to the stream with the same
+    // call (a retried store): counted once.
+    let release = Finish::Release(second.task.clone());
+    assert_eq!(
+        q.finish(&second, &release, Some(&call), false).await.unwrap(),
+        Finished::Moved,
+        "{name}"
+    );
+    assert_eq!(bed.paid_calls().await, 1, "{name}: one key, one count");
+    let third = bed.deliver("w3").await;
+    assert_eq!(third.task.rid, "b", "{name}: released to the stream");
+    let done = Finish::Drop { reason: "input".into() };
+    assert_eq!(
+        q.finish(&third, &done, None, false).await.unwrap(),
+        Finished::Moved,
+        "{name}"
+    );
+    assert!(
+        matches!(bed.state("b").await, Some(RecordState::Dropped(r)) if r == "input"),
+        "{name}"
+    );
+}
+
+async fn the_halt_keeps_its_first_reason(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    assert_eq!(q.halted().await.unwrap(), None, "{name}");
+    q.halt("first").await.unwrap();
+    q.halt("second").await.unwrap();
+    assert_eq!(q.halted().await.unwrap().as_deref(), Some("first"), "{name}");
+}
+
+async fn the_budget_grants_waits_and_halts_as_budget_lua_does(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    bed.set_cap(1e-6).await; // 1,000 nano-USD
+    let calls = |v: &[(&str, u64)]| v.iter().map(|(i, a)| ((*i).to_owned(), *a)).collect::<Vec<_>>();
+    assert_eq!(
+        q.budget_reserve(60_000, &calls(&[("a", 400), ("b", 400), ("c", 300)]))
+            .await
+            .unwrap(),
+        [Reserved::Granted, Reserved::Granted, Reserved::Wait],
+        "{name}"
+    );
+    // a cost 100, b was never made: room for c now.
+    q.budget_settle(&[("a".into(), 400, 100), ("b".into(), 400, 0)])
+        .await
+        .unwrap();
+    assert_eq!(
+        q.budget_reserve(60_000, &calls(&[("c", 300)])).await.unwrap(),
+        [Reserved::Granted],
+        "{name}"
+    );
+    assert_eq!(q.halted().await.unwrap(), None, "{name}");
+    // 950 could never fit (100 spent): the job halts, and every later call is refused.
+    assert_eq!(
+        q.budget_reserve(60_000, &calls(&[("d", 950), ("e", 1)])).await.unwrap(),
+        [Reserved::Halted, Reserved::Halted],
+        "{name}"
+    );
+    let why = q.halted().await.unwrap().unwrap_or_default();
+    assert!(
+        why.starts_with("budget: spent 0.000000 USD (0.000000 USD more in flight) of the job's 0.000001 USD"),
+        "{name}: {why}"
+    );
+    assert!(why.contains("producer resume --budget"), "{name}: {why}");
+}
+
+async fn the_outage_streak_takes_the_provider_down_and_one_answer_ends_it(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    let rules = OutageRules {
+        min_fails: 3,
+        window: Duration::ZERO,
+        window_429: Duration::from_secs(3600),
+        probe_every_max: Duration::from_secs(5),
+    };
+    let failed = |rate_limited: bool| FailedCall {
+        took: Duration::from_millis(5),
+        cause: if rate_limited { "rate_limited" } else { "http_503" },
+        rate_limited,
+        message: "busy",
+        base_url: "http://127.0.0.1:1/v1",
+        worker: "w1",
+        probe: false,
+    };
+    // 429s only: their own, longer window.
+    for _ in 0..4 {
+        let noted = q.provider_failed(&failed(true), &rules).await.unwrap();
+        assert_eq!(noted.state, Provider::Up, "{name}: 429s alone within their window");
+    }
+    // A 503 makes it a plain streak, past its failures and window: down now, then down.
+    assert_eq!(
+        q.provider_failed(&failed(false), &rules).await.unwrap().state,
+        Provider::DownNow,
+        "{name}"
+    );
+    let noted = q.provider_failed(&failed(false), &rules).await.unwrap();
+    assert_eq!(noted.state, Provider::Down, "{name}");
+    assert_eq!(noted.answered_ms, 0, "{name}: never answered");
+    let ended = q.provider_answered().await.unwrap();
+    assert!(ended.is_some_and(|(since, now)| since <= now), "{name}: {ended:?}");
+    assert_eq!(q.provider_answered().await.unwrap(), None, "{name}: up already");
+    // A new streak starts after the answer.
+    let noted = q.provider_failed(&failed(false), &rules).await.unwrap();
+    assert_eq!(noted.state, Provider::Up, "{name}");
+    assert!(
+        noted.answered_ms > 0 && noted.since_ms > noted.answered_ms,
+        "{name}: {noted:?}"
+    );
+}
+
+async fn the_breaker_counts_each_signature_fleet_wide(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    assert_eq!(q.breaker_count("401:invalid_api_key").await.unwrap(), 1, "{name}");
+    assert_eq!(q.breaker_count("401:invalid_api_key").await.unwrap(), 2, "{name}");
+    assert_eq!(q.breaker_count("404:model_not_found").await.unwrap(), 1, "{name}");
+}
+
+#[tokio::test]
+async fn first_writer_wins() {
+    both!(first_writer_wins_and_a_late_or_repeated_outcome_changes_nothing);
+}
+
+#[tokio::test]
+async fn taken_over_and_paid() {
+    both!(a_delivery_taken_over_is_stale_but_its_paid_call_counts_once);
+}
+
+#[tokio::test]
+async fn halt() {
+    both!(the_halt_keeps_its_first_reason);
+}
+
+#[tokio::test]
+async fn budget() {
+    both!(the_budget_grants_waits_and_halts_as_budget_lua_does);
+}
+
+#[tokio::test]
+async fn outage() {
+    both!(the_outage_streak_takes_the_provider_down_and_one_answer_ends_it);
+}
+
+#[tokio::test]
+async fn breaker() {
+    both!(the_breaker_counts_each_signature_fleet_wide);
+}
