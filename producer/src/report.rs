@@ -298,6 +298,15 @@ pub fn print(r: &Report) {
             u.cost_usd
         );
     }
+    print_spend(r);
+    if r.accuracy.overall.audited + r.accuracy.waiting > 0 {
+        print_accuracy(&r.accuracy);
+    }
+}
+
+/// The spend from the ledger, by cause, with what was estimated and what
+/// went through the provider's Batch API.
+fn print_spend(r: &Report) {
     crate::outln!("  spend (USD, every paid call, from the ledger)       calls        cost");
     for (name, bucket) in [
         ("first calls", "first"),
@@ -341,9 +350,6 @@ pub fn print(r: &Report) {
                 0.0
             }
         );
-    }
-    if r.accuracy.overall.audited + r.accuracy.waiting > 0 {
-        print_accuracy(&r.accuracy);
     }
 }
 

@@ -174,63 +174,159 @@ pub async fn revise(
     note: Option<&str>,
     reviewer: &str,
 ) -> Result<(String, u32, String), ReviewError> {
-    use common::spec::SinkKind;
-    use common::task::RecordState;
     let spec = job_spec(store, job).await?;
-    let partitions = spec.job.partitions;
     let rid = record_id_of(job, &spec, id);
-    let p = common::record::partition_of(&rid, partitions);
-    match store.record_state(job, p, &rid).await? {
-        Some(RecordState::Done) => {}
-        Some(other) => {
-            return Err(ReviewError::NotFound(format!(
-                "record {rid} is {}, not done: only a committed result is revised (a record in review is accepted)",
-                other.encode()
-            )));
+    let p = common::record::partition_of(&rid, spec.job.partitions);
+    must_be_done(store.record_state(job, p, &rid).await?, job, id, &rid)?;
+    let (kept, now) = Kept::find(store, &spec, job, p, &rid).await?;
+    let out = revised_output(&spec, output, &now, &rid, reviewer)?;
+    let (n, place) = kept.revise(store, &spec, job, p, &rid, out, reviewer, note).await?;
+    Ok((rid, n, place))
+}
+
+/// Where a done record's result is kept, with what revising it needs.
+enum Kept {
+    /// In Redis (a job without a sink): the result as read, and its text.
+    Redis {
+        current: ResultRecord,
+        read: String,
+    },
+    Postgres(common::sink::PgSink),
+    Files {
+        dir: String,
+        written: common::sink::files::Written,
+    },
+}
+
+impl Kept {
+    /// Where the record's result is, and its output as it is now. A result
+    /// still on its way to the sink is refused for the moment.
+    async fn find(
+        store: &RedisStore,
+        spec: &JobSpec,
+        job: &str,
+        p: u32,
+        rid: &str,
+    ) -> Result<(Kept, serde_json::Map<String, Value>), ReviewError> {
+        use common::spec::SinkKind;
+        let io = |e: common::sink::SinkError| ReviewError::Io(e.to_string());
+        let none = || ReviewError::NotFound(format!("record {rid} has no result to revise"));
+        let read = store.result_text(job, p, rid).await?;
+        let current = read
+            .as_deref()
+            .map(ResultRecord::decode)
+            .transpose()
+            .map_err(|e| ReviewError::Io(e.to_string()))?;
+        match (spec.sink.kind, current, read) {
+            (SinkKind::None, Some(current), Some(read)) => {
+                let now = current.output.clone();
+                Ok((Kept::Redis { current, read }, now))
+            }
+            (SinkKind::None, _, _) => Err(none()),
+            (_, Some(_), _) => Err(ReviewError::Io(format!(
+                "record {rid}'s result is on its way to the sink: revise it once it is written (a few seconds; `producer status` shows the sink's backlog)"
+            ))),
+            (SinkKind::Files, None, _) => {
+                let dir = spec.sink.dir.clone().unwrap_or_default();
+                let written = common::sink::files::find_written(Path::new(&dir), job, rid)
+                    .map_err(io)?
+                    .ok_or_else(|| {
+                        ReviewError::NotFound(format!("no segment in {dir} holds a result of record {rid}"))
+                    })?;
+                match written.current(Path::new(&dir), job).map_err(io)? {
+                    Value::Object(now) => Ok((Kept::Files { dir, written }, now)),
+                    _ => Err(none()),
+                }
+            }
+            (SinkKind::Postgres, None, _) => {
+                let context = format!("record {rid}'s result is in PostgreSQL");
+                let sink = crate::sink::connect(spec, &context, "to revise it")
+                    .await
+                    .map_err(|e| ReviewError::Io(e.to_string()))?;
+                match sink.output(job, rid).await.map_err(io)? {
+                    Some(Value::Object(now)) => Ok((Kept::Postgres(sink), now)),
+                    _ => Err(none()),
+                }
+            }
         }
-        None => return Err(ReviewError::NotFound(format!("job `{job}` has no record `{id}`"))),
     }
-    let io = |e: common::sink::SinkError| ReviewError::Io(e.to_string());
-    let read = store.result_text(job, p, &rid).await?;
-    let current = read
-        .as_deref()
-        .map(ResultRecord::decode)
-        .transpose()
-        .map_err(|e| ReviewError::Io(e.to_string()))?;
-    if current.is_some() && spec.sink.kind != SinkKind::None {
-        return Err(ReviewError::Io(format!(
-            "record {rid}'s result is on its way to the sink: revise it once it is written (a few seconds; `producer status` shows the sink's backlog)"
-        )));
+
+    /// Keeps `out` as the result's latest revision where the result is (the
+    /// one it replaces is kept): its revision number, and where.
+    #[allow(clippy::too_many_arguments)]
+    async fn revise(
+        self,
+        store: &RedisStore,
+        spec: &JobSpec,
+        job: &str,
+        p: u32,
+        rid: &str,
+        out: serde_json::Map<String, Value>,
+        reviewer: &str,
+        note: Option<&str>,
+    ) -> Result<(u32, String), ReviewError> {
+        let io = |e: common::sink::SinkError| ReviewError::Io(e.to_string());
+        match self {
+            Kept::Redis { current, read } => {
+                let revised = current.revised(out, reviewer, note);
+                let n = revised.revisions.last().map_or(0, |v| v.revision);
+                match store.revise_result(job, p, rid, &read, &revised).await? {
+                    1 => Ok((
+                        n,
+                        "in Redis (the output it replaced is kept in the result's revisions)".into(),
+                    )),
+                    0 => Err(ReviewError::Lost(rid.to_owned())),
+                    _ => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
+                }
+            }
+            Kept::Postgres(mut db) => {
+                let table = spec.sink.table();
+                match db
+                    .revise(job, rid, &Value::Object(out), reviewer, note)
+                    .await
+                    .map_err(io)?
+                {
+                    Some(n) => Ok((
+                        u32::try_from(n).unwrap_or(0),
+                        format!("in PostgreSQL (the output it replaced is in {table}_revisions)"),
+                    )),
+                    None => Err(ReviewError::NotFound(format!(
+                        "table {table} has no row of record {rid}"
+                    ))),
+                }
+            }
+            Kept::Files { dir, written } => {
+                let value = Value::Object(out);
+                let n =
+                    common::sink::files::revise(Path::new(&dir), job, &written, &value, reviewer, note).map_err(io)?;
+                Ok((n, format!("in the files sink ({dir}, revisions/)")))
+            }
+        }
     }
-    // The output as it is now, wherever the result is.
-    let dir = spec.sink.dir.clone().unwrap_or_default();
-    let mut db = None;
-    let mut written = None;
-    let now: Option<Value> = match (spec.sink.kind, &current) {
-        (_, Some(r)) => Some(Value::Object(r.output.clone())),
-        (SinkKind::None, None) => None,
-        (SinkKind::Files, None) => {
-            written = common::sink::files::find_written(Path::new(&dir), job, &rid).map_err(io)?;
-            written
-                .as_ref()
-                .map(|w| w.current(Path::new(&dir), job))
-                .transpose()
-                .map_err(io)?
-        }
-        (SinkKind::Postgres, None) => {
-            let context = format!("record {rid}'s result is in PostgreSQL");
-            let sink = crate::sink::connect(&spec, &context, "to revise it")
-                .await
-                .map_err(|e| ReviewError::Io(e.to_string()))?;
-            let now = sink.output(job, &rid).await.map_err(io)?;
-            db = Some(sink);
-            now
-        }
-    };
-    let Some(Value::Object(now)) = now else {
-        return Err(ReviewError::NotFound(format!("record {rid} has no result to revise")));
-    };
-    // Fields filled from the input keep what the input gave them.
+}
+
+/// Only a committed result is revised.
+fn must_be_done(state: Option<common::task::RecordState>, job: &str, id: &str, rid: &str) -> Result<(), ReviewError> {
+    match state {
+        Some(common::task::RecordState::Done) => Ok(()),
+        Some(other) => Err(ReviewError::NotFound(format!(
+            "record {rid} is {}, not done: only a committed result is revised (a record in review is accepted)",
+            other.encode()
+        ))),
+        None => Err(ReviewError::NotFound(format!("job `{job}` has no record `{id}`"))),
+    }
+}
+
+/// A reviewer's output for a revision, validated like a model output:
+/// fields filled from the input keep what the input gave them (`now`),
+/// stamped as a person's.
+fn revised_output(
+    spec: &common::spec::JobSpec,
+    output: &str,
+    now: &serde_json::Map<String, Value>,
+    rid: &str,
+    reviewer: &str,
+) -> Result<serde_json::Map<String, Value>, ReviewError> {
     let mut given: Value = serde_json::from_str(output)
         .map_err(|e| ReviewError::Invalid(vec![format!("  - the output is not JSON: {e}")]))?;
     if let Value::Object(o) = &mut given {
@@ -240,52 +336,12 @@ pub async fn revise(
             }
         }
     }
-    let out = match validate_record(&spec, &given.to_string(), None) {
-        Validation::Valid { output, .. } => output,
-        Validation::Invalid { errors, .. } => {
-            return Err(ReviewError::Invalid(
-                errors.iter().map(|e| format!("  - {e}")).collect(),
-            ));
-        }
-    };
-    let out = Stamp::now(&spec).human_output(out, &rid, reviewer);
-    if let (Some(current), Some(read)) = (current, read) {
-        let revised = current.revised(out, reviewer, note);
-        let n = revised.revisions.last().map_or(0, |v| v.revision);
-        return match store.revise_result(job, p, &rid, &read, &revised).await? {
-            1 => Ok((
-                rid,
-                n,
-                "in Redis (the output it replaced is kept in the result's revisions)".into(),
-            )),
-            0 => Err(ReviewError::Lost(rid)),
-            _ => Err(ReviewError::NotFound(format!("record {rid} has no result in Redis"))),
-        };
+    match validate_record(spec, &given.to_string(), None) {
+        Validation::Valid { output, .. } => Ok(Stamp::now(spec).human_output(output, rid, reviewer)),
+        Validation::Invalid { errors, .. } => Err(ReviewError::Invalid(
+            errors.iter().map(|e| format!("  - {e}")).collect(),
+        )),
     }
-    let value = Value::Object(out);
-    if let Some(mut db) = db {
-        return match db.revise(job, &rid, &value, reviewer, note).await.map_err(io)? {
-            Some(n) => Ok((
-                rid,
-                u32::try_from(n).unwrap_or(0),
-                format!(
-                    "in PostgreSQL (the output it replaced is in {}_revisions)",
-                    spec.sink.table()
-                ),
-            )),
-            None => Err(ReviewError::NotFound(format!(
-                "table {} has no row of record {rid}",
-                spec.sink.table()
-            ))),
-        };
-    }
-    let Some(written) = written else {
-        return Err(ReviewError::NotFound(format!(
-            "no segment in {dir} holds a result of record {rid}"
-        )));
-    };
-    let n = common::sink::files::revise(Path::new(&dir), job, &written, &value, reviewer, note).map_err(io)?;
-    Ok((rid, n, format!("in the files sink ({dir}, revisions/)")))
 }
 
 /// Puts a record back on the stream for a fresh round of attempts (the
@@ -596,16 +652,7 @@ pub async fn next_loop(
             release(rid, p).await;
         }
         let Some((e, p)) = next else {
-            let others = if held > 0 {
-                format!(", {held} held by other reviewers")
-            } else {
-                String::new()
-            };
-            term.say(&format!(
-                "\nreview queue of {job}: nothing left to review ({} skipped{others}): {acted} acted on\n",
-                skipped.len()
-            ))
-            .map_err(io)?;
+            term.say(&nothing_left(job, skipped.len(), held, acted)).map_err(io)?;
             return Ok(acted);
         };
         let rid = e.record_id.clone();
@@ -645,22 +692,35 @@ pub async fn next_loop(
                 entry.decide(key, &mut term, &mut edits).await?
             }
         };
-        match result {
-            Ok(what) => {
-                if matches!(what, "accepted" | "requeued" | "rejected" | "skipped") {
-                    give_back().await;
-                }
-                if matches!(what, "accepted" | "requeued" | "rejected") {
-                    acted += 1;
-                    edits.remove(&rid);
-                }
-                term.say(&format!("{what}\n")).map_err(io)?;
-            }
+        let what = match result {
+            Ok(what) => what,
             Err(ReviewError::Store(e)) => return Err(ReviewError::Store(e)),
             // An invalid accept or a lost race: say so, stay on the queue.
-            Err(err) => term.say(&format!("{err}\n")).map_err(io)?,
+            Err(err) => {
+                term.say(&format!("{err}\n")).map_err(io)?;
+                continue;
+            }
+        };
+        let done = matches!(what, "accepted" | "requeued" | "rejected");
+        if done || what == "skipped" {
+            give_back().await;
         }
+        if done {
+            acted += 1;
+            edits.remove(&rid);
+        }
+        term.say(&format!("{what}\n")).map_err(io)?;
     }
+}
+
+/// The last words of `review next` when the queue has nothing more for this reviewer.
+fn nothing_left(job: &str, skipped: usize, held: u64, acted: u64) -> String {
+    let others = if held > 0 {
+        format!(", {held} held by other reviewers")
+    } else {
+        String::new()
+    };
+    format!("\nreview queue of {job}: nothing left to review ({skipped} skipped{others}): {acted} acted on\n")
 }
 
 /// Renews a review lease every third of its time until dropped.

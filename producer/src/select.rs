@@ -79,14 +79,7 @@ pub fn stratified(
     let fields: Vec<String> = template.fields().into_iter().map(str::to_owned).collect();
     let mut reader = LineReader::open(path, 0, 0, spec.job.max_record_bytes.max(64))?;
     let mut buf = Vec::new();
-    // (rendered length, rank, line) of the shortest and the longest prompt.
-    let mut shortest: Option<(usize, Rank, u64)> = None;
-    let mut longest: Option<(usize, Rank, u64)> = None;
-    let mut texts: BTreeMap<&'static str, Best> = BTreeMap::new();
-    // Per field: value -> best line, until it has too many values (None).
-    let mut values: HashMap<String, Option<BTreeMap<String, Best>>> =
-        fields.iter().map(|f| (f.clone(), Some(BTreeMap::new()))).collect();
-    let mut fill: BinaryHeap<(Rank, u64)> = BinaryHeap::new();
+    let mut strata = Strata::new(&fields, size);
     while let Some(pos) = reader.next_line(&mut buf)? {
         if pos.oversize.is_some() || buf.iter().all(u8::is_ascii_whitespace) {
             continue;
@@ -98,21 +91,62 @@ pub fn stratified(
         let Ok(rendered) = template.render(&record) else {
             continue;
         };
-        let r = rank(seed, pos.number);
-        let len = rendered.chars().count();
-        if shortest.is_none_or(|(l, b, _)| (len, r) < (l, b)) {
-            shortest = Some((len, r, pos.number));
+        strata.offer(
+            &fields,
+            &record,
+            rendered.chars().count(),
+            rank(seed, pos.number),
+            pos.number,
+        );
+    }
+    Ok(strata.choose(forced, size))
+}
+
+/// The best line of each stratum so far (see [`stratified`]).
+struct Strata {
+    /// (rendered length, rank, line) of the shortest and the longest prompt.
+    shortest: Option<(usize, Rank, u64)>,
+    longest: Option<(usize, Rank, u64)>,
+    texts: BTreeMap<&'static str, Best>,
+    /// Per field: value -> best line, until it has too many values (None).
+    values: HashMap<String, Option<BTreeMap<String, Best>>>,
+    /// The `size` best-ranked lines, to fill the sample with.
+    fill: BinaryHeap<(Rank, u64)>,
+    size: u64,
+}
+
+/// A field's value as a stratum names it.
+fn value_text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl Strata {
+    fn new(fields: &[String], size: u64) -> Strata {
+        Strata {
+            shortest: None,
+            longest: None,
+            texts: BTreeMap::new(),
+            values: fields.iter().map(|f| (f.clone(), Some(BTreeMap::new()))).collect(),
+            fill: BinaryHeap::new(),
+            size,
         }
-        if longest.is_none_or(|(l, b, _)| len > l || (len == l && r < b)) {
-            longest = Some((len, r, pos.number));
+    }
+
+    /// One line: its record, its rendered prompt's length and its rank.
+    fn offer(&mut self, fields: &[String], record: &serde_json::Map<String, Value>, len: usize, r: Rank, line: u64) {
+        if self.shortest.is_none_or(|(l, b, _)| (len, r) < (l, b)) {
+            self.shortest = Some((len, r, line));
+        }
+        if self.longest.is_none_or(|(l, b, _)| len > l || (len == l && r < b)) {
+            self.longest = Some((len, r, line));
         }
         let used: Vec<String> = fields
             .iter()
-            .filter_map(|f| lookup(&record, f))
-            .map(|v| match v {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            })
+            .filter_map(|f| lookup(record, f))
+            .map(value_text)
             .collect();
         for (kind, hit) in [
             ("newline", used.iter().any(|v| v.contains('\n'))),
@@ -120,65 +154,66 @@ pub fn stratified(
             ("non_ascii", used.iter().any(|v| !v.is_ascii())),
         ] {
             if hit {
-                texts.entry(kind).or_default().offer(r, pos.number);
+                self.texts.entry(kind).or_default().offer(r, line);
             }
         }
-        for f in &fields {
-            let Some(Some(by_value)) = values.get_mut(f) else {
+        for f in fields {
+            let Some(Some(by_value)) = self.values.get_mut(f) else {
                 continue;
             };
-            let Some(v) = lookup(&record, f) else { continue };
-            let key = match v {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
+            let Some(v) = lookup(record, f) else { continue };
+            let key = value_text(v);
             if !by_value.contains_key(&key) && by_value.len() == FEW_VALUES {
-                values.insert(f.clone(), None);
+                self.values.insert(f.clone(), None);
                 continue;
             }
-            by_value.entry(key).or_default().offer(r, pos.number);
+            by_value.entry(key).or_default().offer(r, line);
         }
-        fill.push((r, pos.number));
-        if fill.len() as u64 > size {
-            fill.pop();
+        self.fill.push((r, line));
+        if self.fill.len() as u64 > self.size {
+            self.fill.pop();
         }
     }
-    let mut cov = Coverage {
-        shortest: shortest.map(|(_, _, l)| l),
-        longest: longest.map(|(_, _, l)| l),
-        failed_before: forced.len() as u64,
-        ..Coverage::default()
-    };
-    let mut chosen: HashSet<u64> = forced.clone();
-    chosen.extend(cov.shortest);
-    chosen.extend(cov.longest);
-    for (kind, best) in &texts {
-        if let Some((_, line)) = best.0 {
-            cov.texts.insert((*kind).to_owned(), line);
+
+    /// The sample: `forced`, one line per stratum, then the best-ranked up to `size`.
+    fn choose(self, forced: &HashSet<u64>, size: u64) -> (HashSet<u64>, Coverage) {
+        let mut cov = Coverage {
+            shortest: self.shortest.map(|(_, _, l)| l),
+            longest: self.longest.map(|(_, _, l)| l),
+            failed_before: forced.len() as u64,
+            ..Coverage::default()
+        };
+        let mut chosen: HashSet<u64> = forced.clone();
+        chosen.extend(cov.shortest);
+        chosen.extend(cov.longest);
+        for (kind, best) in &self.texts {
+            if let Some((_, line)) = best.0 {
+                cov.texts.insert((*kind).to_owned(), line);
+                chosen.insert(line);
+            }
+        }
+        for (field, by_value) in self.values {
+            // A field with one value for every line is no stratum either.
+            let Some(by_value) = by_value.filter(|v| v.len() > 1) else {
+                continue;
+            };
+            for best in by_value.values() {
+                chosen.extend(best.0.map(|(_, l)| l));
+            }
+            cov.values.insert(field, by_value.into_keys().collect());
+        }
+        cov.covering = chosen.len() as u64;
+        let mut by_rank: Vec<(Rank, u64)> = self.fill.into_vec();
+        by_rank.sort();
+        for (_, line) in by_rank {
+            if chosen.len() as u64 >= size {
+                break;
+            }
             chosen.insert(line);
         }
+        cov.size = chosen.len() as u64;
+        (chosen, cov)
     }
-    for (field, by_value) in values {
-        // A field with one value for every line is no stratum either.
-        let Some(by_value) = by_value.filter(|v| v.len() > 1) else {
-            continue;
-        };
-        for best in by_value.values() {
-            chosen.extend(best.0.map(|(_, l)| l));
-        }
-        cov.values.insert(field, by_value.into_keys().collect());
-    }
-    cov.covering = chosen.len() as u64;
-    let mut by_rank: Vec<(Rank, u64)> = fill.into_vec();
-    by_rank.sort();
-    for (_, line) in by_rank {
-        if chosen.len() as u64 >= size {
-            break;
-        }
-        chosen.insert(line);
-    }
-    cov.size = chosen.len() as u64;
-    Ok((chosen, cov))
 }
 
 /// What `--from-job` found in the other job.

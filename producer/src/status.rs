@@ -334,6 +334,53 @@ impl DroppedRecord {
     }
 }
 
+/// Batch mode's lines of a status: tasks in batches, shards by state, and
+/// the unfinished ones with their provider batch.
+fn print_batches(s: &JobStatus) {
+    if s.batched == 0 && s.shards.is_empty() {
+        return;
+    }
+    crate::outln!("  in batches   {}", s.batched);
+    let mut by_state: BTreeMap<&str, u64> = BTreeMap::new();
+    for sh in &s.shards {
+        *by_state.entry(sh.state.as_str()).or_default() += 1;
+    }
+    let states: Vec<String> = by_state.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    crate::outln!("  shards       {}", states.join(", "));
+    // The unfinished ones, each with its provider batch.
+    let open: Vec<_> = s.shards.iter().filter(|sh| sh.state != "reconciled").collect();
+    for sh in open.iter().take(SHARDS_SHOWN) {
+        crate::outln!(
+            "    {:<12} {:<11} {:<11} {:>6} records  batch {}",
+            sh.id,
+            sh.state,
+            sh.provider_status.as_deref().unwrap_or("-"),
+            sh.records,
+            sh.batch_id.as_deref().unwrap_or("-")
+        );
+    }
+    if open.len() > SHARDS_SHOWN {
+        crate::outln!(
+            "    ... and {} more (--json lists every shard)",
+            open.len() - SHARDS_SHOWN
+        );
+    }
+}
+
+/// Each record the reconciliation found missing, duplicated or unknown.
+fn print_anomalies(s: &JobStatus) {
+    let Some(r) = &s.anomalies else { return };
+    for (kind, list) in [
+        ("missing", &r.missing),
+        ("duplicate", &r.duplicates),
+        ("unknown", &r.unknown),
+    ] {
+        for a in list {
+            crate::outln!("    {kind:<10} {} (p{}): {}", a.record_id, a.partition, a.what);
+        }
+    }
+}
+
 /// The human view of a status.
 pub fn print(s: &JobStatus) {
     crate::outln!(
@@ -358,33 +405,7 @@ pub fn print(s: &JobStatus) {
     crate::outln!("  queued       {}", s.queued);
     crate::outln!("  in flight    {}", s.in_flight);
     crate::outln!("  delayed      {}", s.delayed);
-    if s.batched > 0 || !s.shards.is_empty() {
-        crate::outln!("  in batches   {}", s.batched);
-        let mut by_state: BTreeMap<&str, u64> = BTreeMap::new();
-        for sh in &s.shards {
-            *by_state.entry(sh.state.as_str()).or_default() += 1;
-        }
-        let states: Vec<String> = by_state.iter().map(|(k, n)| format!("{n} {k}")).collect();
-        crate::outln!("  shards       {}", states.join(", "));
-        // The unfinished ones, each with its provider batch.
-        let open: Vec<_> = s.shards.iter().filter(|sh| sh.state != "reconciled").collect();
-        for sh in open.iter().take(SHARDS_SHOWN) {
-            crate::outln!(
-                "    {:<12} {:<11} {:<11} {:>6} records  batch {}",
-                sh.id,
-                sh.state,
-                sh.provider_status.as_deref().unwrap_or("-"),
-                sh.records,
-                sh.batch_id.as_deref().unwrap_or("-")
-            );
-        }
-        if open.len() > SHARDS_SHOWN {
-            crate::outln!(
-                "    ... and {} more (--json lists every shard)",
-                open.len() - SHARDS_SHOWN
-            );
-        }
-    }
+    print_batches(s);
     crate::outln!("  done         {}", s.done);
     crate::outln!("  review       {}", s.review);
     crate::outln!("  dropped      {}", s.dropped);
@@ -398,17 +419,7 @@ pub fn print(s: &JobStatus) {
     crate::outln!("  missing      {}", s.missing);
     crate::outln!("  duplicates   {}", s.duplicates);
     crate::outln!("  unknown      {}", s.unknown);
-    if let Some(r) = &s.anomalies {
-        for (kind, list) in [
-            ("missing", &r.missing),
-            ("duplicate", &r.duplicates),
-            ("unknown", &r.unknown),
-        ] {
-            for a in list {
-                crate::outln!("    {kind:<10} {} (p{}): {}", a.record_id, a.partition, a.what);
-            }
-        }
-    }
+    print_anomalies(s);
     let hist: Vec<String> = s.attempts_histogram.iter().map(|(a, n)| format!("{a}:{n}")).collect();
     crate::outln!("  attempts     {} (attempts:records over done records)", hist.join(" "));
     crate::outln!(

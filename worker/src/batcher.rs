@@ -550,50 +550,13 @@ impl Batcher {
             .into_iter()
             .map(|t| (t.rid.clone(), t))
             .collect();
-        let ByRecord {
-            order,
-            mut lines,
-            unreadable,
-        } = ByRecord::of(&text);
         let batch = shard.batch_id.clone().unwrap_or_default();
-        let mut counts = LineCounts::default();
-        let mut answers = Vec::new();
-        let mut copies = Vec::new();
-        for rid in order {
-            let ls = lines.remove(&rid).unwrap_or_default();
-            if !packed.contains(&rid) {
-                counts.unknown += ls.len() as u64;
-                // Not ours, but answered and billed all the same: recorded.
-                for (i, line) in ls.iter().enumerate() {
-                    if let (Some(usage), Ok(task)) = (line_usage(line), Task::new(&rid, "{}", "")) {
-                        copies.push((p, self.duplicate_call(job, &task, usage, &line_name(&batch, line, i))));
-                    }
-                }
-                continue;
-            }
-            counts.duplicates += ls.len().saturating_sub(1) as u64;
-            let Some(task) = held.remove(&rid) else {
-                // Settled before (a worker that took the shard over).
-                counts.settled += 1;
-                continue;
-            };
-            let ran: Vec<&OutputLine> = ls.iter().filter(|l| !l.not_run()).collect();
-            if ran.is_empty() {
-                held.insert(rid, task);
-                continue;
-            }
-            counts.settled += 1;
-            let d = self.delivery(p, &shard.id, task);
-            let chosen = self.first_valid(&d, &ran);
-            for (i, line) in ran.iter().enumerate() {
-                let name = line_name(&batch, line, i);
-                if i == chosen {
-                    answers.push((d.clone(), line_result(line), name));
-                } else if let Some(usage) = line_usage(line) {
-                    copies.push((p, self.duplicate_call(job, &d.task, usage, &name)));
-                }
-            }
-        }
+        let Joined {
+            mut answers,
+            copies,
+            mut counts,
+            unreadable,
+        } = self.join(p, &shard.id, &batch, &text, &packed, &mut held);
         if !copies.is_empty() {
             // A copy the provider answered (and billed) is recorded, not
             // used: before the answers, so a worker that dies settling them
@@ -641,6 +604,69 @@ impl Batcher {
         }
         shard.lines = counts;
         self.close(p, &read, shard).await
+    }
+
+    /// Joins a batch's output on `custom_id` against the records packed
+    /// into the shard: the answer each held record settles with (the first
+    /// valid of its lines; the record leaves `held`), and every other line
+    /// that was billed (a duplicate, a record the shard does not hold) as a
+    /// paid call to record.
+    fn join(
+        &self,
+        p: u32,
+        shard_id: &str,
+        batch: &str,
+        text: &str,
+        packed: &std::collections::HashSet<String>,
+        held: &mut HashMap<String, Task>,
+    ) -> Joined {
+        let job = &self.job;
+        let ByRecord {
+            order,
+            mut lines,
+            unreadable,
+        } = ByRecord::of(text);
+        let mut joined = Joined {
+            unreadable,
+            ..Joined::default()
+        };
+        for rid in order {
+            let ls = lines.remove(&rid).unwrap_or_default();
+            if !packed.contains(&rid) {
+                joined.counts.unknown += ls.len() as u64;
+                // Not ours, but answered and billed all the same: recorded.
+                for (i, line) in ls.iter().enumerate() {
+                    if let (Some(usage), Ok(task)) = (line_usage(line), Task::new(&rid, "{}", "")) {
+                        let call = self.duplicate_call(job, &task, usage, &line_name(batch, line, i));
+                        joined.copies.push((p, call));
+                    }
+                }
+                continue;
+            }
+            joined.counts.duplicates += ls.len().saturating_sub(1) as u64;
+            let Some(task) = held.remove(&rid) else {
+                // Settled before (a worker that took the shard over).
+                joined.counts.settled += 1;
+                continue;
+            };
+            let ran: Vec<&OutputLine> = ls.iter().filter(|l| !l.not_run()).collect();
+            if ran.is_empty() {
+                held.insert(rid, task);
+                continue;
+            }
+            joined.counts.settled += 1;
+            let d = self.delivery(p, shard_id, task);
+            let chosen = self.first_valid(&d, &ran);
+            for (i, line) in ran.iter().enumerate() {
+                let name = line_name(batch, line, i);
+                if i == chosen {
+                    joined.answers.push((d.clone(), line_result(line), name));
+                } else if let Some(usage) = line_usage(line) {
+                    joined.copies.push((p, self.duplicate_call(job, &d.task, usage, &name)));
+                }
+            }
+        }
+        joined
     }
 
     /// Tasks of a shard its batch never answered: cancelled with the job
@@ -847,6 +873,17 @@ async fn pause_at(point: &str) {
         tracing::warn!(point, "paused for a fault test (BATCHFLEET_PAUSE_AT)");
         std::future::pending::<()>().await;
     }
+}
+
+/// A batch's output joined against its shard (see `Batcher::join`).
+#[derive(Default)]
+struct Joined {
+    /// Each answered record's delivery, the answer it settles with, and the line's name.
+    answers: Vec<(Delivery, CallResult, String)>,
+    /// Billed lines not used, as paid calls by partition.
+    copies: Vec<(u32, PaidCall)>,
+    counts: LineCounts,
+    unreadable: u64,
 }
 
 /// A batch's output lines by record, in file order.

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use tokio::sync::OwnedSemaphorePermit;
+
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::job::JobCtx;
 use crate::service::Service;
 
 /// The longest wait for the fleet's budget before asking again (a slot
@@ -83,83 +86,8 @@ impl Claimer {
         // most of the free slots, and no partition may wait for the others to drain.
         self.rounds = self.rounds.wrapping_add(1);
         for job in &f.jobs {
-            if f.is_halted(&job.name) || f.is_cancelled(&job.name) {
-                continue;
-            }
-            // Batch mode: its batcher packs the queued tasks into shards.
-            if job.spec.provider.mode == common::spec::ProviderMode::Batch {
-                continue;
-            }
-            // Redis does not grow without bound while the sink cannot keep up.
-            if job.sink_full.load(Ordering::Relaxed) {
-                continue;
-            }
-            // Until the provider answered once, one call at a time.
-            let mut room = job.breaker.room();
-            if room == 0 {
-                continue;
-            }
-            // While the provider is down: no real work, one probe at a time
-            // across the fleet (whoever holds the lease sends one task).
-            let probing = job.outage.is_down();
-            if probing {
-                if !self.probe_turn(job, &mut round).await {
-                    continue;
-                }
-                room = 1;
-            }
-            let claimed_before = round.claimed;
-            let free = self.claimable(first.is_some()).min(room);
-            let want = free.min(self.last_claimed.saturating_mul(2).max(1));
-            // Budget before claim: a throttled fleet leaves tasks in the stream.
-            let (mut grants, wait) = f.grants(job, want).await;
-            if grants.is_empty() {
-                round.limited = sooner(round.limited, wait);
-                if probing {
-                    self.probe_unsent(job).await;
-                }
-                continue;
-            }
-            let n = job.spec.job.partitions;
-            for p in (0..n).map(|i| (i + self.rounds) % n) {
-                let want = grants
-                    .len()
-                    .min(job.breaker.room())
-                    .min(room - (round.claimed - claimed_before));
-                if want == 0 || self.drained.is_cancelled() {
-                    break;
-                }
-                let batch = match f
-                    .store
-                    .claim(&job.name, p, &f.config.consumer, want, self.own_pending)
-                    .await
-                {
-                    Ok(batch) => batch,
-                    Err(e) => {
-                        f.store_error(&e).await;
-                        continue;
-                    }
-                };
-                for d in batch {
-                    let permit = match first.take() {
-                        Some(p) => p,
-                        None => match f.permits.clone().try_acquire_owned() {
-                            Ok(p) => p,
-                            // Cannot happen (we asked for what was free); it stays pending.
-                            Err(_) => break,
-                        },
-                    };
-                    round.claimed += 1;
-                    if probing {
-                        job.outage.set_probe(&d.task.rid);
-                    }
-                    let grant = grants.pop();
-                    f.spawn(job.clone(), d, permit, grant);
-                }
-            }
-            grants.release(&f).await;
-            if probing && round.claimed == claimed_before {
-                self.probe_unsent(job).await;
+            if !f.is_halted(&job.name) && !f.is_cancelled(&job.name) && claims_online(job) {
+                self.claim_job(job, &mut first, &mut round).await;
             }
         }
         if self.own_pending {
@@ -169,6 +97,80 @@ impl Claimer {
         self.last_claimed = round.claimed;
         f.health.loop_ok();
         round
+    }
+
+    /// Claims what `job` may take this round (its breaker's room, one probe
+    /// while its provider is down, the grants its limits give), spawning
+    /// each task with a permit (`first`, then free ones) and a grant.
+    async fn claim_job(&mut self, job: &Arc<JobCtx>, first: &mut Option<OwnedSemaphorePermit>, round: &mut Round) {
+        let f = self.fleet.clone();
+        // Until the provider answered once, one call at a time.
+        let mut room = job.breaker.room();
+        if room == 0 {
+            return;
+        }
+        // While the provider is down: no real work, one probe at a time
+        // across the fleet (whoever holds the lease sends one task).
+        let probing = job.outage.is_down();
+        if probing {
+            if !self.probe_turn(job, round).await {
+                return;
+            }
+            room = 1;
+        }
+        let claimed_before = round.claimed;
+        let free = self.claimable(first.is_some()).min(room);
+        let want = free.min(self.last_claimed.saturating_mul(2).max(1));
+        // Budget before claim: a throttled fleet leaves tasks in the stream.
+        let (mut grants, wait) = f.grants(job, want).await;
+        if grants.is_empty() {
+            round.limited = sooner(round.limited, wait);
+            if probing {
+                self.probe_unsent(job).await;
+            }
+            return;
+        }
+        let n = job.spec.job.partitions;
+        for p in (0..n).map(|i| (i + self.rounds) % n) {
+            let want = grants
+                .len()
+                .min(job.breaker.room())
+                .min(room - (round.claimed - claimed_before));
+            if want == 0 || self.drained.is_cancelled() {
+                break;
+            }
+            let batch = match f
+                .store
+                .claim(&job.name, p, &f.config.consumer, want, self.own_pending)
+                .await
+            {
+                Ok(batch) => batch,
+                Err(e) => {
+                    f.store_error(&e).await;
+                    continue;
+                }
+            };
+            for d in batch {
+                let permit = match first.take() {
+                    Some(p) => p,
+                    None => match f.permits.clone().try_acquire_owned() {
+                        Ok(p) => p,
+                        // Cannot happen (we asked for what was free); it stays pending.
+                        Err(_) => break,
+                    },
+                };
+                round.claimed += 1;
+                if probing {
+                    job.outage.set_probe(&d.task.rid);
+                }
+                let grant = grants.pop();
+                f.spawn(job.clone(), d, permit, grant);
+            }
+        }
+        grants.release(&f).await;
+        if probing && round.claimed == claimed_before {
+            self.probe_unsent(job).await;
+        }
     }
 
     /// While `job`'s provider is down: whether this worker holds the probe's
@@ -276,4 +278,11 @@ impl Service for Claimer {
         }
         Some(Duration::ZERO)
     }
+}
+
+/// Whether the claimer takes `job`'s tasks now: not in batch mode (its
+/// batcher packs them into shards), not while its sink cannot keep up
+/// (Redis does not grow without bound).
+fn claims_online(job: &JobCtx) -> bool {
+    job.spec.provider.mode != common::spec::ProviderMode::Batch && !job.sink_full.load(Ordering::Relaxed)
 }

@@ -46,32 +46,7 @@ impl CallResult {
     /// a `validate` span, child of `span`).
     pub fn into_reply(self, spec: &JobSpec, input: &Map<String, Value>, span: &Span) -> Reply {
         match self {
-            CallResult::Failed(e) => Reply {
-                raw: format!(
-                    "{} ({}){}",
-                    e.cause,
-                    e.status.map_or("no response".into(), |s| format!("HTTP {s}")),
-                    e.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default()
-                ),
-                error: Some(e.clone()),
-                status: e.status,
-                outcome: match e.kind {
-                    ErrorKind::Transient => Outcome::Transient {
-                        cause: e.cause,
-                        retry_after_ms: e.retry_after_ms,
-                    },
-                    ErrorKind::RateLimited => Outcome::RateLimited {
-                        retry_after_ms: e.retry_after_ms,
-                    },
-                    ErrorKind::Permanent => Outcome::Permanent { cause: e.cause },
-                    ErrorKind::FleetHalt => Outcome::FleetHalt { cause: e.cause },
-                },
-                usage: None,
-                finish_reason: String::new(),
-                response_id: None,
-                repairs: vec![],
-                output: None,
-            },
+            CallResult::Failed(e) => failed(e),
             CallResult::Message {
                 response_id,
                 content,
@@ -95,42 +70,79 @@ impl CallResult {
                     repairs: vec![],
                     output: None,
                 };
-                reply.outcome = if reply.finish_reason == "content_filter" {
-                    Outcome::Refused {
+                reply.outcome = match reply.finish_reason.as_str() {
+                    "content_filter" => Outcome::Refused {
                         cause: "content_filter".into(),
-                    }
-                } else if refused {
-                    Outcome::Refused {
+                    },
+                    _ if refused => Outcome::Refused {
                         cause: "refusal".into(),
-                    }
-                } else if reply.finish_reason == "length" {
-                    Outcome::Truncated
-                } else {
-                    let check = span.child("validate", SpanKind::Internal);
-                    match validate_record(spec, &reply.raw, Some(input)) {
-                        Validation::Valid { output, repairs } => {
-                            check.set("batchfleet.valid", true);
-                            check.set("batchfleet.repairs", repairs.len() as i64);
-                            reply.repairs = repairs;
-                            reply.output = Some(output);
-                            Outcome::Valid
-                        }
-                        Validation::Invalid { errors, repairs } => {
-                            if check.is_on() {
-                                check.set("batchfleet.valid", false);
-                                let codes: Vec<String> = errors
-                                    .iter()
-                                    .map(|e| format!("{} {}", e.code.as_str(), e.field))
-                                    .collect();
-                                check.set("batchfleet.errors", codes.join(", "));
-                            }
-                            reply.repairs = repairs;
-                            Outcome::Invalid(errors)
-                        }
-                    }
+                    },
+                    "length" => Outcome::Truncated,
+                    _ => validated(&mut reply, spec, input, span),
                 };
                 reply
             }
+        }
+    }
+}
+
+/// Validation errors as logs and spans name them: `code field`.
+pub fn error_codes(errors: &[FieldError]) -> Vec<String> {
+    errors
+        .iter()
+        .map(|e| format!("{} {}", e.code.as_str(), e.field))
+        .collect()
+}
+
+/// A failed call's reply: its outcome by the failure's kind.
+fn failed(e: CallError) -> Reply {
+    Reply {
+        raw: format!(
+            "{} ({}){}",
+            e.cause,
+            e.status.map_or("no response".into(), |s| format!("HTTP {s}")),
+            e.message.as_deref().map(|m| format!(": {m}")).unwrap_or_default()
+        ),
+        error: Some(e.clone()),
+        status: e.status,
+        outcome: match e.kind {
+            ErrorKind::Transient => Outcome::Transient {
+                cause: e.cause,
+                retry_after_ms: e.retry_after_ms,
+            },
+            ErrorKind::RateLimited => Outcome::RateLimited {
+                retry_after_ms: e.retry_after_ms,
+            },
+            ErrorKind::Permanent => Outcome::Permanent { cause: e.cause },
+            ErrorKind::FleetHalt => Outcome::FleetHalt { cause: e.cause },
+        },
+        usage: None,
+        finish_reason: String::new(),
+        response_id: None,
+        repairs: vec![],
+        output: None,
+    }
+}
+
+/// Validates a complete answer against the spec (in a `validate` span,
+/// child of `span`): its output and repairs go into `reply`.
+fn validated(reply: &mut Reply, spec: &JobSpec, input: &Map<String, Value>, span: &Span) -> Outcome {
+    let check = span.child("validate", SpanKind::Internal);
+    match validate_record(spec, &reply.raw, Some(input)) {
+        Validation::Valid { output, repairs } => {
+            check.set("batchfleet.valid", true);
+            check.set("batchfleet.repairs", repairs.len() as i64);
+            reply.repairs = repairs;
+            reply.output = Some(output);
+            Outcome::Valid
+        }
+        Validation::Invalid { errors, repairs } => {
+            if check.is_on() {
+                check.set("batchfleet.valid", false);
+                check.set("batchfleet.errors", error_codes(&errors).join(", "));
+            }
+            reply.repairs = repairs;
+            Outcome::Invalid(errors)
         }
     }
 }

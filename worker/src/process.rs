@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 use crate::calls::CallInFlight;
 use crate::clock::now_ms;
 use crate::job::{CallReport, JobCtx, Limits, Settled};
-use crate::judge::Reply;
+use crate::judge::{Reply, error_codes};
 use crate::limiter::{Used, estimate_tokens};
 use crate::provider::{CallResult, ErrorKind, Request};
 use crate::telemetry::status_class;
@@ -216,34 +216,9 @@ async fn run_attempt(
         let outcome = Outcome::OverBudget { why };
         return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
-    let reservation = match &job.budget {
-        Some(budget) => {
-            let amount = crate::budget::at_most_nusd(&job.spec, &prep.at_most);
-            // Waiting for room must leave the call its whole timeout before
-            // the task could be taken over (a second paid call).
-            let room = limits
-                .visibility
-                .saturating_sub(
-                    std::time::Duration::from_secs(job.spec.provider.timeout_secs) + crate::config::DRAIN_MARGIN,
-                )
-                .saturating_sub(d.claimed_at.elapsed());
-            match budget.reserve(amount, room.min(limits.visibility / 4)).await? {
-                Ok(r) => Some(r),
-                Err(crate::budget::Refused::Halted) => {
-                    // The job's cap could pass: halted (by the script), the task handed back.
-                    let reason = job.queue.halted().await?.unwrap_or_else(|| "budget".into());
-                    tracing::error!(job = %job.name, reason = %reason, "job halted on its budget: tasks stay queued");
-                    let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
-                    return Ok(Settled::Halted(reason));
-                }
-                Err(crate::budget::Refused::Busy) => {
-                    // The calls in flight still hold the room: back to the stream, not an attempt.
-                    let _ = job.finish(&d, &Finish::Release(d.task.clone())).await;
-                    return Ok(Settled::Deferred);
-                }
-            }
-        }
-        None => None,
+    let reservation = match reserve(job, &d, limits, &prep).await? {
+        Ok(reservation) => reservation,
+        Err(settled) => return Ok(settled),
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
@@ -261,6 +236,39 @@ async fn run_attempt(
     });
     let via = Via::Online { waiting, reservation };
     conclude(job, &d, limits, span, &prep, result, Some(elapsed), via).await
+}
+
+/// Reserves the call at its most against the job's cap, when it has one:
+/// Err when it is not to be sent now (the job halted on its cap, or the
+/// calls in flight hold the room: the task handed back either way, not an attempt).
+async fn reserve(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    prep: &Prepared,
+) -> Result<Result<Option<crate::budget::Reservation>, Settled>, StoreError> {
+    let Some(budget) = &job.budget else {
+        return Ok(Ok(None));
+    };
+    let amount = crate::budget::at_most_nusd(&job.spec, &prep.at_most);
+    // Waiting for room must leave the call its whole timeout before the
+    // task could be taken over (a second paid call).
+    let room = limits
+        .visibility
+        .saturating_sub(std::time::Duration::from_secs(job.spec.provider.timeout_secs) + crate::config::DRAIN_MARGIN)
+        .saturating_sub(d.claimed_at.elapsed());
+    let settled = match budget.reserve(amount, room.min(limits.visibility / 4)).await? {
+        Ok(r) => return Ok(Ok(Some(r))),
+        Err(crate::budget::Refused::Halted) => {
+            // The job's cap could pass: halted (by the script).
+            let reason = job.queue.halted().await?.unwrap_or_else(|| "budget".into());
+            tracing::error!(job = %job.name, reason = %reason, "job halted on its budget: tasks stay queued");
+            Settled::Halted(reason)
+        }
+        Err(crate::budget::Refused::Busy) => Settled::Deferred,
+    };
+    let _ = job.finish(d, &Finish::Release(d.task.clone())).await;
+    Ok(Err(settled))
 }
 
 /// The paid call an attempt makes, at online prices.
@@ -358,20 +366,7 @@ async fn conclude(
     let counts_as_attempt = reply.outcome.is_attempt();
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
-    let batch_prices = line.as_ref().map(|_| job.spec.prices.batch());
-    let call = reply.usage.map(|u| {
-        let call = paid_call(job, d, limits, attempt, u);
-        match (&line, &batch_prices) {
-            (Some(line), Some(prices)) => call.batched(prices, &job.spec.prices, line),
-            _ => call,
-        }
-    });
-    // A call that may be billed goes to the ledger with its outcome (once:
-    // not when a drain recorded it as cut off meanwhile).
-    let paid = match &waiting {
-        Some(w) => w.answered(call),
-        None => call,
-    };
+    let paid = paid_of(job, d, limits, attempt, &reply, line.as_deref(), waiting.as_ref());
     let calls = d.task.calls + 1;
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
@@ -385,7 +380,6 @@ async fn conclude(
         rand::rng().random_range(0.0..1.0),
     );
     let stamp = job.stamp.renewed();
-    let mut history = d.task.history.clone();
     let record = AttemptRecord {
         attempt,
         call: calls,
@@ -393,29 +387,7 @@ async fn conclude(
         decision: &decision,
         batch_line: line.as_deref(),
     };
-    history.push(HistoryItem::Attempt(record.of(&reply, prep, &stamp, limits)));
-    if span.is_on() {
-        span.set("batchfleet.attempt", i64::from(attempt));
-        span.set("batchfleet.outcome", outcome_label(&reply.outcome).to_owned());
-        span.set("batchfleet.decision", decision_label(&decision));
-    }
-    attempt_event(
-        job,
-        d,
-        limits,
-        AttemptFacts {
-            attempt,
-            decision: decision_label(&decision),
-            outcome: outcome_label(&reply.outcome),
-            elapsed,
-            status: reply.status,
-            usage: reply.usage.as_ref(),
-            cost: reply
-                .usage
-                .map_or(0.0, |u| u.cost(batch_prices.as_ref().unwrap_or(&job.spec.prices))),
-            errors: reply.errors(),
-        },
-    );
+    let history = record.told(job, d, limits, span, &reply, prep, &stamp);
     // The review entry shows the prompt as the model last saw it, feedback included.
     let facts = Facts {
         prompt: &prep.user,
@@ -430,19 +402,45 @@ async fn conclude(
         paid,
         failing_since,
     };
+    let answer = Some(answer);
     apply(
         job,
         d,
         decision.clone(),
         before,
         facts,
-        Some(answer),
+        answer,
         history,
         &stamp,
         limits,
         span,
     )
     .await
+}
+
+/// The paid call an answer (or a timed-out call) may be billed for, priced
+/// as it was made, for the ledger with its outcome: once (none when a drain
+/// recorded it as cut off meanwhile).
+fn paid_of(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    attempt: u32,
+    reply: &Reply,
+    line: Option<&str>,
+    waiting: Option<&CallInFlight<'_>>,
+) -> Option<PaidCall> {
+    let call = reply.usage.map(|u| {
+        let call = paid_call(job, d, limits, attempt, u);
+        match line {
+            Some(line) => call.batched(&job.spec.prices.batch(), &job.spec.prices, line),
+            None => call,
+        }
+    });
+    match waiting {
+        Some(w) => w.answered(call),
+        None => call,
+    }
 }
 
 /// Settles an online call's budget reservation at what the call cost (an
@@ -483,6 +481,45 @@ struct AttemptRecord<'a> {
 }
 
 impl AttemptRecord<'_> {
+    /// Tells the world about the attempt: the record's history with it
+    /// (returned), its span, its log line and metrics.
+    #[allow(clippy::too_many_arguments)]
+    fn told(
+        &self,
+        job: &JobCtx,
+        d: &Delivery,
+        limits: &Limits,
+        span: &Span,
+        reply: &Reply,
+        prep: &Prepared,
+        stamp: &Stamp,
+    ) -> Vec<HistoryItem> {
+        let mut history = d.task.history.clone();
+        history.push(HistoryItem::Attempt(self.of(reply, prep, stamp, limits)));
+        let (outcome, decision) = (outcome_label(&reply.outcome), decision_label(self.decision));
+        if span.is_on() {
+            span.set("batchfleet.attempt", i64::from(self.attempt));
+            span.set("batchfleet.outcome", outcome.to_owned());
+            span.set("batchfleet.decision", decision);
+        }
+        let prices = match self.batch_line {
+            Some(_) => job.spec.prices.batch(),
+            None => job.spec.prices.clone(),
+        };
+        let facts = AttemptFacts {
+            attempt: self.attempt,
+            decision,
+            outcome,
+            elapsed: self.elapsed,
+            status: reply.status,
+            usage: reply.usage.as_ref(),
+            cost: reply.usage.map_or(0.0, |u| u.cost(&prices)),
+            errors: reply.errors(),
+        };
+        attempt_event(job, d, limits, facts);
+        history
+    }
+
     /// The attempt as the record's history keeps it.
     fn of(&self, reply: &Reply, prep: &Prepared, stamp: &Stamp, limits: &Limits) -> Attempt {
         Attempt {
@@ -761,20 +798,7 @@ async fn apply(
                     reason: "a commit without an answer".into(),
                 });
             };
-            let valid = Answer {
-                key: before.key.clone(),
-                output: reply.output.clone().unwrap_or_default(),
-                attempts: facts.attempts,
-                calls,
-                response_id: reply.response_id.clone(),
-                repairs: reply.repairs.clone(),
-                usage: reply.usage,
-            };
-            let mut result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
-            // The sink's row keeps the input; so does a result a person spot-checks.
-            if job.sink.is_some() || job.spec.audit.sampled(&d.task.rid) {
-                result.input = Some(d.task.input.clone());
-            }
+            let result = result_of(job, d, before, facts.attempts, (calls, reply), history, stamp, limits);
             settle.store(Finish::Commit(result), Settled::Committed, true).await
         }
         Decision::Retry { delay_ms, feedback, .. } => {
@@ -811,24 +835,54 @@ async fn apply(
             // use up an attempt. Claiming stops fleet-wide until the halt is lifted.
             job.queue.halt(&reason).await?;
             tracing::error!(job = %job.name, reason = %reason, "fleet halted: tasks stay queued");
-            // Handed back at once: it runs as soon as the halt is lifted. The
-            // call it made (a timed-out one may be billed) stays in its
-            // history and in the ledger; its feedback for the model too.
-            let task = match &answer {
-                Some(call) => {
-                    let mut task = d
-                        .task
-                        .next(facts.attempts, call.calls, d.task.feedback.clone(), history);
-                    task.answer = d.task.answer.clone();
-                    task.failing_since = call.failing_since;
-                    task
-                }
-                None => d.task.clone(),
-            };
+            let task = halted_task(d, facts.attempts, answer.as_ref(), history);
             let _ = job.finish_paid(d, &Finish::Release(task), paid.as_ref()).await;
             Ok(Settled::Halted(reason))
         }
     }
+}
+
+/// A commit's result: the valid answer with its attempts, calls and
+/// history; with its input when the job has a sink (the row keeps it) or a
+/// person spot-checks it.
+#[allow(clippy::too_many_arguments)]
+fn result_of(
+    job: &JobCtx,
+    d: &Delivery,
+    before: &Before,
+    attempts: u32,
+    (calls, reply): (u32, &Reply),
+    history: Vec<HistoryItem>,
+    stamp: &Stamp,
+    limits: &Limits,
+) -> ResultRecord {
+    let valid = Answer {
+        key: before.key.clone(),
+        output: reply.output.clone().unwrap_or_default(),
+        attempts,
+        calls,
+        response_id: reply.response_id.clone(),
+        repairs: reply.repairs.clone(),
+        usage: reply.usage,
+    };
+    let mut result = ResultRecord::from_model(&d.task, valid, history, stamp, &limits.worker);
+    if job.sink.is_some() || job.spec.audit.sampled(&d.task.rid) {
+        result.input = Some(d.task.input.clone());
+    }
+    result
+}
+
+/// The task a halt hands back at once (it runs as soon as the halt is
+/// lifted): the call it made (a timed-out one may be billed) stays in its
+/// history and in the ledger; its feedback for the model too.
+fn halted_task(d: &Delivery, attempts: u32, answer: Option<&Call<'_>>, history: Vec<HistoryItem>) -> Task {
+    let Some(call) = answer else {
+        return d.task.clone();
+    };
+    let mut task = d.task.next(attempts, call.calls, d.task.feedback.clone(), history);
+    task.answer = d.task.answer.clone();
+    task.failing_since = call.failing_since;
+    task
 }
 
 /// The task of a retry: the attempt counted, the feedback for the model
@@ -973,13 +1027,6 @@ fn trace_call(span: &Span, job: &JobCtx, result: &CallResult) {
             span.fail(e.cause.clone());
         }
     }
-}
-
-fn error_codes(errors: &[FieldError]) -> Vec<String> {
-    errors
-        .iter()
-        .map(|e| format!("{} {}", e.code.as_str(), e.field))
-        .collect()
 }
 
 fn business_key(input: &Map<String, Value>, id_field: &str) -> String {

@@ -306,6 +306,58 @@ async fn jobs_to_serve(
 /// test can drive them one round at a time) and the HTTP server's stop token.
 pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), RunError> {
     config.validate()?;
+    let store = connect(&config).await?;
+    let mut jobs = load_jobs(&store, &config).await?;
+    let (visibility, drain_timeout) = timeouts(&jobs, &config)?;
+    // A grant's concurrency slot lives as long as its task may: a dead
+    // worker's slots come back when its tasks could be reclaimed.
+    for (job, limiter) in &mut jobs {
+        limiter.set_lease(visibility);
+        if let Some(b) = &job.budget {
+            b.set_lease(visibility);
+        }
+    }
+    let metrics = Arc::new(Metrics::new());
+    for (job, _) in &jobs {
+        metrics.set_limits(&job.name, &job.spec.limits);
+    }
+    let health = Arc::new(Health::default());
+    let http_stop = CancellationToken::new();
+    if let Some(addr) = config.metrics_addr {
+        let jobs_info: Vec<crate::telemetry::Watched> = jobs
+            .iter()
+            .map(|(j, limiter)| crate::telemetry::Watched {
+                job: j.name.clone(),
+                partitions: j.spec.job.partitions,
+                limiter: Some(limiter.id().to_owned()),
+            })
+            .collect();
+        let serve_on = |addr| {
+            let (metrics, store, health, stop) = (metrics.clone(), store.clone(), health.clone(), http_stop.clone());
+            serve(addr, metrics, store, jobs_info.clone(), health, stop)
+        };
+        serve_metrics(addr, config.metrics_fallback, serve_on).await?;
+    }
+    let limits = Limits {
+        max_deliveries: config.max_deliveries,
+        worker: config.consumer.clone(),
+        metrics: metrics.clone(),
+        traces: config.traces.clone(),
+        visibility,
+        retry_scheduled: tokio::sync::Notify::new(),
+        calls: crate::calls::CallsInFlight::default(),
+    };
+    let config = Config {
+        drain_timeout: Some(drain_timeout),
+        ..config
+    };
+    let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
+    take_consumer_name(&fleet).await?;
+    Ok((Arc::new(fleet), http_stop))
+}
+
+/// Connects to Redis and refuses one that may evict keys (unless allowed).
+async fn connect(config: &Config) -> Result<RedisStore, RunError> {
     let store = RedisStore::connect(&config.redis_url).await?;
     match store.refuse_eviction().await {
         Ok(()) => {}
@@ -317,6 +369,12 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
         }
         Err(e) => return Err(e.into()),
     }
+    Ok(store)
+}
+
+/// The jobs this worker serves (`--job`, or every job in Redis), each with
+/// its rate limits; their clients scrub every secret the worker knows.
+async fn load_jobs(store: &RedisStore, config: &Config) -> Result<Vec<(JobCtx, Limiter)>, RunError> {
     let names = if config.jobs.is_empty() {
         store.jobs().await?
     } else {
@@ -325,7 +383,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     let mut jobs = Vec::new();
     let mut secrets = common::secret::url_passwords(&config.redis_url);
     for name in names {
-        let (job, limiter, key) = load_job(&store, &name, &config).await?;
+        let (job, limiter, key) = load_job(store, &name, config).await?;
         secrets.push(key);
         if let Some(common::sink::Target::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
@@ -336,6 +394,12 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     for (job, _) in &mut jobs {
         job.provider.set_scrubber(scrubber.clone());
     }
+    Ok(jobs)
+}
+
+/// The visibility and drain timeouts, against the longest provider timeout:
+/// a visibility that would let live tasks be taken over mid-call is refused.
+fn timeouts(jobs: &[(JobCtx, Limiter)], config: &Config) -> Result<(Duration, Duration), RunError> {
     let max_timeout = jobs
         .iter()
         .map(|(j, _)| j.spec.provider.timeout_secs)
@@ -361,73 +425,34 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
              shutdown is cut off and recorded as paid without a result (its task is taken over and called again)"
         );
     }
-    // A grant's concurrency slot lives as long as its task may: a dead
-    // worker's slots come back when its tasks could be reclaimed.
-    for (job, limiter) in &mut jobs {
-        limiter.set_lease(visibility);
-        if let Some(b) = &job.budget {
-            b.set_lease(visibility);
+    Ok((visibility, drain_timeout))
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr`, or (with
+/// `fallback`, when another process holds it) on a free port of its host.
+async fn serve_metrics<F, Fut>(addr: std::net::SocketAddr, fallback: bool, serve_on: F) -> Result<(), RunError>
+where
+    F: Fn(std::net::SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = std::io::Result<std::net::SocketAddr>>,
+{
+    let bound = match serve_on(addr).await {
+        Ok(bound) => bound,
+        Err(e) if fallback && e.kind() == std::io::ErrorKind::AddrInUse => {
+            let free = std::net::SocketAddr::new(addr.ip(), 0);
+            let bound = serve_on(free)
+                .await
+                .map_err(|e| RunError::Refused(format!("cannot serve metrics on {free}: {e}")))?;
+            tracing::warn!(
+                busy = %addr,
+                addr = %bound,
+                "the default metrics address is in use (another worker on this host?): serving on a free port"
+            );
+            bound
         }
-    }
-    let metrics = Arc::new(Metrics::new());
-    for (job, _) in &jobs {
-        metrics.set_limits(&job.name, &job.spec.limits);
-    }
-    let health = Arc::new(Health::default());
-    let http_stop = CancellationToken::new();
-    if let Some(addr) = config.metrics_addr {
-        let jobs_info: Vec<crate::telemetry::Watched> = jobs
-            .iter()
-            .map(|(j, limiter)| crate::telemetry::Watched {
-                job: j.name.clone(),
-                partitions: j.spec.job.partitions,
-                limiter: Some(limiter.id().to_owned()),
-            })
-            .collect();
-        let serve_on = |addr| {
-            serve(
-                addr,
-                metrics.clone(),
-                store.clone(),
-                jobs_info.clone(),
-                health.clone(),
-                http_stop.clone(),
-            )
-        };
-        let bound = match serve_on(addr).await {
-            Ok(bound) => bound,
-            Err(e) if config.metrics_fallback && e.kind() == std::io::ErrorKind::AddrInUse => {
-                let free = std::net::SocketAddr::new(addr.ip(), 0);
-                let bound = serve_on(free)
-                    .await
-                    .map_err(|e| RunError::Refused(format!("cannot serve metrics on {free}: {e}")))?;
-                tracing::warn!(
-                    busy = %addr,
-                    addr = %bound,
-                    "the default metrics address is in use (another worker on this host?): serving on a free port"
-                );
-                bound
-            }
-            Err(e) => return Err(RunError::Refused(format!("cannot serve metrics on {addr}: {e}"))),
-        };
-        tracing::info!(addr = %bound, "metrics, healthz and readyz listening");
-    }
-    let limits = Limits {
-        max_deliveries: config.max_deliveries,
-        worker: config.consumer.clone(),
-        metrics: metrics.clone(),
-        traces: config.traces.clone(),
-        visibility,
-        retry_scheduled: tokio::sync::Notify::new(),
-        calls: crate::calls::CallsInFlight::default(),
+        Err(e) => return Err(RunError::Refused(format!("cannot serve metrics on {addr}: {e}"))),
     };
-    let config = Config {
-        drain_timeout: Some(drain_timeout),
-        ..config
-    };
-    let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
-    take_consumer_name(&fleet).await?;
-    Ok((Arc::new(fleet), http_stop))
+    tracing::info!(addr = %bound, "metrics, healthz and readyz listening");
+    Ok(())
 }
 
 /// Takes the lease on this worker's consumer name, waiting out a dead

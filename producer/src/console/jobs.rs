@@ -237,34 +237,16 @@ impl Live {
             .iter()
             .map(|(b, p)| (b.clone(), p.calls, format!("{:.6}", p.cost_usd)))
             .collect();
-        let count = |n: u64| if reconciled { thousands(n) } else { "…".to_owned() };
+        let shown = Shown::of(reconciled.then_some((&status, age)), settled, expected);
         Ok(Live {
-            expected: if reconciled {
-                status.expected.map_or("?".to_owned(), thousands)
-            } else {
-                "…".to_owned()
-            },
-            done: count(status.done),
-            review: count(status.review),
-            dropped: count(status.dropped),
-            cancelled_records: count(status.cancelled),
-            missing: count(status.missing),
-            anomalies: if reconciled {
-                format!(
-                    "missing {}, duplicated {}, unknown {} · as of {} s ago",
-                    status.missing,
-                    status.duplicates,
-                    status.unknown,
-                    age.as_secs()
-                )
-            } else {
-                String::new()
-            },
-            progress: if reconciled {
-                format!("{} of {}", thousands(settled), thousands(expected))
-            } else {
-                "…".to_owned()
-            },
+            expected: shown.expected,
+            done: shown.done,
+            review: shown.review,
+            dropped: shown.dropped,
+            cancelled_records: shown.cancelled,
+            missing: shown.missing,
+            anomalies: shown.anomalies,
+            progress: shown.progress,
             percent,
             state: state.to_owned(),
             state_class,
@@ -303,6 +285,53 @@ impl Live {
                 .collect(),
             status,
         })
+    }
+}
+
+/// The counts the page shows from the last reconciliation (`…` until one
+/// is cached), and how old it is.
+struct Shown {
+    expected: String,
+    done: String,
+    review: String,
+    dropped: String,
+    cancelled: String,
+    missing: String,
+    anomalies: String,
+    progress: String,
+}
+
+impl Shown {
+    fn of(reconciled: Option<(&JobStatus, std::time::Duration)>, settled: u64, expected: u64) -> Shown {
+        let Some((status, age)) = reconciled else {
+            let unknown = || "…".to_owned();
+            return Shown {
+                expected: unknown(),
+                done: unknown(),
+                review: unknown(),
+                dropped: unknown(),
+                cancelled: unknown(),
+                missing: unknown(),
+                anomalies: String::new(),
+                progress: unknown(),
+            };
+        };
+        Shown {
+            expected: status.expected.map_or("?".to_owned(), thousands),
+            done: thousands(status.done),
+            review: thousands(status.review),
+            dropped: thousands(status.dropped),
+            cancelled: thousands(status.cancelled),
+            missing: thousands(status.missing),
+            anomalies: format!(
+                "missing {}, duplicated {}, unknown {} · as of {} s ago",
+                status.missing,
+                status.duplicates,
+                status.unknown,
+                age.as_secs()
+            ),
+            progress: format!("{} of {}", thousands(settled), thousands(expected)),
+        }
     }
 }
 
