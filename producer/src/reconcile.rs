@@ -238,47 +238,9 @@ async fn reconcile_partition(
     job: &str,
     p: u32,
     sink: bool,
-    mut tally: Option<&mut Tally>,
+    tally: Option<&mut Tally>,
 ) -> Result<Reconciliation, StoreError> {
-    let mut seen = Partition::default();
-    let states = store.record_count(job, p).await?;
-    seen.ids.reserve(usize::try_from(states).unwrap_or(0));
-    store
-        .record_states(job, p, |rid, state| {
-            if let Some(t) = tally.as_deref_mut() {
-                t.add(&rid, &state);
-            }
-            seen.at(rid).state = Known::of(&state);
-        })
-        .await?;
-    store
-        .scan_stream_rids(job, p, |rid| {
-            let s = seen.at(rid);
-            s.in_stream = s.in_stream.saturating_add(1);
-        })
-        .await?;
-    store
-        .record_ids(job, p, RecordSet::Delayed, |rid| {
-            let s = seen.at(rid);
-            s.delayed = s.delayed.saturating_add(1);
-        })
-        .await?;
-    store
-        .shard_rids(job, p, |rid| {
-            let s = seen.at(rid);
-            s.batched = s.batched.saturating_add(1);
-        })
-        .await?;
-    store
-        .record_ids(job, p, RecordSet::Results, |rid| seen.at(rid).result = true)
-        .await?;
-    store
-        .record_ids(job, p, RecordSet::Review, |rid| seen.at(rid).review = true)
-        .await?;
-    store
-        .record_ids(job, p, RecordSet::Cancelled, |rid| seen.at(rid).cancelled = true)
-        .await?;
-
+    let seen = read_partition(store, job, p, tally).await?;
     let mut found: Vec<(String, Seen, Finding)> = Vec::new();
     for (b, s) in seen.ids {
         if let Some(f) = finding(&s, sink) {
@@ -320,6 +282,56 @@ async fn reconcile_partition(
     out.duplicates.sort();
     out.unknown.sort();
     Ok(out)
+}
+
+/// Where each record of a partition is: its state (counted into `tally`),
+/// and every place that holds it (stream, retries, shards, results, review,
+/// cancelled), one scan each.
+async fn read_partition(
+    store: &RedisStore,
+    job: &str,
+    p: u32,
+    mut tally: Option<&mut Tally>,
+) -> Result<Partition, StoreError> {
+    let mut seen = Partition::default();
+    let states = store.record_count(job, p).await?;
+    seen.ids.reserve(usize::try_from(states).unwrap_or(0));
+    store
+        .record_states(job, p, |rid, state| {
+            if let Some(t) = tally.as_deref_mut() {
+                t.add(&rid, &state);
+            }
+            seen.at(rid).state = Known::of(&state);
+        })
+        .await?;
+    store
+        .scan_stream_rids(job, p, |rid| {
+            let s = seen.at(rid);
+            s.in_stream = s.in_stream.saturating_add(1);
+        })
+        .await?;
+    store
+        .record_ids(job, p, RecordSet::Delayed, |rid| {
+            let s = seen.at(rid);
+            s.delayed = s.delayed.saturating_add(1);
+        })
+        .await?;
+    store
+        .shard_rids(job, p, |rid| {
+            let s = seen.at(rid);
+            s.batched = s.batched.saturating_add(1);
+        })
+        .await?;
+    store
+        .record_ids(job, p, RecordSet::Results, |rid| seen.at(rid).result = true)
+        .await?;
+    store
+        .record_ids(job, p, RecordSet::Review, |rid| seen.at(rid).review = true)
+        .await?;
+    store
+        .record_ids(job, p, RecordSet::Cancelled, |rid| seen.at(rid).cancelled = true)
+        .await?;
+    Ok(seen)
 }
 
 /// What is wrong with a record, if anything.

@@ -135,20 +135,8 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
     };
     r.paid_answers_lost = store.lost_answers(job).await?;
     let prices = &spec.prices;
-    // First call (its time minus its duration) and last outcome, Unix seconds.
-    let mut first_call: Option<u64> = None;
-    let mut last_outcome: Option<u64> = None;
-    let mut see = |history: &[HistoryItem], outcome_at: &str| {
-        for a in history.iter().filter_map(HistoryItem::as_attempt) {
-            if let Some(at) = parse_rfc3339(&a.at) {
-                let started = at.saturating_sub(a.elapsed_ms / 1000);
-                first_call = Some(first_call.map_or(started, |f| f.min(started)));
-            }
-        }
-        if let Some(at) = parse_rfc3339(outcome_at) {
-            last_outcome = Some(last_outcome.map_or(at, |l| l.max(at)));
-        }
-    };
+    let mut worked = Worked::default();
+    let mut see = |history: &[HistoryItem], outcome_at: &str| worked.see(history, outcome_at);
     crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |res| {
         if !res.human {
             see(&res.history, &res.committed_at);
@@ -194,19 +182,41 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
             r.total.merge(&part);
         }
     }
-    if let (Some(start), Some(end)) = (first_call, last_outcome) {
+    if let (Some(start), Some(end)) = (worked.first_call, worked.last_outcome) {
         let secs = end.saturating_sub(start).max(1) as f64;
         r.processing_secs = Some(secs);
         r.processing_records_per_sec = Some((r.done + review_total(&r)) as f64 / secs);
     }
     if let Some(m) = &manifest
-        && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), last_outcome)
+        && let (Some(start), Some(end)) = (parse_rfc3339(&m.created_at), worked.last_outcome)
     {
         let secs = end.saturating_sub(start).max(1) as f64;
         r.elapsed_secs = Some(secs);
         r.records_per_sec = Some(r.done as f64 / secs);
     }
     Ok(r)
+}
+
+/// When the fleet worked on a job: its first call (its time minus its
+/// duration) and its last outcome, Unix seconds.
+#[derive(Default)]
+struct Worked {
+    first_call: Option<u64>,
+    last_outcome: Option<u64>,
+}
+
+impl Worked {
+    fn see(&mut self, history: &[HistoryItem], outcome_at: &str) {
+        for a in history.iter().filter_map(HistoryItem::as_attempt) {
+            if let Some(at) = parse_rfc3339(&a.at) {
+                let started = at.saturating_sub(a.elapsed_ms / 1000);
+                self.first_call = Some(self.first_call.map_or(started, |f| f.min(started)));
+            }
+        }
+        if let Some(at) = parse_rfc3339(outcome_at) {
+            self.last_outcome = Some(self.last_outcome.map_or(at, |l| l.max(at)));
+        }
+    }
 }
 
 fn review_total(r: &Report) -> u64 {

@@ -630,67 +630,50 @@ pub async fn next_loop(
     let mut skipped: HashSet<String> = HashSet::new();
     let mut edits: HashMap<String, String> = HashMap::new();
     let mut term = Terminal::enter();
-    // This session's leases: another session of the same reviewer is
-    // another holder.
-    let token = format!("{who}#{:08x}", rand::random::<u32>());
-    let mut holding: Option<(String, u32)> = None;
-    let release = |rid: String, p: u32| {
-        let token = token.clone();
-        async move {
-            if let Err(e) = store.review_release(job, p, &rid, &token).await {
-                tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
-            }
-        }
-    };
+    let mut holding = Holding::new(store, job, who);
     loop {
         let left = store.review_depth(job, partitions).await?;
-        let (next, held) = next_free(store, job, partitions, &skipped, &token, lease).await?;
+        let (next, held) = next_free(store, job, partitions, &skipped, &holding.token, lease).await?;
         // The entry shown before, when this is another one, is free again.
-        if let Some((rid, p)) = holding.take()
-            && next.as_ref().is_none_or(|(e, _)| e.record_id != rid)
-        {
-            release(rid, p).await;
+        if next.as_ref().is_none_or(|(e, _)| !holding.holds(&e.record_id)) {
+            holding.give_back().await;
         }
         let Some((e, p)) = next else {
             term.say(&nothing_left(job, skipped.len(), held, acted)).map_err(io)?;
             return Ok(acted);
         };
         let rid = e.record_id.clone();
-        holding = Some((rid.clone(), p));
-        let give_back = || release(rid.clone(), p);
+        holding.held = Some((rid.clone(), p));
         // Held while it is on screen, however long that is (an editor
         // included); a session that dies stops renewing and the lease lapses.
-        let _renewing = Renewal::start(store, job, p, &rid, &token, lease);
+        let _renewing = Renewal::start(store, job, p, &rid, &holding.token, lease);
         term.say(&entry_screen(&e, left, skipped.len())).map_err(io)?;
         term.say("[a]ccept as is  [e]dit and accept  [r]equeue  re[j]ect  [s]kip  [q]uit > ")
             .map_err(io)?;
-        let Some(key) = term.key(cancel).map_err(io)? else {
-            give_back().await;
-            term.say(&format!("\n{acted} acted on\n")).map_err(io)?;
+        let key = term.key(cancel).map_err(io)?;
+        if let Some(k) = key {
+            term.say(&format!("{k}\n")).map_err(io)?;
+        }
+        // Quit, or the session ended (Ctrl-C, a closed terminal).
+        let Some(key) = key.filter(|k| *k != 'q') else {
+            holding.give_back().await;
+            let lead = if key.is_none() { "\n" } else { "" };
+            term.say(&format!("{lead}{acted} acted on\n")).map_err(io)?;
             return Ok(acted);
         };
-        term.say(&format!("{key}\n")).map_err(io)?;
-        let result = match key {
-            's' => {
-                skipped.insert(rid.clone());
-                Ok("skipped")
-            }
-            'q' => {
-                give_back().await;
-                term.say(&format!("{acted} acted on\n")).map_err(io)?;
-                return Ok(acted);
-            }
-            key => {
-                let entry = Shown {
-                    store,
-                    spec: &spec,
-                    job,
-                    who,
-                    p,
-                    e: &e,
-                };
-                entry.decide(key, &mut term, &mut edits).await?
-            }
+        let result = if key == 's' {
+            skipped.insert(rid.clone());
+            Ok("skipped")
+        } else {
+            let entry = Shown {
+                store,
+                spec: &spec,
+                job,
+                who,
+                p,
+                e: &e,
+            };
+            entry.decide(key, &mut term, &mut edits).await?
         };
         let what = match result {
             Ok(what) => what,
@@ -703,13 +686,46 @@ pub async fn next_loop(
         };
         let done = matches!(what, "accepted" | "requeued" | "rejected");
         if done || what == "skipped" {
-            give_back().await;
+            holding.give_back().await;
         }
         if done {
             acted += 1;
             edits.remove(&rid);
         }
         term.say(&format!("{what}\n")).map_err(io)?;
+    }
+}
+
+/// The entry a `review next` session holds a lease on, if any. The lease's
+/// token is the session's: another session of the same reviewer is another holder.
+struct Holding<'a> {
+    store: &'a RedisStore,
+    job: &'a str,
+    token: String,
+    held: Option<(String, u32)>,
+}
+
+impl<'a> Holding<'a> {
+    fn new(store: &'a RedisStore, job: &'a str, who: &str) -> Holding<'a> {
+        let token = format!("{who}#{:08x}", rand::random::<u32>());
+        Holding {
+            store,
+            job,
+            token,
+            held: None,
+        }
+    }
+
+    fn holds(&self, rid: &str) -> bool {
+        self.held.as_ref().is_some_and(|(r, _)| r == rid)
+    }
+
+    /// Gives the held entry's lease back (the next reviewer may have it now).
+    async fn give_back(&mut self) {
+        let Some((rid, p)) = self.held.take() else { return };
+        if let Err(e) = self.store.review_release(self.job, p, &rid, &self.token).await {
+            tracing::debug!(error = %e, "a review lease was not given back (it expires by itself)");
+        }
     }
 }
 

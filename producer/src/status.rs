@@ -113,41 +113,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         ..JobStatus::default()
     };
     s.waiting = s.provider.waiting();
-    for p in 0..partitions {
-        s.in_flight += store.pending_count(job, p).await?;
-        let mut shards = store.shards(job, p).await?;
-        shards.sort_by_key(|(_, s)| s.created_ms);
-        s.shards
-            .extend(shards.iter().map(|(_, sh)| common::shard::ShardView::from(sh)));
-        store
-            .results(job, p, |r| {
-                *s.attempts_histogram.entry(u64::from(r.attempts)).or_default() += 1;
-                let t = Tokens::of(&r);
-                s.tokens.add(t.prompt, t.completion, t.cached);
-            })
-            .await?;
-    }
-    if sink {
-        // What left Redis for the sink still counts.
-        let sunk = store.sunk(job, partitions).await?;
-        s.tokens
-            .add(sunk.tokens.prompt, sunk.tokens.completion, sunk.tokens.cached);
-        for (attempts, n) in sunk.attempts_histogram {
-            *s.attempts_histogram.entry(attempts).or_default() += n;
-        }
-    }
-    // Every paid call, from the ledger (the done records' tokens for a job
-    // older than it).
-    let spend = store.spend(job, partitions).await?;
-    let spent = &spend.totals;
-    if spent.calls > 0 {
-        s.tokens = Tokens {
-            prompt: spent.prompt_tokens,
-            completion: spent.completion_tokens,
-            cached: spent.cached_tokens,
-        };
-        s.cost_usd = spent.cost_usd;
-    }
+    read_work_and_spend(store, job, partitions, sink, &mut s).await?;
     let budget = store.budget(job).await?;
     s.budget = budget.cap_usd.is_some().then_some(budget);
     // The states are counted in the reconciliation's own pass over them.
@@ -178,6 +144,52 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     s.remaining = s.expected.unwrap_or(s.known).saturating_sub(terminal);
     s.eta_secs = eta(s.remaining, s.rate_per_sec);
     Ok(s)
+}
+
+/// In flight, shards, attempts and tokens per partition (what left Redis
+/// for the sink included), then every paid call from the ledger (the done
+/// records' tokens stand in for a job older than it).
+async fn read_work_and_spend(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    sink: bool,
+    s: &mut JobStatus,
+) -> Result<(), StoreError> {
+    for p in 0..partitions {
+        s.in_flight += store.pending_count(job, p).await?;
+        let mut shards = store.shards(job, p).await?;
+        shards.sort_by_key(|(_, s)| s.created_ms);
+        s.shards
+            .extend(shards.iter().map(|(_, sh)| common::shard::ShardView::from(sh)));
+        store
+            .results(job, p, |r| {
+                *s.attempts_histogram.entry(u64::from(r.attempts)).or_default() += 1;
+                let t = Tokens::of(&r);
+                s.tokens.add(t.prompt, t.completion, t.cached);
+            })
+            .await?;
+    }
+    if sink {
+        // What left Redis for the sink still counts.
+        let sunk = store.sunk(job, partitions).await?;
+        s.tokens
+            .add(sunk.tokens.prompt, sunk.tokens.completion, sunk.tokens.cached);
+        for (attempts, n) in sunk.attempts_histogram {
+            *s.attempts_histogram.entry(attempts).or_default() += n;
+        }
+    }
+    let spend = store.spend(job, partitions).await?;
+    let spent = &spend.totals;
+    if spent.calls > 0 {
+        s.tokens = Tokens {
+            prompt: spent.prompt_tokens,
+            completion: spent.completion_tokens,
+            cached: spent.cached_tokens,
+        };
+        s.cost_usd = spent.cost_usd;
+    }
+    Ok(())
 }
 
 /// Unix seconds now.

@@ -216,6 +216,23 @@ impl RedisStore {
                 }
             }
         }
+        batch.paid = self.sink_read_paid(job, partition, entries).await?;
+        batch
+            .failures
+            .extend(self.sink_read_failures(job, partition, entries).await?);
+        Ok(batch)
+    }
+
+    /// The paid calls a batch names, from the ledger (one that left it
+    /// after an earlier batch put it in the sink is skipped).
+    async fn sink_read_paid(
+        &self,
+        job: &str,
+        partition: u32,
+        entries: &[SinkEntry],
+    ) -> Result<Vec<PaidCall>, StoreError> {
+        let mut c = self.conn.clone();
+        let mut paid = Vec::new();
         let mut calls: Vec<&str> = entries.iter().filter_map(|e| e.call.as_deref()).collect();
         calls.sort_unstable();
         calls.dedup();
@@ -225,14 +242,25 @@ impl RedisStore {
             for (call, t) in calls.iter().zip(texts) {
                 // Gone: it left the ledger after an earlier batch put it in the sink.
                 let Some(t) = t else { continue };
-                batch
-                    .paid
-                    .push(PaidCall::decode(call, &t).map_err(|reason| StoreError::Corrupt {
-                        key: key.clone(),
-                        reason,
-                    })?);
+                paid.push(PaidCall::decode(call, &t).map_err(|reason| StoreError::Corrupt {
+                    key: key.clone(),
+                    reason,
+                })?);
             }
         }
+        Ok(paid)
+    }
+
+    /// The failure rows of the records a batch names as failed, as their
+    /// state says now (a record reviewed then rejected in one batch is read once).
+    async fn sink_read_failures(
+        &self,
+        job: &str,
+        partition: u32,
+        entries: &[SinkEntry],
+    ) -> Result<Vec<FailureRow>, StoreError> {
+        let mut c = self.conn.clone();
+        let mut rows = Vec::new();
         // A record handed over as a failure twice in one batch (review, then
         // rejected) is read once: its state now says which.
         let mut failed: Vec<&str> = entries
@@ -255,14 +283,14 @@ impl RedisStore {
                 .filter(|(_, st)| **st == Some(RecordState::Review))
                 .map(|(rid, _)| *rid)
                 .collect();
-            let mut entries = std::collections::HashMap::new();
+            let mut texts_of = std::collections::HashMap::new();
             if !in_review.is_empty() {
                 let texts = hmget(&mut c, keys::review(job, partition), &in_review).await?;
-                entries.extend(in_review.iter().zip(texts).filter_map(|(rid, t)| Some((*rid, t?))));
+                texts_of.extend(in_review.iter().zip(texts).filter_map(|(rid, t)| Some((*rid, t?))));
             }
             for (rid, state) in failed.iter().zip(states) {
                 let row = match state {
-                    Some(RecordState::Review) => match entries.get(rid).map(|t| ReviewEntry::decode(t)) {
+                    Some(RecordState::Review) => match texts_of.get(rid).map(|t| ReviewEntry::decode(t)) {
                         Some(Ok(e)) => FailureRow::of_review(&e),
                         _ => FailureRow::of_state(rid, "review", ""),
                     },
@@ -270,10 +298,10 @@ impl RedisStore {
                     Some(RecordState::Cancelled) => FailureRow::of_state(rid, "cancelled", "cancelled"),
                     _ => continue,
                 };
-                batch.failures.push(row);
+                rows.push(row);
             }
         }
-        Ok(batch)
+        Ok(rows)
     }
 
     /// Acknowledges and deletes entries the sink holds durably, counts the
