@@ -46,6 +46,11 @@ pub struct FromJob {
     /// Records that passed there, added as a regression check.
     #[serde(default)]
     pub plus_passed: u64,
+    /// `producer rerun`: only the records of the set this filter selects
+    /// (the producer's bulk filter, as JSON), so a resumed enqueue selects
+    /// the same ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter: Option<serde_json::Value>,
 }
 
 /// Per-line counts of one pass over a dataset. All are exact per line, so a

@@ -5,7 +5,7 @@
 //! recorded in the job's bulk-action log with its filter and count.
 
 use common::store::RedisStore;
-use common::task::ReviewEntry;
+use common::task::{HistoryItem, ResultRecord, ReviewEntry};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -16,8 +16,10 @@ pub const CONFIRM_ABOVE: usize = 10;
 /// Entries a dry run shows.
 pub const SAMPLE: usize = 5;
 
-/// What selects review entries; an empty part matches everything.
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+/// What selects review entries (or done records, for `producer rerun`);
+/// an empty part matches everything.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
+#[serde(default)]
 pub struct Filter {
     /// The entry's reason starts with this (`attempts_exhausted`, `refused`...).
     #[serde(skip_serializing_if = "String::is_empty")]
@@ -88,6 +90,50 @@ impl Filter {
             && (self.until.is_empty() || e.created_at.as_str() < self.until.as_str())
             && paths_match(&self.input, || serde_json::from_str(e.input.get()).ok())
             && paths_match(&self.output, || serde_json::from_str(&e.last_raw_output).ok())
+    }
+
+    /// [`Filter::check`] for done records: they have no review reason.
+    pub fn check_done(&self) -> Result<(), String> {
+        if !self.reason.is_empty() {
+            return Err(
+                "--reason selects review entries; a done record has none: select done records by the errors of \
+                 their earlier attempts (--code, --field), --min-attempts, --since/--until (when committed), \
+                 --text, --input or --output"
+                    .into(),
+            );
+        }
+        self.check()
+    }
+
+    /// Whether a done record matches, but for its input (see
+    /// [`Filter::needs_input`] and [`Filter::matches_input`]): `--code` and
+    /// `--field` look at the errors of its earlier attempts, the times at
+    /// when it was committed.
+    pub fn matches_result(&self, r: &ResultRecord) -> bool {
+        let errors = || {
+            r.history
+                .iter()
+                .filter_map(HistoryItem::as_attempt)
+                .flat_map(|a| a.errors.iter())
+        };
+        (self.code.is_empty() || errors().any(|x| x.code.as_str() == self.code))
+            && (self.field.is_empty() || errors().any(|x| field_of(&x.field) == self.field))
+            && self.min_attempts.is_none_or(|n| r.attempts >= n)
+            && self.max_attempts.is_none_or(|n| r.attempts <= n)
+            && (self.since.is_empty() || r.committed_at.as_str() >= self.since.as_str())
+            && (self.until.is_empty() || r.committed_at.as_str() < self.until.as_str())
+            && paths_match(&self.output, || Some(Value::Object(r.output.clone())))
+    }
+
+    /// The filter looks at the input (`--text`, `--input`).
+    pub fn needs_input(&self) -> bool {
+        !self.text.is_empty() || !self.input.is_empty()
+    }
+
+    /// Whether a record's input (its JSON text) matches `--text` and `--input`.
+    pub fn matches_input(&self, input: &str) -> bool {
+        (self.text.is_empty() || input.to_lowercase().contains(&self.text.to_lowercase()))
+            && paths_match(&self.input, || serde_json::from_str(input).ok())
     }
 
     /// The filter as the log keeps it (JSON of its non-empty parts).

@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use crate::commands::{EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, review, shell, spec, status};
+use crate::commands::{
+    EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, rerun, review, shell, spec, status,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -51,6 +53,10 @@ pub enum Command {
     Resume(control::ResumeCmd),
     /// A new round of attempts for a set of records (ids kept, attempts count on).
     Retry(control::RetryCmd),
+    /// A job's done records, selected by a filter (errors of earlier
+    /// attempts, attempts, when committed, input or output), run again in a
+    /// new job under a changed spec; --dry-run counts first.
+    Rerun(rerun::RerunCmd),
     /// Remove every key of a job from Redis (asks first; --yes for scripts).
     /// Refused while workers hold its tasks, unless --force. A sink's rows
     /// are kept.
@@ -106,6 +112,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Cancel(cmd) => control::cancel(cmd).await,
         Command::Resume(cmd) => control::resume(cmd).await,
         Command::Retry(cmd) => control::retry(cmd).await,
+        Command::Rerun(cmd) => rerun::run(cmd, cancel).await,
         Command::Delete(cmd) => control::delete(cmd).await,
         Command::Review(cmd) => review::run(cmd, cancel).await,
         Command::Dropped(cmd) => status::dropped(cmd).await,

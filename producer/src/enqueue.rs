@@ -317,7 +317,7 @@ async fn select(
     let mut forced = HashSet::new();
     if let Some(from) = &s.from_job {
         if from.set.is_some() || s.stratify {
-            let (lines, found) = crate::select::lines_from_job(store, from, s.seed, sha256).await?;
+            let (lines, found) = crate::select::lines_from_job(store, from, s.seed, sha256, &args.dataset).await?;
             selected.from_job = Some(found);
             forced = lines;
         }

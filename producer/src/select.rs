@@ -236,6 +236,7 @@ pub async fn lines_from_job(
     from: &FromJob,
     seed: u64,
     sha256: &str,
+    dataset: &Path,
 ) -> Result<(HashSet<u64>, FromJobSummary), SelectError> {
     let job = from.job.as_str();
     let manifest = store
@@ -283,8 +284,18 @@ pub async fn lines_from_job(
             })
             .await?;
     }
+    // `producer rerun`: only the done records its filter selects (those
+    // whose input is not kept with their result are judged by their line).
+    let filter = done_filter(from)?;
+    let mut by_line = HashSet::new();
+    if let Some(f) = &filter {
+        let (keep, by_input) = done_matching(store, job, manifest.partitions, f).await?;
+        picked.retain(|(_, rid)| keep.contains(rid) || by_input.contains(rid));
+        by_line = by_input;
+    }
     let mut out = FromJobSummary::default();
     let mut lines = HashSet::new();
+    let mut judge_by_line = HashSet::new();
     let regression = passed.into_sorted_vec().into_iter().map(|(_, p, rid)| (p, rid, true));
     for (p, rid, is_passed) in picked.into_iter().map(|(p, rid)| (p, rid, false)).chain(regression) {
         if is_passed && out.passed >= plus {
@@ -304,6 +315,9 @@ pub async fn lines_from_job(
             (Some(_), None) => *out.skipped.entry("from another dataset".into()).or_default() += 1,
             (Some(_), Some(line)) => {
                 lines.insert(line);
+                if by_line.contains(&rid) {
+                    judge_by_line.insert(line);
+                }
                 if is_passed {
                     out.passed += 1;
                 } else {
@@ -312,7 +326,79 @@ pub async fn lines_from_job(
             }
         }
     }
+    if let Some(f) = &filter
+        && !judge_by_line.is_empty()
+    {
+        for line in lines_not_matching(dataset, &judge_by_line, f)? {
+            lines.remove(&line);
+            out.records -= 1;
+        }
+    }
     Ok((lines, out))
+}
+
+/// The bulk filter a `--from-job` set carries (`producer rerun`).
+fn done_filter(from: &FromJob) -> Result<Option<crate::bulk::Filter>, SelectError> {
+    let Some(v) = &from.filter else { return Ok(None) };
+    if from.set.as_deref() != Some("done") {
+        return Err(SelectError::Refused(
+            "a filter selects done records only (--set done)".into(),
+        ));
+    }
+    let f: crate::bulk::Filter = serde_json::from_value(v.clone())
+        .map_err(|e| SelectError::Refused(format!("the rerun's filter cannot be read: {e}")))?;
+    f.check_done().map_err(SelectError::Refused)?;
+    Ok(Some(f))
+}
+
+/// The done records of `job` the filter selects: those it selects outright,
+/// and those whose input decides but is not kept with their result.
+async fn done_matching(
+    store: &RedisStore,
+    job: &str,
+    partitions: u32,
+    f: &crate::bulk::Filter,
+) -> Result<(HashSet<String>, HashSet<String>), SelectError> {
+    let spec = store.job_spec(job).await?;
+    let (mut keep, mut by_input) = (HashSet::new(), HashSet::new());
+    crate::sink::each_result(store, job, spec.as_ref(), partitions, |r| {
+        if !f.matches_result(&r) {
+            return;
+        }
+        match (&r.input, f.needs_input()) {
+            (_, false) => {
+                keep.insert(r.record_id);
+            }
+            (Some(input), true) => {
+                if f.matches_input(input.get()) {
+                    keep.insert(r.record_id);
+                }
+            }
+            (None, true) => {
+                by_input.insert(r.record_id);
+            }
+        }
+    })
+    .await
+    .map_err(|e| SelectError::Refused(format!("the results of job `{job}` cannot be read: {e:#}")))?;
+    Ok((keep, by_input))
+}
+
+/// Of `wanted` line numbers of `dataset`, those whose record the filter's
+/// input conditions do not select.
+fn lines_not_matching(dataset: &Path, wanted: &HashSet<u64>, f: &crate::bulk::Filter) -> Result<Vec<u64>, SelectError> {
+    let read = |e: std::io::Error| SelectError::Refused(format!("{}: {e}", dataset.display()));
+    let mut reader = LineReader::open(dataset, 0, 0, 16 << 20).map_err(read)?;
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    while let Some(pos) = reader.next_line(&mut buf).map_err(read)? {
+        if wanted.contains(&pos.number)
+            && !f.matches_input(String::from_utf8_lossy(&buf).trim_start_matches('\u{feff}'))
+        {
+            out.push(pos.number);
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -129,6 +129,7 @@ impl EnqueueCmd {
             job,
             set: self.set.map(|s| s.name().to_owned()),
             plus_passed: self.plus_passed,
+            filter: None,
         });
         let seed = self.seed.unwrap_or_default();
         match (self.sample, &from_job) {

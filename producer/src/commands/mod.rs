@@ -10,6 +10,7 @@
 //! - [`status`]: `status`, `jobs`, `export`, `manifest`, `dropped`.
 //! - [`report`]: `report`, `estimate`, `compare`, `audit`.
 //! - [`control`]: `cancel`, `resume`, `retry`, `delete`.
+//! - [`rerun`]: `rerun` (a job's done records, by filter, again in a new job).
 //! - [`review`]: `review` (list, show, accept, revise, requeue, reject, next, export, import).
 //! - [`console`]: `console` (the web console's flags and reviewers).
 
@@ -17,6 +18,7 @@ pub mod console;
 pub mod control;
 pub mod enqueue;
 pub mod report;
+pub mod rerun;
 pub mod review;
 pub mod shell;
 pub mod spec;

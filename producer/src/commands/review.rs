@@ -116,34 +116,8 @@ pub enum BulkVerb {
 pub struct BulkCmd {
     /// requeue (a new round of attempts) or reject (dropped, with --because).
     pub action: BulkVerb,
-    /// Entries whose reason starts with this (attempts_exhausted, refused, poison...).
-    #[arg(long)]
-    pub reason: Option<String>,
-    /// Entries with this validation error code (E_ENUM...).
-    #[arg(long)]
-    pub code: Option<String>,
-    /// Entries with an error at this output field.
-    #[arg(long)]
-    pub field: Option<String>,
-    /// Entries whose input contains this text (case-insensitive).
-    #[arg(long)]
-    pub text: Option<String>,
-    /// Entries with at least / at most this many attempts.
-    #[arg(long)]
-    pub min_attempts: Option<u32>,
-    #[arg(long)]
-    pub max_attempts: Option<u32>,
-    /// Entries that came to review at or after / before this UTC time (2026-12-04T18:00:00Z).
-    #[arg(long)]
-    pub since: Option<String>,
-    #[arg(long)]
-    pub until: Option<String>,
-    /// PATH=VALUE on the record's input (`$.channel=chat`); repeat for more.
-    #[arg(long)]
-    pub input: Vec<String>,
-    /// PATH=VALUE on the last output (`$.label=other`); repeat for more.
-    #[arg(long)]
-    pub output: Vec<String>,
+    #[command(flatten)]
+    pub filter: FilterFlags,
     /// requeue: a note the model sees on the next attempts.
     #[arg(long)]
     pub note: Option<String>,
@@ -161,8 +135,42 @@ pub struct BulkCmd {
     pub json: bool,
 }
 
-impl BulkCmd {
-    fn filter(&self) -> crate::bulk::Filter {
+/// What selects review entries (`review bulk`) or done records (`rerun`).
+#[derive(Debug, Args)]
+pub struct FilterFlags {
+    /// Entries whose reason starts with this (attempts_exhausted, refused, poison...).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// With this validation error code (E_ENUM...); for done records, in an earlier attempt.
+    #[arg(long)]
+    pub code: Option<String>,
+    /// With an error at this output field; for done records, in an earlier attempt.
+    #[arg(long)]
+    pub field: Option<String>,
+    /// Whose input contains this text (case-insensitive).
+    #[arg(long)]
+    pub text: Option<String>,
+    /// With at least / at most this many attempts.
+    #[arg(long)]
+    pub min_attempts: Option<u32>,
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// That came to review (done records: were committed) at or after /
+    /// before this UTC time (2026-12-04T18:00:00Z).
+    #[arg(long)]
+    pub since: Option<String>,
+    #[arg(long)]
+    pub until: Option<String>,
+    /// PATH=VALUE on the record's input (`$.channel=chat`); repeat for more.
+    #[arg(long)]
+    pub input: Vec<String>,
+    /// PATH=VALUE on the last output (done records: the result's; `$.label=other`); repeat for more.
+    #[arg(long)]
+    pub output: Vec<String>,
+}
+
+impl FilterFlags {
+    pub fn filter(&self) -> crate::bulk::Filter {
         let s = |o: &Option<String>| o.clone().unwrap_or_default();
         crate::bulk::Filter {
             reason: s(&self.reason),
@@ -368,7 +376,7 @@ async fn import(store: &RedisStore, job: &str, file: &Path, who: &str) -> Result
 
 /// `review bulk`: select, say how many, then act (or not).
 async fn bulk(store: &RedisStore, redis: &RedisArgs, job: &str, cmd: BulkCmd, who: &str) -> Result<(), ReviewError> {
-    let f = cmd.filter();
+    let f = cmd.filter.filter();
     f.check().map_err(ReviewError::Refused)?;
     let action = match (cmd.action, &cmd.because) {
         (BulkVerb::Requeue, _) => crate::bulk::Bulk::Requeue { note: cmd.note.clone() },
