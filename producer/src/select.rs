@@ -352,8 +352,9 @@ fn done_filter(from: &FromJob) -> Result<Option<crate::bulk::Filter>, SelectErro
 }
 
 /// The done records of `job` the filter selects: those it selects outright,
-/// and those whose input decides but is not kept with their result.
-async fn done_matching(
+/// and those whose input decides but is not kept with their result (their
+/// dataset line does, when they are run again).
+pub async fn done_matching(
     store: &RedisStore,
     job: &str,
     partitions: u32,

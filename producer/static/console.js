@@ -95,8 +95,20 @@
     });
   }
 
+  // <button data-copy="#id">: copies that element's text (says so on itself).
+  function copyButtons() {
+    Array.prototype.forEach.call(document.querySelectorAll("button[data-copy]"), function (b) {
+      b.addEventListener("click", function () {
+        var from = document.querySelector(b.getAttribute("data-copy"));
+        if (!from || !navigator.clipboard) { return; }
+        navigator.clipboard.writeText(from.textContent).then(function () { b.textContent = "copied"; });
+      });
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
     jsonBoxes();
+    copyButtons();
     Array.prototype.forEach.call(document.querySelectorAll("[data-live]"), live);
     var p = document.body.getAttribute("data-page");
     if (p === "queue") { queueKeys(); }

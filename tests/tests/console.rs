@@ -1067,3 +1067,92 @@ fn two_jobs_are_compared_side_by_side_as_the_command_line_compares_them() {
     );
     assert!(b.find("svg rect.col").is_some(), "the paired bars are drawn");
 }
+
+/// The Re-run page selects done records with `producer rerun`'s filter and
+/// counts them as `rerun --dry-run` does before it offers the command; a
+/// filter that selects nothing leaves the command's button off; the
+/// command it gives (with the changed spec written) runs as shown.
+#[test]
+fn done_records_are_counted_for_a_rerun_before_the_page_offers_its_command() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.5", "--seed", "5"]);
+    let dir = TempDir::new("console-rerun");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    enqueue(&redis, &data, "again", &harness::example_spec());
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "again", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let v2 = spec_with(&dir, &[("prompt = \"v1\"", "prompt = \"v2\"")]);
+    let (url, data_s) = (redis.url(), data.display().to_string());
+    let cli = producer(&[
+        "rerun",
+        &data_s,
+        "--from-job",
+        "again",
+        "--job",
+        "x",
+        "--spec",
+        &v2.display().to_string(),
+        "--redis",
+        &url,
+        "--code",
+        "E_ENUM",
+        "--dry-run",
+        "--json",
+    ]);
+    assert!(cli.status.success(), "{}", stderr(&cli));
+    let matched = serde_json::from_str::<Value>(&stdout(&cli)).unwrap()["matched"]
+        .as_u64()
+        .unwrap();
+    assert!(matched > 0, "some records needed a second answer");
+
+    let console = ConsoleServer::start(&url, &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.goto(&console.url("/jobs/again"));
+    b.click("#open-rerun");
+    b.wait("the rerun page", Duration::from_secs(10), |b| {
+        b.find("#rerun-filter").is_some()
+    });
+    assert!(b.find("#copy-command").is_none(), "no command before a count");
+    b.fill("#rerun-filter input[name=code]", "E_ENUM");
+    b.fill("#rerun-filter input[name=into]", "again-v2");
+    b.click("#count");
+    b.wait("the count", Duration::from_secs(10), |b| b.find("#matched").is_some());
+    assert_eq!(
+        b.script("return document.getElementById('matched').dataset.matched;"),
+        Value::from(matched.to_string())
+    );
+    assert_eq!(
+        b.script("return document.getElementById('copy-command').disabled;"),
+        Value::from(false)
+    );
+    let command = b.text("#command");
+    assert!(
+        command.contains("--from-job again --job again-v2") && command.contains("--code E_ENUM --yes"),
+        "{command}"
+    );
+    // Nothing selected: the button stays off. A bad number: said, not counted.
+    b.goto(&console.url("/jobs/again/rerun?min_attempts=9"));
+    assert_eq!(b.text("#matched").split_whitespace().next(), Some("0"));
+    assert_eq!(
+        b.script("return document.getElementById('copy-command').disabled;"),
+        Value::from(true)
+    );
+    b.goto(&console.url("/jobs/again/rerun?min_attempts=two"));
+    assert!(b.text("#refused").contains("whole number"), "{}", b.text("#refused"));
+    assert!(b.find("#matched").is_none());
+
+    // The command as shown, with the changed spec: it runs those records again.
+    let shown = command.replace("CHANGED-SPEC.toml", &v2.display().to_string()).replace(
+        "producer rerun",
+        &format!("{} rerun", harness::bin("producer").display()),
+    );
+    let run = std::process::Command::new("sh")
+        .args(["-c", &format!("{shown} --redis '{url}' --no-progress")])
+        .current_dir(harness::workspace())
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{shown}: {}", stderr(&run));
+    assert_eq!(status_json(&redis, "again-v2").1["expected"].as_u64(), Some(matched));
+}

@@ -23,6 +23,7 @@ pub mod compare;
 pub mod form;
 pub mod jobs;
 pub mod queue;
+pub mod rerun;
 pub mod workers;
 
 use std::net::SocketAddr;
@@ -119,6 +120,7 @@ pub fn router(console: Shared) -> Router {
         .route("/jobs/{job}/review", get(queue::queue_page))
         .route("/jobs/{job}/review/next", get(queue::next_entry))
         .route("/jobs/{job}/review-bulk", post(queue::bulk))
+        .route("/jobs/{job}/rerun", get(rerun::rerun_page))
         .route("/jobs/{job}/review/{rid}", get(queue::entry_page))
         .route("/jobs/{job}/review/{rid}/accept", post(queue::accept))
         .route("/jobs/{job}/review/{rid}/requeue", post(queue::requeue))
