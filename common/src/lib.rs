@@ -36,6 +36,7 @@ pub mod log;
 pub mod manifest;
 pub mod otel;
 pub mod record;
+pub mod rules;
 pub mod secret;
 pub mod shard;
 pub mod sink;

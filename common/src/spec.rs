@@ -328,6 +328,10 @@ pub struct PromptSection {
 pub struct OutputSection {
     /// Fields of the JSON object the model must return, in prompt order.
     pub fields: OrderedFields,
+    /// Business rules over the record's input and output together (CEL
+    /// expressions by name, see [`crate::rules`]).
+    #[serde(default, skip_serializing_if = "crate::rules::Rules::is_empty")]
+    pub rules: crate::rules::Rules,
 }
 
 /// The type of one output field. Booleans are never numbers.
@@ -887,6 +891,9 @@ impl JobSpec {
 
     fn output_problems(&self, p: &mut Problems) {
         Self::field_problems(&self.output.fields, "output.fields", true, p);
+        for (name, why) in self.output.rules.problems() {
+            p.add(format!("output.rules.{name}"), why);
+        }
     }
 
     /// The problems of a table of fields at `path` (`output.fields`, or an
@@ -1418,7 +1425,7 @@ fn is_env_name(s: &str) -> bool {
         && !s.starts_with(|c: char| c.is_ascii_digit())
 }
 
-fn is_identifier(s: &str) -> bool {
+pub(crate) fn is_identifier(s: &str) -> bool {
     let mut chars = s.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphabetic())
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
@@ -1573,6 +1580,12 @@ pub fn system_prompt(spec: &JobSpec) -> String {
     let mut out = spec.prompt.system.trim_end().to_owned();
     out.push_str("\n\nAnswer with exactly one JSON object and nothing else (no prose, no code fence). Its fields:\n");
     describe_fields(&mut out, &spec.output.fields, "");
+    if !spec.output.rules.is_empty() {
+        out.push_str("The answer must also satisfy these rules (`input` is the record, `output` the answer):\n");
+        for (name, rule) in spec.output.rules.iter() {
+            let _ = writeln!(out, "- {name}: {}", rule.says());
+        }
+    }
     out
 }
 

@@ -37,6 +37,10 @@ pub enum ErrorCode {
     /// The result sink's database refused the row (a constraint of the user's).
     #[serde(rename = "E_SINK")]
     Sink,
+    /// A business rule of the spec (`[output.rules]`) does not hold; the
+    /// error's field is the rule's name.
+    #[serde(rename = "E_RULE")]
+    Rule,
 }
 
 impl ErrorCode {
@@ -52,6 +56,7 @@ impl ErrorCode {
             ErrorCode::Len => "E_LEN",
             ErrorCode::Truncated => "E_TRUNCATED",
             ErrorCode::Sink => "E_SINK",
+            ErrorCode::Rule => "E_RULE",
         }
     }
 }
@@ -156,7 +161,11 @@ pub fn validate_record(spec: &JobSpec, raw: &str, input: Option<&Map<String, Val
             obj.insert(name.clone(), value.clone());
         }
     }
-    let (output, errors) = check_fields(&spec.output.fields, &obj, "", &mut repairs);
+    let (output, mut errors) = check_fields(&spec.output.fields, &obj, "", &mut repairs);
+    if errors.is_empty() {
+        // The rules judge an answer whose fields hold.
+        errors = spec.output.rules.broken(input, &output);
+    }
     if errors.is_empty() {
         Validation::Valid { output, repairs }
     } else {

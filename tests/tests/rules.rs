@@ -1,0 +1,141 @@
+//! Business rules (`[output.rules]`, CEL over input and output together)
+//! in a real run against llm-sim: `spec check` names a broken rule, the
+//! system prompt lists the rules, an answer that breaks one is retried with
+//! feedback naming it, and no committed result breaks one.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::time::Duration;
+
+use common::keys;
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, stderr, stdout, worker_cmd, write_records,
+};
+use redis::Commands;
+use serde_json::Value;
+
+/// The example spec with one more section after `[output.fields.items]`.
+const ITEMS: &str = "description = \"order numbers or product names mentioned\"\n";
+
+fn with_rules(dir: &TempDir, rules: &str) -> std::path::PathBuf {
+    spec_with(dir, &[(ITEMS, &format!("{ITEMS}\n[output.rules]\n{rules}\n"))])
+}
+
+#[test]
+fn spec_check_names_a_rule_that_does_not_compile_or_reads_another_variable() {
+    let dir = TempDir::new("rules-check");
+    let spec = with_rules(
+        &dir,
+        "same_task = \"output.task_type == \"\nknows_more = \"record.channel == 'chat'\"",
+    );
+    let out = producer(&["spec", "check", &spec.display().to_string()]);
+    assert_eq!(out.status.code(), Some(2), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("output.rules.same_task") && err.contains("does not compile"),
+        "{err}"
+    );
+    assert!(
+        err.contains("output.rules.knows_more") && err.contains("uses record"),
+        "{err}"
+    );
+
+    let good = TempDir::new("rules-check-good");
+    let spec = with_rules(
+        &good,
+        "same_task = { expr = \"output.task_type == input.task_type\", message = \"copy task_type from the input\" }",
+    );
+    let out = producer(&["spec", "check", &spec.display().to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("- same_task: copy task_type from the input"),
+        "the system prompt lists the rule: {}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn an_answer_that_breaks_a_rule_is_retried_with_its_name_and_no_result_breaks_one() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("rules-run");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 40);
+    // The records all say task_type "classify"; llm-sim answers either
+    // value of the enum at random, so about half the answers break the rule.
+    let spec = with_rules(
+        &dir,
+        "same_task = { expr = \"output.task_type == input.task_type\", message = \"copy task_type from the input\" }",
+    );
+    enqueue(&redis, &data, "rules", &spec);
+    let sim = LlmSim::start(&["--seed", "3"]);
+    let (status, err) = Running::spawn(worker_cmd(&redis, "rules", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+
+    let read = |key: fn(&str, u32) -> String| -> Vec<Value> {
+        let mut c = redis.conn();
+        (0..4)
+            .flat_map(|p| c.hvals::<_, Vec<String>>(key("rules", p)).unwrap())
+            .map(|t| serde_json::from_str(&t).unwrap())
+            .collect()
+    };
+    let (results, reviews) = (read(keys::results), read(keys::review));
+    assert_eq!(results.len() + reviews.len(), 40);
+    assert!(
+        results.len() >= 30,
+        "most records get a right answer within 4 attempts: {}",
+        results.len()
+    );
+    for r in &results {
+        assert_eq!(
+            r["output"]["task_type"], "classify",
+            "a committed result breaks the rule: {r}"
+        );
+    }
+    // Some answers broke it first: their attempts say so, by the rule's name.
+    let broke: Vec<&Value> = results
+        .iter()
+        .flat_map(|r| r["history"].as_array().unwrap())
+        .flat_map(|h| {
+            h["errors"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .collect::<Vec<_>>()
+        })
+        .filter(|e| e["code"] == "E_RULE")
+        .map(|_| &Value::Null)
+        .collect();
+    assert!(broke.len() >= 5, "{} attempts broke the rule", broke.len());
+    let first_errors: Vec<Value> = results
+        .iter()
+        .flat_map(|r| r["history"].as_array().unwrap().clone())
+        .flat_map(|h| h["errors"].as_array().cloned().unwrap_or_default())
+        .filter(|e| e["code"] == "E_RULE")
+        .collect();
+    assert!(
+        first_errors.iter().all(|e| e["field"] == "same_task"),
+        "{first_errors:?}"
+    );
+    // The retries told the model which rule, in its own words.
+    let told = sim.log_containing("rule `same_task` does not hold: copy task_type from the input");
+    assert!(!told.is_empty(), "no retry carried the rule's feedback");
+    for e in &reviews {
+        let codes: Vec<&str> = e["errors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|x| x["code"].as_str())
+            .collect();
+        assert!(codes.contains(&"E_RULE"), "{e}");
+    }
+    // The report counts them with the other validation errors.
+    let report = producer(&["report", "--job", "rules", "--redis", &redis.url(), "--json"]);
+    assert!(report.status.success(), "{}", stderr(&report));
+    let report: Value = serde_json::from_str(&stdout(&report)).unwrap();
+    assert!(
+        report["validation_errors"].to_string().contains("E_RULE"),
+        "{}",
+        report["validation_errors"]
+    );
+}
