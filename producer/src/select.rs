@@ -252,38 +252,7 @@ pub async fn lines_from_job(
     let names: HashSet<String> = std::iter::once(pass.dataset.short().to_owned())
         .chain(pass.tag.map(|t| t.to_string()))
         .collect();
-    let wanted = |state: &RecordState| {
-        matches!(
-            (from.set.as_deref(), state),
-            (None | Some("review"), RecordState::Review)
-                | (None | Some("dropped"), RecordState::Dropped(_))
-                | (Some("done"), RecordState::Done)
-        )
-    };
-    let mut picked: Vec<(u32, String)> = Vec::new();
-    let mut passed: BinaryHeap<(Rank, u32, String)> = BinaryHeap::new();
-    let plus = from.plus_passed;
-    for p in 0..manifest.partitions {
-        store
-            .record_states(job, p, |rid, state| {
-                let Some(state) = state else { return };
-                if wanted(&state) {
-                    picked.push((p, rid));
-                } else if plus > 0 && state == RecordState::Done {
-                    let mut h = Sha256::new();
-                    h.update(seed.to_be_bytes());
-                    h.update(rid.as_bytes());
-                    let mut r = [0u8; 8];
-                    r.copy_from_slice(&h.finalize()[..8]);
-                    passed.push((r, p, rid));
-                    // Spares, for passed records whose line is not found.
-                    if passed.len() as u64 > plus.saturating_mul(4) {
-                        passed.pop();
-                    }
-                }
-            })
-            .await?;
-    }
+    let (mut picked, passed) = pick(store, from, manifest.partitions, seed).await?;
     // `producer rerun`: only the done records its filter selects (those
     // whose input is not kept with their result are judged by their line).
     let filter = done_filter(from)?;
@@ -298,7 +267,7 @@ pub async fn lines_from_job(
     let mut judge_by_line = HashSet::new();
     let regression = passed.into_sorted_vec().into_iter().map(|(_, p, rid)| (p, rid, true));
     for (p, rid, is_passed) in picked.into_iter().map(|(p, rid)| (p, rid, false)).chain(regression) {
-        if is_passed && out.passed >= plus {
+        if is_passed && out.passed >= from.plus_passed {
             break;
         }
         let origin = store.record_origin(job, p, &rid).await?;
@@ -335,6 +304,51 @@ pub async fn lines_from_job(
         }
     }
     Ok((lines, out))
+}
+
+/// The other job's records of `from.set` (by partition), and up to four
+/// times `from.plus_passed` done ones, best-ranked first, as spares for the
+/// regression check.
+#[allow(clippy::type_complexity)]
+async fn pick(
+    store: &RedisStore,
+    from: &FromJob,
+    partitions: u32,
+    seed: u64,
+) -> Result<(Vec<(u32, String)>, BinaryHeap<(Rank, u32, String)>), SelectError> {
+    let wanted = |state: &RecordState| {
+        matches!(
+            (from.set.as_deref(), state),
+            (None | Some("review"), RecordState::Review)
+                | (None | Some("dropped"), RecordState::Dropped(_))
+                | (Some("done"), RecordState::Done)
+        )
+    };
+    let mut picked: Vec<(u32, String)> = Vec::new();
+    let mut passed: BinaryHeap<(Rank, u32, String)> = BinaryHeap::new();
+    let plus = from.plus_passed;
+    for p in 0..partitions {
+        store
+            .record_states(&from.job, p, |rid, state| {
+                let Some(state) = state else { return };
+                if wanted(&state) {
+                    picked.push((p, rid));
+                } else if plus > 0 && state == RecordState::Done {
+                    let mut h = Sha256::new();
+                    h.update(seed.to_be_bytes());
+                    h.update(rid.as_bytes());
+                    let mut r = [0u8; 8];
+                    r.copy_from_slice(&h.finalize()[..8]);
+                    passed.push((r, p, rid));
+                    // Spares, for passed records whose line is not found.
+                    if passed.len() as u64 > plus.saturating_mul(4) {
+                        passed.pop();
+                    }
+                }
+            })
+            .await?;
+    }
+    Ok((picked, passed))
 }
 
 /// The bulk filter a `--from-job` set carries (`producer rerun`).

@@ -101,30 +101,29 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let args = EnqueueArgs {
-        dataset: cmd.dataset.clone(),
-        job: cmd.job.clone(),
-        spec_path: cmd.spec.display().to_string(),
-        redis_url: cmd.redis.url.clone(),
-        restart: false,
-        sample: Some(Sample {
-            size: 0,
-            seed: 0,
-            stratify: false,
-            from_job: Some(from),
-        }),
-        dry_run: false,
-        batch_size: 2000,
-        idem_ttl_secs: 7 * 24 * 3600,
-        progress: !cmd.no_progress && !cmd.json,
-        allow_evicting_redis: false,
-        max_backlog: 100_000,
-    };
+    let args = cmd.enqueue_args(from);
     let summary = match enqueue(&args, cancel).await {
         Ok(summary) => summary,
         Err(e) => return refuse(e),
     };
-    let log_id = store
+    let log_id = log(&store, &cmd, &f, n, &summary).await?;
+    say_done(&cmd, n, &summary, &log_id);
+    Ok(if summary.interrupted {
+        ExitCode::from(super::EXIT_INTERRUPTED)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// Records the rerun in the first job's bulk-action log; returns its entry's id.
+async fn log(
+    store: &common::store::RedisStore,
+    cmd: &RerunCmd,
+    f: &crate::bulk::Filter,
+    n: u64,
+    summary: &crate::enqueue::Summary,
+) -> anyhow::Result<String> {
+    Ok(store
         .bulk_log_add(
             &cmd.from_job,
             &[
@@ -138,7 +137,11 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
                 ("complete", (!summary.interrupted).to_string()),
             ],
         )
-        .await?;
+        .await?)
+}
+
+/// What the rerun did, and what to type next.
+fn say_done(cmd: &RerunCmd, n: u64, summary: &crate::enqueue::Summary, log_id: &str) {
     let redis = common::secret::redis_flag(&cmd.redis.url);
     if cmd.json {
         crate::outln!(
@@ -161,11 +164,31 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
             cmd.job,
         );
     }
-    Ok(if summary.interrupted {
-        ExitCode::from(super::EXIT_INTERRUPTED)
-    } else {
-        ExitCode::SUCCESS
-    })
+}
+
+impl RerunCmd {
+    /// The enqueue of the selected records into the new job.
+    fn enqueue_args(&self, from: FromJob) -> EnqueueArgs {
+        EnqueueArgs {
+            dataset: self.dataset.clone(),
+            job: self.job.clone(),
+            spec_path: self.spec.display().to_string(),
+            redis_url: self.redis.url.clone(),
+            restart: false,
+            sample: Some(Sample {
+                size: 0,
+                seed: 0,
+                stratify: false,
+                from_job: Some(from),
+            }),
+            dry_run: false,
+            batch_size: 2000,
+            idem_ttl_secs: 7 * 24 * 3600,
+            progress: !self.no_progress && !self.json,
+            allow_evicting_redis: false,
+            max_backlog: 100_000,
+        }
+    }
 }
 
 /// `--dry-run`: the count, what was skipped, and the first lines selected.
