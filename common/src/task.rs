@@ -582,7 +582,8 @@ pub struct Delivery {
     pub consumer: String,
     /// When it was delivered: its outcome must be stored before the
     /// visibility timeout, or another worker takes the task over.
-    pub claimed_at: std::time::Instant,
+    /// (tokio's clock: the same as the system's, but a test may pause it)
+    pub claimed_at: tokio::time::Instant,
     pub task: Task,
     /// The record's state as read right after the claim (None: not read;
     /// Some(None): the job does not know the record). Fresh, it spares the
@@ -1141,7 +1142,7 @@ mod tests {
             entry_id: "1-0".into(),
             deliveries: 2,
             consumer: "w1".into(),
-            claimed_at: std::time::Instant::now(),
+            claimed_at: tokio::time::Instant::now(),
             task: task.clone(),
             state_at_claim: None,
             shard: None,

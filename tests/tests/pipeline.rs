@@ -8,6 +8,10 @@
 //! Time: the pipeline never sleeps on a decision (a retry is a due time in
 //! the queue), so a story runs at the speed of its HTTP calls; the queue's
 //! clock is moved forward to make a retry due or a reservation expire.
+//! What does wait (a paid answer's store retried while Redis is away, up
+//! to the visibility timeout) runs under paused tokio time, with answers as
+//! a provider batch's output lines: no HTTP call, whose timeouts a paused
+//! clock would fire at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,9 +29,14 @@ const WORKER: &str = "w1";
 
 /// The example job, pointed at `sim`, changed by `change`, over `queue`.
 fn job(sim: &LlmSim, queue: &MemoryQueue, change: impl FnOnce(&mut JobSpec)) -> JobCtx {
+    job_at(&sim.base_url(), queue, change)
+}
+
+/// The example job at `base_url` (batch answers come as lines: no call is made).
+fn job_at(base_url: &str, queue: &MemoryQueue, change: impl FnOnce(&mut JobSpec)) -> JobCtx {
     let text = std::fs::read_to_string(example_spec()).expect("example spec");
     let mut spec = JobSpec::parse(&text, "examples/job.toml").expect("example spec parses");
-    spec.provider.base_url = sim.base_url();
+    spec.provider.base_url = base_url.to_owned();
     change(&mut spec);
     let provider = Provider::new(&spec, None, "sk-test-key".to_owned()).expect("HTTP client");
     JobCtx::new("pipeline", spec, provider, Arc::new(queue.clone()), None, 3).expect("job context")
@@ -460,4 +469,138 @@ fn a_systematic_provider_error_halts_the_job_instead_of_reviewing_records() {
             );
         }
     });
+}
+
+/// A valid output of the example spec.
+const GOOD: &str = r#"{"label": "billing", "reason": "a refund", "confidence": 0.9, "task_type": "classify"}"#;
+
+/// One line of a provider batch's output file, as OpenAI writes it, whose
+/// chat completion says `content` (with its usage).
+fn batch_line(rid: &str, content: &str) -> String {
+    serde_json::json!({
+        "id": format!("batch_req_{rid}"),
+        "custom_id": rid,
+        "response": {"status_code": 200, "request_id": "req_1", "body": {
+            "id": "chatcmpl-1", "object": "chat.completion", "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 120, "completion_tokens": 30, "total_tokens": 150}
+        }},
+        "error": null
+    })
+    .to_string()
+}
+
+/// A batch's answer settled while the queue refuses outcomes for a while
+/// (Redis away), under paused time: the paid answer is not given up, it is
+/// stored once Redis takes it, after the back-off's waits (50 ms doubling),
+/// and its paid call (at batch prices) is in the ledger once.
+#[tokio::test(start_paused = true)]
+async fn a_paid_answer_waits_out_a_short_redis_outage_and_is_stored_once() {
+    let queue = MemoryQueue::new();
+    let job = job_at("http://127.0.0.1:9/v1", &queue, |_| {});
+    let limits = limits();
+    queue.enqueue(task("p1"));
+    let d = queue.deliver(WORKER).expect("delivered");
+    queue.refuse_outcomes(5);
+    let answer = worker::batcher::answer_of_line(&batch_line("p1", GOOD)).expect("a batch line");
+    let started = tokio::time::Instant::now();
+    let settled = worker::process::settle_batch_line(&job, &d, &limits, answer, "batch_1:batch_req_p1".into())
+        .await
+        .expect("settled");
+    assert_eq!(settled, Settled::Committed);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(50 + 100 + 200 + 400 + 800),
+        "five refusals, five waits: {waited:?}"
+    );
+    assert_eq!(queue.state("p1"), Some(RecordState::Done));
+    let paid = queue.paid();
+    assert_eq!(paid.len(), 1, "{paid:?}");
+    let online = common::ledger::nano_usd(paid[0].usage.cost(&job.spec.prices));
+    assert!(
+        paid[0].cost_nusd < online,
+        "batch prices: {} < {online}",
+        paid[0].cost_nusd
+    );
+    assert_eq!(paid[0].online_nusd, Some(online));
+}
+
+/// Redis never takes the outcome before the visibility timeout: the paid
+/// answer is counted lost (kept for the ledger as such), the record is left
+/// for the worker that takes the task over, and nothing was stored twice.
+#[tokio::test(start_paused = true)]
+async fn a_paid_answer_redis_never_takes_is_counted_lost_at_the_visibility_timeout() {
+    let queue = MemoryQueue::new();
+    let job = job_at("http://127.0.0.1:9/v1", &queue, |_| {});
+    let limits = limits();
+    queue.enqueue(task("p2"));
+    let d = queue.deliver(WORKER).expect("delivered");
+    queue.refuse_outcomes(u64::MAX);
+    let answer = worker::batcher::answer_of_line(&batch_line("p2", GOOD)).expect("a batch line");
+    let started = tokio::time::Instant::now();
+    let settled = worker::process::settle_batch_line(&job, &d, &limits, answer, "batch_1:batch_req_p2".into())
+        .await
+        .expect("settled");
+    assert_eq!(settled, Settled::AnswerLost);
+    let waited = started.elapsed();
+    assert!(
+        waited < limits.visibility && waited >= limits.visibility - Duration::from_secs(3),
+        "gave up just before the visibility timeout: {waited:?}"
+    );
+    let lost = limits.calls.take_lost();
+    assert_eq!(lost.get("pipeline").map(Vec::len), Some(1), "{lost:?}");
+    assert!(
+        queue.paid().is_empty(),
+        "nothing reached the ledger through the refused outcome"
+    );
+    assert_eq!(queue.state("p2"), Some(RecordState::Queued));
+    // Redis is back: the worker that takes the task over stores its own outcome once.
+    queue.refuse_outcomes(0);
+    let again = queue.take_over("p2", "w2").expect("taken over");
+    let answer = worker::batcher::answer_of_line(&batch_line("p2", GOOD)).expect("a batch line");
+    let settled = worker::process::settle_batch_line(&job, &again, &limits, answer, "batch_2:batch_req_p2".into())
+        .await
+        .expect("settled");
+    assert_eq!(settled, Settled::Committed);
+    assert_eq!(queue.paid().len(), 1);
+}
+
+/// Invalid batch answers are decided as online ones: feedback and a retry
+/// (online, when `[batch] retries = "online"`), review once the attempts
+/// are used; a refusal is reviewed at once. No sleeps: paused time ends
+/// each at once.
+#[tokio::test(start_paused = true)]
+async fn batch_answers_are_decided_as_online_ones() {
+    let queue = MemoryQueue::new();
+    let job = job_at("http://127.0.0.1:9/v1", &queue, |s| {
+        s.retry.max_attempts = 2;
+        s.provider.mode = common::spec::ProviderMode::Batch;
+        s.batch.retries = common::spec::BatchRetries::Online;
+    });
+    let limits = limits();
+    let wrong = r#"{"label": "refund", "reason": "a refund", "confidence": 0.9, "task_type": "classify"}"#;
+    queue.enqueue(task("b1"));
+    let d = queue.deliver(WORKER).expect("delivered");
+    let answer = worker::batcher::answer_of_line(&batch_line("b1", wrong)).expect("a batch line");
+    let settled = worker::process::settle_batch_line(&job, &d, &limits, answer, "batch_1:l1".into())
+        .await
+        .expect("settled");
+    assert_eq!(settled, Settled::Retried);
+    assert_eq!(queue.state("b1"), Some(RecordState::Delayed));
+    queue.advance(3_600_000);
+    queue.promote();
+    let d = queue.deliver(WORKER).expect("the retry");
+    assert!(d.task.online, "the retry calls online");
+    assert!(
+        d.task.feedback.iter().any(|e| e.code.as_str() == "E_ENUM"),
+        "{:?}",
+        d.task.feedback
+    );
+    let answer = worker::batcher::answer_of_line(&batch_line("b1", wrong)).expect("a batch line");
+    let settled = worker::process::settle_batch_line(&job, &d, &limits, answer, "batch_2:l1".into())
+        .await
+        .expect("settled");
+    assert_eq!(settled, Settled::Reviewed);
+    assert_eq!(queue.review_entry("b1").map(|e| e.attempts), Some(2));
+    assert_eq!(queue.paid().len(), 2, "both answers were billed");
 }

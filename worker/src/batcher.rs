@@ -170,7 +170,7 @@ impl Batcher {
             entry_id: String::new(),
             deliveries: 1,
             consumer: self.me().to_owned(),
-            claimed_at: std::time::Instant::now(),
+            claimed_at: tokio::time::Instant::now(),
             task,
             state_at_claim: Some(Some(RecordState::Batched)),
             shard: Some(shard.to_owned()),
@@ -824,6 +824,12 @@ fn line_name(batch: &str, line: &OutputLine, i: usize) -> String {
 /// A line as an online call's result: its response classified as an online
 /// response would be, or its own error (a request the batch could not run:
 /// transient).
+/// What one line of a batch's output or error file (OpenAI's JSONL shape)
+/// came to, as an online call's result.
+pub fn answer_of_line(line: &str) -> Result<CallResult, String> {
+    OutputLine::parse(line).map(|l| line_result(&l))
+}
+
 fn line_result(line: &OutputLine) -> CallResult {
     match (&line.response, &line.error) {
         (Some((status, body)), _) => {

@@ -99,7 +99,7 @@ impl JobBudget {
         amount_nusd: u64,
         patience: Duration,
     ) -> Result<Result<Reservation, Refused>, StoreError> {
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let mut pause = Duration::from_millis(50);
         loop {
             let id = format!("{:016x}", rand::random::<u64>());

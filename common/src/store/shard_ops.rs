@@ -81,7 +81,7 @@ impl RedisStore {
                 entry_id: id,
                 deliveries: 1,
                 consumer: consumer.to_owned(),
-                claimed_at: std::time::Instant::now(),
+                claimed_at: tokio::time::Instant::now(),
                 task,
                 state_at_claim: None,
                 shard: None,

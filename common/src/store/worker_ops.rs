@@ -929,7 +929,7 @@ fn parse_entry(partition: u32, consumer: &str, entry: &Value, deliveries: u32) -
         entry_id,
         deliveries,
         consumer: consumer.to_owned(),
-        claimed_at: std::time::Instant::now(),
+        claimed_at: tokio::time::Instant::now(),
         task,
         state_at_claim: None,
         shard: None,

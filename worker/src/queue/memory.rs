@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use common::ledger::PaidCall;
-use common::store::{FailedCall, Finish, Finished, Noted, OutageRules, Provider, Reserved};
+use common::store::{FailedCall, Finish, Finished, Noted, OutageRules, Provider, Reserved, StoreError};
 use common::task::{Delivery, RecordState, ResultRecord, ReviewEntry, Task};
 
 use super::{JobQueue, Op};
@@ -23,6 +23,9 @@ pub struct MemoryQueue {
     state: Arc<Mutex<State>>,
     /// Added to the wall clock: what a test moved time forward by.
     skew_ms: Arc<AtomicU64>,
+    /// Outcomes the queue refuses before it takes one again (as a Redis
+    /// that is away): `u64::MAX`, until told otherwise.
+    refuse: Arc<AtomicU64>,
 }
 
 #[derive(Default)]
@@ -97,6 +100,12 @@ impl MemoryQueue {
     /// Moves the queue's clock forward (reservations expire, outage windows pass).
     pub fn advance(&self, ms: u64) {
         self.skew_ms.fetch_add(ms, Ordering::Relaxed);
+    }
+
+    /// The next `n` outcomes are refused (`u64::MAX`: every one, until
+    /// told again), as a Redis that is away refuses them; paid calls too.
+    pub fn refuse_outcomes(&self, n: u64) {
+        self.refuse.store(n, Ordering::Relaxed);
     }
 
     /// Puts a record's task in the stream, as the producer does (a record
@@ -224,7 +233,7 @@ fn delivery(id: &str, consumer: &str, deliveries: u32, task: Task) -> Delivery {
         entry_id: id.to_owned(),
         deliveries,
         consumer: consumer.to_owned(),
-        claimed_at: std::time::Instant::now(),
+        claimed_at: tokio::time::Instant::now(),
         task,
         state_at_claim: None,
         shard: None,
@@ -344,6 +353,20 @@ impl JobQueue for MemoryQueue {
         paid: Option<&'a PaidCall>,
         audit: bool,
     ) -> Op<'a, Finished> {
+        let refused = self
+            .refuse
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| match n {
+                0 => None,
+                u64::MAX => Some(u64::MAX),
+                n => Some(n - 1),
+            })
+            .is_ok();
+        if refused {
+            return Box::pin(std::future::ready(Err(StoreError::Unreachable {
+                url: "memory".into(),
+                reason: "the test made the queue refuse outcomes".into(),
+            })));
+        }
         let mut s = self.lock();
         // The paid call first: it was paid, whatever happens to the outcome.
         if let Some(call) = paid {
