@@ -16,8 +16,6 @@ use std::sync::{Arc, OnceLock};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::validate::{ErrorCode, FieldError};
-
 /// One rule as a spec writes it: the expression alone, or with the words
 /// the model and reviewers are told when it does not hold.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -107,7 +105,7 @@ impl Rules {
     pub fn problems(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
         for (name, rule) in &self.specs {
-            if !crate::spec::is_identifier(name) {
+            if !crate::template::is_identifier(name) {
                 out.push((
                     name.clone(),
                     "a rule's name is a word like `amount_not_negative`".into(),
@@ -161,10 +159,11 @@ impl Rules {
     }
 
     /// The rules a valid `output` breaks (of `input`, when it is known: a
-    /// rule about the input is not judged without it). A rule that cannot
-    /// be evaluated (a field it reads is absent, a type it compares is
-    /// another) is broken, with the evaluator's words.
-    pub fn broken(&self, input: Option<&Map<String, Value>>, output: &Map<String, Value>) -> Vec<FieldError> {
+    /// rule about the input is not judged without it), each with its name
+    /// and what to tell the model. A rule that cannot be evaluated (a field
+    /// it reads is absent, a type it compares is another) is broken, with
+    /// the evaluator's words.
+    pub fn broken(&self, input: Option<&Map<String, Value>>, output: &Map<String, Value>) -> Vec<(String, String)> {
         let rules = self.compiled();
         if rules.is_empty() {
             return Vec::new();
@@ -185,11 +184,7 @@ impl Rules {
                 Ok(other) => format!("rule `{}` gave {other:?}, not true or false: {}", rule.name, rule.says),
                 Err(e) => format!("rule `{}` cannot be evaluated ({e}): {}", rule.name, rule.says),
             };
-            out.push(FieldError {
-                code: ErrorCode::Rule,
-                field: rule.name.clone(),
-                message: why,
-            });
+            out.push((rule.name.clone(), why));
         }
         out
     }
@@ -246,14 +241,9 @@ mod tests {
         assert!(r.broken(Some(&input), &good).is_empty());
         let bad = obj(serde_json::json!({"amount": -1.5, "start": 3, "end": 2, "lang": "fr"}));
         let broken = r.broken(Some(&input), &bad);
-        let names: Vec<&str> = broken.iter().map(|e| e.field.as_str()).collect();
+        let names: Vec<&str> = broken.iter().map(|(name, _)| name.as_str()).collect();
         assert_eq!(names, ["lang", "not_negative", "ordered"]);
-        assert!(broken.iter().all(|e| e.code == ErrorCode::Rule));
-        assert!(
-            broken[2].message.contains("the end comes after the start"),
-            "{}",
-            broken[2].message
-        );
+        assert!(broken[2].1.contains("the end comes after the start"), "{}", broken[2].1);
         // The input decides the third: judged only with it.
         let other = obj(serde_json::json!({"region": "other"}));
         assert_eq!(r.broken(Some(&other), &bad).len(), 2);
@@ -262,11 +252,7 @@ mod tests {
         let missing = obj(serde_json::json!({"start": 1, "end": 2, "lang": "en"}));
         let broken = r.broken(Some(&input), &missing);
         assert_eq!(broken.len(), 1);
-        assert!(
-            broken[0].message.contains("cannot be evaluated"),
-            "{}",
-            broken[0].message
-        );
+        assert!(broken[0].1.contains("cannot be evaluated"), "{}", broken[0].1);
     }
 
     #[test]

@@ -910,7 +910,7 @@ impl JobSpec {
                     format!("{path}.{name}.{k}")
                 }
             };
-            if !is_identifier(name) {
+            if !crate::template::is_identifier(name) {
                 p.add(
                     at(""),
                     "field names are letters, digits and `_`, starting with a letter",
@@ -1423,13 +1423,6 @@ fn is_env_name(s: &str) -> bool {
         && s.chars()
             .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
         && !s.starts_with(|c: char| c.is_ascii_digit())
-}
-
-pub(crate) fn is_identifier(s: &str) -> bool {
-    let mut chars = s.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && s.len() <= 64
 }
 
 /// Whether a JSON value has the given field type. Booleans are never numbers.

@@ -112,6 +112,14 @@ pub fn lookup<'a>(record: &'a serde_json::Map<String, Value>, path: &str) -> Opt
     Some(current)
 }
 
+/// A field's (or a rule's) name: a letter, then letters, digits and `_`, at most 64.
+pub fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && s.len() <= 64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -164,7 +164,9 @@ pub fn validate_record(spec: &JobSpec, raw: &str, input: Option<&Map<String, Val
     let (output, mut errors) = check_fields(&spec.output.fields, &obj, "", &mut repairs);
     if errors.is_empty() {
         // The rules judge an answer whose fields hold.
-        errors = spec.output.rules.broken(input, &output);
+        errors = (spec.output.rules.broken(input, &output).into_iter())
+            .map(|(rule, message)| err(ErrorCode::Rule, &rule, &message))
+            .collect();
     }
     if errors.is_empty() {
         Validation::Valid { output, repairs }

@@ -18,6 +18,7 @@
 //! - [`retry`]: a new round from the review, rejected or missing records.
 //! - [`select`]: a stratified sample, another job's records (`--from-job`).
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
+//! - [`filter`]: what selects review entries and done records; [`bulk`]: bulk actions on the review queue.
 //! - [`terminal`]: the reviewer's terminal (raw keys, lines, always restored).
 
 pub mod audit;
@@ -29,6 +30,7 @@ pub mod console;
 pub mod control;
 pub mod enqueue;
 pub mod estimate;
+pub mod filter;
 pub mod jobs;
 pub mod out;
 pub mod precheck;

@@ -52,12 +52,12 @@ pub async fn list(
     code: Option<&str>,
 ) -> Result<Vec<ReviewEntry>, ReviewError> {
     let spec = job_spec(store, job).await?;
-    let f = crate::bulk::Filter {
+    let f = crate::filter::Filter {
         reason: reason.unwrap_or_default().to_owned(),
         code: code.unwrap_or_default().to_owned(),
-        ..crate::bulk::Filter::default()
+        ..crate::filter::Filter::default()
     };
-    let mut out: Vec<ReviewEntry> = crate::bulk::select(store, job, spec.job.partitions, &f)
+    let mut out: Vec<ReviewEntry> = crate::filter::select(store, job, spec.job.partitions, &f)
         .await?
         .into_iter()
         .map(|(e, _)| e)

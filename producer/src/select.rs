@@ -352,14 +352,14 @@ async fn pick(
 }
 
 /// The bulk filter a `--from-job` set carries (`producer rerun`).
-fn done_filter(from: &FromJob) -> Result<Option<crate::bulk::Filter>, SelectError> {
+fn done_filter(from: &FromJob) -> Result<Option<crate::filter::Filter>, SelectError> {
     let Some(v) = &from.filter else { return Ok(None) };
     if from.set.as_deref() != Some("done") {
         return Err(SelectError::Refused(
             "a filter selects done records only (--set done)".into(),
         ));
     }
-    let f: crate::bulk::Filter = serde_json::from_value(v.clone())
+    let f: crate::filter::Filter = serde_json::from_value(v.clone())
         .map_err(|e| SelectError::Refused(format!("the rerun's filter cannot be read: {e}")))?;
     f.check_done().map_err(SelectError::Refused)?;
     Ok(Some(f))
@@ -372,7 +372,7 @@ pub async fn done_matching(
     store: &RedisStore,
     job: &str,
     partitions: u32,
-    f: &crate::bulk::Filter,
+    f: &crate::filter::Filter,
 ) -> Result<(HashSet<String>, HashSet<String>), SelectError> {
     let spec = store.job_spec(job).await?;
     let (mut keep, mut by_input) = (HashSet::new(), HashSet::new());
@@ -401,7 +401,11 @@ pub async fn done_matching(
 
 /// Of `wanted` line numbers of `dataset`, those whose record the filter's
 /// input conditions do not select.
-fn lines_not_matching(dataset: &Path, wanted: &HashSet<u64>, f: &crate::bulk::Filter) -> Result<Vec<u64>, SelectError> {
+fn lines_not_matching(
+    dataset: &Path,
+    wanted: &HashSet<u64>,
+    f: &crate::filter::Filter,
+) -> Result<Vec<u64>, SelectError> {
     let read = |e: std::io::Error| SelectError::Refused(format!("{}: {e}", dataset.display()));
     let mut reader = LineReader::open(dataset, 0, 0, 16 << 20).map_err(read)?;
     let mut buf = Vec::new();

@@ -1,7 +1,7 @@
 //! `producer rerun`: a job's done records, selected by a filter, run again
 //! in a new job under a (changed) spec. A bulk action like `review bulk`:
 //! `--dry-run` shows the count and a sample, more than
-//! [`crate::bulk::CONFIRM_ABOVE`] records need `--yes`, and the first job's
+//! [`crate::filter::CONFIRM_ABOVE`] records need `--yes`, and the first job's
 //! bulk-action log records it with its filter and count. The new job has
 //! its own record ids, so the first job's results stay as they are, and
 //! `producer compare` puts the two side by side.
@@ -85,12 +85,12 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
         dry_run(&cmd, n, &lines, &found.skipped)?;
         return Ok(ExitCode::SUCCESS);
     }
-    if n as usize > crate::bulk::CONFIRM_ABOVE && !cmd.yes {
+    if n as usize > crate::filter::CONFIRM_ABOVE && !cmd.yes {
         return refuse(format!(
             "rerun would run {n} done records of job {} again, more than {}: look first with --dry-run, then \
              run it again with --yes ({} --yes)",
             cmd.from_job,
-            crate::bulk::CONFIRM_ABOVE,
+            crate::filter::CONFIRM_ABOVE,
             super::this_command(None, &cmd.redis.url),
         ));
     }
@@ -119,7 +119,7 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
 async fn log(
     store: &common::store::RedisStore,
     cmd: &RerunCmd,
-    f: &crate::bulk::Filter,
+    f: &crate::filter::Filter,
     n: u64,
     summary: &crate::enqueue::Summary,
 ) -> anyhow::Result<String> {
@@ -200,7 +200,7 @@ fn dry_run(
 ) -> anyhow::Result<()> {
     let mut first: Vec<u64> = lines.iter().copied().collect();
     first.sort_unstable();
-    first.truncate(crate::bulk::SAMPLE);
+    first.truncate(crate::filter::SAMPLE);
     let sample = sample_lines(&cmd.dataset, &first)?;
     if cmd.json {
         let sample: Vec<serde_json::Value> = sample
@@ -226,8 +226,8 @@ fn dry_run(
         let text: String = text.chars().take(100).collect();
         crate::outln!("  line {line}: {text}");
     }
-    if n as usize > crate::bulk::SAMPLE {
-        crate::outln!("  ... and {} more", n as usize - crate::bulk::SAMPLE);
+    if n as usize > crate::filter::SAMPLE {
+        crate::outln!("  ... and {} more", n as usize - crate::filter::SAMPLE);
     }
     Ok(())
 }

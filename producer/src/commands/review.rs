@@ -170,9 +170,9 @@ pub struct FilterFlags {
 }
 
 impl FilterFlags {
-    pub fn filter(&self) -> crate::bulk::Filter {
+    pub fn filter(&self) -> crate::filter::Filter {
         let s = |o: &Option<String>| o.clone().unwrap_or_default();
-        crate::bulk::Filter {
+        crate::filter::Filter {
             reason: s(&self.reason),
             code: s(&self.code),
             field: s(&self.field),
@@ -390,12 +390,12 @@ async fn bulk(store: &RedisStore, redis: &RedisArgs, job: &str, cmd: BulkCmd, wh
         }
     };
     let partitions = review::job_spec(store, job).await?.job.partitions;
-    let entries = crate::bulk::select(store, job, partitions, &f).await?;
+    let entries = crate::filter::select(store, job, partitions, &f).await?;
     let n = entries.len();
     let verb = action.name();
     if cmd.dry_run {
         let sample: Vec<&common::task::ReviewEntry> =
-            entries.iter().take(crate::bulk::SAMPLE).map(|(e, _)| e).collect();
+            entries.iter().take(crate::filter::SAMPLE).map(|(e, _)| e).collect();
         if cmd.json {
             let sample: Vec<serde_json::Value> = sample
                 .iter()
@@ -418,17 +418,17 @@ async fn bulk(store: &RedisStore, redis: &RedisArgs, job: &str, cmd: BulkCmd, wh
                     codes.join(",")
                 );
             }
-            if n > crate::bulk::SAMPLE {
-                crate::outln!("  ... and {} more", n - crate::bulk::SAMPLE);
+            if n > crate::filter::SAMPLE {
+                crate::outln!("  ... and {} more", n - crate::filter::SAMPLE);
             }
         }
         return Ok(());
     }
-    if n > crate::bulk::CONFIRM_ABOVE && !cmd.yes {
+    if n > crate::filter::CONFIRM_ABOVE && !cmd.yes {
         return Err(ReviewError::Refused(format!(
             "{verb} would touch {n} review entries of job {job}, more than {}: look first with --dry-run, \
              then run it again with --yes (producer review --job {job}{} bulk {verb} ... --yes)",
-            crate::bulk::CONFIRM_ABOVE,
+            crate::filter::CONFIRM_ABOVE,
             common::secret::redis_flag(&redis.url)
         )));
     }

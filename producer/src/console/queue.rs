@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::{Chrome, Console, Refusal, Shared, job_spec, may_act, page, signed_in, thousands};
-use crate::bulk::field_of;
+use crate::filter::field_of;
 use crate::review::ReviewError;
 
 /// Entries a page aims at (a scan step may bring a few more).
@@ -90,13 +90,13 @@ impl Filters {
     }
 
     /// The same selection as the command line's `review bulk` makes.
-    pub fn bulk(&self) -> crate::bulk::Filter {
-        crate::bulk::Filter {
+    pub fn bulk(&self) -> crate::filter::Filter {
+        crate::filter::Filter {
             reason: self.reason.clone(),
             code: self.code.clone(),
             field: self.field.clone(),
             text: self.q.clone(),
-            ..crate::bulk::Filter::default()
+            ..crate::filter::Filter::default()
         }
     }
 
@@ -224,7 +224,7 @@ pub async fn queue_page(
     // With filters, the whole queue's matches are counted (a read of the
     // whole queue: only then), for the bulk buttons.
     let matching = match f.active() {
-        true => Some(crate::bulk::select(&c.store, &job, spec.job.partitions, &f.bulk()).await?),
+        true => Some(crate::filter::select(&c.store, &job, spec.job.partitions, &f.bulk()).await?),
         false => None,
     };
     let rows = entries
@@ -273,7 +273,7 @@ pub async fn queue_page(
             skipped: skipped.len(),
             filtered: f.active(),
             matching: matching.as_ref().map(Vec::len),
-            digest: matching.as_deref().map(crate::bulk::digest).unwrap_or_default(),
+            digest: matching.as_deref().map(crate::filter::digest).unwrap_or_default(),
             rows,
             f,
             job,
@@ -326,15 +326,15 @@ pub async fn bulk(
         other => return Err(Refusal::NotFound(format!("no bulk action `{other}`"))),
     };
     let filter = form.f.bulk();
-    if filter == crate::bulk::Filter::default() {
+    if filter == crate::filter::Filter::default() {
         return Ok(super::message(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Nothing done",
             "A bulk action needs a filter (reason, error code, field or text). Nothing was done.",
         ));
     }
-    let entries = crate::bulk::select(&c.store, &job, spec.job.partitions, &filter).await?;
-    if crate::bulk::digest(&entries) != form.digest {
+    let entries = crate::filter::select(&c.store, &job, spec.job.partitions, &filter).await?;
+    if crate::filter::digest(&entries) != form.digest {
         return Ok(super::message(
             StatusCode::CONFLICT,
             "The queue changed",

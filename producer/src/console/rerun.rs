@@ -46,7 +46,7 @@ struct Counted {
 }
 
 impl RerunQuery {
-    fn filter(&self) -> Result<crate::bulk::Filter, String> {
+    fn filter(&self) -> Result<crate::filter::Filter, String> {
         let min_attempts = match self.min_attempts.trim() {
             "" => None,
             n => Some(
@@ -54,7 +54,7 @@ impl RerunQuery {
                     .map_err(|_| format!("at least `{n}` attempts: give a whole number"))?,
             ),
         };
-        let f = crate::bulk::Filter {
+        let f = crate::filter::Filter {
             code: self.code.trim().to_owned(),
             field: self.field.trim().to_owned(),
             text: self.text.trim().to_owned(),
@@ -65,7 +65,7 @@ impl RerunQuery {
                 .then(|| self.output.trim().to_owned())
                 .into_iter()
                 .collect(),
-            ..crate::bulk::Filter::default()
+            ..crate::filter::Filter::default()
         };
         f.check_done()?;
         Ok(f)
@@ -139,7 +139,12 @@ pub async fn rerun_page(
                 let (keep, by_line) = crate::select::done_matching(&c.store, &job, spec.job.partitions, &f)
                     .await
                     .map_err(|e| Refusal::Unprocessable(e.to_string()))?;
-                let mut sample: Vec<String> = keep.iter().chain(&by_line).take(crate::bulk::SAMPLE).cloned().collect();
+                let mut sample: Vec<String> = keep
+                    .iter()
+                    .chain(&by_line)
+                    .take(crate::filter::SAMPLE)
+                    .cloned()
+                    .collect();
                 sample.sort();
                 let dataset = c
                     .store
