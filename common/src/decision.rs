@@ -154,6 +154,12 @@ pub fn decide(at: Standing, outcome: &Outcome, policy: &RetryPolicy, unit: f64) 
     };
     match outcome {
         Outcome::Valid => Decision::Commit,
+        // A business rule that cannot be evaluated (a field it reads is
+        // absent) is the spec's or the record's matter: another paid answer
+        // cannot change it.
+        Outcome::Invalid(errors) if errors.iter().any(|e| e.code == ErrorCode::RuleUnevaluable) => Decision::Review {
+            reason: "rule_unevaluable".into(),
+        },
         Outcome::Invalid(errors) if attempts_left => retry("invalid_output", None, Some(errors.clone())),
         Outcome::Invalid(_) => Decision::Review {
             reason: "attempts_exhausted".into(),
@@ -423,6 +429,27 @@ mod tests {
             (Some(0.0), Some(0.5), Some(0.5))
         );
         assert_eq!(policy().temperature(1), None);
+    }
+
+    #[test]
+    fn a_rule_that_cannot_be_evaluated_reviews_at_once_and_a_broken_one_retries() {
+        let with = |code| {
+            Outcome::Invalid(vec![FieldError {
+                code,
+                field: "same_task".into(),
+                message: "rule".into(),
+            }])
+        };
+        assert_eq!(
+            decide(Standing::new(1, 1), &with(ErrorCode::RuleUnevaluable), &policy(), 0.5),
+            Decision::Review {
+                reason: "rule_unevaluable".into()
+            }
+        );
+        assert!(matches!(
+            decide(Standing::new(1, 1), &with(ErrorCode::Rule), &policy(), 0.5),
+            Decision::Retry { .. }
+        ));
     }
 
     #[test]

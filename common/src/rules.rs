@@ -50,6 +50,17 @@ impl RuleSpec {
     }
 }
 
+/// A rule an answer breaks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Broken {
+    pub rule: String,
+    /// What the model and reviewers are told.
+    pub message: String,
+    /// False when the rule could not be evaluated (a field it reads is
+    /// absent, a type it compares is another): no other answer can mend that.
+    pub evaluated: bool,
+}
+
 /// The variables a rule may use.
 const VARIABLES: [&str; 2] = ["input", "output"];
 
@@ -159,11 +170,9 @@ impl Rules {
     }
 
     /// The rules a valid `output` breaks (of `input`, when it is known: a
-    /// rule about the input is not judged without it), each with its name
-    /// and what to tell the model. A rule that cannot be evaluated (a field
-    /// it reads is absent, a type it compares is another) is broken, with
-    /// the evaluator's words.
-    pub fn broken(&self, input: Option<&Map<String, Value>>, output: &Map<String, Value>) -> Vec<(String, String)> {
+    /// rule about the input is not judged without it). A rule that cannot
+    /// be evaluated is broken too, with the evaluator's words.
+    pub fn broken(&self, input: Option<&Map<String, Value>>, output: &Map<String, Value>) -> Vec<Broken> {
         let rules = self.compiled();
         if rules.is_empty() {
             return Vec::new();
@@ -178,13 +187,23 @@ impl Rules {
             if rule.uses_input && input.is_none() {
                 continue;
             }
-            let why = match rule.program.execute(&context) {
+            let (message, evaluated) = match rule.program.execute(&context) {
                 Ok(cel::Value::Bool(true)) => continue,
-                Ok(cel::Value::Bool(false)) => format!("rule `{}` does not hold: {}", rule.name, rule.says),
-                Ok(other) => format!("rule `{}` gave {other:?}, not true or false: {}", rule.name, rule.says),
-                Err(e) => format!("rule `{}` cannot be evaluated ({e}): {}", rule.name, rule.says),
+                Ok(cel::Value::Bool(false)) => (format!("rule `{}` does not hold: {}", rule.name, rule.says), true),
+                Ok(other) => (
+                    format!("rule `{}` gave {other:?}, not true or false: {}", rule.name, rule.says),
+                    false,
+                ),
+                Err(e) => (
+                    format!("rule `{}` cannot be evaluated ({e}): {}", rule.name, rule.says),
+                    false,
+                ),
             };
-            out.push((rule.name.clone(), why));
+            out.push(Broken {
+                rule: rule.name.clone(),
+                message,
+                evaluated,
+            });
         }
         out
     }
@@ -241,9 +260,14 @@ mod tests {
         assert!(r.broken(Some(&input), &good).is_empty());
         let bad = obj(serde_json::json!({"amount": -1.5, "start": 3, "end": 2, "lang": "fr"}));
         let broken = r.broken(Some(&input), &bad);
-        let names: Vec<&str> = broken.iter().map(|(name, _)| name.as_str()).collect();
+        let names: Vec<&str> = broken.iter().map(|b| b.rule.as_str()).collect();
         assert_eq!(names, ["lang", "not_negative", "ordered"]);
-        assert!(broken[2].1.contains("the end comes after the start"), "{}", broken[2].1);
+        assert!(broken.iter().all(|b| b.evaluated));
+        assert!(
+            broken[2].message.contains("the end comes after the start"),
+            "{}",
+            broken[2].message
+        );
         // The input decides the third: judged only with it.
         let other = obj(serde_json::json!({"region": "other"}));
         assert_eq!(r.broken(Some(&other), &bad).len(), 2);
@@ -252,7 +276,12 @@ mod tests {
         let missing = obj(serde_json::json!({"start": 1, "end": 2, "lang": "en"}));
         let broken = r.broken(Some(&input), &missing);
         assert_eq!(broken.len(), 1);
-        assert!(broken[0].1.contains("cannot be evaluated"), "{}", broken[0].1);
+        assert!(
+            broken[0].message.contains("cannot be evaluated"),
+            "{}",
+            broken[0].message
+        );
+        assert!(!broken[0].evaluated, "reviewed, not retried");
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub enum ErrorCode {
     /// error's field is the rule's name.
     #[serde(rename = "E_RULE")]
     Rule,
+    /// A business rule cannot be evaluated on this record (a field it reads
+    /// is absent, a type it compares is another): reviewed, not retried.
+    #[serde(rename = "E_RULE_UNEVALUABLE")]
+    RuleUnevaluable,
 }
 
 impl ErrorCode {
@@ -57,6 +61,7 @@ impl ErrorCode {
             ErrorCode::Truncated => "E_TRUNCATED",
             ErrorCode::Sink => "E_SINK",
             ErrorCode::Rule => "E_RULE",
+            ErrorCode::RuleUnevaluable => "E_RULE_UNEVALUABLE",
         }
     }
 }
@@ -165,7 +170,14 @@ pub fn validate_record(spec: &JobSpec, raw: &str, input: Option<&Map<String, Val
     if errors.is_empty() {
         // The rules judge an answer whose fields hold.
         errors = (spec.output.rules.broken(input, &output).into_iter())
-            .map(|(rule, message)| err(ErrorCode::Rule, &rule, &message))
+            .map(|b| {
+                let code = if b.evaluated {
+                    ErrorCode::Rule
+                } else {
+                    ErrorCode::RuleUnevaluable
+                };
+                err(code, &b.rule, &b.message)
+            })
             .collect();
     }
     if errors.is_empty() {

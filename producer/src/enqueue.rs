@@ -47,6 +47,9 @@ pub struct EnqueueArgs {
     /// The most tasks the job may hold in Redis (queued, in flight, waiting
     /// to retry): enqueue waits for the workers beyond it. 0: no bound.
     pub max_backlog: u64,
+    /// The lines `sample` selects, when the caller has just read them
+    /// (`producer rerun` counts before it enqueues): not read again.
+    pub selected: Option<(HashSet<u64>, crate::select::FromJobSummary)>,
 }
 
 /// What a run did. Counts cover the whole pass over the dataset, including
@@ -313,6 +316,11 @@ async fn select(
     let Some(s) = &args.sample else {
         return Ok(selected);
     };
+    if let Some((lines, found)) = &args.selected {
+        selected.lines = Some(lines.clone());
+        selected.from_job = Some(found.clone());
+        return Ok(selected);
+    }
     let sha256 = &identity.dataset.sha256;
     let mut forced = HashSet::new();
     if let Some(from) = &s.from_job {

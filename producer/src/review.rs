@@ -179,7 +179,7 @@ pub async fn revise(
     let p = common::record::partition_of(&rid, spec.job.partitions);
     must_be_done(store.record_state(job, p, &rid).await?, job, id, &rid)?;
     let (kept, now) = Kept::find(store, &spec, job, p, &rid).await?;
-    let out = revised_output(&spec, output, &now, &rid, reviewer)?;
+    let out = revised_output(&spec, output, &now, kept.input().as_ref(), &rid, reviewer)?;
     let (n, place) = kept.revise(store, &spec, job, p, &rid, out, reviewer, note).await?;
     Ok((rid, n, place))
 }
@@ -199,6 +199,15 @@ enum Kept {
 }
 
 impl Kept {
+    /// The record's input, where the result keeps it (its rules about the
+    /// input judge the revision too).
+    fn input(&self) -> Option<serde_json::Map<String, Value>> {
+        match self {
+            Kept::Redis { current, .. } => current.input.as_ref().map(|i| i.object()),
+            _ => None,
+        }
+    }
+
     /// Where the record's result is, and its output as it is now. A result
     /// still on its way to the sink is refused for the moment.
     async fn find(
@@ -230,9 +239,7 @@ impl Kept {
                 let dir = spec.sink.dir.clone().unwrap_or_default();
                 let written = common::sink::files::find_written(Path::new(&dir), job, rid)
                     .map_err(io)?
-                    .ok_or_else(|| {
-                        ReviewError::NotFound(format!("no segment in {dir} holds a result of record {rid}"))
-                    })?;
+                    .ok_or_else(none)?;
                 match written.current(Path::new(&dir), job).map_err(io)? {
                     Value::Object(now) => Ok((Kept::Files { dir, written }, now)),
                     _ => Err(none()),
@@ -324,6 +331,7 @@ fn revised_output(
     spec: &common::spec::JobSpec,
     output: &str,
     now: &serde_json::Map<String, Value>,
+    input: Option<&serde_json::Map<String, Value>>,
     rid: &str,
     reviewer: &str,
 ) -> Result<serde_json::Map<String, Value>, ReviewError> {
@@ -336,7 +344,7 @@ fn revised_output(
             }
         }
     }
-    match validate_record(spec, &given.to_string(), None) {
+    match validate_record(spec, &given.to_string(), input) {
         Validation::Valid { output, .. } => Ok(Stamp::now(spec).human_output(output, rid, reviewer)),
         Validation::Invalid { errors, .. } => Err(ReviewError::Invalid(
             errors.iter().map(|e| format!("  - {e}")).collect(),

@@ -264,7 +264,9 @@ pub async fn lines_from_job(
     }
     let mut out = FromJobSummary::default();
     let mut lines = HashSet::new();
-    let mut judge_by_line = HashSet::new();
+    // Line -> records of it its input decides; lines a record matched outright.
+    let mut judge_by_line: HashMap<u64, u64> = HashMap::new();
+    let mut kept_lines = HashSet::new();
     let regression = passed.into_sorted_vec().into_iter().map(|(_, p, rid)| (p, rid, true));
     for (p, rid, is_passed) in picked.into_iter().map(|(p, rid)| (p, rid, false)).chain(regression) {
         if is_passed && out.passed >= from.plus_passed {
@@ -285,7 +287,9 @@ pub async fn lines_from_job(
             (Some(_), Some(line)) => {
                 lines.insert(line);
                 if by_line.contains(&rid) {
-                    judge_by_line.insert(line);
+                    *judge_by_line.entry(line).or_default() += 1;
+                } else {
+                    kept_lines.insert(line);
                 }
                 if is_passed {
                     out.passed += 1;
@@ -298,9 +302,12 @@ pub async fn lines_from_job(
     if let Some(f) = &filter
         && !judge_by_line.is_empty()
     {
-        for line in lines_not_matching(dataset, &judge_by_line, f)? {
-            lines.remove(&line);
-            out.records -= 1;
+        let wanted: HashSet<u64> = judge_by_line.keys().copied().collect();
+        for line in lines_not_matching(dataset, &wanted, f)? {
+            out.records -= judge_by_line.get(&line).copied().unwrap_or(0);
+            if !kept_lines.contains(&line) {
+                lines.remove(&line);
+            }
         }
     }
     Ok((lines, out))

@@ -1129,7 +1129,10 @@ fn done_records_are_counted_for_a_rerun_before_the_page_offers_its_command() {
     );
     let command = b.text("#command");
     assert!(
-        command.contains("--from-job again --job again-v2") && command.contains("--code E_ENUM --yes"),
+        command.contains("--from-job again --job again-v2")
+            && command.contains("--code E_ENUM")
+            && command.contains("--redis")
+            && command.ends_with("--yes"),
         "{command}"
     );
     // Nothing selected: the button stays off. A bad number: said, not counted.
@@ -1142,6 +1145,10 @@ fn done_records_are_counted_for_a_rerun_before_the_page_offers_its_command() {
     b.goto(&console.url("/jobs/again/rerun?min_attempts=two"));
     assert!(b.text("#refused").contains("whole number"), "{}", b.text("#refused"));
     assert!(b.find("#matched").is_none());
+    b.goto(&console.url("/jobs/again/rerun?code=E_ENUM&into=again"));
+    assert!(b.text("#refused").contains("another name"), "{}", b.text("#refused"));
+    b.goto(&console.url("/jobs/again/rerun?code=E_ENUM&into=no%20spaces"));
+    assert!(b.text("#refused").contains("new job's name"), "{}", b.text("#refused"));
 
     // The command as shown, with the changed spec: it runs those records again.
     let shown = command.replace("CHANGED-SPEC.toml", &v2.display().to_string()).replace(
@@ -1149,7 +1156,8 @@ fn done_records_are_counted_for_a_rerun_before_the_page_offers_its_command() {
         &format!("{} rerun", harness::bin("producer").display()),
     );
     let run = std::process::Command::new("sh")
-        .args(["-c", &format!("{shown} --redis '{url}' --no-progress")])
+        .args(["-c", &format!("{shown} --no-progress")])
+        .env("REDIS_URL", &url)
         .current_dir(harness::workspace())
         .output()
         .unwrap();

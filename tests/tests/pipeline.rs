@@ -130,7 +130,7 @@ fn invariants(queue: &MemoryQueue, rid: &str, calls_made: usize) {
 /// its faults say, and the money rules hold.
 #[test]
 fn every_fault_on_any_call_ends_in_one_outcome_and_no_call_is_paid_twice() {
-    let sim = LlmSim::start(&[]);
+    let sim = LlmSim::start(&["--record-served"]);
     let mut cases = Vec::new();
     for attempts in 1..=3u32 {
         let kinds = [&RECORD_FAULTS[..], &REPAIRED, &WORLD_FAULTS, &REFUSALS];
@@ -164,9 +164,33 @@ fn every_fault_on_any_call_ends_in_one_outcome_and_no_call_is_paid_twice() {
             }
         }))
         .await;
+        // What llm-sim saw, per record: each call's HTTP status.
+        let mut served: std::collections::HashMap<String, Vec<u64>> = std::collections::HashMap::new();
+        for c in harness::http_get_json(&sim.addr, "/calls")
+            .as_array()
+            .expect("calls")
+            .iter()
+        {
+            let rid = c["record"].as_str().unwrap_or_default().to_owned();
+            served.entry(rid).or_default().push(c["status"].as_u64().unwrap_or(0));
+        }
         let mut wrong = Vec::new();
         for (rid, attempts, fault, times, queue, seen) in &stories {
             invariants(queue, rid, seen.len());
+            // One request per delivery, as the provider saw them; an HTTP
+            // failure only as often as the script said.
+            let statuses = served.get(rid).cloned().unwrap_or_default();
+            if statuses.len() != seen.len() {
+                wrong.push(format!(
+                    "{rid}: llm-sim saw {} requests for {} deliveries",
+                    statuses.len(),
+                    seen.len()
+                ));
+            }
+            let failed = statuses.iter().filter(|s| **s != 200).count();
+            if ["rate_limit", "server_error", "unavailable"].contains(fault) && failed != (*times).min(seen.len()) {
+                wrong.push(format!("{rid}: llm-sim answered {failed} failures, {times} scripted"));
+            }
             if let Err(why) = story_ends_as_its_faults_say(queue, rid, *attempts, fault, *times, seen) {
                 wrong.push(why);
             }
@@ -603,4 +627,43 @@ async fn batch_answers_are_decided_as_online_ones() {
     assert_eq!(settled, Settled::Reviewed);
     assert_eq!(queue.review_entry("b1").map(|e| e.attempts), Some(2));
     assert_eq!(queue.paid().len(), 2, "both answers were billed");
+}
+
+/// A business rule that cannot be evaluated on a record (it reads an input
+/// field the record lacks) sends the record to review after one paid call:
+/// another answer cannot mend it, so none is bought.
+#[test]
+fn a_rule_that_cannot_be_evaluated_reviews_the_record_after_one_call() {
+    let sim = LlmSim::start(&["--record-served"]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |s| {
+            let rules: common::rules::Rules =
+                serde_json::from_value(serde_json::json!({"region_known": "input.region == 'eu'"})).expect("rules");
+            s.output.rules = rules;
+        });
+        let limits = limits();
+        sim.script("u1", &["ok"]);
+        queue.enqueue(task("u1"));
+        let seen = drain(&queue, &job, &limits, 10).await;
+        let entry = queue
+            .review_entry("u1")
+            .unwrap_or_else(|| panic!("not in review: {seen:?}"));
+        assert_eq!(entry.reason, "rule_unevaluable");
+        assert!(
+            entry
+                .errors
+                .iter()
+                .any(|e| e.code.as_str() == "E_RULE_UNEVALUABLE" && e.field == "region_known")
+        );
+        assert_eq!(queue.paid().len(), 1, "one paid call");
+        let calls = harness::http_get_json(&sim.addr, "/calls");
+        let for_u1 = calls
+            .as_array()
+            .expect("calls")
+            .iter()
+            .filter(|c| c["record"] == "u1")
+            .count();
+        assert_eq!(for_u1, 1, "llm-sim was asked once");
+    });
 }

@@ -821,15 +821,15 @@ fn line_name(batch: &str, line: &OutputLine, i: usize) -> String {
     format!("{batch}:{}:{i}", line.id.as_deref().unwrap_or(&line.custom_id))
 }
 
-/// A line as an online call's result: its response classified as an online
-/// response would be, or its own error (a request the batch could not run:
-/// transient).
 /// What one line of a batch's output or error file (OpenAI's JSONL shape)
 /// came to, as an online call's result.
 pub fn answer_of_line(line: &str) -> Result<CallResult, String> {
     OutputLine::parse(line).map(|l| line_result(&l))
 }
 
+/// A line as an online call's result: its response classified as an online
+/// response would be, or its own error (a request the batch could not run:
+/// transient).
 fn line_result(line: &OutputLine) -> CallResult {
     match (&line.response, &line.error) {
         (Some((status, body)), _) => {

@@ -520,10 +520,6 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     };
     let provider =
         Provider::new(&spec, base_url, api_key.clone()).map_err(|e| RunError::Refused(format!("HTTP client: {e}")))?;
-    if let Some(cap) = spec.budget.max_cost_usd {
-        // The cap the workers reserve against exists (a spec updated to have one, or a lost key).
-        store.set_budget_cap(name, cap, true).await?;
-    }
     let limiter = Limiter::for_job(
         store,
         &spec,
@@ -533,6 +529,10 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     let queue = Arc::new(crate::queue::RedisQueue::new(store, name));
     let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
     job.sink = sink;
+    if let Some(cap) = job.spec.budget.max_cost_usd {
+        // The cap the workers reserve against exists (a spec updated to have one, or a lost key).
+        store.set_budget_cap(name, cap, true).await?;
+    }
     // What the fleet already learned about the provider.
     if let Some(learned) = store.accepted_form(&job.forms.endpoint).await? {
         job.forms.learned(&learned);

@@ -60,6 +60,7 @@ pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result
     let store = RedisStore::connect(&args.redis.url).await?;
     let config = crate::console::ConsoleConfig {
         bind: args.bind,
+        redis_flag: common::secret::redis_flag(&args.redis.url),
         reviewers,
         trusted_header: args.trusted_header,
         lease: std::time::Duration::from_secs(args.lease_secs.max(1)),

@@ -163,6 +163,7 @@ impl EnqueueCmd {
             idem_ttl_secs: self.idem_ttl,
             max_backlog: self.max_backlog,
             allow_evicting_redis: self.allow_evicting_redis,
+            selected: None,
         }
     }
 }

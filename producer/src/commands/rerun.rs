@@ -6,6 +6,7 @@
 //! its own record ids, so the first job's results stay as they are, and
 //! `producer compare` puts the two side by side.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -16,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::review::FilterFlags;
 use super::{RedisArgs, job_store, refuse};
 use crate::enqueue::{EnqueueArgs, enqueue};
+use crate::select::FromJobSummary;
 
 #[derive(Debug, Args)]
 pub struct RerunCmd {
@@ -101,7 +103,7 @@ pub async fn run(cmd: RerunCmd, cancel: CancellationToken) -> anyhow::Result<Exi
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let args = cmd.enqueue_args(from);
+    let args = cmd.enqueue_args(from, (lines, found));
     let summary = match enqueue(&args, cancel).await {
         Ok(summary) => summary,
         Err(e) => return refuse(e),
@@ -168,7 +170,7 @@ fn say_done(cmd: &RerunCmd, n: u64, summary: &crate::enqueue::Summary, log_id: &
 
 impl RerunCmd {
     /// The enqueue of the selected records into the new job.
-    fn enqueue_args(&self, from: FromJob) -> EnqueueArgs {
+    fn enqueue_args(&self, from: FromJob, selected: (HashSet<u64>, FromJobSummary)) -> EnqueueArgs {
         EnqueueArgs {
             dataset: self.dataset.clone(),
             job: self.job.clone(),
@@ -187,6 +189,7 @@ impl RerunCmd {
             progress: !self.no_progress && !self.json,
             allow_evicting_redis: false,
             max_backlog: 100_000,
+            selected: Some(selected),
         }
     }
 }

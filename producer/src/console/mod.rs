@@ -44,6 +44,9 @@ use auth::{Reviewers, Sessions};
 #[derive(Debug, Clone)]
 pub struct ConsoleConfig {
     pub bind: SocketAddr,
+    /// ` --redis URL` for the commands the pages show (empty for the
+    /// default Redis; the variable's name when the URL holds a password).
+    pub redis_flag: String,
     pub reviewers: Reviewers,
     /// A header a reverse proxy in front of the console sets to the
     /// signed-in reviewer's name (trusted as is: only for a console the

@@ -139,29 +139,35 @@ pub async fn rerun_page(
                 let (keep, by_line) = crate::select::done_matching(&c.store, &job, spec.job.partitions, &f)
                     .await
                     .map_err(|e| Refusal::Unprocessable(e.to_string()))?;
-                let mut sample: Vec<String> = keep
-                    .iter()
-                    .chain(&by_line)
-                    .take(crate::filter::SAMPLE)
-                    .cloned()
-                    .collect();
+                // Of the records that surely match, the first by id.
+                let mut sample: Vec<String> = keep.iter().cloned().collect();
                 sample.sort();
+                sample.truncate(crate::filter::SAMPLE);
                 let dataset = c
                     .store
                     .load_manifest(&job)
                     .await?
                     .and_then(|m| m.datasets.first().map(|d| d.dataset.path.clone()))
                     .unwrap_or_else(|| "DATASET.jsonl".into());
-                let into = if q.into.trim().is_empty() {
-                    format!("{job}-again")
-                } else {
-                    q.into.trim().to_owned()
+                let into = match q.into.trim() {
+                    "" => format!("{job}-again"),
+                    name => name.to_owned(),
                 };
+                if into == job {
+                    view.refused = Some(format!(
+                        "the new job must have another name than `{job}`: both results stay, and compare shows them"
+                    ));
+                    return Ok(page(StatusCode::OK, &view));
+                }
+                if let Err(e) = common::store::valid_job_name(&into) {
+                    view.refused = Some(format!("the new job's name: {e}"));
+                    return Ok(page(StatusCode::OK, &view));
+                }
                 let command = format!(
-                    "producer rerun {} --from-job {job} --job {} --spec CHANGED-SPEC.toml{} --yes",
+                    "producer rerun {} --from-job {job} --job {into} --spec CHANGED-SPEC.toml{}{} --yes",
                     shell_quote(&dataset),
-                    shell_quote(&into),
-                    q.flags()
+                    q.flags(),
+                    c.config.redis_flag,
                 );
                 view.counted = Some(Counted {
                     matched: keep.len(),

@@ -2,6 +2,11 @@
 //! rules as the Redis scripts (`finish.lua`, `outage.lua`, `budget.lua`),
 //! one job, one partition's stream, and a clock a test moves forward.
 //!
+//! Not modelled: partitions (one stream), provider batch shards (a
+//! delivery held by a shard is stale here), the spend counters beyond
+//! calls and nano-USD (buckets, estimates, batch savings, stats), the sink
+//! stream, and the outage probe's lease (the claimer's, not the pipeline's).
+//!
 //! Besides the trait it plays the parts the services play in a fleet:
 //! [`MemoryQueue::deliver`] (a claim), [`MemoryQueue::take_over`] (the
 //! rescuer's reclaim of a hung worker's task), [`MemoryQueue::promote`]
@@ -144,7 +149,8 @@ impl MemoryQueue {
     }
 
     /// Moves the retries due by the queue's clock back to the stream
-    /// (`promote.lua`); returns how many.
+    /// (`promote.lua`: only those whose record still waits; no batch
+    /// limit); returns how many it put back.
     pub fn promote(&self) -> usize {
         let now = self.now_ms();
         let mut s = self.lock();
@@ -152,13 +158,15 @@ impl MemoryQueue {
             .into_iter()
             .partition(|(at, _)| *at <= now);
         s.delayed = later;
-        for (_, task) in &due {
+        let mut moved = 0;
+        for (_, task) in due {
             if s.states.get(&task.rid) == Some(&RecordState::Delayed) {
                 s.states.insert(task.rid.clone(), RecordState::Queued);
-                s.add_entry(task.clone());
+                s.add_entry(task);
+                moved += 1;
             }
         }
-        due.len()
+        moved
     }
 
     /// When the earliest retry waiting is due (Unix ms, the queue's clock).
