@@ -268,6 +268,41 @@ pub struct Attempt {
     /// Batch mode: the provider batch that answered it (priced at batch prices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<String>,
+    /// The audit trail: what was sent, to whom, and what came back.
+    #[serde(default, skip_serializing_if = "Trail::is_empty")]
+    pub trail: Trail,
+}
+
+/// Where an attempt's bytes went and came from: the sha256 of the exact
+/// request body sent, the model and endpoint it was sent to, and the sha256
+/// of the response body received (kept in the job's sink under that hash:
+/// see `common::sink::raw`; `producer trace` follows the chain).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Trail {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_sha256: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    /// The provider's base URL (credentials removed).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub provider: String,
+    /// None: no response came (a timeout, a reset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_sha256: Option<String>,
+    /// Whether the response's bytes are in the sink (false: the job has no
+    /// sink, or keeping them failed; the hash still names them).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub response_kept: bool,
+    /// Batch mode: the sha256 of the batch's output and error files, kept
+    /// whole (the response is one of their lines).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub batch_files: Vec<String>,
+}
+
+impl Trail {
+    pub fn is_empty(&self) -> bool {
+        *self == Trail::default()
+    }
 }
 
 /// What a person or an operator did to a record (accept, requeue, reject, retry).
@@ -986,6 +1021,14 @@ mod tests {
             error: None,
             feedback: None,
             batch: None,
+            trail: Trail {
+                request_sha256: "ab".repeat(32),
+                model: "m".into(),
+                provider: "http://127.0.0.1:9/v1".into(),
+                response_sha256: Some("cd".repeat(32)),
+                response_kept: true,
+                batch_files: Vec::new(),
+            },
         })
     }
 

@@ -69,6 +69,10 @@ pub enum Command {
     /// in its audit queue (people judge them in the console); without, print
     /// the accuracy the verdicts so far estimate.
     Audit(report::AuditCmd),
+    /// A record's chain: each call's request and response sha256, model and
+    /// endpoint, and the response's bytes read back from the sink and
+    /// checked against their hash (exit 1 when one is missing or altered).
+    Trace(report::TraceCmd),
     /// Serve the web console: jobs, their live status, the review queue.
     /// Reviewers sign in with a token of their own: `name:token` lines in
     /// --tokens-file or in the variable BATCHFLEET_CONSOLE_TOKENS.
@@ -118,6 +122,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Dropped(cmd) => status::dropped(cmd).await,
         Command::Workers(cmd) => status::workers(cmd).await,
         Command::Audit(cmd) => report::audit(cmd).await,
+        Command::Trace(cmd) => report::trace(cmd).await,
         Command::Console(cmd) => console::run(cmd, cancel).await,
         Command::Completions(cmd) => shell::completions(cmd, <Cli as clap::CommandFactory>::command()),
         Command::Man(cmd) => shell::man(cmd, <Cli as clap::CommandFactory>::command()),

@@ -20,6 +20,7 @@
 //! - [`review`]: people drain the review queue (list, show, accept, requeue, reject).
 //! - [`filter`]: what selects review entries and done records; [`bulk`]: bulk actions on the review queue.
 //! - [`terminal`]: the reviewer's terminal (raw keys, lines, always restored).
+//! - [`trace`]: a record's chain back to the request and response bytes that produced it.
 
 pub mod audit;
 pub mod bulk;
@@ -44,4 +45,5 @@ pub mod select;
 pub mod sink;
 pub mod status;
 pub mod terminal;
+pub mod trace;
 pub mod workers;

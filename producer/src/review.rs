@@ -93,7 +93,7 @@ pub async fn find(store: &RedisStore, job: &str, id: &str) -> Result<(ReviewEntr
 }
 
 /// A record id given as one, or made from the business key it was given as.
-fn record_id_of(job: &str, spec: &JobSpec, id: &str) -> String {
+pub(crate) fn record_id_of(job: &str, spec: &JobSpec, id: &str) -> String {
     if id.len() == 64 && id.chars().all(|c| c.is_ascii_hexdigit()) {
         id.to_owned()
     } else {

@@ -308,7 +308,7 @@ pub async fn open(spec: &JobSpec, job: &str, context: &str, why: &str) -> anyhow
     Ok(AnySink::reader(&target, job, spec).await?)
 }
 
-fn database_url(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<String> {
+pub(crate) fn database_url(spec: &JobSpec, context: &str, why: &str) -> anyhow::Result<String> {
     let var = spec.sink.url_env.as_deref().unwrap_or_default();
     let url = std::env::var(var).unwrap_or_default();
     if url.is_empty() {

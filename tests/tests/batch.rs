@@ -500,3 +500,48 @@ fn batches_that_keep_failing_validation_halt_the_job_with_the_providers_words_an
         "a failed batch bills nothing"
     );
 }
+
+/// A batch's output file is kept whole in the sink before its answers are
+/// settled (the provider deletes it after its retention; the trail does
+/// not): each answer's trail names it, and the line that answered the
+/// record is in it, its response kept and verified by `producer trace`.
+#[test]
+fn a_batch_s_output_file_is_archived_and_each_answer_traces_to_it() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("batch-trail");
+    let out = dir.join("out");
+    let sink = format!(
+        "[sink]\nkind = \"files\"\ndir = \"{}\"\nsegment_secs = 1\n\n[batch]",
+        out.display()
+    );
+    let spec = spec_with(&dir, &[]);
+    let text = std::fs::read_to_string(batch_spec(&dir, ""))
+        .unwrap()
+        .replace("[batch]", &sink);
+    std::fs::write(&spec, text).unwrap();
+    job(&redis, &dir, "bt", &spec, 40);
+    let sim = LlmSim::start(&["--batch-secs", "1"]);
+    drain(&redis, "bt", &sim);
+    assert_complete(&redis, "bt", 40, &sim);
+    let out_trace = producer(&["trace", "--job", "bt", "--redis", &redis.url(), "msg-3", "--json"]);
+    assert!(out_trace.status.success(), "{}", stderr(&out_trace));
+    let chain: Value = serde_json::from_slice(&out_trace.stdout).unwrap();
+    let call = &chain["attempts"][0];
+    assert!(call["batch"].is_string(), "{chain}");
+    assert_eq!(call["response"], "verified", "{chain}");
+    let files = call["trail"]["batch_files"].as_array().unwrap();
+    assert!(!files.is_empty(), "{chain}");
+    let raw = out.join("bt").join("raw");
+    let kept: Vec<String> = files
+        .iter()
+        .map(|f| {
+            let sha = f.as_str().unwrap();
+            std::fs::read_to_string(raw.join(&sha[..2]).join(sha)).unwrap_or_else(|e| panic!("{sha}: {e}"))
+        })
+        .collect();
+    let rid = chain["record_id"].as_str().unwrap();
+    assert!(
+        kept.iter().any(|file| file.lines().any(|l| l.contains(rid))),
+        "the record's line is in a kept file"
+    );
+}

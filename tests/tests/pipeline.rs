@@ -667,3 +667,96 @@ fn a_rule_that_cannot_be_evaluated_reviews_the_record_after_one_call() {
         assert_eq!(for_u1, 1, "llm-sim was asked once");
     });
 }
+
+/// The audit trail: every call's history item names the sha256 of the exact
+/// body llm-sim received, the model and endpoint, and the sha256 of the
+/// body it answered, whose bytes are in the job's sink (memory here) and
+/// hold the answer the record kept. A 503 is a response too (kept); the
+/// wrong answer before the right one is kept as well.
+#[test]
+fn every_call_s_request_and_response_are_named_by_hash_and_the_responses_kept() {
+    use common::sink::{Memory, RawStore, Target, sha256_hex};
+    let sim = LlmSim::start(&["--record-served"]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let memory = Memory::default();
+        let mut job = job(&sim, &queue, |_| {});
+        job.set_sink(Target::Memory(memory.clone())).expect("memory sink");
+        let limits = limits();
+        sim.script("t1", &["server_error", "missing_field", "ok"]);
+        queue.enqueue(task("t1"));
+        let seen = drain(&queue, &job, &limits, 10).await;
+        let result = queue.result("t1").unwrap_or_else(|| panic!("no result: {seen:?}"));
+        let trails: Vec<common::task::Trail> = result
+            .history
+            .iter()
+            .filter_map(common::task::HistoryItem::as_attempt)
+            .map(|a| a.trail.clone())
+            .collect();
+        let sent: Vec<String> = harness::http_get_json(&sim.addr, "/calls")
+            .as_array()
+            .expect("calls")
+            .iter()
+            .filter(|c| c["record"] == "t1")
+            .map(|c| c["request_sha256"].as_str().expect("request_sha256").to_owned())
+            .collect();
+        assert_eq!(trails.len(), 3, "three calls: {seen:?}");
+        assert_eq!(
+            trails.iter().map(|t| t.request_sha256.clone()).collect::<Vec<_>>(),
+            sent,
+            "each call names the body llm-sim received"
+        );
+        assert_ne!(sent[1], sent[2], "the retry carried the validator's feedback");
+        let raw = RawStore::of(&Target::Memory(memory), "pipeline", &job.spec).expect("raw store");
+        for t in &trails {
+            assert_eq!(t.model, job.spec.provider.model);
+            assert_eq!(t.provider, sim.base_url());
+            assert!(t.response_kept, "{t:?}");
+            let sha = t.response_sha256.as_deref().expect("every call here got a response");
+            let bytes = raw.read(sha).await.expect("read").expect("kept");
+            assert_eq!(sha256_hex(&bytes), sha);
+        }
+        // The last response is the committed answer, byte for byte what llm-sim served.
+        let last = raw
+            .read(trails[2].response_sha256.as_deref().expect("sha"))
+            .await
+            .expect("read")
+            .expect("kept");
+        let body: serde_json::Value = serde_json::from_slice(&last).expect("a JSON body");
+        let served = harness::http_get_json(&sim.addr, "/served");
+        let id = body["id"].as_str().expect("a completion id");
+        assert_eq!(Some(id), result.response_id.as_deref());
+        assert_eq!(body["choices"][0]["message"]["content"], served[id]);
+        let content: serde_json::Value =
+            serde_json::from_str(served[id].as_str().expect("served content")).expect("JSON output");
+        for (field, value) in content.as_object().expect("an object") {
+            assert_eq!(
+                result.output.get(field),
+                Some(value),
+                "the row's {field} is the answer's"
+            );
+        }
+    });
+}
+
+/// A job with no sink keeps the hashes, not the bytes.
+#[test]
+fn without_a_sink_the_trail_names_the_bytes_and_says_they_were_not_kept() {
+    let sim = LlmSim::start(&[]);
+    rt().block_on(async {
+        let queue = MemoryQueue::new();
+        let job = job(&sim, &queue, |_| {});
+        let limits = limits();
+        queue.enqueue(task("n1"));
+        drain(&queue, &job, &limits, 5).await;
+        let result = queue.result("n1").expect("a result");
+        let a = result
+            .history
+            .iter()
+            .find_map(common::task::HistoryItem::as_attempt)
+            .expect("an attempt");
+        assert_eq!(a.trail.request_sha256.len(), 64);
+        assert!(a.trail.response_sha256.is_some());
+        assert!(!a.trail.response_kept);
+    });
+}

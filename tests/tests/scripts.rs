@@ -312,6 +312,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         error: None,
         feedback: None,
         batch: None,
+        trail: Default::default(),
     })];
     ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
 }

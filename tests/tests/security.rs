@@ -359,11 +359,18 @@ fn a_provider_that_echoes_the_key_leaves_it_nowhere() {
     let dir = TempDir::new("echo");
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 12);
+    // With a files sink: the responses' bytes are kept there too.
+    let sink_dir = dir.join("sink");
+    let sink = format!(
+        "[sink]\nkind = \"files\"\ndir = \"{}\"\nsegment_secs = 1\n\n[retry]",
+        sink_dir.display()
+    );
     let spec = harness::spec_with(
         &dir,
         &[
             ("max_attempts = 4", "max_attempts = 2"),
             ("base_delay_ms = 500", "base_delay_ms = 20"),
+            ("[retry]", &sink),
         ],
     );
     enqueue(&redis, &data, "echo", &spec);
@@ -405,6 +412,17 @@ fn a_provider_that_echoes_the_key_leaves_it_nowhere() {
         "-",
     ]);
     seen.push(("review export".into(), stdout(&out)));
+    let mut kept = String::new();
+    for bucket in std::fs::read_dir(sink_dir.join("echo").join("raw")).unwrap() {
+        for blob in std::fs::read_dir(bucket.unwrap().path()).unwrap() {
+            kept.push_str(&std::fs::read_to_string(blob.unwrap().path()).unwrap());
+        }
+    }
+    assert!(
+        kept.contains("Authorization: Bearer ***"),
+        "the audit trail kept the echoes: {kept}"
+    );
+    seen.push(("the audit trail's raw responses".into(), kept));
     for (what, text) in &seen {
         assert!(!text.contains(API_KEY), "{what} holds the key:\n{text}");
     }

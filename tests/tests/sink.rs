@@ -699,3 +699,61 @@ fn typed_columns_hold_each_output_field_with_its_type_and_a_table_without_one_sa
         "{log}"
     );
 }
+
+/// The audit trail in PostgreSQL: every response the fleet received is a row
+/// of `results_raw` under its sha256 (a retry's wrong answer too), and
+/// `producer trace` proves a row from it, or names the one altered there.
+#[test]
+fn responses_are_kept_in_the_raw_table_and_trace_reads_them_back() {
+    let pg = PgServer::start();
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.3", "--seed", "3"]);
+    let dir = TempDir::new("sinkraw");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 30);
+    enqueue(&redis, &data, "sink", &sink_spec(&dir));
+    let url = pg.url();
+    let (exit, log) = Running::spawn(worker(&redis, &sim, &url, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let answered: u64 = pg
+        .query("SELECT count(*) FROM results_ledger WHERE job = 'sink'")
+        .parse()
+        .unwrap();
+    let kept: u64 = pg
+        .query("SELECT count(*) FROM results_raw WHERE job = 'sink' AND encode(sha256(body), 'hex') = sha256")
+        .parse()
+        .unwrap();
+    assert!(answered > 30, "some answers were wrong and retried: {answered} calls");
+    assert_eq!(kept, answered, "one kept response per paid call, each under its hash");
+    let retried =
+        pg.query("SELECT business_key FROM results WHERE job = 'sink' AND calls > 1 ORDER BY business_key LIMIT 1");
+    let redis_url = redis.url();
+    let trace = |json: bool| {
+        let mut args = vec![
+            "trace",
+            "--job",
+            "sink",
+            "--redis",
+            redis_url.as_str(),
+            retried.as_str(),
+        ];
+        if json {
+            args.push("--json");
+        }
+        harness::producer_with_env(&args, &[(URL_ENV, &url)])
+    };
+    let out = trace(true);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let chain: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let calls = chain["attempts"].as_array().unwrap();
+    assert!(calls.len() >= 2, "{chain}");
+    assert!(calls.iter().all(|c| c["response"] == "verified"), "{chain}");
+    assert_eq!(calls[0]["outcome"], "invalid_output");
+    assert_eq!(chain["read_from"], "sink");
+    assert_eq!(chain["produced_by_call"], calls.last().unwrap()["call"]);
+    let first = calls[0]["trail"]["response_sha256"].as_str().unwrap();
+    pg.query(&format!("UPDATE results_raw SET body = 'x' WHERE sha256 = '{first}'"));
+    let out = trace(false);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(harness::stdout(&out).contains(&format!("response sha256 {first}: altered in results_raw")));
+}

@@ -378,3 +378,71 @@ fn a_partition_that_cannot_be_taken_holds_back_only_itself() {
         "{s}"
     );
 }
+
+/// `producer trace` follows a row back to the bytes: each call's request and
+/// response sha256, the model and endpoint, and the response read back from
+/// the sink's `raw/` folder and hashed again. A response altered or removed
+/// there is named and the command fails; a record that is not there says
+/// which command shows where the job's records are, and that command works.
+#[test]
+fn trace_proves_a_row_from_the_kept_response_and_catches_an_altered_one() {
+    let (redis, dir, _log) = drained("trace", 20);
+    let url = redis.url();
+    let trace = |args: &[&str]| {
+        let mut all = vec!["trace", "--job", JOB, "--redis", url.as_str()];
+        all.extend_from_slice(args);
+        producer(&all)
+    };
+    // By business key.
+    let out = trace(&["msg-7"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.contains("(key msg-7)") && text.contains("done (read from sink)"),
+        "{text}"
+    );
+    assert!(text.contains("<- the row") && text.contains(": verified in "), "{text}");
+    let out = trace(&["msg-7", "--json", "--raw"]);
+    assert!(out.status.success());
+    let chain: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let call = &chain["attempts"][0];
+    let sha = call["trail"]["response_sha256"].as_str().unwrap().to_owned();
+    assert_eq!(call["response"], "verified");
+    assert_eq!(call["trail"]["request_sha256"].as_str().unwrap().len(), 64);
+    assert!(
+        call["trail"]["provider"]
+            .as_str()
+            .unwrap()
+            .starts_with("http://127.0.0.1:")
+    );
+    // The row's output is the kept response's content.
+    let body: Value = serde_json::from_str(call["body"].as_str().unwrap()).unwrap();
+    let answered: Value = serde_json::from_str(body["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(chain["output"]["label"], answered["label"]);
+    let blob = dir.join("out").join(JOB).join("raw").join(&sha[..2]).join(&sha);
+    assert!(blob.exists(), "{}", blob.display());
+
+    // Altered in the sink: named, and the command fails.
+    std::fs::write(&blob, b"{\"not\": \"what was answered\"}").unwrap();
+    let out = trace(&["msg-7"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains(&format!("response sha256 {sha}: altered")), "{text}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing or altered"));
+    std::fs::remove_file(&blob).unwrap();
+    let out = trace(&["msg-7"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(": missing"));
+
+    // Not a record of the job: what to type next, and it works.
+    let out = trace(&["no-such-record"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let next = err
+        .split('`')
+        .find(|s| s.starts_with("producer status"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let out = harness::typed(next, &[("REDIS_URL", &url)]);
+    assert!(out.status.success(), "{next}: {}", harness::stderr(&out));
+    assert!(!err.contains(harness::TEST_REDIS_PASSWORD), "{err}");
+}

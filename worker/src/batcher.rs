@@ -35,7 +35,7 @@ use crate::batch_api::{ApiError, BatchApi};
 use crate::clock::now_ms;
 use crate::fleet::Fleet;
 use crate::job::{JobCtx, Settled};
-use crate::process::{prepare, settle_batch_line, settle_unsent};
+use crate::process::{BatchAnswer, prepare, settle_batch_line, settle_unsent};
 use crate::provider::{CallError, CallResult, ErrorKind, classify};
 use crate::service::Service;
 
@@ -515,20 +515,42 @@ impl Batcher {
         Ok(self.save(p, &read, &shard).await?.is_some() && shard.state == ShardState::Ended)
     }
 
-    /// The shard's output and error files, one after the other.
-    async fn download(&self, shard: &Shard) -> Result<String, StepError> {
+    /// The shard's output and error files, one after the other, and their
+    /// sha256: each is kept whole in the job's raw store first (the
+    /// provider deletes them after its retention; the audit trail does not).
+    async fn download(&self, shard: &Shard) -> Result<(String, Vec<String>), StepError> {
         let mut text = String::new();
+        let mut kept = Vec::new();
         for file in [&shard.output_file_id, &shard.error_file_id].into_iter().flatten() {
-            text.push_str(
-                &self
-                    .api
-                    .content(file)
-                    .await
-                    .map_err(api("downloading a batch's results"))?,
-            );
+            let content = self
+                .api
+                .content(file)
+                .await
+                .map_err(api("downloading a batch's results"))?;
+            kept.push(self.archive(file, &content).await);
+            text.push_str(&content);
             text.push('\n');
         }
-        Ok(text)
+        Ok((text, kept))
+    }
+
+    /// Keeps a batch's file whole in the job's raw store: its sha256 (named
+    /// in each answer's trail even when it could not be kept, and said so).
+    async fn archive(&self, file: &str, content: &str) -> String {
+        let job = &self.job;
+        let sha = common::sink::sha256_hex(content.as_bytes());
+        if let Some(raw) = &job.raw
+            && let Err(e) = raw.keep(content.as_bytes()).await
+        {
+            self.fleet
+                .limits
+                .metrics
+                .raw_unkept
+                .with_label_values(&[&job.name])
+                .inc();
+            tracing::warn!(job = %job.name, file = %file, error = %e, "could not keep a batch's file for the audit trail: its answers record its sha256 only");
+        }
+        sha
     }
 
     /// Ended -> reconciled: the output and error files joined on
@@ -540,7 +562,7 @@ impl Batcher {
         if status == "failed" {
             return self.failed(p, read, shard).await;
         }
-        let text = self.download(&shard).await?;
+        let (text, files) = self.download(&shard).await?;
         pause_at("download").await;
         let packed = f.store.shard_packed(&job.name, p, &shard.id).await?;
         let mut held: HashMap<String, Task> = f
@@ -572,7 +594,10 @@ impl Batcher {
         // The answers, through the same path as online ones.
         let limits = &f.limits;
         let settled: Vec<Result<Settled, StoreError>> = futures_util::stream::iter(answers)
-            .map(|(d, result, name)| async move { settle_batch_line(job, &d, limits, result, name).await })
+            .map(|(d, mut answer, name)| {
+                answer.batch_files.clone_from(&files);
+                async move { settle_batch_line(job, &d, limits, answer, name).await }
+            })
             .buffer_unordered(SETTLE_AT_ONCE)
             .collect()
             .await;
@@ -660,7 +685,7 @@ impl Batcher {
             for (i, line) in ran.iter().enumerate() {
                 let name = line_name(batch, line, i);
                 if i == chosen {
-                    joined.answers.push((d.clone(), line_result(line), name));
+                    joined.answers.push((d.clone(), line_answer(line), name));
                 } else if let Some(usage) = line_usage(line) {
                     joined.copies.push((p, self.duplicate_call(job, &d.task, usage, &name)));
                 }
@@ -823,8 +848,17 @@ fn line_name(batch: &str, line: &OutputLine, i: usize) -> String {
 
 /// What one line of a batch's output or error file (OpenAI's JSONL shape)
 /// came to, as an online call's result.
-pub fn answer_of_line(line: &str) -> Result<CallResult, String> {
-    OutputLine::parse(line).map(|l| line_result(&l))
+pub fn answer_of_line(line: &str) -> Result<BatchAnswer, String> {
+    OutputLine::parse(line).map(|l| line_answer(&l))
+}
+
+/// A line as [`settle_batch_line`] takes it (the batch's files are named by the caller).
+fn line_answer(line: &OutputLine) -> BatchAnswer {
+    BatchAnswer {
+        result: line_result(line),
+        body: line.response.as_ref().map(|(_, body)| body.clone()),
+        batch_files: Vec::new(),
+    }
 }
 
 /// A line as an online call's result: its response classified as an online
@@ -885,7 +919,7 @@ async fn pause_at(point: &str) {
 #[derive(Default)]
 struct Joined {
     /// Each answered record's delivery, the answer it settles with, and the line's name.
-    answers: Vec<(Delivery, CallResult, String)>,
+    answers: Vec<(Delivery, BatchAnswer, String)>,
     /// Billed lines not used, as paid calls by partition.
     copies: Vec<(u32, PaidCall)>,
     counts: LineCounts,

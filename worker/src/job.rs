@@ -31,6 +31,8 @@ pub struct JobCtx {
     pub outage: crate::outage::OutageWatch,
     /// Where the job's results go after Redis (None: they stay there).
     pub sink: Option<common::sink::Target>,
+    /// Where the responses' bytes are kept (beside the sink; None: no sink).
+    pub raw: Option<common::sink::RawStore>,
     /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
     /// for the job until the sink catches up (set by its sink writer).
     pub sink_full: std::sync::atomic::AtomicBool,
@@ -63,6 +65,7 @@ impl JobCtx {
             outage: crate::outage::OutageWatch::new(spec.retry.outage_budget_ms(), base_url),
             forms: crate::form::Forms::new(&spec, base_url, None),
             sink: None,
+            raw: None,
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
             budget: spec
@@ -80,6 +83,16 @@ impl JobCtx {
 
     /// Stores a task's outcome (with its ack), batched with the job's other
     /// outcomes of the moment.
+    /// Sends the job's results to `target` after Redis, and keeps its
+    /// responses' bytes beside them (the audit trail). Err: the raw store
+    /// cannot be named there (a job name no directory can have).
+    pub fn set_sink(&mut self, target: common::sink::Target) -> Result<(), String> {
+        let raw = common::sink::RawStore::of(&target, &self.name, &self.spec).map_err(|e| e.to_string())?;
+        self.raw = Some(raw);
+        self.sink = Some(target);
+        Ok(())
+    }
+
     pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
         self.finish_paid(d, how, None).await
     }

@@ -8,7 +8,8 @@ use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind};
 use common::store::{Finish, Finished, StoreError};
 use common::task::{
-    Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task, Usage,
+    Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task, Trail,
+    Usage,
 };
 use common::template::lookup;
 use common::validate::{FieldError, feedback_with_note};
@@ -226,16 +227,44 @@ async fn run_attempt(
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
-    let (result, headers, elapsed) = job.provider.call(&d.task.rid, &limits.worker, &prep.body).await;
+    let called = job.provider.call(&d.task.rid, &limits.worker, &prep.body).await;
     limits.metrics.in_flight.dec();
-    trace_call(&call_span, job, &result);
+    trace_call(&call_span, job, &called.result);
     call_span.end();
     *report = Some(CallReport {
-        used: used_of(&result),
-        headers,
+        used: used_of(&called.result),
+        headers: called.headers,
     });
     let via = Via::Online { waiting, reservation };
-    conclude(job, &d, limits, span, &prep, result, Some(elapsed), via).await
+    let got = Got {
+        result: called.result,
+        elapsed: Some(called.elapsed),
+        body: called.body,
+        batch_files: Vec::new(),
+    };
+    conclude(job, &d, limits, span, &prep, got, via).await
+}
+
+/// What came back for a call, whichever way it was made.
+struct Got {
+    result: CallResult,
+    /// How long the online call took (None: a batch line's is the batch's).
+    elapsed: Option<std::time::Duration>,
+    /// The response's body as kept (None: no response came).
+    body: Option<String>,
+    /// A batch line's: the sha256 of the batch's files, as kept.
+    batch_files: Vec<String>,
+}
+
+/// One line of a provider batch's output or error file, as
+/// [`settle_batch_line`] takes it (see `crate::batcher::answer_of_line`).
+pub struct BatchAnswer {
+    pub result: CallResult,
+    /// The line's response body (None: the line carries an error, no response).
+    pub body: Option<String>,
+    /// The sha256 of the batch's output and error files, as kept in the
+    /// job's raw store (the line is in one of them).
+    pub batch_files: Vec<String>,
 }
 
 /// Reserves the call at its most against the job's cap, when it has one:
@@ -294,12 +323,20 @@ pub async fn settle_batch_line(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
-    result: CallResult,
+    answer: BatchAnswer,
     line: String,
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, d, limits);
     let settled = match prepare(job, d, limits) {
-        Ok(prep) => conclude(job, d, limits, &span, &prep, result, None, Via::Batch { line }).await,
+        Ok(prep) => {
+            let got = Got {
+                result: answer.result,
+                elapsed: None,
+                body: answer.body,
+                batch_files: answer.batch_files,
+            };
+            conclude(job, d, limits, &span, &prep, got, Via::Batch { line }).await
+        }
         // Its template no longer renders (a spec changed under the shard):
         // decided as before a call; the answer is not used.
         Err(unsent) => {
@@ -329,20 +366,19 @@ pub async fn settle_unsent(job: &JobCtx, d: &Delivery, limits: &Limits) -> Resul
     }
 }
 
-/// From a call's result to its stored outcome: validate, judge, decide,
-/// record the paid call, apply. `elapsed` is the online call's (a batch
-/// line's latency is the batch's).
-#[allow(clippy::too_many_arguments)]
+/// From a call's result to its stored outcome: keep its bytes, validate,
+/// judge, decide, record the paid call, apply.
 async fn conclude(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
     span: &Span,
     prep: &Prepared,
-    result: CallResult,
-    elapsed: Option<std::time::Duration>,
+    got: Got,
     via: Via<'_>,
 ) -> Result<Settled, StoreError> {
+    let trail = keep_trail(job, d, limits, prep, &got).await;
+    let Got { result, elapsed, .. } = got;
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
@@ -386,6 +422,7 @@ async fn conclude(
         elapsed,
         decision: &decision,
         batch_line: line.as_deref(),
+        trail,
     };
     let history = record.told(job, d, limits, span, &reply, prep, &stamp);
     // The review entry shows the prompt as the model last saw it, feedback included.
@@ -478,6 +515,7 @@ struct AttemptRecord<'a> {
     decision: &'a Decision,
     /// The batch line that answered it (`batch:line`), in batch mode.
     batch_line: Option<&'a str>,
+    trail: Trail,
 }
 
 impl AttemptRecord<'_> {
@@ -539,8 +577,44 @@ impl AttemptRecord<'_> {
             error: reply.error.as_ref().and_then(|e| e.message.clone()),
             feedback: prep.sent_feedback.clone(),
             batch: self.batch_line.and_then(|l| l.split(':').next()).map(str::to_owned),
+            trail: self.trail.clone(),
         }
     }
+}
+
+/// The attempt's audit trail: the hashes of the request sent and the
+/// response received, and the response's bytes kept in the job's sink
+/// before its outcome is stored (tried three times; failing that, the
+/// attempt says so and the record goes on: a paid answer is not held up by
+/// its copy).
+async fn keep_trail(job: &JobCtx, d: &Delivery, limits: &Limits, prep: &Prepared, got: &Got) -> Trail {
+    let mut trail = Trail {
+        request_sha256: common::sink::sha256_hex(prep.body.get().as_bytes()),
+        model: job.provider.model().to_owned(),
+        provider: job.provider.endpoint(),
+        response_sha256: got.body.as_deref().map(|b| common::sink::sha256_hex(b.as_bytes())),
+        response_kept: false,
+        batch_files: got.batch_files.clone(),
+    };
+    let (Some(raw), Some(body)) = (&job.raw, &got.body) else {
+        return trail;
+    };
+    let mut failed = None;
+    for wait_ms in [0, 200, 1000] {
+        tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
+        match raw.keep(body.as_bytes()).await {
+            Ok(_) => {
+                trail.response_kept = true;
+                return trail;
+            }
+            Err(e) => failed = Some(e),
+        }
+    }
+    limits.metrics.raw_unkept.with_label_values(&[&job.name]).inc();
+    if let Some(e) = failed {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "could not keep the response's bytes for the audit trail: the attempt records its hash only");
+    }
+    trail
 }
 
 /// Tells the fleet's outage state what an online call came to (see

@@ -210,8 +210,9 @@ impl Provider {
 
     /// Sends one request body (see [`Provider::body`]) for `record`, from
     /// `worker` (its headers). Never returns an error: every failure is
-    /// classified. Also returns the rate-limit headers, when there was a response.
-    pub async fn call(&self, record: &str, worker: &str, body: &RawValue) -> (CallResult, RateHeaders, Duration) {
+    /// classified. Also returns the rate-limit headers and the response's
+    /// body (secrets it echoed replaced), when there was a response.
+    pub async fn call(&self, record: &str, worker: &str, body: &RawValue) -> Called {
         let started = Instant::now();
         let request = match &self.url {
             Ok(url) => self.http.post(url.clone()),
@@ -231,6 +232,7 @@ impl Provider {
             .send()
             .await;
         let mut limits = RateHeaders::default();
+        let mut kept = None;
         let result = match sent {
             Err(e) => CallResult::Failed(transport_error(&e)),
             Ok(resp) => {
@@ -239,12 +241,41 @@ impl Provider {
                 limits = rate_headers(&headers);
                 match resp.text().await {
                     Err(e) => CallResult::Failed(transport_error(&e)),
-                    Ok(text) => classify(status, &headers, &self.scrubber.scrub(&text)),
+                    Ok(text) => {
+                        let text = self.scrubber.scrub(&text);
+                        let result = classify(status, &headers, &text);
+                        kept = Some(text);
+                        result
+                    }
                 }
             }
         };
-        (result, limits, started.elapsed())
+        Called {
+            result,
+            headers: limits,
+            elapsed: started.elapsed(),
+            body: kept,
+        }
     }
+
+    /// Where the job's calls go, for the audit trail: the base URL without
+    /// credentials, query or fragment.
+    pub fn endpoint(&self) -> String {
+        common::secret::redact_url(&self.base)
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+}
+
+/// What [`Provider::call`] got back.
+pub struct Called {
+    pub result: CallResult,
+    pub headers: RateHeaders,
+    pub elapsed: Duration,
+    /// The response's body as kept (secrets it echoed replaced).
+    pub body: Option<String>,
 }
 
 fn transport_error(e: &reqwest::Error) -> CallError {

@@ -528,7 +528,10 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     );
     let queue = Arc::new(crate::queue::RedisQueue::new(store, name));
     let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
-    job.sink = sink;
+    if let Some(target) = sink {
+        job.set_sink(target)
+            .map_err(|e| RunError::Refused(format!("job `{name}`: sink: {e}")))?;
+    }
     if let Some(cap) = job.spec.budget.max_cost_usd {
         // The cap the workers reserve against exists (a spec updated to have one, or a lost key).
         store.set_budget_cap(name, cap, true).await?;

@@ -52,6 +52,8 @@ pub struct Metrics {
     /// Result rows new in the sink, and the sink's errors by cause.
     pub sink_written: IntCounterVec,
     pub sink_errors: IntCounterVec,
+    /// Responses whose bytes could not be kept for the audit trail.
+    pub raw_unkept: IntCounterVec,
     /// Outcomes and paid calls in Redis not yet in the sink (sink stream entries).
     sink_lag: IntGaugeVec,
     /// What the job spent (the ledger), its cap and what is reserved in flight.
@@ -217,6 +219,11 @@ impl Metrics {
                 "sink_errors_total",
                 "Failed sink writes, by cause (unreachable, refused, schema, rejected).",
                 &["job", "cause"],
+            ),
+            raw_unkept: d.counter(
+                "raw_unkept_total",
+                "Provider responses whose bytes could not be kept in the job's sink for the audit trail (the attempt keeps their sha256).",
+                job,
             ),
             sink_lag: d.gauge(
                 "sink_lag",

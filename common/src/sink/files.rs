@@ -208,7 +208,7 @@ fn sync_dir(dir: &Path) -> Result<(), SinkError> {
 
 /// Writes `bytes` to `path` whole: a temporary file of this process's own,
 /// fsync'd, renamed over it.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
+pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SinkError> {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = path.with_extension(format!("{}-{n}.tmp", std::process::id()));

@@ -25,6 +25,8 @@ struct JobRows {
     failures: HashMap<String, FailureRow>,
     ledger: BTreeMap<String, PaidCall>,
     expected_records: Option<u64>,
+    /// Raw responses by sha256 (see [`super::raw`]).
+    raw: HashMap<String, Vec<u8>>,
 }
 
 impl Memory {
@@ -36,6 +38,16 @@ impl Memory {
     /// The records the job expects, as its manifest last said.
     pub fn expected_records(&self, job: &str) -> Option<u64> {
         self.rows().get(job)?.expected_records
+    }
+
+    pub(super) fn keep_raw(&self, job: &str, sha: &str, bytes: &[u8]) {
+        let mut all = self.rows();
+        let rows = all.entry(job.to_owned()).or_default();
+        rows.raw.entry(sha.to_owned()).or_insert_with(|| bytes.to_vec());
+    }
+
+    pub(super) fn raw(&self, job: &str, sha: &str) -> Option<Vec<u8>> {
+        self.rows().get(job)?.raw.get(sha).cloned()
     }
 }
 

@@ -25,6 +25,7 @@ mod any;
 pub mod files;
 pub mod memory;
 pub mod pg;
+pub mod raw;
 mod rows;
 
 use std::collections::BTreeMap;
@@ -34,6 +35,7 @@ pub use any::{AnySink, Target};
 pub use files::FileSink;
 pub use memory::{Memory, MemorySink};
 pub use pg::{PgSink, TypedColumn, db_passwords, ddl, typed_columns, typed_ddl};
+pub use raw::{RawStore, sha256_hex};
 pub use rows::{
     FailureRow, ResultRow, RevisionRow, SinkBatch, SinkEntry, SinkError, SunkResult, Tokens, with_revisions,
 };

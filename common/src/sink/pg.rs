@@ -119,6 +119,13 @@ const LEDGER_COLUMNS: &[(&str, &str)] = &[
     ("at", "timestamp with time zone"),
 ];
 
+const RAW_COLUMNS: &[(&str, &str)] = &[
+    ("sha256", "text"),
+    ("job", "text"),
+    ("body", "bytea"),
+    ("kept_at", "timestamp with time zone"),
+];
+
 const FAILURE_COLUMNS: &[(&str, &str)] = &[
     ("record_id", "text"),
     ("job", "text"),
@@ -131,7 +138,8 @@ const FAILURE_COLUMNS: &[(&str, &str)] = &[
 ];
 
 /// The DDL of a results table and its companions: failures
-/// (`<table>_failures`), jobs, revisions, and the cost ledger (`<table>_ledger`).
+/// (`<table>_failures`), jobs, revisions, the cost ledger (`<table>_ledger`)
+/// and the raw responses (`<table>_raw`, see [`super::raw`]).
 pub fn ddl(table: &str) -> String {
     format!(
         "CREATE TABLE IF NOT EXISTS {table} (\n\
@@ -207,7 +215,13 @@ pub fn ddl(table: &str) -> String {
          \x20   cost_nusd         bigint NOT NULL,   -- nano-USD: sum(cost_nusd) / 1e9 is USD, exactly\n\
          \x20   at                timestamptz NOT NULL\n\
          );\n\
-         CREATE INDEX IF NOT EXISTS {index}_ledger_job ON {table}_ledger (job);\n",
+         CREATE INDEX IF NOT EXISTS {index}_ledger_job ON {table}_ledger (job);\n\
+         CREATE TABLE IF NOT EXISTS {table}_raw (\n\
+         \x20   sha256  text PRIMARY KEY,  -- of body: the audit trail's address of a provider's response\n\
+         \x20   job     text NOT NULL,     -- the job that first kept it\n\
+         \x20   body    bytea NOT NULL,    -- as received (a secret it echoed replaced)\n\
+         \x20   kept_at timestamptz NOT NULL DEFAULT now()\n\
+         );\n",
         index = table.replace('.', "_"),
     )
 }
@@ -457,6 +471,7 @@ pub struct PgSink {
     jobs: String,
     revisions: String,
     ledger: String,
+    raw: String,
     typed: Vec<TypedColumn>,
     scrub: Scrubber,
     /// Stored batches not acknowledged in Redis yet, by partition.
@@ -495,12 +510,33 @@ impl PgSink {
             jobs: format!("{table}_jobs"),
             revisions: format!("{table}_revisions"),
             ledger: format!("{table}_ledger"),
+            raw: format!("{table}_raw"),
             typed,
             scrub,
             unacked: HashMap::new(),
         };
         sink.prepare().await?;
         Ok(sink)
+    }
+
+    /// Keeps a raw response under its sha256 (kept already: nothing changes).
+    pub async fn keep_raw(&self, job: &str, sha: &str, body: &[u8]) -> Result<(), SinkError> {
+        let sql = format!(
+            "INSERT INTO {} (sha256, job, body) VALUES ($1, $2, $3) ON CONFLICT (sha256) DO NOTHING",
+            self.raw
+        );
+        self.client
+            .execute(&sql, &[&sha, &job, &body])
+            .await
+            .map_err(|e| self.err(&e))?;
+        Ok(())
+    }
+
+    /// The raw response kept under `sha`.
+    pub async fn raw(&self, sha: &str) -> Result<Option<Vec<u8>>, SinkError> {
+        let sql = format!("SELECT body FROM {} WHERE sha256 = $1", self.raw);
+        let row = self.client.query_opt(&sql, &[&sha]).await.map_err(|e| self.err(&e))?;
+        Ok(row.map(|r| r.get(0)))
     }
 
     /// Whether the connection is gone (the sink must reconnect).
@@ -520,6 +556,7 @@ impl PgSink {
             (&self.jobs, JOB_COLUMNS),
             (&self.revisions, REVISION_COLUMNS),
             (&self.ledger, LEDGER_COLUMNS),
+            (&self.raw, RAW_COLUMNS),
         ] {
             let found = self.columns(table).await?;
             if found.is_empty() {

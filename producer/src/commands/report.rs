@@ -1,5 +1,6 @@
-//! `producer report`, `estimate`, `compare` and `audit`: what a job cost,
-//! will cost, how it differs from another, and how accurate it is.
+//! `producer report`, `estimate`, `compare`, `audit` and `trace`: what a
+//! job cost, will cost, how it differs from another, how accurate it is,
+//! and what produced one of its rows.
 
 use std::process::ExitCode;
 
@@ -57,6 +58,50 @@ pub struct AuditCmd {
     pub seed: u64,
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TraceCmd {
+    #[arg(long)]
+    pub job: String,
+    /// The record: its record id (or a unique prefix of 8 or more), or its business key.
+    pub record: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Print each kept response's bytes too.
+    #[arg(long)]
+    pub raw: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `producer trace`: a record's row back to the bytes that produced it.
+/// Exits 1 when a response the trail names is missing or altered in the sink.
+pub async fn trace(cmd: TraceCmd) -> anyhow::Result<ExitCode> {
+    let store = job_store(&cmd.redis, &cmd.job).await?;
+    let Some(spec) = spec_or_report(&store, &cmd.job).await else {
+        return Ok(ExitCode::from(EXIT_INPUT));
+    };
+    let chain = match crate::trace::trace(&store, &spec, &cmd.job, &cmd.record, cmd.raw).await {
+        Ok(chain) => chain,
+        Err(crate::review::ReviewError::NotFound(_)) => {
+            let flag = common::secret::redis_flag(&cmd.redis.url);
+            return refuse(format!(
+                "record `{}` of job `{}` has no result and no review entry (not done yet, or not in the job): \
+                 `producer status --job {}{flag}` shows where its records are",
+                cmd.record,
+                cmd.job,
+                common::suggest::shell_word(&cmd.job)
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    print_json_or(cmd.json, &chain, crate::trace::print)?;
+    Ok(if chain.holds() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `producer report`: failures, retries, attempts, tokens and cost.

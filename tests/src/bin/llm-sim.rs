@@ -445,6 +445,12 @@ async fn chat(State(sim): State<Arc<Sim>>, headers: HeaderMap, body: String) -> 
         worker: header("x-batchfleet-worker"),
         start_ms: unix_ms(),
         status: 0,
+        request_sha256: if sim.args.record_served {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(body.as_bytes()))
+        } else {
+            String::new()
+        },
     };
     let result = answer(&sim, &headers, &body).await;
     let status = result.status().as_u16();
@@ -468,6 +474,8 @@ struct InFlight<'a> {
     start_ms: u64,
     /// 0 when the client went away before the answer.
     status: u16,
+    /// Of the request's body as it arrived (with `--record-served`).
+    request_sha256: String,
 }
 
 impl Drop for InFlight<'_> {
@@ -484,6 +492,7 @@ impl Drop for InFlight<'_> {
                 "start_ms": self.start_ms,
                 "end_ms": unix_ms(),
                 "status": self.status,
+                "request_sha256": self.request_sha256,
             }));
         }
     }
