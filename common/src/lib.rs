@@ -28,6 +28,7 @@
 pub mod audit;
 pub mod batch;
 pub mod decision;
+pub mod drift;
 pub mod heartbeat;
 pub mod json;
 pub mod keys;

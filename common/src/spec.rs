@@ -48,6 +48,9 @@ pub struct JobSpec {
     /// Provider batch mode's shards (`[batch]`, with `provider.mode = "batch"`).
     #[serde(default, skip_serializing_if = "BatchSection::is_default")]
     pub batch: BatchSection,
+    /// When a field's failure rate jumps enough to pause the job (`[drift]`; on by default).
+    #[serde(default, skip_serializing_if = "crate::drift::DriftSpec::is_default")]
+    pub drift: crate::drift::DriftSpec,
 }
 
 /// How requests reach the provider.
@@ -1216,6 +1219,9 @@ impl JobSpec {
             }
             None if self.audit.seed.is_some() => p.add("audit.seed", "goes with audit.rate"),
             _ => {}
+        }
+        for (key, why) in self.drift.problems() {
+            p.add(key, why);
         }
     }
 

@@ -367,6 +367,13 @@ impl LlmSim {
         assert_eq!(status, 204, "llm-sim refused the script for {record}: {text}");
     }
 
+    /// `POST /admin/faults`: the `--faults` mix from now on (a model that drifts).
+    pub fn set_faults(&self, mix: &str) {
+        let body = serde_json::json!({ "faults": mix });
+        let (status, text) = http_request(&self.addr, Method::POST, "/admin/faults", Some(body.to_string()));
+        assert_eq!(status, 204, "llm-sim refused the faults {mix}: {text}");
+    }
+
     /// Makes every chat request fail with `STATUS:CODE:MESSAGE`, or (None) stops it.
     pub fn fail_all(&self, spec: Option<&str>) {
         let body = serde_json::json!({ "fail": spec });

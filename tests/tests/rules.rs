@@ -139,3 +139,66 @@ fn an_answer_that_breaks_a_rule_is_retried_with_its_name_and_no_result_breaks_on
         report["validation_errors"]
     );
 }
+
+/// Drift: llm-sim's model starts getting `label` wrong half the time in the
+/// middle of a job that had it wrong 2% of the time. The job halts (not a
+/// flood of reviews) with the field, the rates and the latest examples;
+/// `producer resume` goes on (the new rate is the baseline from then on),
+/// and the job completes with every record accounted for.
+#[test]
+fn a_field_that_drifts_mid_job_halts_it_with_examples_and_resume_goes_on() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("drift");
+    let sim = LlmSim::start(&["--faults", "bad_enum=0.02", "--seed", "11", "--latency-ms", "3"]);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 1200);
+    let spec = spec_with(
+        &dir,
+        &[("[retry]", "[drift]\nwindow = 100\nmin_failures = 15\n\n[retry]")],
+    );
+    enqueue(&redis, &data, "drift", &spec);
+    let worker = Running::spawn(worker_cmd(&redis, "drift", &sim, &["--concurrency", "8"]));
+    let status = || harness::status_json(&redis, "drift").1;
+    harness::wait_for("300 records done", Duration::from_secs(60), || {
+        status()["done"].as_u64().unwrap_or(0) >= 300
+    });
+    assert!(status()["halted"].is_null(), "a steady 2% is no drift: {}", status());
+    sim.set_faults("bad_enum=0.5");
+    harness::wait_for("the job halted on drift", Duration::from_secs(60), || {
+        status()["halted"].is_string()
+    });
+    let s = status();
+    let reason = s["halted"].as_str().unwrap();
+    assert!(reason.starts_with("quality drift: field `label` failed on"), "{reason}");
+    assert!(
+        reason.contains("latest: msg-") && reason.contains("E_ENUM label"),
+        "{reason}"
+    );
+    let review = s["review"].as_u64().unwrap();
+    assert!(
+        review < 20,
+        "the drift paused the job instead of reviewing its records: {s}"
+    );
+    // Halted: nothing more is claimed.
+    std::thread::sleep(Duration::from_secs(2));
+    let still = status();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(status()["done"], still["done"], "no claims while halted");
+    let remaining = still["queued"].as_u64().unwrap_or(0) + still["delayed"].as_u64().unwrap_or(0);
+    assert!(remaining > 100, "the job paused well before its end: {still}");
+
+    let out = producer(&["resume", "--job", "drift", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    harness::wait_for("the job complete", Duration::from_secs(120), || {
+        harness::status_json(&redis, "drift").0 == Some(0)
+    });
+    let s = status();
+    assert!(
+        s["halted"].is_null(),
+        "the same drift after resume is the new normal: {s}"
+    );
+    assert_eq!(s["done"].as_u64().unwrap() + s["review"].as_u64().unwrap(), 1200, "{s}");
+    harness::signal(worker.pid(), "TERM");
+    let (_, log) = worker.finish(Duration::from_secs(30));
+    assert_eq!(log.matches("quality drift: halting the job").count(), 1, "one alarm");
+}

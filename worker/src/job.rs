@@ -42,6 +42,8 @@ pub struct JobCtx {
     pub queue: Arc<dyn JobQueue>,
     /// The job's spend cap, when its spec has one (`[budget] max_cost_usd`).
     pub budget: Option<crate::budget::JobBudget>,
+    /// This worker's watch over the job's failure rates (see `common::drift`).
+    pub drift: std::sync::Mutex<common::drift::Detector>,
 }
 
 impl JobCtx {
@@ -66,6 +68,7 @@ impl JobCtx {
             forms: crate::form::Forms::new(&spec, base_url, None),
             sink: None,
             raw: None,
+            drift: std::sync::Mutex::new(common::drift::Detector::new(spec.drift.clone())),
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
             budget: spec

@@ -383,6 +383,7 @@ async fn conclude(
     let timed_out = used_of(&result).timed_out;
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
     judge_errors(job, &mut reply, prep.form).await;
+    watch_drift(job, limits, prep, &reply).await;
     if reply.usage.is_none() && (timed_out || answered) {
         // The server may have generated (and billed) it after we gave up,
         // or answered without saying what it used.
@@ -615,6 +616,40 @@ async fn keep_trail(job: &JobCtx, d: &Delivery, limits: &Limits, prep: &Prepared
         tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "could not keep the response's bytes for the audit trail: the attempt records its hash only");
     }
     trail
+}
+
+/// Adds a validated answer to the job's drift watch (see
+/// `common::drift`): a field or rule failing far more often than it did
+/// earlier halts the job with the reason and the latest examples (the
+/// record itself goes on as decided; `producer resume` lets the job go on).
+async fn watch_drift(job: &JobCtx, limits: &Limits, prep: &Prepared, reply: &Reply) {
+    let errors = match &reply.outcome {
+        Outcome::Valid => &[][..],
+        Outcome::Invalid(errors) => errors.as_slice(),
+        _ => return,
+    };
+    let key = business_key(&prep.before.input, &job.spec.job.id_field);
+    let (alarm, rates) = {
+        let mut drift = job.drift.lock().unwrap_or_else(|e| e.into_inner());
+        let alarm = drift.observe(&key, errors);
+        (alarm, drift.rates())
+    };
+    for (field, window, before) in rates {
+        let gauge = &limits.metrics.drift_failure_ratio;
+        gauge.with_label_values(&[&job.name, &field, "window"]).set(window);
+        gauge.with_label_values(&[&job.name, &field, "before"]).set(before);
+    }
+    let Some(alarm) = alarm else { return };
+    let reason = alarm.reason();
+    limits
+        .metrics
+        .drift_alarms
+        .with_label_values(&[&job.name, &alarm.key])
+        .inc();
+    tracing::error!(job = %job.name, field = %alarm.key, reason = %reason, "quality drift: halting the job (producer resume goes on)");
+    if let Err(e) = job.queue.halt(&reason).await {
+        tracing::warn!(job = %job.name, error = %e, "could not halt the job on its drift (the next alarm tries again)");
+    }
 }
 
 /// Tells the fleet's outage state what an online call came to (see

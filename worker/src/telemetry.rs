@@ -54,12 +54,18 @@ pub struct Metrics {
     pub sink_errors: IntCounterVec,
     /// Responses whose bytes could not be kept for the audit trail.
     pub raw_unkept: IntCounterVec,
+    /// Each field's (and rule's) failure rate in this worker's drift
+    /// window and before it, and the drift alarms that halted the job.
+    pub drift_failure_ratio: GaugeVec,
+    pub drift_alarms: IntCounterVec,
     /// Outcomes and paid calls in Redis not yet in the sink (sink stream entries).
     sink_lag: IntGaugeVec,
     /// What the job spent (the ledger), its cap and what is reserved in flight.
     spend_usd: GaugeVec,
     /// 1 while the job is halted on its budget.
     halted_on_budget: IntGaugeVec,
+    /// 1 while the job is halted on a quality drift alarm.
+    halted_on_drift: IntGaugeVec,
     /// 0 while the job's provider is taken for down (fleet-wide), and since when.
     provider_up: IntGaugeVec,
     provider_down_since: GaugeVec,
@@ -225,6 +231,17 @@ impl Metrics {
                 "Provider responses whose bytes could not be kept in the job's sink for the audit trail (the attempt keeps their sha256).",
                 job,
             ),
+            drift_failure_ratio: d.real_gauge(
+                "drift_failure_ratio",
+                "Share of this worker's recent validated answers (over=window: the drift window; over=before: \
+                 every earlier one) that failed on the field or rule (field=rule:<name>).",
+                &["job", "field", "over"],
+            ),
+            drift_alarms: d.counter(
+                "drift_alarms_total",
+                "Quality drift alarms: a field or rule failing far more often than before; each halted the job.",
+                &["job", "field"],
+            ),
             sink_lag: d.gauge(
                 "sink_lag",
                 "Sink stream entries (committed outcomes and paid calls) not yet written to the job's sink.",
@@ -239,6 +256,11 @@ impl Metrics {
             halted_on_budget: d.gauge(
                 "halted_on_budget",
                 "1 while the job is halted because its next call could pass its budget (producer resume --budget).",
+                job,
+            ),
+            halted_on_drift: d.gauge(
+                "halted_on_drift",
+                "1 while the job is halted because a field or rule fails far more often than before ([drift]; producer resume goes on).",
                 job,
             ),
             provider_up: d.gauge(
@@ -368,6 +390,8 @@ impl Metrics {
         self.halted_on_budget
             .with_label_values(&[job])
             .set(i64::from(on_budget));
+        let on_drift = halt.as_deref().is_some_and(|r| r.starts_with(common::drift::REASON));
+        self.halted_on_drift.with_label_values(&[job]).set(i64::from(on_drift));
         if let Ok(spend) = store.spend(job, w.partitions).await {
             self.spend_usd
                 .with_label_values(&[job, "spent"])

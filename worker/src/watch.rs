@@ -38,6 +38,9 @@ impl Watcher {
         for job in &f.jobs {
             match f.store.halted(&job.name).await {
                 Ok(Some(reason)) => {
+                    // A halted job's drift watch starts over: once resumed,
+                    // its rates then are the ones to compare with.
+                    job.drift.lock().unwrap_or_else(|e| e.into_inner()).restart();
                     halted.insert(job.name.clone(), reason);
                 }
                 Ok(None) => {}

@@ -256,7 +256,9 @@ struct Sim {
     batch_faults: batch::BatchFaults,
     /// The Batch API's files and batches.
     batch: batch::Store,
-    faults: Vec<(Fault, f64)>,
+    /// The `--faults` mix as it stands now (`POST /admin/faults` changes it:
+    /// a model that drifts mid-job).
+    faults: Mutex<Vec<(Fault, f64)>>,
     rng: Mutex<StdRng>,
     limits: Mutex<Limits>,
     stats: Mutex<Stats>,
@@ -351,7 +353,7 @@ async fn main() -> anyhow::Result<()> {
         fail_all: Mutex::new(args.fail_all.as_deref().and_then(parse_fail)),
         scripts: Mutex::new(HashMap::new()),
         slots: (args.slots > 0).then(|| Arc::new(tokio::sync::Semaphore::new(args.slots))),
-        faults,
+        faults: Mutex::new(faults),
         batch_faults,
         batch: batch::Store::default(),
         outages,
@@ -377,6 +379,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/admin/limits", post(set_limits))
         .route("/admin/fail", post(set_fail))
         .route("/admin/script", post(set_script))
+        .route("/admin/faults", post(set_faults))
         .route("/admin/outage", post(set_outage))
         .layer(axum::middleware::from_fn_with_state(sim.clone(), count_api))
         .with_state(sim);
@@ -802,7 +805,8 @@ fn draw_fault_and_latency(sim: &Sim, body: &str) -> (Option<Fault>, Duration) {
     let draw: f64 = rng.random_range(0.0..1.0);
     let mut acc = 0.0;
     let mut fault = None;
-    for (kind, p) in &sim.faults {
+    let faults = sim.faults.lock().map(|f| f.clone()).unwrap_or_default();
+    for (kind, p) in &faults {
         acc += p;
         if draw < acc {
             fault = Some(*kind);
@@ -1387,6 +1391,18 @@ async fn set_fail(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Statu
     };
     *f = body["fail"].as_str().and_then(parse_fail);
     StatusCode::NO_CONTENT
+}
+
+/// The fault mix from now on: `{"faults": "bad_enum=0.5"}`, as `--faults`
+/// takes it (empty: clean answers).
+async fn set_faults(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Response {
+    match parse_faults(body["faults"].as_str().unwrap_or_default()) {
+        Ok(mix) => {
+            *sim.faults.lock().unwrap_or_else(|e| e.into_inner()) = mix;
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+    }
 }
 
 /// A record's script: `{"record": "r1", "faults": ["server_error", "ok",
