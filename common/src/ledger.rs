@@ -33,6 +33,8 @@ pub enum Cause {
     ValidationRetry,
     /// In a round a person started (a review requeue, `retry --from`).
     Human,
+    /// The checker's, cross-checking a valid answer (`[check]`).
+    Check,
 }
 
 impl Cause {
@@ -59,6 +61,7 @@ impl Cause {
             Cause::TransientRetry,
             Cause::ValidationRetry,
             Cause::Human,
+            Cause::Check,
         ]
         .into_iter()
         .find(|c| c.name() == name)
@@ -70,6 +73,7 @@ impl Cause {
             Cause::TransientRetry => "transient_retry",
             Cause::ValidationRetry => "validation_retry",
             Cause::Human => "human",
+            Cause::Check => "check",
         }
     }
 }

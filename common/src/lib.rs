@@ -27,6 +27,7 @@
 
 pub mod audit;
 pub mod batch;
+pub mod check;
 pub mod decision;
 pub mod drift;
 pub mod heartbeat;

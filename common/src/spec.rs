@@ -51,6 +51,9 @@ pub struct JobSpec {
     /// When a field's failure rate jumps enough to pause the job (`[drift]`; on by default).
     #[serde(default, skip_serializing_if = "crate::drift::DriftSpec::is_default")]
     pub drift: crate::drift::DriftSpec,
+    /// A second model that cross-checks answers (`[check]`; none by default).
+    #[serde(default, skip_serializing_if = "crate::check::CheckSpec::is_none")]
+    pub check: crate::check::CheckSpec,
 }
 
 /// How requests reach the provider.
@@ -1221,6 +1224,9 @@ impl JobSpec {
             _ => {}
         }
         for (key, why) in self.drift.problems() {
+            p.add(key, why);
+        }
+        for (key, why) in self.check.problems(&self.output) {
             p.add(key, why);
         }
     }

@@ -271,6 +271,9 @@ pub struct Attempt {
     /// The audit trail: what was sent, to whom, and what came back.
     #[serde(default, skip_serializing_if = "Trail::is_empty")]
     pub trail: Trail,
+    /// A checker's call: what it came to against the first model's answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<crate::check::Verdict>,
 }
 
 /// Where an attempt's bytes went and came from: the sha256 of the exact
@@ -420,6 +423,9 @@ pub struct Task {
     /// budget goes to review.
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub failing_since: u64,
+    /// A valid answer waiting for the checker's (see [`crate::check`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub check: Option<Box<crate::check::Pending>>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -452,6 +458,7 @@ impl Task {
             answered: vec![],
             note: None,
             failing_since: 0,
+            check: None,
         })
     }
 
@@ -538,6 +545,7 @@ impl Task {
             answered: self.answered.clone(),
             note: self.note.clone(),
             failing_since: 0,
+            check: None,
         }
     }
 }
@@ -955,6 +963,7 @@ impl ReviewEntry {
             answered: vec![],
             note: mark.note.clone(),
             failing_since: 0,
+            check: None,
         }
     }
 
@@ -1029,6 +1038,7 @@ mod tests {
                 response_kept: true,
                 batch_files: Vec::new(),
             },
+            check: None,
         })
     }
 
@@ -1085,6 +1095,12 @@ mod tests {
             answered: vec!["0123456789abcdef".into()],
             note: Some("the label is billing".into()),
             failing_since: 1_796_000_000_000,
+            check: Some(Box::new(crate::check::Pending {
+                output: serde_json::from_str(r#"{"label":"billing"}"#).unwrap(),
+                response_id: Some("chatcmpl-1".into()),
+                repairs: vec![],
+                usage: None,
+            })),
         };
         let text = t.encode();
         assert!(text.starts_with(&format!("{{\"rid\":\"{}\"", t.rid)), "{text}");

@@ -45,6 +45,10 @@ pub enum ErrorCode {
     /// is absent, a type it compares is another): reviewed, not retried.
     #[serde(rename = "E_RULE_UNEVALUABLE")]
     RuleUnevaluable,
+    /// The checker model's answer differs on this field (`[check]`): the
+    /// record is reviewed with both answers.
+    #[serde(rename = "E_CHECK")]
+    Check,
 }
 
 impl ErrorCode {
@@ -62,6 +66,7 @@ impl ErrorCode {
             ErrorCode::Sink => "E_SINK",
             ErrorCode::Rule => "E_RULE",
             ErrorCode::RuleUnevaluable => "E_RULE_UNEVALUABLE",
+            ErrorCode::Check => "E_CHECK",
         }
     }
 }

@@ -760,3 +760,89 @@ fn without_a_sink_the_trail_names_the_bytes_and_says_they_were_not_kept() {
         assert!(!a.trail.response_kept);
     });
 }
+
+/// The example job checked by a second model at `checker`, on `fields`.
+fn checked_job(sim: &LlmSim, checker: &LlmSim, queue: &MemoryQueue) -> JobCtx {
+    let mut job = job(sim, queue, |s| {
+        s.check = common::check::CheckSpec {
+            model: "judge-model".into(),
+            base_url: Some(checker.base_url()),
+            fields: vec!["label".into()],
+            ..Default::default()
+        };
+    });
+    let mut as_checker = job.spec.clone();
+    as_checker.provider.model = "judge-model".into();
+    as_checker.provider.base_url = checker.base_url();
+    job.checker = Some(Provider::new(&as_checker, None, "sk-test-key".to_owned()).expect("HTTP client"));
+    job
+}
+
+/// The cross-check: a checked answer is committed only once the checker
+/// agrees on the listed fields; a checker that answers otherwise sends the
+/// record to review with both answers (E_CHECK on the field, the first
+/// answer as the one a reviewer accepts); a checker's 5xx waits and keeps
+/// the paid answer. Each checker call is one paid call of cause `check`.
+#[test]
+fn a_checked_answer_commits_on_agreement_and_reviews_both_on_disagreement() {
+    let sim = LlmSim::start(&["--record-served"]);
+    let agrees = LlmSim::start(&["--record-served"]);
+    let disagrees = LlmSim::start(&["--contrary", "1"]);
+    rt().block_on(async {
+        let limits = limits();
+        // Agreeing, after one 5xx from the checker.
+        let queue = MemoryQueue::new();
+        let job = checked_job(&sim, &agrees, &queue);
+        agrees.script("k1", &["server_error", "ok"]);
+        queue.enqueue(task("k1"));
+        let seen = drain(&queue, &job, &limits, 10).await;
+        let labels: Vec<&str> = seen.iter().map(|(_, s)| s.label()).collect();
+        assert_eq!(labels, ["check", "retry", "commit"], "{seen:?}");
+        let r = queue.result("k1").expect("committed");
+        let calls: Vec<_> = r
+            .history
+            .iter()
+            .filter_map(common::task::HistoryItem::as_attempt)
+            .collect();
+        assert_eq!(calls.len(), 3);
+        assert_eq!(calls[2].outcome, "check_agrees");
+        let v = calls[2].check.as_ref().expect("a verdict");
+        assert!(v.agrees() && v.model == "judge-model", "{v:?}");
+        assert_eq!(calls[2].trail.model, "judge-model");
+        assert_eq!(serde_json::Value::Object(v.first.clone())["label"], r.output["label"]);
+        let paid = queue.paid();
+        let causes: Vec<&str> = paid.iter().map(|c| c.cause.name()).collect();
+        assert_eq!(causes, ["first", "check"], "the 5xx is not billed: {paid:?}");
+        assert_eq!(r.attempts, 1, "the check is no attempt");
+
+        // Disagreeing: review, both answers kept.
+        let queue = MemoryQueue::new();
+        let job = checked_job(&sim, &disagrees, &queue);
+        queue.enqueue(task("k2"));
+        let seen = drain(&queue, &job, &limits, 10).await;
+        let e = queue
+            .review_entry("k2")
+            .unwrap_or_else(|| panic!("not reviewed: {seen:?}"));
+        assert_eq!(e.reason, common::check::DISAGREES);
+        assert_eq!(e.errors.len(), 1, "{:?}", e.errors);
+        assert_eq!(
+            (e.errors[0].code.as_str(), e.errors[0].field.as_str()),
+            ("E_CHECK", "label")
+        );
+        let first: serde_json::Value = serde_json::from_str(&e.last_raw_output).expect("the first answer");
+        let v = e
+            .history
+            .iter()
+            .rev()
+            .find_map(common::task::HistoryItem::as_attempt)
+            .unwrap()
+            .check
+            .clone()
+            .unwrap();
+        let side = v.side_by_side();
+        assert_eq!(side[0].1, first["label"].as_str().unwrap());
+        assert_ne!(side[0].1, side[0].2, "the checker said otherwise: {side:?}");
+        assert_eq!(queue.paid().len(), 2);
+        assert_eq!(disagrees.stats()["contrary"], 1);
+    });
+}

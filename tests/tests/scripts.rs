@@ -313,6 +313,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         feedback: None,
         batch: None,
         trail: Default::default(),
+        check: None,
     })];
     ReviewEntry::new(d, facts, history, &Stamp::now(&spec()), "w")
 }

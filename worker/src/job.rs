@@ -42,6 +42,8 @@ pub struct JobCtx {
     pub queue: Arc<dyn JobQueue>,
     /// The job's spend cap, when its spec has one (`[budget] max_cost_usd`).
     pub budget: Option<crate::budget::JobBudget>,
+    /// The cross-check's model (`[check]`), when the job has one.
+    pub checker: Option<crate::provider::Provider>,
     /// This worker's watch over the job's failure rates (see `common::drift`).
     pub drift: std::sync::Mutex<common::drift::Detector>,
 }
@@ -68,6 +70,7 @@ impl JobCtx {
             forms: crate::form::Forms::new(&spec, base_url, None),
             sink: None,
             raw: None,
+            checker: None,
             drift: std::sync::Mutex::new(common::drift::Detector::new(spec.drift.clone())),
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
@@ -125,6 +128,8 @@ pub struct CallReport {
 pub enum Settled {
     Committed,
     Retried,
+    /// A valid answer kept for the checker's (`[check]`): its call is next.
+    Checking,
     Reviewed,
     Dropped,
     /// Already in a terminal state (a redelivery, or a late copy): only acked.
@@ -148,6 +153,7 @@ impl Settled {
         match self {
             Settled::Committed => "commit",
             Settled::Retried => "retry",
+            Settled::Checking => "check",
             Settled::Reviewed => "review",
             Settled::Dropped => "drop",
             Settled::AlreadySettled => "already_settled",

@@ -10,7 +10,8 @@
 //! - [`job`]: what the worker holds per job ([`job::JobCtx`]) and how a task ends.
 //! - [`calls`]: the model calls in flight, as the ledger would record them.
 //! - [`clock`]: Unix milliseconds.
-//! - [`process`]: one task from delivery to its single atomic outcome.
+//! - [`process`]: one task from delivery to its single atomic outcome;
+//!   [`check`]: the cross-check's step (a second model's answer compared).
 //! - [`queue`]: the pipeline's one door to what the fleet shares about a job
 //!   (Redis in a fleet, memory in in-process tests).
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
@@ -29,6 +30,7 @@ pub mod batcher;
 pub mod breaker;
 pub mod budget;
 pub mod calls;
+pub mod check;
 pub mod claim;
 pub mod clock;
 pub mod config;

@@ -190,6 +190,9 @@ async fn run_attempt(
         tracing::warn!(job = %job.name, record_id = %d.task.rid, "the task was taken over by another worker before its call: not called");
         return Ok(Settled::Stale);
     }
+    if d.task.check.is_some() {
+        return crate::check::run(job, &d, limits, report, span).await;
+    }
     // Poison and input errors are decided before any call.
     let prep = match prepare(job, &d, limits) {
         Ok(prep) => prep,
@@ -217,7 +220,7 @@ async fn run_attempt(
         let outcome = Outcome::OverBudget { why };
         return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
-    let reservation = match reserve(job, &d, limits, &prep).await? {
+    let reservation = match reserve(job, &d, limits, &prep.at_most).await? {
         Ok(reservation) => reservation,
         Err(settled) => return Ok(settled),
     };
@@ -270,16 +273,16 @@ pub struct BatchAnswer {
 /// Reserves the call at its most against the job's cap, when it has one:
 /// Err when it is not to be sent now (the job halted on its cap, or the
 /// calls in flight hold the room: the task handed back either way, not an attempt).
-async fn reserve(
+pub(crate) async fn reserve(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
-    prep: &Prepared,
+    at_most: &Usage,
 ) -> Result<Result<Option<crate::budget::Reservation>, Settled>, StoreError> {
     let Some(budget) = &job.budget else {
         return Ok(Ok(None));
     };
-    let amount = crate::budget::at_most_nusd(&job.spec, &prep.at_most);
+    let amount = crate::budget::at_most_nusd(&job.spec, at_most);
     // Waiting for room must leave the call its whole timeout before the
     // task could be taken over (a second paid call).
     let room = limits
@@ -301,7 +304,7 @@ async fn reserve(
 }
 
 /// The paid call an attempt makes, at online prices.
-fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u32, usage: Usage) -> PaidCall {
+pub(crate) fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u32, usage: Usage) -> PaidCall {
     PaidCall::new(
         &d.task,
         attempt,
@@ -377,7 +380,8 @@ async fn conclude(
     got: Got,
     via: Via<'_>,
 ) -> Result<Settled, StoreError> {
-    let trail = keep_trail(job, d, limits, prep, &got).await;
+    let sent = (&job.provider, &*prep.body);
+    let trail = keep_trail(job, d, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
     let Got { result, elapsed, .. } = got;
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
@@ -579,6 +583,7 @@ impl AttemptRecord<'_> {
             feedback: prep.sent_feedback.clone(),
             batch: self.batch_line.and_then(|l| l.split(':').next()).map(str::to_owned),
             trail: self.trail.clone(),
+            check: None,
         }
     }
 }
@@ -588,16 +593,23 @@ impl AttemptRecord<'_> {
 /// before its outcome is stored (tried three times; failing that, the
 /// attempt says so and the record goes on: a paid answer is not held up by
 /// its copy).
-async fn keep_trail(job: &JobCtx, d: &Delivery, limits: &Limits, prep: &Prepared, got: &Got) -> Trail {
+pub(crate) async fn keep_trail(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    (provider, request): (&crate::provider::Provider, &serde_json::value::RawValue),
+    response: Option<&str>,
+    batch_files: Vec<String>,
+) -> Trail {
     let mut trail = Trail {
-        request_sha256: common::sink::sha256_hex(prep.body.get().as_bytes()),
-        model: job.provider.model().to_owned(),
-        provider: job.provider.endpoint(),
-        response_sha256: got.body.as_deref().map(|b| common::sink::sha256_hex(b.as_bytes())),
+        request_sha256: common::sink::sha256_hex(request.get().as_bytes()),
+        model: provider.model().to_owned(),
+        provider: provider.endpoint(),
+        response_sha256: response.map(|b| common::sink::sha256_hex(b.as_bytes())),
         response_kept: false,
-        batch_files: got.batch_files.clone(),
+        batch_files,
     };
-    let (Some(raw), Some(body)) = (&job.raw, &got.body) else {
+    let (Some(raw), Some(body)) = (&job.raw, response) else {
         return trail;
     };
     let mut failed = None;
@@ -907,6 +919,13 @@ async fn apply(
                     reason: "a commit without an answer".into(),
                 });
             };
+            if let Some(task) = crate::check::checking_task(job, d, facts.attempts, calls, reply, &history) {
+                // Kept with its paid call; the checker's call is the record's next step.
+                let how = Finish::Retry { due_ms: now_ms(), task };
+                let settled = settle.store(how, Settled::Checking, true).await;
+                limits.retry_scheduled.notify_one();
+                return settled;
+            }
             let result = result_of(job, d, before, facts.attempts, (calls, reply), history, stamp, limits);
             settle.store(Finish::Commit(result), Settled::Committed, true).await
         }
@@ -1025,7 +1044,7 @@ fn retry_task(
 }
 
 /// What a call used, for the limiter: usage when the provider reported it.
-fn used_of(result: &CallResult) -> Used {
+pub(crate) fn used_of(result: &CallResult) -> Used {
     match result {
         CallResult::Message { usage: Some(u), .. } => Used {
             prompt_tokens: Some(u.prompt),
@@ -1055,17 +1074,17 @@ fn used_of(result: &CallResult) -> Used {
 /// Redis takes it: as lost).
 /// What a delivery's outcome is stored with: [`Settle::store`].
 #[derive(Clone, Copy)]
-struct Settle<'a> {
-    job: &'a JobCtx,
-    d: &'a Delivery,
-    span: &'a Span,
-    limits: &'a Limits,
+pub(crate) struct Settle<'a> {
+    pub(crate) job: &'a JobCtx,
+    pub(crate) d: &'a Delivery,
+    pub(crate) span: &'a Span,
+    pub(crate) limits: &'a Limits,
     /// The paid call the outcome carries into the ledger, if any.
-    paid: Option<&'a PaidCall>,
+    pub(crate) paid: Option<&'a PaidCall>,
 }
 
 impl Settle<'_> {
-    async fn store(&self, how: Finish, then: Settled, called: bool) -> Result<Settled, StoreError> {
+    pub(crate) async fn store(&self, how: Finish, then: Settled, called: bool) -> Result<Settled, StoreError> {
         let Settle {
             job,
             d,
@@ -1138,7 +1157,7 @@ fn trace_call(span: &Span, job: &JobCtx, result: &CallResult) {
     }
 }
 
-fn business_key(input: &Map<String, Value>, id_field: &str) -> String {
+pub(crate) fn business_key(input: &Map<String, Value>, id_field: &str) -> String {
     match lookup(input, id_field) {
         Some(Value::String(s)) => s.clone(),
         Some(v) => v.to_string(),
@@ -1146,7 +1165,7 @@ fn business_key(input: &Map<String, Value>, id_field: &str) -> String {
     }
 }
 
-fn outcome_label(o: &Outcome) -> &str {
+pub(crate) fn outcome_label(o: &Outcome) -> &str {
     match o {
         Outcome::Valid => "valid",
         Outcome::Invalid(_) => "invalid_output",
@@ -1165,7 +1184,7 @@ fn outcome_label(o: &Outcome) -> &str {
     }
 }
 
-fn decision_label(d: &Decision) -> &'static str {
+pub(crate) fn decision_label(d: &Decision) -> &'static str {
     match d {
         Decision::Commit => "commit",
         Decision::Retry { .. } => "retry",
@@ -1176,21 +1195,21 @@ fn decision_label(d: &Decision) -> &'static str {
 }
 
 /// What one attempt came to, for its log line and its metrics.
-struct AttemptFacts<'a> {
-    attempt: u32,
-    decision: &'a str,
-    outcome: &'a str,
+pub(crate) struct AttemptFacts<'a> {
+    pub(crate) attempt: u32,
+    pub(crate) decision: &'a str,
+    pub(crate) outcome: &'a str,
     /// The online call's (none for a batch's line).
-    elapsed: Option<std::time::Duration>,
-    status: Option<u16>,
-    usage: Option<&'a Usage>,
+    pub(crate) elapsed: Option<std::time::Duration>,
+    pub(crate) status: Option<u16>,
+    pub(crate) usage: Option<&'a Usage>,
     /// USD, at the prices it was made at.
-    cost: f64,
-    errors: &'a [FieldError],
+    pub(crate) cost: f64,
+    pub(crate) errors: &'a [FieldError],
 }
 
 /// Logs an attempt and counts it: one place for both.
-fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_>) {
+pub(crate) fn attempt_event(job: &JobCtx, d: &Delivery, limits: &Limits, f: AttemptFacts<'_>) {
     let m = &limits.metrics;
     let name = job.name.as_str();
     let class = status_class(f.status);

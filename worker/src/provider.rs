@@ -267,6 +267,11 @@ impl Provider {
     pub fn model(&self) -> &str {
         &self.model
     }
+
+    /// The key it sends (for the scrubber: never logged).
+    pub fn key(&self) -> &str {
+        &self.api_key
+    }
 }
 
 /// What [`Provider::call`] got back.

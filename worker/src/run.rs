@@ -231,6 +231,29 @@ fn api_key(name: &str, spec: &JobSpec, base_url: &str) -> Result<String, RunErro
     Ok(api_key)
 }
 
+/// The job's checker model (`[check]`), at its own endpoint and key when
+/// the spec names them, else the job's (the worker's `--base-url` too).
+fn checker(name: &str, spec: &JobSpec, base_url: Option<&str>) -> Result<Option<Provider>, RunError> {
+    let check = &spec.check;
+    if !check.is_on() {
+        return Ok(None);
+    }
+    let mut as_job = spec.clone();
+    as_job.provider.model = check.model.clone();
+    let base = match &check.base_url {
+        Some(url) => url.clone(),
+        None => base_url.unwrap_or(&spec.provider.base_url).to_owned(),
+    };
+    as_job.provider.base_url = base.clone();
+    if let Some(var) = &check.api_key_env {
+        as_job.provider.api_key_env = var.clone();
+    }
+    let key = api_key(name, &as_job, &base)?;
+    Provider::new(&as_job, None, key)
+        .map(Some)
+        .map_err(|e| RunError::Refused(format!("the checker's HTTP client: {e}")))
+}
+
 /// How often a worker looks for the jobs it waits for.
 const JOB_WAIT_POLL: Duration = Duration::from_secs(1);
 
@@ -385,6 +408,9 @@ async fn load_jobs(store: &RedisStore, config: &Config) -> Result<Vec<(JobCtx, L
     for name in names {
         let (job, limiter, key) = load_job(store, &name, config).await?;
         secrets.push(key);
+        if let Some(checker) = &job.checker {
+            secrets.push(checker.key().to_owned());
+        }
         if let Some(common::sink::Target::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
@@ -393,6 +419,9 @@ async fn load_jobs(store: &RedisStore, config: &Config) -> Result<Vec<(JobCtx, L
     let scrubber = common::secret::Scrubber::new(secrets);
     for (job, _) in &mut jobs {
         job.provider.set_scrubber(scrubber.clone());
+        if let Some(checker) = &mut job.checker {
+            checker.set_scrubber(scrubber.clone());
+        }
     }
     Ok(jobs)
 }
@@ -528,6 +557,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     );
     let queue = Arc::new(crate::queue::RedisQueue::new(store, name));
     let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
+    job.checker = checker(name, &job.spec, base_url)?;
     if let Some(target) = sink {
         job.set_sink(target)
             .map_err(|e| RunError::Refused(format!("job `{name}`: sink: {e}")))?;

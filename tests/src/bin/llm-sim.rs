@@ -115,6 +115,12 @@ struct Args {
     /// wrong answer again and again).
     #[arg(long)]
     stubborn: bool,
+    /// A model that sees some records otherwise: for this share of records
+    /// (drawn from the record's own prompt, so the same ones every time) the
+    /// answer's first enum field takes another allowed value. A second
+    /// llm-sim started with it is a checker that disagrees on a known share.
+    #[arg(long, default_value_t = 0.0)]
+    contrary: f64,
     /// How the rate limits are told: `openai` (`x-ratelimit-*` limit,
     /// remaining and reset on every answer; `retry-after` and
     /// `retry-after-ms` on a 429), `litellm` (LiteLLM's proxy: limit and
@@ -324,6 +330,8 @@ struct Stats {
     abandoned: u64,
     /// Requests that carried no `Authorization` header.
     without_key: u64,
+    /// Answers `--contrary` changed.
+    contrary: u64,
 }
 
 const LOG_CAP: usize = 20_000;
@@ -903,6 +911,11 @@ fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers
     };
     let seed_text = format!("{}|{asked}", sim.args.seed);
     let mut object = generate(response_format, chat.record_user, &seed_text);
+    if contrary(sim.args.contrary, chat.record_user, response_format, &mut object)
+        && let Ok(mut s) = sim.stats.lock()
+    {
+        s.contrary += 1;
+    }
     let mut echo_whole = false;
     if sim.args.echo_auth {
         let echo = format!("Authorization: {}", chat.authorization);
@@ -1156,6 +1169,36 @@ fn type_names(prop: &Value) -> Vec<String> {
         Value::Array(a) => a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect(),
         _ => vec![],
     }
+}
+
+/// With `--contrary SHARE`: for that share of records, the object's first
+/// enum field takes the next allowed value. Whether it did.
+fn contrary(share: f64, record_user: &str, response_format: &Value, object: &mut Value) -> bool {
+    let user = record_user
+        .split("\n\nYour previous answer")
+        .next()
+        .unwrap_or(record_user);
+    let digest = Sha256::digest(format!("contrary|{user}").as_bytes());
+    let draw = u64::from_be_bytes(digest[..8].try_into().unwrap_or([0; 8])) as f64 / u64::MAX as f64;
+    if share <= 0.0 || draw >= share {
+        return false;
+    }
+    let Some(m) = object.as_object_mut() else { return false };
+    for (name, prop) in schema_props(response_format) {
+        let choices: Vec<&Value> = prop["enum"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|v| !v.is_null())
+            .collect();
+        if choices.len() < 2 {
+            continue;
+        }
+        let at = choices.iter().position(|v| Some(*v) == m.get(&name)).unwrap_or(0);
+        m.insert(name, choices[(at + 1) % choices.len()].clone());
+        return true;
+    }
+    false
 }
 
 /// A conforming answer: deterministic per prompt and seed. Without a schema,

@@ -1,0 +1,339 @@
+//! The cross-check's step (see `common::check`): a valid answer the job's
+//! `[check]` selects is kept in the task with its paid call
+//! ([`checking_task`]), and the record's next delivery calls the checker
+//! model with the same prompt ([`run`]): the fields that must agree agree,
+//! and the first answer is committed; or they do not, and the record goes
+//! to review with both answers (reason `checker_disagrees`, an `E_CHECK`
+//! error per field). The checker's call is in the ledger (cause `check`)
+//! and in the record's history with its verdict and audit trail. A checker
+//! that fails transiently costs time, never the kept answer; one whose every
+//! call is refused (a wrong model or key) halts the job.
+
+use common::check::{DISAGREES, Pending, Verdict};
+use common::decision::{Decision, Outcome, ProviderState, Standing, decide};
+use common::ledger::{Cause, Fate, PaidCall};
+use common::otel::Span;
+use common::store::{Finish, StoreError};
+use common::task::{Answer, Attempt, Delivery, HistoryItem, ResultRecord, ReviewEntry, ReviewFacts, Task, Usage};
+use common::validate::{ErrorCode, FieldError};
+use rand::RngExt;
+
+use crate::clock::now_ms;
+use crate::job::{CallReport, JobCtx, Limits, Settled};
+use crate::judge::Reply;
+use crate::limiter::estimate_tokens;
+use crate::process::{AttemptFacts, Settle, attempt_event, business_key, keep_trail, outcome_label, used_of};
+use crate::provider::{CallResult, Request};
+
+/// The task that keeps a valid answer for the checker, when the job checks
+/// this one (None: commit it now).
+pub(crate) fn checking_task(
+    job: &JobCtx,
+    d: &Delivery,
+    attempts: u32,
+    calls: u32,
+    reply: &Reply,
+    history: &[HistoryItem],
+) -> Option<Task> {
+    let output = reply.output.as_ref()?;
+    if job.checker.is_none() || d.task.check.is_some() || !job.spec.check.selects(&d.task.rid, output) {
+        return None;
+    }
+    let mut task = d.task.next(attempts, calls, Vec::new(), history.to_vec());
+    // Batch mode: the checker is called online.
+    task.online = true;
+    task.check = Some(Box::new(Pending {
+        output: output.clone(),
+        response_id: reply.response_id.clone(),
+        repairs: reply.repairs.clone(),
+        usage: reply.usage,
+    }));
+    Some(task)
+}
+
+/// The checker's call for a task holding a valid answer, and what it comes to.
+pub(crate) async fn run(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    report: &mut Option<CallReport>,
+    span: &Span,
+) -> Result<Settled, StoreError> {
+    let pending = d.task.check.as_deref().cloned().expect("run only for a pending check");
+    let input = d.task.input_object();
+    let key = business_key(&input, &job.spec.job.id_field);
+    let (Some(checker), Ok(prompt)) = (&job.checker, job.user.render(&input)) else {
+        // The job's spec no longer names a checker (or renders the record):
+        // the answer is committed as it is.
+        let result = result(job, d, limits, &pending, &key, d.task.history.clone());
+        let settle = Settle {
+            job,
+            d,
+            span,
+            limits,
+            paid: None,
+        };
+        return settle.store(Finish::Commit(result), Settled::Committed, false).await;
+    };
+    let (_, response_format) = job.forms.current();
+    let body = checker.body(&Request {
+        system: &job.system,
+        user: &prompt,
+        feedback: None,
+        previous: None,
+        temperature: None,
+        response_format,
+        record: &d.task.rid,
+        worker: &limits.worker,
+    });
+    let prices = job.spec.check.prices.clone().unwrap_or_else(|| job.spec.prices.clone());
+    let calls = d.task.calls + 1;
+    let estimate = Usage::estimate(
+        estimate_tokens(&job.system) + estimate_tokens(&prompt),
+        u64::from(job.spec.provider.max_tokens),
+    );
+    let at_most = crate::budget::at_most(&job.spec, &[&job.system, &prompt], 0);
+    let reservation = match crate::process::reserve(job, d, limits, &at_most).await? {
+        Ok(r) => r,
+        Err(settled) => return Ok(settled),
+    };
+    let paid_at = |usage: Usage| {
+        let mut call = PaidCall::new(
+            &d.task,
+            d.task.attempt,
+            calls,
+            d.deliveries,
+            &limits.worker,
+            usage,
+            &prices,
+            now_ms(),
+        );
+        call.cause = Cause::Check;
+        call
+    };
+    let mut cut_off = paid_at(estimate);
+    cut_off.fate = Fate::Abandoned;
+    limits.metrics.in_flight.inc();
+    let waiting = limits.calls.start(&job.name, d.partition, cut_off);
+    let called = checker.call(&d.task.rid, &limits.worker, &body).await;
+    limits.metrics.in_flight.dec();
+    *report = Some(CallReport {
+        used: used_of(&called.result),
+        headers: called.headers,
+    });
+    let trail = keep_trail(job, d, limits, (checker, &body), called.body.as_deref(), Vec::new()).await;
+    let answered = matches!(called.result, CallResult::Message { .. });
+    let timed_out = used_of(&called.result).timed_out;
+    let mut reply = called.result.into_reply(&job.spec, &input, span);
+    if reply.usage.is_none() && (answered || timed_out) {
+        reply.usage = Some(estimate);
+    }
+    if let (Some(budget), Some(r)) = (&job.budget, reservation) {
+        let actual = match reply.usage {
+            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&prices)),
+            Some(_) => r.amount_nusd,
+            None => 0,
+        };
+        if let Err(e) = budget.settle(r, actual).await {
+            tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+        }
+    }
+    let paid = waiting.answered(reply.usage.map(paid_at));
+    let (verdict, decision) = judge(job, d, checker.model(), &pending, &reply, calls);
+    let outcome = match &verdict {
+        Some(v) if v.agrees() => "check_agrees",
+        Some(_) => "check_disagrees",
+        None => outcome_label(&reply.outcome),
+    };
+    let cost = reply.usage.map_or(0.0, |u| u.cost(&prices));
+    attempt_event(
+        job,
+        d,
+        limits,
+        AttemptFacts {
+            attempt: d.task.attempt,
+            decision: crate::process::decision_label(&decision),
+            outcome,
+            elapsed: Some(called.elapsed),
+            status: reply.status,
+            usage: reply.usage.as_ref(),
+            cost,
+            errors: &[],
+        },
+    );
+    let stamp = job.stamp.renewed();
+    let mut history = d.task.history.clone();
+    history.push(HistoryItem::Attempt(Attempt {
+        attempt: d.task.attempt,
+        call: calls,
+        at: stamp.at.clone(),
+        worker: limits.worker.clone(),
+        elapsed_ms: called.elapsed.as_millis() as u64,
+        status: reply.status,
+        response_id: reply.response_id.clone(),
+        finish_reason: reply.finish_reason.clone(),
+        outcome: outcome.to_owned(),
+        errors: reply.errors().to_vec(),
+        repairs: reply.repairs.clone(),
+        usage: reply.usage,
+        decision: crate::process::decision_label(&decision).to_owned(),
+        error: reply.error.as_ref().and_then(|e| e.message.clone()),
+        feedback: None,
+        batch: None,
+        trail,
+        check: verdict.clone(),
+    }));
+    let settle = Settle {
+        job,
+        d,
+        span,
+        limits,
+        paid: paid.as_ref(),
+    };
+    match decision {
+        Decision::Commit => {
+            let result = result(job, d, limits, &pending, &key, history);
+            settle.store(Finish::Commit(result), Settled::Committed, true).await
+        }
+        Decision::Review { reason } => {
+            let errors = verdict.as_ref().map(disagreements).unwrap_or_default();
+            let first = serde_json::to_string(&pending.output).unwrap_or_default();
+            let facts = ReviewFacts {
+                key: &key,
+                prompt: &prompt,
+                last_raw_output: &first,
+                errors: &errors,
+                attempts: d.task.attempt,
+                reason: &reason,
+            };
+            let entry = ReviewEntry::new(d, facts, history, &stamp, &limits.worker);
+            settle.store(Finish::Review(entry), Settled::Reviewed, true).await
+        }
+        Decision::Retry { delay_ms, .. } => {
+            let mut task = d.task.clone();
+            task.calls = calls;
+            task.history = history;
+            let how = Finish::Retry {
+                due_ms: now_ms() + delay_ms,
+                task,
+            };
+            let settled = settle.store(how, Settled::Retried, true).await;
+            limits.retry_scheduled.notify_one();
+            settled
+        }
+        Decision::Halt { reason } | Decision::Drop { reason } => {
+            job.queue.halt(&reason).await?;
+            tracing::error!(job = %job.name, reason = %reason, "fleet halted: the checker refuses its calls; tasks stay queued");
+            let mut task = d.task.clone();
+            task.calls = calls;
+            task.history = history;
+            let _ = job.finish_paid(d, &Finish::Release(task), paid.as_ref()).await;
+            Ok(Settled::Halted(reason))
+        }
+    }
+}
+
+/// What the checker's answer comes to: a verdict when it answered, and the
+/// decision (commit on agreement, review on disagreement; a failure waits
+/// as any call's does, and one about the checker's setup halts the job).
+fn judge(
+    job: &JobCtx,
+    d: &Delivery,
+    model: &str,
+    pending: &Pending,
+    reply: &Reply,
+    calls: u32,
+) -> (Option<Verdict>, Decision) {
+    let verdict = |checker: Option<serde_json::Map<String, serde_json::Value>>| {
+        let fields = match &checker {
+            Some(out) => job.spec.check.compare(&pending.output, out),
+            None => job.spec.check.fields.iter().map(|f| (f.clone(), false)).collect(),
+        };
+        Verdict {
+            model: model.to_owned(),
+            fields,
+            first: pending.output.clone(),
+            checker,
+        }
+    };
+    let review = || Decision::Review {
+        reason: DISAGREES.to_owned(),
+    };
+    match &reply.outcome {
+        Outcome::Valid => {
+            let v = verdict(reply.output.clone());
+            let decision = if v.agrees() { Decision::Commit } else { review() };
+            (Some(v), decision)
+        }
+        // The checker's own answer is wrong or missing: no agreement.
+        Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => (Some(verdict(None)), review()),
+        other => {
+            let standing = Standing {
+                attempt: d.task.attempt.max(1),
+                calls,
+                provider: ProviderState::Up { failing_ms: 0 },
+            };
+            let decision = match decide(standing, other, &job.spec.retry, rand::rng().random_range(0.0..1.0)) {
+                Decision::Retry { delay_ms, cause, .. } => Decision::Retry {
+                    delay_ms,
+                    cause,
+                    feedback: None,
+                },
+                Decision::Halt { reason } | Decision::Review { reason } | Decision::Drop { reason } => {
+                    let said = reply.error.as_ref().and_then(|e| e.message.clone()).unwrap_or_default();
+                    Decision::Halt {
+                        reason: format!("the checker ({model}) refuses its calls: {reason}: {said}"),
+                    }
+                }
+                Decision::Commit => review(),
+            };
+            (None, decision)
+        }
+    }
+}
+
+/// An `E_CHECK` error per field the checker answered otherwise (or one for
+/// the whole answer when the checker's was not valid).
+fn disagreements(v: &Verdict) -> Vec<FieldError> {
+    if v.checker.is_none() {
+        return vec![FieldError {
+            code: ErrorCode::Check,
+            field: String::new(),
+            message: format!("the checker ({}) gave no valid answer to compare with", v.model),
+        }];
+    }
+    v.side_by_side()
+        .into_iter()
+        .filter(|(_, _, _, agree)| !agree)
+        .map(|(field, first, checker, _)| FieldError {
+            code: ErrorCode::Check,
+            message: format!("the checker ({}) answered {checker}, the first model {first}", v.model),
+            field,
+        })
+        .collect()
+}
+
+/// The kept answer as the record's result.
+fn result(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    pending: &Pending,
+    key: &str,
+    history: Vec<HistoryItem>,
+) -> ResultRecord {
+    let answer = Answer {
+        key: key.to_owned(),
+        output: pending.output.clone(),
+        attempts: d.task.attempt,
+        calls: common::task::calls_in(&history),
+        response_id: pending.response_id.clone(),
+        repairs: pending.repairs.clone(),
+        usage: pending.usage,
+    };
+    let mut result = ResultRecord::from_model(&d.task, answer, history, &job.stamp.renewed(), &limits.worker);
+    if job.sink.is_some() || job.spec.audit.sampled(&d.task.rid) {
+        result.input = Some(d.task.input.clone());
+    }
+    result
+}
