@@ -315,6 +315,48 @@ mod tests {
     }
 
     #[test]
+    fn spec_check_names_what_is_wrong_with_a_check() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/job.toml")).unwrap();
+        let spec = crate::spec::JobSpec::parse(&text, "job.toml").unwrap();
+        let keys = |c: CheckSpec| -> Vec<String> { c.problems(&spec.output).into_iter().map(|(k, _)| k).collect() };
+        assert!(keys(CheckSpec::default()).is_empty(), "no [check], nothing to say");
+        assert!(
+            keys(CheckSpec {
+                model: "m".into(),
+                fields: vec!["label".into()],
+                ..CheckSpec::default()
+            })
+            .is_empty()
+        );
+        let bad = CheckSpec {
+            model: String::new(),
+            base_url: Some("ftp://x".into()),
+            fields: vec!["nope".into(), "label".into()],
+            tolerance: [("label".to_owned(), 1.0)].into(),
+            policy: Policy::Sample,
+            ..CheckSpec::default()
+        };
+        assert_eq!(
+            keys(bad),
+            [
+                "check.model",
+                "check.base_url",
+                "check.fields",
+                "check.tolerance",
+                "check.share"
+            ]
+        );
+        let unsure = CheckSpec {
+            model: "m".into(),
+            fields: vec!["label".into()],
+            policy: Policy::LowConfidence,
+            confidence_field: Some("reason".into()),
+            ..CheckSpec::default()
+        };
+        assert_eq!(keys(unsure), ["check.confidence_field", "check.below"]);
+    }
+
+    #[test]
     fn a_disagreement_reads_side_by_side() {
         let v = Verdict {
             model: "judge".into(),

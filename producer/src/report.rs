@@ -102,7 +102,7 @@ pub struct Report {
     /// Every paid call, from the ledger: what was spent, whatever became of
     /// the records since (it only grows). By cause: `first`,
     /// `transient_retry`, `validation_retry`, `human` (rounds a person
-    /// started), and `no_result` (calls cut off at a worker's drain timeout,
+    /// started), `check` (the cross-check's model), and `no_result` (calls cut off at a worker's drain timeout,
     /// or whose outcome could not be stored: paid, estimated, no result).
     pub spend: Spend,
     /// The ledger's totals (for a job older than the ledger: the histories').
@@ -122,6 +122,18 @@ pub struct Report {
     pub processing_records_per_sec: Option<f64>,
     /// What people's spot checks of committed results estimate.
     pub accuracy: common::audit::Accuracy,
+    /// The cross-check (`[check]`): per field, the answers the checker saw
+    /// and those it agreed with.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub agreement: BTreeMap<String, Agreement>,
+}
+
+/// One field's agreement between the first model and the checker.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Agreement {
+    pub checked: u64,
+    pub agreed: u64,
+    pub rate: f64,
 }
 
 /// Builds the report of a job by scanning its results and review entries.
@@ -234,6 +246,12 @@ impl Report {
             if a.decision == "retry" {
                 *self.retries_by_cause.entry(a.outcome.clone()).or_default() += 1;
             }
+            for (field, agreed) in a.check.iter().flat_map(|v| &v.fields) {
+                let g = self.agreement.entry(field.clone()).or_default();
+                g.checked += 1;
+                g.agreed += u64::from(*agreed);
+                g.rate = g.agreed as f64 / g.checked as f64;
+            }
         }
     }
 }
@@ -309,6 +327,17 @@ pub fn print(r: &Report) {
         );
     }
     print_spend(r);
+    if !r.agreement.is_empty() {
+        crate::outln!("  cross-check: the checker agreed with the first model");
+        for (field, g) in &r.agreement {
+            crate::outln!(
+                "    {field:<30} {:>7} of {:>7} checked ({:.1}%)",
+                g.agreed,
+                g.checked,
+                g.rate * 100.0
+            );
+        }
+    }
     if r.accuracy.overall.audited + r.accuracy.waiting > 0 {
         print_accuracy(&r.accuracy);
     }
@@ -323,6 +352,7 @@ fn print_spend(r: &Report) {
         ("retries after a transient failure", "transient_retry"),
         ("retries after invalid output", "validation_retry"),
         ("human remediation (requeued rounds)", "human"),
+        ("the checker's calls (cross-check)", "check"),
         ("paid without a result", common::ledger::NO_RESULT),
     ] {
         let b = r.spend.bucket(bucket);

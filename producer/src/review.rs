@@ -902,6 +902,15 @@ pub fn entry_screen(e: &ReviewEntry, left: u64, skipped: usize) -> String {
     for err in &e.errors {
         s.push_str(&format!("error     {err}\n"));
     }
+    if let Some(v) = e
+        .history
+        .iter()
+        .rev()
+        .find_map(HistoryItem::as_attempt)
+        .and_then(|a| a.check.as_ref())
+    {
+        s.push_str(&side_by_side(v));
+    }
     s.push_str("input\n");
     s.push_str(&indent(&pretty(e.input.get())));
     s.push_str("last output\n");
@@ -909,6 +918,27 @@ pub fn entry_screen(e: &ReviewEntry, left: u64, skipped: usize) -> String {
         s.push_str("  (empty)\n");
     } else {
         s.push_str(&indent(&pretty(&e.last_raw_output)));
+    }
+    s
+}
+
+/// A cross-check's two answers, field by field (`[check]`): what a reviewer
+/// decides between. Accepting the entry as it is keeps the first model's.
+pub fn side_by_side(v: &common::check::Verdict) -> String {
+    let rows = v.side_by_side();
+    let wf = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).clamp(5, 40);
+    let wa = rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0).clamp(11, 40);
+    let cut = |t: &str| t.chars().take(40).collect::<String>();
+    let mut s = format!("checker   {} disagrees (accepting keeps the first answer)\n", v.model);
+    s.push_str(&format!("  {:<wf$}  {:<wa$}  {}\n", "field", "first model", "checker"));
+    for (field, first, checker, agree) in &rows {
+        let mark = if *agree { "" } else { "   <- differs" };
+        s.push_str(&format!(
+            "  {:<wf$}  {:<wa$}  {}{mark}\n",
+            cut(field),
+            cut(first),
+            cut(checker)
+        ));
     }
     s
 }

@@ -1164,3 +1164,47 @@ fn done_records_are_counted_for_a_rerun_before_the_page_offers_its_command() {
     assert!(run.status.success(), "{shown}: {}", stderr(&run));
     assert_eq!(status_json(&redis, "again-v2").1["expected"].as_u64(), Some(matched));
 }
+
+/// A record the checker model answered otherwise shows both answers side by
+/// side on its entry page, the differing field marked; accepting it as it is
+/// keeps the first model's answer.
+#[test]
+fn a_checker_disagreement_shows_both_answers_side_by_side() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "11"]);
+    let checker = LlmSim::start(&["--seed", "11", "--contrary", "1"]);
+    let dir = TempDir::new("console-check");
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 2);
+    let check = format!(
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\nfields = [\"label\"]\n\n[retry]",
+        checker.base_url()
+    );
+    enqueue(&redis, &data, "chk", &spec_with(&dir, &[("[retry]", &check)]));
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "chk", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(count(&redis, "chk", "review"), 2);
+    let console = ConsoleServer::start(&redis.url(), &[ANN], &[]);
+    let b = Browser::start();
+    sign_in(&b, &console, ANN);
+    b.goto(&console.url("/jobs/chk/review"));
+    b.click("#queue tbody tr a");
+    b.wait("the entry page", Duration::from_secs(10), |b| {
+        b.find("#check").is_some()
+    });
+    let first = b.text("#check tr[data-field=label] td.first");
+    let second = b.text("#check tr[data-field=label] td.checker");
+    assert!(
+        !first.is_empty() && !second.is_empty() && first != second,
+        "{first} / {second}"
+    );
+    assert_eq!(
+        b.script("return document.querySelector('#check tr[data-field=label]').className;"),
+        Value::from("has-error")
+    );
+    assert!(b.text("body").contains("The checker (judge-model) answered otherwise"));
+    assert!(
+        b.text("#output").contains(&first),
+        "the output shown is the first model's"
+    );
+}

@@ -202,3 +202,102 @@ fn a_field_that_drifts_mid_job_halts_it_with_examples_and_resume_goes_on() {
     let (_, log) = worker.finish(Duration::from_secs(30));
     assert_eq!(log.matches("quality drift: halting the job").count(), 1, "one alarm");
 }
+
+/// The cross-check in a real run: a second llm-sim is the checker and
+/// answers another label for a known share of records. Half the valid
+/// answers are checked (a seeded sample); each checked record whose checker
+/// answer differs is in review with both answers side by side, every other
+/// one is committed; the report counts the checker's calls (cause `check`)
+/// and the agreement per field; a reviewer sees both in `review next` and
+/// accepting keeps the first answer.
+#[test]
+fn a_checker_that_disagrees_on_a_known_share_sends_exactly_those_records_to_review() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("check");
+    let sim = LlmSim::start(&["--seed", "5"]);
+    let checker = LlmSim::start(&["--seed", "5", "--contrary", "0.3"]);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 200);
+    let check = format!(
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\npolicy = \"sample\"\nshare = 0.5\nseed = 9\nfields = [\"label\", \"confidence\"]\ntolerance = {{ confidence = 0.5 }}\n\n[retry]",
+        checker.base_url()
+    );
+    let spec = spec_with(&dir, &[("[retry]", &check)]);
+    let out = producer(&["spec", "check", &spec.display().to_string()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    enqueue(&redis, &data, "chk", &spec);
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "chk", &sim, &["--drain"])).finish(Duration::from_secs(90));
+    assert!(exit.success(), "{log}");
+    let (code, s) = harness::status_json(&redis, "chk");
+    assert_eq!(code, Some(0), "{s}");
+    let (checked, contrary) = (
+        checker.stats()["served"].as_u64().unwrap(),
+        checker.stats()["contrary"].as_u64().unwrap(),
+    );
+    assert!((70..=130).contains(&checked), "about half checked: {checked}");
+    assert!(contrary > 10 && contrary < checked, "{contrary} of {checked}");
+    assert_eq!(
+        s["review"].as_u64().unwrap(),
+        contrary,
+        "exactly the contrary answers are reviewed: {s}"
+    );
+    assert_eq!(s["done"].as_u64().unwrap(), 200 - contrary, "{s}");
+
+    let out = producer(&["report", "--job", "chk", "--redis", &redis.url(), "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        r["spend"]["by_bucket"]["check"]["calls"].as_u64(),
+        Some(checked),
+        "{}",
+        r["spend"]
+    );
+    assert_eq!(
+        r["agreement"]["label"]["checked"].as_u64(),
+        Some(checked),
+        "{}",
+        r["agreement"]
+    );
+    assert_eq!(r["agreement"]["label"]["agreed"].as_u64(), Some(checked - contrary));
+    assert_eq!(
+        r["agreement"]["confidence"]["agreed"].as_u64(),
+        Some(checked),
+        "within the tolerance"
+    );
+    assert_eq!(r["review_by_reason"]["checker_disagrees"].as_u64(), Some(contrary));
+    let text = stdout(&producer(&["report", "--job", "chk", "--redis", &redis.url()]));
+    assert!(
+        text.contains("the checker's calls (cross-check)") && text.contains("cross-check: the checker agreed"),
+        "{text}"
+    );
+
+    // The reviewer sees both answers and keeps the first.
+    let drive = harness::workspace().join("tests/pty/drive.py");
+    let out = std::process::Command::new("python3")
+        .arg(&drive)
+        .args(["a", "q"])
+        .arg("--")
+        .arg(harness::bin("producer"))
+        .args([
+            "review",
+            "--job",
+            "chk",
+            "--redis",
+            &redis.url(),
+            "--reviewer",
+            "ann",
+            "next",
+        ])
+        .output()
+        .unwrap();
+    let screen = stdout(&out);
+    assert!(out.status.success(), "{screen}\n{}", stderr(&out));
+    assert!(screen.contains("checker   judge-model disagrees"), "{screen}");
+    assert!(
+        screen.contains("<- differs") && screen.contains("E_CHECK label"),
+        "{screen}"
+    );
+    assert!(screen.contains("accepted"), "{screen}");
+    let (_, s) = harness::status_json(&redis, "chk");
+    assert_eq!(s["review"].as_u64().unwrap(), contrary - 1, "{s}");
+}

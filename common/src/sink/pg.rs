@@ -205,7 +205,7 @@ pub fn ddl(table: &str) -> String {
          \x20   attempt           integer NOT NULL,\n\
          \x20   delivery          integer NOT NULL,\n\
          \x20   worker            text NOT NULL,\n\
-         \x20   cause             text NOT NULL,     -- first | transient_retry | validation_retry | human\n\
+         \x20   cause             text NOT NULL,     -- first | transient_retry | validation_retry | human | check\n\
          \x20   fate              text NOT NULL,     -- settled | abandoned | lost (no result)\n\
          \x20   prompt_tokens     bigint NOT NULL,\n\
          \x20   cached_tokens     bigint NOT NULL,\n\

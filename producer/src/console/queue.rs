@@ -417,6 +417,9 @@ struct EntryPage {
     held: String,
     /// The edit form, from the field spec.
     form_fields: Vec<super::form::FormField>,
+    /// A cross-check's two answers, field by field (field, first, checker, agreed).
+    check_rows: Vec<(String, String, String, bool)>,
+    check_model: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -515,6 +518,13 @@ fn entry_view(
         .collect();
     general.sort();
     let steps = steps_of(&e);
+    let verdict = e
+        .history
+        .iter()
+        .rev()
+        .find_map(HistoryItem::as_attempt)
+        .and_then(|a| a.check.clone());
+    let (check_rows, check_model) = verdict.map(|v| (v.side_by_side(), v.model)).unwrap_or_default();
     let query = f.query();
     let next = format!(
         "{base}/next{}{}after={}",
@@ -540,6 +550,8 @@ fn entry_view(
         e,
         held: String::new(),
         form_fields,
+        check_rows,
+        check_model,
     }
 }
 
