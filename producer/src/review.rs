@@ -927,7 +927,12 @@ pub fn entry_screen(e: &ReviewEntry, left: u64, skipped: usize) -> String {
 pub fn side_by_side(v: &common::check::Verdict) -> String {
     let rows = v.side_by_side();
     let wf = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0).clamp(5, 40);
-    let wa = rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0).clamp(11, 40);
+    let wa = rows
+        .iter()
+        .map(|r| r.1.chars().count())
+        .max()
+        .unwrap_or(0)
+        .clamp(11, 40);
     let cut = |t: &str| t.chars().take(40).collect::<String>();
     let mut s = format!("checker   {} disagrees (accepting keeps the first answer)\n", v.model);
     s.push_str(&format!("  {:<wf$}  {:<wa$}  {}\n", "field", "first model", "checker"));

@@ -545,3 +545,33 @@ fn a_batch_s_output_file_is_archived_and_each_answer_traces_to_it() {
         "the record's line is in a kept file"
     );
 }
+
+/// A batch job cross-checked by a second model: the answers come through the
+/// Batch API, each checked one goes to the checker online (the check is
+/// the record's next step, marked to run online), and the records commit
+/// once it agrees; its calls are cause `check`, the others batch ones.
+#[test]
+fn a_batch_job_s_answers_are_cross_checked_online() {
+    let redis = RedisServer::start();
+    let dir = TempDir::new("batch-check");
+    let checker = LlmSim::start(&[]);
+    let check = format!(
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\nfields = [\"task_type\"]\n\n[batch]",
+        checker.base_url()
+    );
+    let spec = spec_with(&dir, &[]);
+    let text = std::fs::read_to_string(batch_spec(&dir, ""))
+        .unwrap()
+        .replace("[batch]", &check);
+    std::fs::write(&spec, text).unwrap();
+    job(&redis, &dir, "bc", &spec, 40);
+    let sim = LlmSim::start(&["--batch-secs", "1"]);
+    drain(&redis, "bc", &sim);
+    let (code, s) = status_json(&redis, "bc");
+    assert_eq!((code, s["done"].as_u64()), (Some(0), Some(40)), "{s}");
+    assert_eq!(checker.stats()["served"], 40, "every answer checked online");
+    let r = report(&redis, "bc");
+    assert_eq!(r["spend"]["by_bucket"]["check"]["calls"], 40, "{}", r["spend"]);
+    assert_eq!(r["spend"]["batch"]["calls"], 40, "{}", r["spend"]);
+    assert_eq!(r["agreement"]["task_type"]["agreed"], 40, "{}", r["agreement"]);
+}
