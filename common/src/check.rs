@@ -68,7 +68,15 @@ pub struct CheckSpec {
     /// The checker's prices (default: the job's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prices: Option<Prices>,
+    /// A verification prompt instead of the job's user prompt: a template
+    /// over the record's fields and `{{first_answer}}` (the first model's
+    /// answer, as JSON). The system prompt and the output spec stay the job's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
+
+/// The field a verification prompt reads the first model's answer from.
+pub const FIRST_ANSWER: &str = "first_answer";
 
 impl CheckSpec {
     pub fn is_none(&self) -> bool {
@@ -78,6 +86,26 @@ impl CheckSpec {
     /// Whether the job has a checker.
     pub fn is_on(&self) -> bool {
         !self.model.is_empty()
+    }
+
+    /// The checker's user prompt for a record: the verification prompt when
+    /// the spec has one (with the first answer), else the job's own.
+    pub fn prompt_for(
+        &self,
+        job_prompt: &crate::template::Template,
+        input: &Map<String, Value>,
+        first: &Map<String, Value>,
+    ) -> Result<String, String> {
+        let Some(text) = &self.prompt else {
+            return job_prompt.render(input).map_err(|e| e.to_string());
+        };
+        let template = crate::template::Template::parse(text).map_err(|e| format!("check.prompt: {e}"))?;
+        let mut fields = input.clone();
+        fields.insert(
+            FIRST_ANSWER.to_owned(),
+            Value::String(serde_json::to_string(first).unwrap_or_default()),
+        );
+        template.render(&fields).map_err(|e| e.to_string())
     }
 
     /// Whether a valid answer of `record_id` is checked.
@@ -120,8 +148,10 @@ impl CheckSpec {
             .collect()
     }
 
-    /// What is wrong with it: (key, why).
-    pub fn problems(&self, output: &OutputSection) -> Vec<(String, String)> {
+    /// What is wrong with it: (key, why). `user`: the job's user prompt (a
+    /// verification prompt reads no field it does not, so it renders
+    /// wherever the job's does).
+    pub fn problems(&self, output: &OutputSection, user: &str) -> Vec<(String, String)> {
         let mut p: Vec<(String, String)> = Vec::new();
         let mut add = |k: &str, why: String| p.push((format!("check.{k}"), why));
         if self.is_none() {
@@ -165,6 +195,27 @@ impl CheckSpec {
                 );
             } else if !(tol.is_finite() && *tol >= 0.0) {
                 add("tolerance", format!("`{f}`: {tol} is not a difference (0 or more)"));
+            }
+        }
+        if let Some(text) = &self.prompt {
+            let known = crate::template::Template::parse(user)
+                .map(|t| t.fields().iter().map(|f| f.to_string()).collect::<Vec<_>>());
+            match (crate::template::Template::parse(text), known) {
+                (Err(e), _) => add("prompt", e.to_string()),
+                (Ok(t), Ok(known)) => {
+                    for f in t.fields() {
+                        if f != FIRST_ANSWER && !known.iter().any(|k| k == f) {
+                            add(
+                                "prompt",
+                                format!(
+                                    "reads `{{{{{f}}}}}`, which prompt.user does not: a record could lack it (the fields it can read: {}, {FIRST_ANSWER})",
+                                    known.join(", ")
+                                ),
+                            );
+                        }
+                    }
+                }
+                (Ok(_), Err(_)) => {}
             }
         }
         match self.policy {
@@ -318,7 +369,12 @@ mod tests {
     fn spec_check_names_what_is_wrong_with_a_check() {
         let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/job.toml")).unwrap();
         let spec = crate::spec::JobSpec::parse(&text, "job.toml").unwrap();
-        let keys = |c: CheckSpec| -> Vec<String> { c.problems(&spec.output).into_iter().map(|(k, _)| k).collect() };
+        let keys = |c: CheckSpec| -> Vec<String> {
+            c.problems(&spec.output, &spec.prompt.user)
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect()
+        };
         assert!(keys(CheckSpec::default()).is_empty(), "no [check], nothing to say");
         assert!(
             keys(CheckSpec {
@@ -354,6 +410,31 @@ mod tests {
             ..CheckSpec::default()
         };
         assert_eq!(keys(unsure), ["check.confidence_field", "check.below"]);
+        let verify = |p: &str| CheckSpec {
+            model: "m".into(),
+            fields: vec!["label".into()],
+            prompt: Some(p.into()),
+            ..CheckSpec::default()
+        };
+        assert!(
+            keys(verify(
+                "Message: {{text}}\nAnswer given: {{first_answer}}\nIs it right?"
+            ))
+            .is_empty()
+        );
+        assert_eq!(keys(verify("{{subject}} {{first_answer}}")), ["check.prompt"]);
+        assert_eq!(keys(verify("{{unclosed")), ["check.prompt"]);
+        let input: Map<String, Value> = obj(json!({"text": "hi"}));
+        let first = obj(json!({"label": "billing"}));
+        let job_prompt = crate::template::Template::parse("{{text}}").unwrap();
+        let rendered = verify("M: {{text}} A: {{first_answer}}")
+            .prompt_for(&job_prompt, &input, &first)
+            .unwrap();
+        assert_eq!(rendered, r#"M: hi A: {"label":"billing"}"#);
+        assert_eq!(
+            CheckSpec::default().prompt_for(&job_prompt, &input, &first).unwrap(),
+            "hi"
+        );
     }
 
     #[test]

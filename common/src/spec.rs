@@ -1226,7 +1226,7 @@ impl JobSpec {
         for (key, why) in self.drift.problems() {
             p.add(key, why);
         }
-        for (key, why) in self.check.problems(&self.output) {
+        for (key, why) in self.check.problems(&self.output, &self.prompt.user) {
             p.add(key, why);
         }
     }

@@ -296,6 +296,10 @@ pub struct Trail {
     /// sink, or keeping them failed; the hash still names them).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub response_kept: bool,
+    /// The response's bytes themselves, when the sink did not take them at
+    /// the time (down, slow): they travel with the record's outcome.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_body: Option<String>,
     /// Batch mode: the sha256 of the batch's output and error files, kept
     /// whole (the response is one of their lines).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -1036,6 +1040,7 @@ mod tests {
                 provider: "http://127.0.0.1:9/v1".into(),
                 response_sha256: Some("cd".repeat(32)),
                 response_kept: true,
+                response_body: None,
                 batch_files: Vec::new(),
             },
             check: None,

@@ -122,10 +122,8 @@ pub async fn trace(store: &RedisStore, spec: &JobSpec, job: &str, id: &str, raw:
         }
     };
     let store_of = raw_store(spec, job).map_err(|e| ReviewError::Io(e.to_string()))?;
-    if let Some(raw_store) = &store_of {
-        for l in &mut chain.attempts {
-            check(raw_store, l, raw).await?;
-        }
+    for l in &mut chain.attempts {
+        check(store_of.as_ref(), l, raw).await?;
     }
     Ok(chain)
 }
@@ -144,21 +142,35 @@ fn link(a: &Attempt) -> Link {
         decision: a.decision.clone(),
         batch: a.batch.clone(),
         trail: a.trail.clone(),
-        response: match (&a.trail.response_sha256, a.trail.response_kept) {
-            (None, _) => "no response",
-            (Some(_), false) => "not kept",
-            (Some(_), true) => "missing",
+        response: match (&a.trail.response_sha256, a.trail.response_kept, &a.trail.response_body) {
+            (None, ..) => "no response",
+            // Kept in the history itself (the sink did not take it then).
+            (Some(sha), _, Some(body)) if sha256_hex(body.as_bytes()) == *sha => "verified",
+            (Some(_), _, Some(_)) => "altered",
+            (Some(_), false, None) => "not kept",
+            (Some(_), true, None) => "missing",
         },
-        kept_at: None,
+        kept_at: a
+            .trail
+            .response_body
+            .as_ref()
+            .map(|_| "the record's history (inline)".to_owned()),
         body: None,
     }
 }
 
 /// Reads a kept response back and hashes it again.
-async fn check(raw: &RawStore, l: &mut Link, with_body: bool) -> Result<(), ReviewError> {
+async fn check(raw: Option<&RawStore>, l: &mut Link, with_body: bool) -> Result<(), ReviewError> {
     let Some(sha) = l.trail.response_sha256.clone() else {
         return Ok(());
     };
+    if let Some(inline) = &l.trail.response_body {
+        if with_body {
+            l.body = Some(inline.clone());
+        }
+        return Ok(());
+    }
+    let Some(raw) = raw else { return Ok(()) };
     let Some(bytes) = raw.read(&sha).await.map_err(|e| ReviewError::Io(e.to_string()))? else {
         return Ok(());
     };

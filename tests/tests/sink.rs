@@ -756,4 +756,30 @@ fn responses_are_kept_in_the_raw_table_and_trace_reads_them_back() {
     let out = trace(false);
     assert_eq!(out.status.code(), Some(1));
     assert!(harness::stdout(&out).contains(&format!("response sha256 {first}: altered in results_raw")));
+
+    // A raw table that refuses every row: the records are not held up, the
+    // bytes go inline into their histories, and trace proves them from there.
+    pg.query(
+        "CREATE FUNCTION no_raw() RETURNS trigger AS $$ BEGIN RAISE EXCEPTION 'raw store refuses'; END $$ LANGUAGE plpgsql",
+    );
+    pg.query("CREATE TRIGGER no_raw BEFORE INSERT ON results_raw FOR EACH ROW EXECUTE FUNCTION no_raw()");
+    let more = dir.join("more.jsonl");
+    write_records(&more, 100, 20);
+    enqueue(&redis, &more, "inline", &sink_spec(&dir));
+    let mut w = worker_cmd(&redis, "inline", &sim, &["--drain"]);
+    w.env(URL_ENV, &url);
+    let (exit, log) = Running::spawn(w).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert!(log.contains("the sink does not take the responses' bytes"), "{log}");
+    assert_eq!(pg.query("SELECT count(*) FROM results WHERE job = 'inline'"), "20");
+    assert_eq!(pg.query("SELECT count(*) FROM results_raw WHERE job = 'inline'"), "0");
+    let out = harness::producer_with_env(
+        &["trace", "--job", "inline", "--redis", &redis_url, "msg-105", "--json"],
+        &[(URL_ENV, &url)],
+    );
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let chain: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let call = &chain["attempts"][0];
+    assert_eq!(call["response"], "verified", "{chain}");
+    assert_eq!(call["kept_at"], "the record's history (inline)", "{chain}");
 }

@@ -535,20 +535,19 @@ impl Batcher {
     }
 
     /// Keeps a batch's file whole in the job's raw store: its sha256 (named
-    /// in each answer's trail even when it could not be kept, and said so).
+    /// in each answer's trail; each answer's own bytes are kept, or go
+    /// inline, as an online answer's).
     async fn archive(&self, file: &str, content: &str) -> String {
         let job = &self.job;
         let sha = common::sink::sha256_hex(content.as_bytes());
-        if let Some(raw) = &job.raw
-            && let Err(e) = raw.keep(content.as_bytes()).await
-        {
+        if let crate::job::RawKept::Down(why) = job.keep_raw(content.as_bytes(), ARCHIVE_PATIENCE).await {
             self.fleet
                 .limits
                 .metrics
-                .raw_unkept
+                .raw_inline
                 .with_label_values(&[&job.name])
                 .inc();
-            tracing::warn!(job = %job.name, file = %file, error = %e, "could not keep a batch's file for the audit trail: its answers record its sha256 only");
+            tracing::warn!(job = %job.name, file = %file, error = %why, "could not keep a batch's file whole for the audit trail: its answers keep their own bytes");
         }
         sha
     }
@@ -904,6 +903,9 @@ fn line_usage(line: &OutputLine) -> Option<Usage> {
 fn pausing_at(point: &str) -> bool {
     std::env::var("BATCHFLEET_PAUSE_AT").is_ok_and(|v| v == point)
 }
+
+/// How long a batch's file waits for the sink to keep it.
+const ARCHIVE_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A fault test's pause (`BATCHFLEET_PAUSE_AT=submitting|download|settle`:
 /// before a create, after a download, halfway through settling a shard):

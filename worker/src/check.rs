@@ -1,7 +1,7 @@
 //! The cross-check's step (see `common::check`): a valid answer the job's
 //! `[check]` selects is kept in the task with its paid call
 //! ([`checking_task`]), and the record's next delivery calls the checker
-//! model with the same prompt ([`run`]): the fields that must agree agree,
+//! model with the same prompt, or the spec's verification prompt ([`run`]): the fields that must agree agree,
 //! and the first answer is committed; or they do not, and the record goes
 //! to review with both answers (reason `checker_disagrees`, an `E_CHECK`
 //! error per field). The checker's call is in the ledger (cause `check`)
@@ -62,7 +62,8 @@ pub(crate) async fn run(
     let pending = d.task.check.as_deref().cloned().expect("run only for a pending check");
     let input = d.task.input_object();
     let key = business_key(&input, &job.spec.job.id_field);
-    let (Some(checker), Ok(prompt)) = (&job.checker, job.user.render(&input)) else {
+    let prompt = job.spec.check.prompt_for(&job.user, &input, &pending.output);
+    let (Some(checker), Ok(prompt)) = (&job.checker, prompt) else {
         // The job's spec no longer names a checker (or renders the record):
         // the answer is committed as it is.
         let result = result(job, d, limits, &pending, &key, d.task.history.clone());
@@ -121,7 +122,7 @@ pub(crate) async fn run(
         used: used_of(&called.result),
         headers: called.headers,
     });
-    let trail = keep_trail(job, d, limits, (checker, &body), called.body.as_deref(), Vec::new()).await;
+    let trail = keep_trail(job, limits, (checker, &body), called.body.as_deref(), Vec::new()).await;
     let answered = matches!(called.result, CallResult::Message { .. });
     let timed_out = used_of(&called.result).timed_out;
     let mut reply = called.result.into_reply(&job.spec, &input, span);

@@ -33,6 +33,9 @@ pub struct JobCtx {
     pub sink: Option<common::sink::Target>,
     /// Where the responses' bytes are kept (beside the sink; None: no sink).
     pub raw: Option<common::sink::RawStore>,
+    /// Until when (Unix ms) the raw store is taken for down after it failed:
+    /// bytes go inline into the record's history meanwhile, at once.
+    raw_down_until: std::sync::atomic::AtomicU64,
     /// Outcomes waiting for the sink reached `sink.max_backlog`: no claims
     /// for the job until the sink catches up (set by its sink writer).
     pub sink_full: std::sync::atomic::AtomicBool,
@@ -70,6 +73,7 @@ impl JobCtx {
             forms: crate::form::Forms::new(&spec, base_url, None),
             sink: None,
             raw: None,
+            raw_down_until: std::sync::atomic::AtomicU64::new(0),
             checker: None,
             drift: std::sync::Mutex::new(common::drift::Detector::new(spec.drift.clone())),
             sink_full: std::sync::atomic::AtomicBool::new(false),
@@ -99,6 +103,28 @@ impl JobCtx {
         Ok(())
     }
 
+    /// Keeps bytes in the job's raw store, waiting `patience` at most: a
+    /// store that failed is left alone for [`RAW_DOWN`] (the caller keeps
+    /// the bytes another way meanwhile, without waiting).
+    pub async fn keep_raw(&self, bytes: &[u8], patience: std::time::Duration) -> RawKept {
+        use std::sync::atomic::Ordering;
+        let Some(raw) = &self.raw else {
+            return RawKept::NoStore;
+        };
+        if crate::clock::now_ms() < self.raw_down_until.load(Ordering::Relaxed) {
+            return RawKept::Down("the sink did not take the last one".into());
+        }
+        let why = match tokio::time::timeout(patience, raw.keep(bytes)).await {
+            Ok(Ok(_)) => return RawKept::Kept,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("the sink did not answer within {patience:?}"),
+        };
+        let until = crate::clock::now_ms() + RAW_DOWN.as_millis() as u64;
+        self.raw_down_until.store(until, Ordering::Relaxed);
+        tracing::warn!(job = %self.name, error = %why, "the sink does not take the responses' bytes: they go into the records' histories for {RAW_DOWN:?}");
+        RawKept::Down(why)
+    }
+
     pub async fn finish(&self, d: &Delivery, how: &Finish) -> Result<Finished, StoreError> {
         self.finish_paid(d, how, None).await
     }
@@ -114,6 +140,19 @@ impl JobCtx {
         let sampled = self.spec.audit.sampled(&d.task.rid);
         self.queue.finish(d, how, paid, sampled).await
     }
+}
+
+/// How long a raw store that failed is left alone.
+pub const RAW_DOWN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What [`JobCtx::keep_raw`] came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RawKept {
+    Kept,
+    /// The job has no sink.
+    NoStore,
+    /// The store failed now or a moment ago (why).
+    Down(String),
 }
 
 /// What a call used and what the provider said about limits, for settlement.

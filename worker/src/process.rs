@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 
 use crate::calls::CallInFlight;
 use crate::clock::now_ms;
-use crate::job::{CallReport, JobCtx, Limits, Settled};
+use crate::job::{CallReport, JobCtx, Limits, RawKept, Settled};
 use crate::judge::{Reply, error_codes};
 use crate::limiter::{Used, estimate_tokens};
 use crate::provider::{CallResult, ErrorKind, Request};
@@ -381,7 +381,7 @@ async fn conclude(
     via: Via<'_>,
 ) -> Result<Settled, StoreError> {
     let sent = (&job.provider, &*prep.body);
-    let trail = keep_trail(job, d, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
+    let trail = keep_trail(job, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
     let Got { result, elapsed, .. } = got;
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
@@ -590,12 +590,12 @@ impl AttemptRecord<'_> {
 
 /// The attempt's audit trail: the hashes of the request sent and the
 /// response received, and the response's bytes kept in the job's sink
-/// before its outcome is stored (tried three times; failing that, the
-/// attempt says so and the record goes on: a paid answer is not held up by
-/// its copy).
+/// before its outcome is stored. A sink that does not take them within a
+/// second (down, slow, refusing) is not waited for: the bytes go inline into
+/// the attempt (`Trail::response_body`), and with the record's outcome into
+/// the sink later; a paid answer is never held up by its copy.
 pub(crate) async fn keep_trail(
     job: &JobCtx,
-    d: &Delivery,
     limits: &Limits,
     (provider, request): (&crate::provider::Provider, &serde_json::value::RawValue),
     response: Option<&str>,
@@ -607,28 +607,23 @@ pub(crate) async fn keep_trail(
         provider: provider.endpoint(),
         response_sha256: response.map(|b| common::sink::sha256_hex(b.as_bytes())),
         response_kept: false,
+        response_body: None,
         batch_files,
     };
-    let (Some(raw), Some(body)) = (&job.raw, response) else {
-        return trail;
-    };
-    let mut failed = None;
-    for wait_ms in [0, 200, 1000] {
-        tokio::time::sleep(std::time::Duration::from_millis(wait_ms)).await;
-        match raw.keep(body.as_bytes()).await {
-            Ok(_) => {
-                trail.response_kept = true;
-                return trail;
-            }
-            Err(e) => failed = Some(e),
+    let Some(body) = response else { return trail };
+    match job.keep_raw(body.as_bytes(), RAW_PATIENCE).await {
+        RawKept::Kept => trail.response_kept = true,
+        RawKept::NoStore => {}
+        RawKept::Down(_) => {
+            limits.metrics.raw_inline.with_label_values(&[&job.name]).inc();
+            trail.response_body = Some(body.to_owned());
         }
-    }
-    limits.metrics.raw_unkept.with_label_values(&[&job.name]).inc();
-    if let Some(e) = failed {
-        tracing::warn!(job = %job.name, record_id = %d.task.rid, error = %e, "could not keep the response's bytes for the audit trail: the attempt records its hash only");
     }
     trail
 }
+
+/// How long a response's bytes wait for the sink before going inline.
+const RAW_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Adds a validated answer to the job's drift watch (see
 /// `common::drift`): a field or rule failing far more often than it did

@@ -52,8 +52,8 @@ pub struct Metrics {
     /// Result rows new in the sink, and the sink's errors by cause.
     pub sink_written: IntCounterVec,
     pub sink_errors: IntCounterVec,
-    /// Responses whose bytes could not be kept for the audit trail.
-    pub raw_unkept: IntCounterVec,
+    /// Responses whose bytes the sink did not take at once (kept inline).
+    pub raw_inline: IntCounterVec,
     /// Each field's (and rule's) failure rate in this worker's drift
     /// window and before it, and the drift alarms that halted the job.
     pub drift_failure_ratio: GaugeVec,
@@ -226,9 +226,10 @@ impl Metrics {
                 "Failed sink writes, by cause (unreachable, refused, schema, rejected).",
                 &["job", "cause"],
             ),
-            raw_unkept: d.counter(
-                "raw_unkept_total",
-                "Provider responses whose bytes could not be kept in the job's sink for the audit trail (the attempt keeps their sha256).",
+            raw_inline: d.counter(
+                "raw_inline_total",
+                "Provider responses (or batch files) whose bytes the job's sink did not take at once for the audit trail: \
+                 a response's go inline into the record's history (and with it into the sink).",
                 job,
             ),
             drift_failure_ratio: d.real_gauge(
