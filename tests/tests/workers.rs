@@ -52,12 +52,14 @@ fn workers_are_listed_alive_dead_and_stopped_and_status_gives_the_rate_and_an_et
         &spec_with(&dir, &[("timeout_secs = 30", "timeout_secs = 3")]),
     );
 
-    // A worker that will be killed: a fast heartbeat, so it is soon dead.
+    // A worker that will be killed: a fast heartbeat, so it is soon dead
+    // (after 3 beats, 1.5 s) and its entry stays 60 beats (30 s: longer
+    // than the rest of the test takes on a loaded machine).
     let killed = Running::spawn(worker_cmd(
         &redis,
         "wk",
         &sim,
-        &["--consumer", "w-killed", "--heartbeat-ms", "250", "--concurrency", "2"],
+        &["--consumer", "w-killed", "--heartbeat-ms", "500", "--concurrency", "2"],
     ));
     wait_for("w-killed settles records", Duration::from_secs(30), || {
         worker(&workers(&url), "w-killed").is_some_and(|w| w["settled"].as_u64() >= Some(5))
@@ -140,8 +142,8 @@ fn workers_are_listed_alive_dead_and_stopped_and_status_gives_the_rate_and_an_et
     assert_eq!(grey("w-killed"), "rgb(153, 153, 153)", "greyed");
     assert_eq!(grey("w-drain"), "rgb(153, 153, 153)", "greyed");
 
-    // Its entry expires after sixty beats (15 s at 250 ms) and it leaves the list.
-    wait_for("w-killed's entry expires", Duration::from_secs(30), || {
+    // Its entry expires after sixty beats (30 s at 500 ms) and it leaves the list.
+    wait_for("w-killed's entry expires", Duration::from_secs(45), || {
         worker(&workers(&url), "w-killed").is_none()
     });
 }
