@@ -846,3 +846,34 @@ fn a_checked_answer_commits_on_agreement_and_reviews_both_on_disagreement() {
         assert_eq!(disagrees.stats()["contrary"], 1);
     });
 }
+
+/// A check whose every delivery died (the worker killed mid-call, again and
+/// again) is reviewed as poison with the kept first answer, not called again.
+#[test]
+fn a_check_delivered_too_often_is_reviewed_with_the_first_answer() {
+    let sim = LlmSim::start(&[]);
+    let checker = LlmSim::start(&[]);
+    rt().block_on(async {
+        let limits = limits();
+        let queue = MemoryQueue::new();
+        let job = checked_job(&sim, &checker, &queue);
+        let mut t = task("p1");
+        t.check = Some(Box::new(common::check::Pending {
+            output: serde_json::from_str(r#"{"label":"billing"}"#).unwrap(),
+            response_id: None,
+            repairs: vec![],
+            usage: None,
+        }));
+        queue.enqueue(t);
+        let mut d = queue.deliver(WORKER).expect("delivered");
+        for n in 2..=6 {
+            d = queue.take_over("p1", &format!("w{n}")).expect("again");
+        }
+        let settled = process(&job, d, &limits, &mut None).await.expect("process");
+        assert_eq!(settled, Settled::Reviewed);
+        let e = queue.review_entry("p1").expect("in review");
+        assert_eq!(e.reason, "poison");
+        assert!(e.last_raw_output.contains("billing"));
+        assert_eq!(checker.stats()["requests"], 0, "the checker was not called again");
+    });
+}

@@ -62,6 +62,28 @@ pub(crate) async fn run(
     let pending = d.task.check.as_deref().cloned().expect("run only for a pending check");
     let input = d.task.input_object();
     let key = business_key(&input, &job.spec.job.id_field);
+    if d.deliveries > limits.max_deliveries {
+        // Every worker that took the check died or hung on it: a person
+        // decides, with the first answer (kept, paid for) before them.
+        let first = serde_json::to_string(&pending.output).unwrap_or_default();
+        let facts = ReviewFacts {
+            key: &key,
+            prompt: "",
+            last_raw_output: &first,
+            errors: &[],
+            attempts: d.task.attempt,
+            reason: "poison",
+        };
+        let entry = ReviewEntry::new(d, facts, d.task.history.clone(), &job.stamp.renewed(), &limits.worker);
+        let settle = Settle {
+            job,
+            d,
+            span,
+            limits,
+            paid: None,
+        };
+        return settle.store(Finish::Review(entry), Settled::Reviewed, false).await;
+    }
     let prompt = job.spec.check.prompt_for(&job.user, &input, &pending.output);
     let (Some(checker), Ok(prompt)) = (&job.checker, prompt) else {
         // The job's spec no longer names a checker (or renders the record):
