@@ -144,7 +144,7 @@ pub(crate) async fn run(
         used: used_of(&called.result),
         headers: called.headers,
     });
-    let trail = keep_trail(job, limits, (checker, &body), called.body.as_deref(), Vec::new()).await;
+    let trail = keep_trail(job, d, limits, (checker, &body), called.body.as_deref(), Vec::new()).await;
     let answered = matches!(called.result, CallResult::Message { .. });
     let timed_out = used_of(&called.result).timed_out;
     let mut reply = called.result.into_reply(&job.spec, &input, span);

@@ -381,7 +381,7 @@ async fn conclude(
     via: Via<'_>,
 ) -> Result<Settled, StoreError> {
     let sent = (&job.provider, &*prep.body);
-    let trail = keep_trail(job, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
+    let trail = keep_trail(job, d, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
     let Got { result, elapsed, .. } = got;
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
@@ -596,6 +596,7 @@ impl AttemptRecord<'_> {
 /// the sink later; a paid answer is never held up by its copy.
 pub(crate) async fn keep_trail(
     job: &JobCtx,
+    d: &Delivery,
     limits: &Limits,
     (provider, request): (&crate::provider::Provider, &serde_json::value::RawValue),
     response: Option<&str>,
@@ -611,7 +612,9 @@ pub(crate) async fn keep_trail(
         batch_files,
     };
     let Some(body) = response else { return trail };
-    match job.keep_raw(body.as_bytes(), RAW_PATIENCE).await {
+    // Never at the cost of the outcome's own time before the visibility timeout.
+    let left = limits.visibility.saturating_sub(d.claimed_at.elapsed()) / 4;
+    match job.keep_raw(body.as_bytes(), RAW_PATIENCE.min(left)).await {
         RawKept::Kept => trail.response_kept = true,
         RawKept::NoStore => {}
         RawKept::Down(_) => {

@@ -231,6 +231,18 @@ fn api_key(name: &str, spec: &JobSpec, base_url: &str) -> Result<String, RunErro
     Ok(api_key)
 }
 
+/// Opens the job's raw response store before the first answer comes (a
+/// store that cannot open now is tried again with each answer; meanwhile
+/// the bytes go inline).
+async fn warm_raw(job: &JobCtx) {
+    let Some(raw) = &job.raw else { return };
+    match tokio::time::timeout(Duration::from_secs(15), raw.warm()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(job = %job.name, error = %e, "the sink's raw response store is not open yet"),
+        Err(_) => tracing::warn!(job = %job.name, "the sink's raw response store did not open within 15 s"),
+    }
+}
+
 /// The job's checker model (`[check]`), at its own endpoint and key when
 /// the spec names them, else the job's (the worker's `--base-url` too).
 fn checker(name: &str, spec: &JobSpec, base_url: Option<&str>) -> Result<Option<Provider>, RunError> {
@@ -561,6 +573,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     if let Some(target) = sink {
         job.set_sink(target)
             .map_err(|e| RunError::Refused(format!("job `{name}`: sink: {e}")))?;
+        warm_raw(&job).await;
     }
     if let Some(cap) = job.spec.budget.max_cost_usd {
         // The cap the workers reserve against exists (a spec updated to have one, or a lost key).

@@ -488,6 +488,27 @@ impl PgSink {
 
     /// [`PgSink::connect`] to a table with these typed columns.
     pub async fn connect_table(url: &str, table: &str, typed: Vec<TypedColumn>) -> Result<PgSink, SinkError> {
+        let sink = Self::open(url, table, typed).await?;
+        sink.prepare().await?;
+        Ok(sink)
+    }
+
+    /// A connection for the raw responses of `table` alone: `<table>_raw`
+    /// created when absent, nothing else touched (the sink writer creates
+    /// and checks the others, with their typed columns).
+    pub async fn connect_raw(url: &str, table: &str) -> Result<PgSink, SinkError> {
+        let sink = Self::open(url, table, Vec::new()).await?;
+        let ddl = ddl(table);
+        let create = ddl
+            .split(";\n")
+            .find(|stmt| stmt.contains(&format!("{table}_raw (")))
+            .expect("the DDL creates the raw table");
+        sink.client.batch_execute(create).await.map_err(|e| sink.err(&e))?;
+        Ok(sink)
+    }
+
+    /// Connects (TLS when the URL asks for it or the server offers it).
+    async fn open(url: &str, table: &str, typed: Vec<TypedColumn>) -> Result<PgSink, SinkError> {
         let scrub = Scrubber::new(db_passwords(url));
         let mut config: tokio_postgres::Config = url.parse().map_err(|e: tokio_postgres::Error| {
             SinkError::Refused(format!("the database URL is invalid: {}", scrub.scrub(&error_text(&e))))
@@ -515,7 +536,6 @@ impl PgSink {
             scrub,
             unacked: HashMap::new(),
         };
-        sink.prepare().await?;
         Ok(sink)
     }
 

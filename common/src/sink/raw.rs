@@ -114,6 +114,17 @@ impl RawStore {
         }
     }
 
+    /// Opens what it needs ahead of the first response (PostgreSQL: the
+    /// connection and its table), so the first keep is as quick as the rest.
+    pub async fn warm(&self) -> Result<(), SinkError> {
+        match self {
+            RawStore::Postgres { .. } => self.db().await.map(|_| ()),
+            RawStore::Files(dir) => std::fs::create_dir_all(dir)
+                .map_err(|e| SinkError::Disk(format!("cannot create {}: {e}", dir.display()))),
+            RawStore::Memory(..) => Ok(()),
+        }
+    }
+
     async fn db(&self) -> Result<Arc<PgSink>, SinkError> {
         let RawStore::Postgres { url, table, db, .. } = self else {
             unreachable!("only a PostgreSQL raw store has a database")
@@ -122,8 +133,7 @@ impl RawStore {
         if let Some(db) = held.as_ref().filter(|db| !db.is_closed()) {
             return Ok(db.clone());
         }
-        // The tables exist (the sink writer made them): only `_raw` may be new.
-        let opened = Arc::new(PgSink::connect_table(url, table, Vec::new()).await?);
+        let opened = Arc::new(PgSink::connect_raw(url, table).await?);
         *held = Some(opened.clone());
         Ok(opened)
     }
