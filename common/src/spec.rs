@@ -49,11 +49,11 @@ pub struct JobSpec {
     #[serde(default, skip_serializing_if = "BatchSection::is_default")]
     pub batch: BatchSection,
     /// When a field's failure rate jumps enough to pause the job (`[drift]`; on by default).
-    #[serde(default, skip_serializing_if = "crate::drift::DriftSpec::is_default")]
-    pub drift: crate::drift::DriftSpec,
+    #[serde(default, skip_serializing_if = "DriftSpec::is_default")]
+    pub drift: DriftSpec,
     /// A second model that cross-checks answers (`[check]`; none by default).
-    #[serde(default, skip_serializing_if = "crate::check::CheckSpec::is_none")]
-    pub check: crate::check::CheckSpec,
+    #[serde(default, skip_serializing_if = "CheckSpec::is_none")]
+    pub check: CheckSpec,
 }
 
 /// How requests reach the provider.
@@ -1659,6 +1659,263 @@ fn describe_fields(out: &mut String, fields: &OrderedFields, indent: &str) {
         if let Some(own) = own {
             describe_fields(out, own, &format!("{indent}  "));
         }
+    }
+}
+
+// ---- [check] ----
+
+/// Which answers are checked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Policy {
+    #[default]
+    All,
+    Sample,
+    LowConfidence,
+}
+
+/// `[check]`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckSpec {
+    /// The checker's model (none: no check).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub model: String,
+    /// Its endpoint (default: the job's `provider.base_url`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+    /// The variable holding its key (default: the job's `provider.api_key_env`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub policy: Policy,
+    /// `sample`: the share of valid answers checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<f64>,
+    /// `sample`: which ones (the same seed always picks the same records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// `low_confidence`: the output field holding the model's confidence.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confidence_field: Option<String>,
+    /// `low_confidence`: answers under this are checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub below: Option<f64>,
+    /// The output fields that must agree.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fields: Vec<String>,
+    /// Numeric fields: the largest difference that still agrees.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tolerance: BTreeMap<String, f64>,
+    /// The checker's prices (default: the job's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prices: Option<Prices>,
+    /// A verification prompt instead of the job's user prompt: a template
+    /// over the record's fields and `{{first_answer}}` (the first model's
+    /// answer, as JSON). The system prompt and the output spec stay the job's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
+}
+
+/// The field a verification prompt reads the first model's answer from.
+pub const FIRST_ANSWER: &str = "first_answer";
+
+impl CheckSpec {
+    pub fn is_none(&self) -> bool {
+        *self == CheckSpec::default()
+    }
+
+    /// Whether the job has a checker.
+    pub fn is_on(&self) -> bool {
+        !self.model.is_empty()
+    }
+
+    /// What is wrong with it: (key, why). `user`: the job's user prompt (a
+    /// verification prompt reads no field it does not, so it renders
+    /// wherever the job's does).
+    pub fn problems(&self, output: &OutputSection, user: &str) -> Vec<(String, String)> {
+        let mut p: Vec<(String, String)> = Vec::new();
+        let mut add = |k: &str, why: String| p.push((format!("check.{k}"), why));
+        if self.is_none() {
+            return Vec::new();
+        }
+        if !self.is_on() {
+            add(
+                "model",
+                "names the checker's model: [check] without it checks nothing".into(),
+            );
+        }
+        if let Some(url) = &self.base_url
+            && !(url.starts_with("http://") || url.starts_with("https://"))
+        {
+            add("base_url", format!("`{url}` is not an http(s) URL"));
+        }
+        if self.fields.is_empty() {
+            add(
+                "fields",
+                "lists the output fields that must agree, e.g. fields = [\"label\"]".into(),
+            );
+        }
+        let known: Vec<&String> = output.fields.iter().map(|(n, _)| n).collect();
+        for f in &self.fields {
+            if !known.contains(&f) {
+                add(
+                    "fields",
+                    format!("`{f}` is not an output field (they are: {})", join_names(&known)),
+                );
+            }
+        }
+        for (f, tol) in &self.tolerance {
+            let numeric = output
+                .fields
+                .iter()
+                .any(|(n, s)| n == f && matches!(s.kind, FieldType::Number | FieldType::Integer));
+            if !self.fields.contains(f) || !numeric {
+                add(
+                    "tolerance",
+                    format!("`{f}` is not a number field listed in check.fields"),
+                );
+            } else if !(tol.is_finite() && *tol >= 0.0) {
+                add("tolerance", format!("`{f}`: {tol} is not a difference (0 or more)"));
+            }
+        }
+        if let Some(text) = &self.prompt {
+            let known = crate::template::Template::parse(user)
+                .map(|t| t.fields().iter().map(|f| f.to_string()).collect::<Vec<_>>());
+            match (crate::template::Template::parse(text), known) {
+                (Err(e), _) => add("prompt", e.to_string()),
+                (Ok(t), Ok(known)) => {
+                    for f in t.fields() {
+                        if f != FIRST_ANSWER && !known.iter().any(|k| k == f) {
+                            add(
+                                "prompt",
+                                format!(
+                                    "reads `{{{{{f}}}}}`, which prompt.user does not: a record could lack it (the fields it can read: {}, {FIRST_ANSWER})",
+                                    known.join(", ")
+                                ),
+                            );
+                        }
+                    }
+                }
+                (Ok(_), Err(_)) => {}
+            }
+        }
+        match self.policy {
+            Policy::All => {}
+            Policy::Sample => match self.share {
+                Some(s) if s.is_finite() && s > 0.0 && s <= 1.0 => {}
+                _ => add(
+                    "share",
+                    "policy = \"sample\" takes share, above 0 and at most 1 (a share of the valid answers)".into(),
+                ),
+            },
+            Policy::LowConfidence => {
+                let field = self.confidence_field.as_deref().unwrap_or("confidence");
+                let numeric = output
+                    .fields
+                    .iter()
+                    .any(|(n, s)| n == field && matches!(s.kind, FieldType::Number));
+                if !numeric {
+                    add(
+                        "confidence_field",
+                        format!("`{field}` is not a number field of the output (policy = \"low_confidence\")"),
+                    );
+                }
+                if !self.below.is_some_and(|b| b.is_finite()) {
+                    add(
+                        "below",
+                        "policy = \"low_confidence\" takes below: answers under it are checked".into(),
+                    );
+                }
+            }
+        }
+        p
+    }
+}
+
+fn join_names(names: &[&String]) -> String {
+    names.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+// ---- [drift] ----
+
+/// `[drift]`: when a field's failure rate counts as drift.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriftSpec {
+    /// false: never pause the job on drift.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// The recent answers compared with the earlier ones (per worker).
+    #[serde(default = "default_window")]
+    pub window: u32,
+    /// How many times the earlier failure rate the window's must pass.
+    #[serde(default = "default_factor")]
+    pub factor: f64,
+    /// Failures on the field in the window before an alarm can sound.
+    #[serde(default = "default_min_failures")]
+    pub min_failures: u32,
+    /// Earlier answers needed before an alarm can sound (default: `window`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<u32>,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_window() -> u32 {
+    200
+}
+fn default_factor() -> f64 {
+    3.0
+}
+fn default_min_failures() -> u32 {
+    20
+}
+
+impl Default for DriftSpec {
+    fn default() -> DriftSpec {
+        DriftSpec {
+            enabled: true,
+            window: default_window(),
+            factor: default_factor(),
+            min_failures: default_min_failures(),
+            baseline: None,
+        }
+    }
+}
+
+impl DriftSpec {
+    pub fn is_default(&self) -> bool {
+        *self == DriftSpec::default()
+    }
+
+    pub fn baseline(&self) -> u32 {
+        self.baseline.unwrap_or(self.window)
+    }
+
+    /// What is wrong with it: (key, why).
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
+        let mut p = Vec::new();
+        if !(20..=1_000_000).contains(&self.window) {
+            p.push(("drift.window", "must be between 20 and 1000000 answers".to_owned()));
+        }
+        if !(self.factor.is_finite() && self.factor > 1.0) {
+            p.push((
+                "drift.factor",
+                "must be above 1 (times the earlier failure rate)".to_owned(),
+            ));
+        }
+        if self.min_failures == 0 || self.min_failures > self.window {
+            p.push((
+                "drift.min_failures",
+                format!("must be between 1 and drift.window ({})", self.window),
+            ));
+        }
+        if self.baseline.is_some_and(|b| b == 0) {
+            p.push(("drift.baseline", "must be at least 1 answer".to_owned()));
+        }
+        p
     }
 }
 

@@ -273,7 +273,7 @@ pub struct Attempt {
     pub trail: Trail,
     /// A checker's call: what it came to against the first model's answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub check: Option<crate::check::Verdict>,
+    pub check: Option<Verdict>,
 }
 
 /// Where an attempt's bytes went and came from: the sha256 of the exact
@@ -429,7 +429,7 @@ pub struct Task {
     pub failing_since: u64,
     /// A valid answer waiting for the checker's (see [`crate::check`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub check: Option<Box<crate::check::Pending>>,
+    pub check: Option<Box<Pending>>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -996,6 +996,58 @@ impl ReviewEntry {
     }
 }
 
+/// A valid answer waiting for its check (kept in the task: it was paid for).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Pending {
+    pub output: Map<String, Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub repairs: Vec<crate::validate::Repair>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::task::Usage>,
+}
+
+/// What a check came to, kept on the checker's call in the record's history.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    pub model: String,
+    /// Field by field: agreed or not.
+    pub fields: BTreeMap<String, bool>,
+    /// The first model's answer and the checker's (the checker's absent
+    /// when it was not valid: its errors are the call's).
+    pub first: Map<String, Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checker: Option<Map<String, Value>>,
+}
+
+impl Verdict {
+    pub fn agrees(&self) -> bool {
+        self.checker.is_some() && self.fields.values().all(|a| *a)
+    }
+
+    /// The fields side by side, for people: `field  first  checker  agree?`.
+    pub fn side_by_side(&self) -> Vec<(String, String, String, bool)> {
+        let text = |m: Option<&Map<String, Value>>, f: &str| {
+            m.and_then(|m| m.get(f)).map_or("-".to_owned(), |v| match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+        };
+        self.fields
+            .iter()
+            .map(|(f, agree)| {
+                (
+                    f.clone(),
+                    text(Some(&self.first), f),
+                    text(self.checker.as_ref(), f),
+                    *agree,
+                )
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1100,7 +1152,7 @@ mod tests {
             answered: vec!["0123456789abcdef".into()],
             note: Some("the label is billing".into()),
             failing_since: 1_796_000_000_000,
-            check: Some(Box::new(crate::check::Pending {
+            check: Some(Box::new(Pending {
                 output: serde_json::from_str(r#"{"label":"billing"}"#).unwrap(),
                 response_id: Some("chatcmpl-1".into()),
                 repairs: vec![],

@@ -18,11 +18,13 @@ use common::task::{Answer, Attempt, Delivery, HistoryItem, ResultRecord, ReviewE
 use common::validate::{ErrorCode, FieldError};
 use rand::RngExt;
 
+use crate::attempt::{
+    AttemptFacts, Settle, attempt_event, business_key, decision_label, keep_trail, outcome_label, reserve, used_of,
+};
 use crate::clock::now_ms;
 use crate::job::{CallReport, JobCtx, Limits, Settled};
 use crate::judge::Reply;
 use crate::limiter::estimate_tokens;
-use crate::process::{AttemptFacts, Settle, attempt_event, business_key, keep_trail, outcome_label, used_of};
 use crate::provider::{CallResult, Request};
 
 /// The task that keeps a valid answer for the checker, when the job checks
@@ -116,7 +118,7 @@ pub(crate) async fn run(
         u64::from(job.spec.provider.max_tokens),
     );
     let at_most = crate::budget::at_most(&job.spec, &[&job.system, &prompt], 0);
-    let reservation = match crate::process::reserve(job, d, limits, &at_most).await? {
+    let reservation = match reserve(job, d, limits, &at_most).await? {
         Ok(r) => r,
         Err(settled) => return Ok(settled),
     };
@@ -175,7 +177,7 @@ pub(crate) async fn run(
         limits,
         AttemptFacts {
             attempt: d.task.attempt,
-            decision: crate::process::decision_label(&decision),
+            decision: decision_label(&decision),
             outcome,
             elapsed: Some(called.elapsed),
             status: reply.status,
@@ -199,7 +201,7 @@ pub(crate) async fn run(
         errors: reply.errors().to_vec(),
         repairs: reply.repairs.clone(),
         usage: reply.usage,
-        decision: crate::process::decision_label(&decision).to_owned(),
+        decision: decision_label(&decision).to_owned(),
         error: reply.error.as_ref().and_then(|e| e.message.clone()),
         feedback: None,
         batch: None,

@@ -10,6 +10,7 @@
 //! - [`job`]: what the worker holds per job ([`job::JobCtx`]) and how a task ends.
 //! - [`calls`]: the model calls in flight, as the ledger would record them.
 //! - [`clock`]: Unix milliseconds.
+//! - [`attempt`]: what an attempt leaves (reservation, audit trail, event, stored outcome);
 //! - [`process`]: one task from delivery to its single atomic outcome;
 //!   [`check`]: the cross-check's step (a second model's answer compared).
 //! - [`queue`]: the pipeline's one door to what the fleet shares about a job
@@ -25,6 +26,7 @@
 //!   autoscaler and promotes due retries while no worker runs (`scaler` binary).
 //! - [`telemetry`]: metric declarations; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+pub mod attempt;
 pub mod batch_api;
 pub mod batcher;
 pub mod breaker;
