@@ -215,6 +215,26 @@ mod tests {
     }
 
     #[test]
+    fn a_checker_elsewhere_names_its_own_key() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/job.toml")).unwrap();
+        let with = |extra: &str| {
+            let spec = format!("{text}\n[check]\nmodel = \"judge\"\nfields = [\"label\"]\n{extra}\n");
+            match crate::spec::JobSpec::parse(&spec, "job.toml") {
+                Ok(_) => false,
+                Err(e) => e.to_string().contains("check.api_key_env"),
+            }
+        };
+        assert!(
+            with("base_url = \"https://elsewhere.example/v1\""),
+            "the job's key never goes to another host"
+        );
+        assert!(!with(
+            "base_url = \"https://elsewhere.example/v1\"\napi_key_env = \"JUDGE_KEY\""
+        ));
+        assert!(!with(""), "the job's own server takes the job's key");
+    }
+
+    #[test]
     fn a_disagreement_reads_side_by_side() {
         let v = Verdict {
             model: "judge".into(),

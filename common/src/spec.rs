@@ -1229,6 +1229,18 @@ impl JobSpec {
         for (key, why) in self.check.problems(&self.output, &self.prompt.user) {
             p.add(key, why);
         }
+        let elsewhere = self
+            .check
+            .base_url
+            .as_ref()
+            .is_some_and(|u| *u != self.provider.base_url);
+        if elsewhere && self.check.api_key_env.is_none() && self.provider.needs_key {
+            p.add(
+                "check.api_key_env",
+                "names the variable of the checker's key: its base_url is another server, and the job's key \
+                 is never sent anywhere but provider.base_url",
+            );
+        }
     }
 
     /// `[limits]`: every limit lets at least one request through.

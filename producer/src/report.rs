@@ -246,7 +246,9 @@ impl Report {
             if a.decision == "retry" {
                 *self.retries_by_cause.entry(a.outcome.clone()).or_default() += 1;
             }
-            for (field, agreed) in a.check.iter().flat_map(|v| &v.fields) {
+            // A checker with no valid answer of its own agreed or disagreed with nothing.
+            let compared = a.check.iter().filter(|v| v.checker.is_some());
+            for (field, agreed) in compared.flat_map(|v| &v.fields) {
                 let g = self.agreement.entry(field.clone()).or_default();
                 g.checked += 1;
                 g.agreed += u64::from(*agreed);

@@ -78,9 +78,10 @@ pub async fn trace(store: &RedisStore, spec: &JobSpec, job: &str, id: &str, raw:
             let in_redis = store.result_text(job, p, &rid).await?.is_some();
             let produced_by_call = (!r.human)
                 .then(|| {
+                    // The checker's agreeing call commits the first answer, not its own.
                     attempts(&r.history)
                         .rev()
-                        .find(|a| a.decision == "commit")
+                        .find(|a| a.decision == "commit" && a.check.is_none())
                         .map(|a| a.call)
                 })
                 .flatten();

@@ -556,7 +556,7 @@ fn a_batch_job_s_answers_are_cross_checked_online() {
     let dir = TempDir::new("batch-check");
     let checker = LlmSim::start(&[]);
     let check = format!(
-        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\nfields = [\"task_type\"]\n\n[batch]",
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\napi_key_env = \"OPENAI_API_KEY\"\nfields = [\"task_type\"]\n\n[batch]",
         checker.base_url()
     );
     let spec = spec_with(&dir, &[]);

@@ -1177,7 +1177,7 @@ fn a_checker_disagreement_shows_both_answers_side_by_side() {
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 2);
     let check = format!(
-        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\nfields = [\"label\"]\n\n[retry]",
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\napi_key_env = \"OPENAI_API_KEY\"\nfields = [\"label\"]\n\n[retry]",
         checker.base_url()
     );
     enqueue(&redis, &data, "chk", &spec_with(&dir, &[("[retry]", &check)]));

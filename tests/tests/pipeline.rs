@@ -877,3 +877,53 @@ fn a_check_delivered_too_often_is_reviewed_with_the_first_answer() {
         assert_eq!(checker.stats()["requests"], 0, "the checker was not called again");
     });
 }
+
+/// The checker's own answer not valid: nothing to agree with, reviewed as
+/// `checker_invalid` (not counted as a disagreement); a checker failing for
+/// longer than the job waits out an outage: the record is reviewed with the
+/// kept first answer instead of waiting forever (and its calls say so).
+#[test]
+fn a_checker_that_answers_nothing_valid_or_stays_down_reviews_the_record() {
+    let sim = LlmSim::start(&[]);
+    let checker = LlmSim::start(&[]);
+    rt().block_on(async {
+        let limits = limits();
+        let queue = MemoryQueue::new();
+        let job = checked_job(&sim, &checker, &queue);
+        checker.script("i1", &["missing_field"]);
+        queue.enqueue(task("i1"));
+        drain(&queue, &job, &limits, 5).await;
+        let e = queue.review_entry("i1").expect("reviewed");
+        assert_eq!(e.reason, "checker_invalid");
+        let last = e
+            .history
+            .iter()
+            .rev()
+            .find_map(common::task::HistoryItem::as_attempt)
+            .unwrap();
+        assert_eq!(last.outcome, "check_invalid");
+        assert!(last.check.as_ref().is_some_and(|v| v.checker.is_none()));
+
+        let queue = MemoryQueue::new();
+        let mut job = checked_job(&sim, &checker, &queue);
+        job.spec.retry.outage_budget_secs = Some(1);
+        checker.script("o1", &["server_error", "server_error", "server_error"]);
+        queue.enqueue(task("o1"));
+        let before = checker.stats()["requests"].as_u64().unwrap();
+        drain(&queue, &job, &limits, 3).await;
+        assert_eq!(queue.state("o1"), Some(RecordState::Delayed), "the first failure waits");
+        assert_eq!(checker.stats()["requests"].as_u64().unwrap(), before + 1);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        drain(&queue, &job, &limits, 3).await;
+        let e = queue
+            .review_entry("o1")
+            .expect("reviewed once the outage budget is spent");
+        assert_eq!(e.reason, "checker_transient_exhausted");
+        assert!(
+            e.last_raw_output.contains("label"),
+            "the first answer is before the reviewer"
+        );
+        let causes: Vec<&str> = queue.paid().iter().map(|c| c.cause.name()).collect();
+        assert_eq!(causes, ["first"], "the checker's 5xx are not billed");
+    });
+}

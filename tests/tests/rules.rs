@@ -219,7 +219,7 @@ fn a_checker_that_disagrees_on_a_known_share_sends_exactly_those_records_to_revi
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 200);
     let check = format!(
-        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\npolicy = \"sample\"\nshare = 0.5\nseed = 9\nfields = [\"label\", \"confidence\"]\ntolerance = {{ confidence = 0.5 }}\n\n[retry]",
+        "[check]\nmodel = \"judge-model\"\nbase_url = \"{}\"\napi_key_env = \"OPENAI_API_KEY\"\npolicy = \"sample\"\nshare = 0.5\nseed = 9\nfields = [\"label\", \"confidence\"]\ntolerance = {{ confidence = 0.5 }}\n\n[retry]",
         checker.base_url()
     );
     let spec = spec_with(&dir, &[("[retry]", &check)]);

@@ -19,7 +19,7 @@ use crate::limiter::Used;
 use crate::provider::{CallResult, ErrorKind};
 use crate::telemetry::status_class;
 
-/// Reserves the call at its most against the job's cap, when it has one:
+/// Reserves the call at its most, at `prices`, against the job's cap, when it has one:
 /// Err when it is not to be sent now (the job halted on its cap, or the
 /// calls in flight hold the room: the task handed back either way, not an attempt).
 pub async fn reserve(
@@ -27,11 +27,12 @@ pub async fn reserve(
     d: &Delivery,
     limits: &Limits,
     at_most: &Usage,
+    prices: &common::spec::Prices,
 ) -> Result<Result<Option<crate::budget::Reservation>, Settled>, StoreError> {
     let Some(budget) = &job.budget else {
         return Ok(Ok(None));
     };
-    let amount = crate::budget::at_most_nusd(&job.spec, at_most);
+    let amount = crate::budget::at_most_nusd(prices, at_most);
     // Waiting for room must leave the call its whole timeout before the
     // task could be taken over (a second paid call).
     let room = limits

@@ -144,9 +144,9 @@ pub fn at_most(spec: &JobSpec, messages: &[&str], format_bytes: u64) -> Usage {
     }
 }
 
-/// [`at_most`] in nano-USD at the spec's prices.
-pub fn at_most_nusd(spec: &JobSpec, most: &Usage) -> u64 {
-    nano_usd(spec.prices.cost(most.prompt, 0, most.completion))
+/// [`at_most`] in nano-USD at `prices` (the job's, or its checker's).
+pub fn at_most_nusd(prices: &common::spec::Prices, most: &Usage) -> u64 {
+    nano_usd(prices.cost(most.prompt, 0, most.completion))
 }
 
 /// Why the record's next call, at its most (`next`), could pass one of its
@@ -232,7 +232,7 @@ mod tests {
         let format = serde_json::json!({"type": "json_object"});
         let most = at_most(&s, &["x".repeat(100).as_str()], format.to_string().len() as u64);
         assert_eq!((most.prompt, most.completion), (116 + 22, 200));
-        assert_eq!(at_most_nusd(&s, &most), (138 * 150 + 200 * 600) as u64);
+        assert_eq!(at_most_nusd(&s.prices, &most), (138 * 150 + 200 * 600) as u64);
         // Non-ASCII text counts its bytes, not its characters.
         let text = "verspätet 🙂";
         assert_eq!(at_most(&s, &[text], 0).prompt, 15 + 16);

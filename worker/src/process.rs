@@ -222,7 +222,7 @@ async fn run_attempt(
         let outcome = Outcome::OverBudget { why };
         return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
-    let reservation = match reserve(job, &d, limits, &prep.at_most).await? {
+    let reservation = match reserve(job, &d, limits, &prep.at_most, &job.spec.prices).await? {
         Ok(reservation) => reservation,
         Err(settled) => return Ok(settled),
     };
