@@ -642,9 +642,11 @@ fn slow_calls_with_no_lag_keep_their_workers_and_a_scale_down_never_cuts_a_call(
     );
 
     // Now: the pending trigger keeps workers while calls are in flight, the
-    // drain covers the provider timeout. Calls of 0.4-8 s end at different
-    // times, so the HPA scales down while other calls are still running.
-    let varied = LlmSim::start(&["--latency-ms", "2000", "--seed", "3"]);
+    // drain covers the provider timeout. Calls take 0.4, 3 or 6 s in turn:
+    // any four of the seven include two that end seconds apart, so the HPA
+    // scales down while other calls are still running, whatever order the
+    // pods send them in.
+    let varied = LlmSim::start(&["--latency-cycle-ms", "400,3000,6000"]);
     let now = render_with("2");
     assert!(now.scaler && now.triggers.len() == 2 * PARTITIONS as usize + 1);
     let (mut scaler, addr) = start_scaler(&redis);

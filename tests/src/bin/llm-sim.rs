@@ -137,6 +137,11 @@ struct Args {
     /// Every request takes exactly `--latency-ms` (no random spread).
     #[arg(long)]
     steady_latency: bool,
+    /// The n-th admitted request takes the (n mod k)-th of these latencies
+    /// (ms, comma-separated): calls that end at known, spread-out times
+    /// whatever order they arrive in. Overrides `--latency-ms`.
+    #[arg(long, value_delimiter = ',')]
+    latency_cycle_ms: Vec<u64>,
     /// Answers carry no `usage` object (some OpenAI-compatible servers and
     /// proxies leave it out): the client cannot know what it was billed.
     #[arg(long)]
@@ -288,6 +293,8 @@ struct Sim {
     /// HTTP requests clients sent to `/v1/...` (chat, files, batches): not
     /// the chat calls a batch makes inside.
     api_calls: std::sync::atomic::AtomicU64,
+    /// Requests admitted so far, for `--latency-cycle-ms`.
+    admitted: std::sync::atomic::AtomicU64,
 }
 
 /// Counts a client's request to the API.
@@ -366,6 +373,7 @@ async fn main() -> anyhow::Result<()> {
         batch: batch::Store::default(),
         outages,
         api_calls: Default::default(),
+        admitted: Default::default(),
         args,
     });
     let app = Router::new()
@@ -823,7 +831,11 @@ fn draw_fault_and_latency(sim: &Sim, body: &str) -> (Option<Fault>, Duration) {
     }
     let mean = sim.args.latency_ms as f64;
     let u: f64 = rng.random_range(f64::EPSILON..1.0);
-    let latency = if sim.args.steady_latency {
+    let cycle = &sim.args.latency_cycle_ms;
+    let latency = if !cycle.is_empty() {
+        let n = sim.admitted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        cycle[(n % cycle.len() as u64) as usize] as f64
+    } else if sim.args.steady_latency {
         mean
     } else if mean > 0.0 {
         mean * 0.2 + (-u.ln()) * mean * 0.8
