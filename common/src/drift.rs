@@ -22,19 +22,43 @@ pub use crate::spec::DriftSpec;
 use crate::validate::{ErrorCode, FieldError};
 
 /// What an answer failed on, as drift counts it: each field once, each
-/// business rule once (`rule:<name>`).
+/// business rule once (`rule:<name>`). A field inside an array counts
+/// under its path without indices (`items[3].name` as `items[].name`):
+/// the same field drifts whichever item shows it, and the keys (metric
+/// labels among them) stay as few as the spec's fields.
 pub fn keys_of(errors: &[FieldError]) -> Vec<String> {
     let mut keys: Vec<String> = errors
         .iter()
         .map(|e| match e.code {
             ErrorCode::Rule | ErrorCode::RuleUnevaluable => format!("rule:{}", e.field),
             _ if e.field.is_empty() => "(output)".to_owned(),
-            _ => e.field.clone(),
+            _ => without_indices(&e.field),
         })
         .collect();
     keys.sort();
     keys.dedup();
     keys
+}
+
+/// `items[3].tags[0]` as `items[].tags[]`.
+fn without_indices(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    let mut in_index = false;
+    for c in path.chars() {
+        match c {
+            '[' => {
+                in_index = true;
+                out.push('[');
+            }
+            ']' => {
+                in_index = false;
+                out.push(']');
+            }
+            _ if in_index => {}
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// An example of a failed answer: the record's key and what was wrong.
@@ -289,6 +313,11 @@ mod tests {
         assert_eq!(
             keys_of(&[rule.clone(), err("label"), err("label")]),
             ["label", "rule:amount_positive"]
+        );
+        // Items of an array count as one field, whichever item failed.
+        assert_eq!(
+            keys_of(&[err("items[3].name"), err("items[0].name"), err("items[12].tags[2]")]),
+            ["items[].name", "items[].tags[]"]
         );
         let mut d = Detector::new(DriftSpec {
             enabled: false,

@@ -76,6 +76,12 @@ pub fn dropped_lines(job: &str) -> String {
     format!("bf:{{{job}}}:dropped_lines")
 }
 
+/// Changes at every `producer resume` (a unique mark): a worker's drift
+/// watch that began under an older mark halts nothing (see `drift_halt.lua`).
+pub fn resumed(job: &str) -> String {
+    format!("bf:{{{job}}}:resumed")
+}
+
 /// Set while the job's fleet is halted (401/403, insufficient quota): the reason.
 /// Workers claim nothing for the job while it exists; deleting it resumes.
 pub fn halt(job: &str) -> String {
@@ -353,6 +359,7 @@ mod tests {
             dropped_lines("a.b"),
             datasets("a.b"),
             halt("a.b"),
+            resumed("a.b"),
             outage("a.b"),
         ] {
             assert_eq!(tag(&k), "a.b");

@@ -57,14 +57,26 @@ pub struct Link {
     /// With `--raw`: the response's bytes (as text).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub body: Option<String>,
+    /// A batch line's: the batch's files the trail names (kept whole), as
+    /// found: `verified`, `altered` or `missing`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub batch_files: Vec<BatchFile>,
+}
+
+/// A provider batch's file named in a trail, read back and hashed again.
+#[derive(Debug, Serialize)]
+pub struct BatchFile {
+    pub sha256: String,
+    pub found: &'static str,
 }
 
 impl Chain {
-    /// Whether every response the trail says was kept is there, unaltered.
+    /// Whether every response and batch file the trail says was kept is
+    /// there, unaltered.
     pub fn holds(&self) -> bool {
-        self.attempts
-            .iter()
-            .all(|l| !matches!(l.response, "altered" | "missing"))
+        self.attempts.iter().all(|l| {
+            !matches!(l.response, "altered" | "missing") && l.batch_files.iter().all(|f| f.found == "verified")
+        })
     }
 }
 
@@ -157,11 +169,28 @@ fn link(a: &Attempt) -> Link {
             .as_ref()
             .map(|_| "the record's history (inline)".to_owned()),
         body: None,
+        batch_files: Vec::new(),
     }
 }
 
-/// Reads a kept response back and hashes it again.
+/// Reads a kept response (and a batch line's batch files) back and hashes
+/// them again.
 async fn check(raw: Option<&RawStore>, l: &mut Link, with_body: bool) -> Result<(), ReviewError> {
+    for sha in &l.trail.batch_files {
+        let bytes = match raw {
+            Some(raw) => raw.read(sha).await.map_err(|e| ReviewError::Io(e.to_string()))?,
+            None => None,
+        };
+        let found = match bytes {
+            Some(b) if sha256_hex(&b) == *sha => "verified",
+            Some(_) => "altered",
+            None => "missing",
+        };
+        l.batch_files.push(BatchFile {
+            sha256: sha.clone(),
+            found,
+        });
+    }
     let Some(sha) = l.trail.response_sha256.clone() else {
         return Ok(());
     };
@@ -254,14 +283,14 @@ pub fn print(c: &Chain) {
                 crate::outln!("    response sha256 {sha}: {}{at}", l.response);
             }
         }
-        for f in &t.batch_files {
-            crate::outln!("    batch file sha256 {f}");
+        for f in &l.batch_files {
+            crate::outln!("    batch file sha256 {}: {}", f.sha256, f.found);
         }
         if let Some(body) = &l.body {
             crate::outln!("    {body}");
         }
     }
     if !c.holds() {
-        common::errln!("error: a response the trail names is missing or altered in the sink (see above)");
+        common::errln!("error: a response or batch file the trail names is missing or altered in the sink (see above)");
     }
 }

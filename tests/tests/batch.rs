@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use harness::{
-    LlmSim, RedisServer, Running, TempDir, enqueue, producer, signal, spec_with, status_json, stderr, wait_for,
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, signal, spec_with, status_json, stderr, stdout, wait_for,
     worker_cmd, write_records,
 };
 use serde_json::Value;
@@ -544,6 +544,39 @@ fn a_batch_s_output_file_is_archived_and_each_answer_traces_to_it() {
         kept.iter().any(|file| file.lines().any(|l| l.contains(rid))),
         "the record's line is in a kept file"
     );
+    // `trace` reads each file back and hashes it again: a file altered or
+    // gone in the sink breaks the chain, and says which.
+    let found = |chain: &Value| -> Vec<String> {
+        chain["attempts"][0]["batch_files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["found"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert!(found(&chain).iter().all(|f| f == "verified"), "{chain}");
+    let first = files[0].as_str().unwrap();
+    let place = raw.join(&first[..2]).join(first);
+    for (change, expected) in [("altered", "altered"), ("removed", "missing")] {
+        if change == "altered" {
+            std::fs::write(&place, "not the provider's file").unwrap();
+        } else {
+            std::fs::remove_file(&place).unwrap();
+        }
+        let broken = producer(&["trace", "--job", "bt", "--redis", &redis.url(), "msg-3", "--json"]);
+        assert_eq!(broken.status.code(), Some(1), "a {change} batch file breaks the chain");
+        let chain: Value = serde_json::from_slice(&broken.stdout).unwrap();
+        assert_eq!(found(&chain)[0], expected, "{chain}");
+        let told = producer(&["trace", "--job", "bt", "--redis", &redis.url(), "msg-3"]);
+        assert_eq!(told.status.code(), Some(1));
+        assert!(
+            stdout(&told).contains(&format!("batch file sha256 {first}: {expected}"))
+                && stderr(&told).contains("batch file the trail names is missing or altered"),
+            "{}{}",
+            stdout(&told),
+            stderr(&told)
+        );
+    }
 }
 
 /// A batch job cross-checked by a second model: the answers come through the

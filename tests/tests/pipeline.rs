@@ -847,6 +847,41 @@ fn a_checked_answer_commits_on_agreement_and_reviews_both_on_disagreement() {
     });
 }
 
+/// The record's own cost cap holds for the checker's call too, at the
+/// checker's prices: a first answer that fits the cap, and a checker 100
+/// times dearer whose call could pass it, is not sent. The record is
+/// reviewed (reason `budget`) with the first answer, kept and paid once.
+#[test]
+fn a_checker_call_that_could_pass_the_record_s_cap_is_not_sent() {
+    let sim = LlmSim::start(&[]);
+    let checker = LlmSim::start(&[]);
+    rt().block_on(async {
+        let limits = limits();
+        let queue = MemoryQueue::new();
+        let mut job = checked_job(&sim, &checker, &queue);
+        job.spec.budget.max_cost_per_record = Some(0.002);
+        job.spec.check.prices = Some(common::spec::Prices {
+            input_per_mtok: 15.0,
+            output_per_mtok: 60.0,
+            ..job.spec.prices.clone()
+        });
+        queue.enqueue(task("c1"));
+        let seen = drain(&queue, &job, &limits, 5).await;
+        let labels: Vec<&str> = seen.iter().map(|(_, s)| s.label()).collect();
+        assert_eq!(labels, ["check", "review"], "{seen:?}");
+        assert_eq!(checker.stats()["requests"], 0, "the checker was not called");
+        let e = queue.review_entry("c1").expect("in review");
+        assert_eq!(e.reason, "budget");
+        assert!(
+            e.last_raw_output.contains("label"),
+            "the first answer: {}",
+            e.last_raw_output
+        );
+        let causes: Vec<&str> = queue.paid().iter().map(|c| c.cause.name()).collect();
+        assert_eq!(causes, ["first"]);
+    });
+}
+
 /// A check whose every delivery died (the worker killed mid-call, again and
 /// again) is reviewed as poison with the kept first answer, not called again.
 #[test]
@@ -925,5 +960,67 @@ fn a_checker_that_answers_nothing_valid_or_stays_down_reviews_the_record() {
         );
         let causes: Vec<&str> = queue.paid().iter().map(|c| c.cause.name()).collect();
         assert_eq!(causes, ["first"], "the checker's 5xx are not billed");
+    });
+}
+
+/// Drift across a resume: another worker's alarm halted the job and a
+/// person resumed it before this worker's watcher saw the halt. This
+/// worker's watch, still over the rates from before, sounds its own alarm
+/// next: it halts nothing (the person already said to go on), starts over
+/// and forgets its gauges. Under the new resume mark, a new drift halts.
+#[test]
+fn a_drift_alarm_over_rates_from_before_a_resume_halts_nothing() {
+    use common::decision::Outcome;
+    use common::validate::{ErrorCode, FieldError};
+    let queue = MemoryQueue::new();
+    let job = job_at("http://127.0.0.1:9", &queue, |s| {
+        s.drift.window = 10;
+        s.drift.min_failures = 3;
+    });
+    let limits = limits();
+    let wrong = Outcome::Invalid(vec![FieldError {
+        code: ErrorCode::Enum,
+        field: "label".into(),
+        message: "must be one of billing, bug".into(),
+    }]);
+    let gauged = |limits: &Limits| {
+        limits
+            .metrics
+            .encode()
+            .lines()
+            .any(|l| l.starts_with("batchfleet_drift_failure_ratio{") && l.contains("field=\"label\""))
+    };
+    rt().block_on(async {
+        let feed = |valid: usize, invalid: usize| {
+            let (job, limits, wrong) = (&job, &limits, &wrong);
+            async move {
+                for i in 0..valid {
+                    worker::drift::observe(job, limits, &format!("ok-{i}"), &Outcome::Valid).await;
+                }
+                for i in 0..invalid {
+                    worker::drift::observe(job, limits, &format!("bad-{i}"), wrong).await;
+                }
+            }
+        };
+        // The watcher read the mark; 20 good answers, then 2 wrong ones.
+        let mark = job.queue.resume_mark().await.unwrap();
+        worker::drift::resume_mark(&job, mark, &limits.metrics);
+        feed(20, 2).await;
+        assert!(gauged(&limits), "{}", limits.metrics.encode());
+        // Halted elsewhere and resumed, unseen here; the third wrong answer alarms.
+        queue.resume();
+        feed(0, 1).await;
+        assert_eq!(
+            queue.halt_reason(),
+            None,
+            "an alarm from before the resume halts nothing"
+        );
+        assert!(!gauged(&limits), "the watch started over, its gauges gone");
+        // The same answers again, under the new mark: the drift halts.
+        let mark = job.queue.resume_mark().await.unwrap();
+        worker::drift::resume_mark(&job, mark, &limits.metrics);
+        feed(20, 3).await;
+        let reason = queue.halt_reason().expect("halted on the new drift");
+        assert!(reason.starts_with("quality drift: field `label`"), "{reason}");
     });
 }

@@ -223,6 +223,29 @@ async fn the_halt_keeps_its_first_reason(bed: &Bed) {
     assert_eq!(q.halted().await.unwrap().as_deref(), Some("first"), "{name}");
 }
 
+/// A drift alarm halts under the resume mark its watch began with, and
+/// halts nothing once the job was resumed since.
+async fn a_drift_alarm_halts_only_under_the_latest_resume_mark(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    let before = q.resume_mark().await.unwrap();
+    match bed {
+        Bed::Redis { store, .. } => {
+            store.resume_job(JOB, 1).await.unwrap();
+        }
+        Bed::Memory(m) => m.resume(),
+    }
+    let now = q.resume_mark().await.unwrap();
+    assert_ne!(before, now, "{name}: a resume changes the mark");
+    assert!(!q.halt_on_drift("quality drift: old", &before).await.unwrap(), "{name}");
+    assert_eq!(q.halted().await.unwrap(), None, "{name}");
+    assert!(q.halt_on_drift("quality drift: new", &now).await.unwrap(), "{name}");
+    assert_eq!(
+        q.halted().await.unwrap().as_deref(),
+        Some("quality drift: new"),
+        "{name}"
+    );
+}
+
 async fn the_budget_grants_waits_and_halts_as_budget_lua_does(bed: &Bed) {
     let (q, name) = (bed.queue(), bed.name());
     bed.set_cap(1e-6).await; // 1,000 nano-USD
@@ -321,6 +344,11 @@ async fn taken_over_and_paid() {
 #[tokio::test]
 async fn halt() {
     both!(the_halt_keeps_its_first_reason);
+}
+
+#[tokio::test]
+async fn drift_halt() {
+    both!(a_drift_alarm_halts_only_under_the_latest_resume_mark);
 }
 
 #[tokio::test]

@@ -527,29 +527,33 @@ impl Batcher {
                 .content(file)
                 .await
                 .map_err(api("downloading a batch's results"))?;
-            kept.push(self.archive(file, &content).await);
+            kept.extend(self.archive(file, &content).await);
             text.push_str(&content);
             text.push('\n');
         }
         Ok((text, kept))
     }
 
-    /// Keeps a batch's file whole in the job's raw store: its sha256 (named
-    /// in each answer's trail; each answer's own bytes are kept, or go
-    /// inline, as an online answer's).
-    async fn archive(&self, file: &str, content: &str) -> String {
+    /// Keeps a batch's file whole in the job's raw store: its sha256, to be
+    /// named in each answer's trail, when it was kept (None: the job keeps
+    /// no responses, or the store did not take it; each answer's own bytes
+    /// are kept, or go inline, as an online answer's).
+    async fn archive(&self, file: &str, content: &str) -> Option<String> {
         let job = &self.job;
-        let sha = common::sink::sha256_hex(content.as_bytes());
-        if let crate::job::RawKept::Down(why) = job.keep_raw(content.as_bytes(), ARCHIVE_PATIENCE).await {
-            self.fleet
-                .limits
-                .metrics
-                .raw_inline
-                .with_label_values(&[&job.name])
-                .inc();
-            tracing::warn!(job = %job.name, file = %file, error = %why, "could not keep a batch's file whole for the audit trail: its answers keep their own bytes");
+        match job.keep_raw(content.as_bytes(), ARCHIVE_PATIENCE).await {
+            crate::job::RawKept::Kept => Some(common::sink::sha256_hex(content.as_bytes())),
+            crate::job::RawKept::NoStore => None,
+            crate::job::RawKept::Down(why) => {
+                self.fleet
+                    .limits
+                    .metrics
+                    .raw_inline
+                    .with_label_values(&[&job.name])
+                    .inc();
+                tracing::warn!(job = %job.name, file = %file, error = %why, "could not keep a batch's file whole for the audit trail: its answers keep their own bytes");
+                None
+            }
         }
-        sha
     }
 
     /// Ended -> reconciled: the output and error files joined on

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::batch::GroupCommit;
 use common::ledger::nano_usd;
-use common::spec::JobSpec;
+use common::spec::{JobSpec, Prices};
 use common::store::{Reserved, StoreError};
 
 use crate::queue::JobQueue;
@@ -149,18 +149,27 @@ pub fn at_most_nusd(prices: &common::spec::Prices, most: &Usage) -> u64 {
     nano_usd(prices.cost(most.prompt, 0, most.completion))
 }
 
-/// Why the record's next call, at its most (`next`), could pass one of its
-/// own caps (None: it cannot).
-pub fn over_record_cap(spec: &JobSpec, task: &Task, next: &Usage) -> Option<String> {
+/// Why the record's next call, at its most (`next`) and priced at
+/// `next_prices` (the job's, or its checker's), could pass one of its own
+/// caps (None: it cannot). Each earlier call counts at its own model's prices.
+pub fn over_record_cap(spec: &JobSpec, task: &Task, next: &Usage, next_prices: &Prices) -> Option<String> {
     let b = &spec.budget;
-    let used: Vec<Usage> = task
+    let checker_prices = spec.check.prices.as_ref().unwrap_or(&spec.prices);
+    let used: Vec<(Usage, &Prices)> = task
         .history
         .iter()
         .filter_map(HistoryItem::as_attempt)
-        .filter_map(|a| a.usage)
+        .filter_map(|a| {
+            let prices = if a.check.is_some() {
+                checker_prices
+            } else {
+                &spec.prices
+            };
+            a.usage.map(|u| (u, prices))
+        })
         .collect();
     if let Some(cap) = b.max_tokens_per_record {
-        let spent: u64 = used.iter().map(|u| u.prompt + u.completion).sum();
+        let spent: u64 = used.iter().map(|(u, _)| u.prompt + u.completion).sum();
         let next_tokens = next.prompt + next.completion;
         if spent + next_tokens > cap {
             return Some(format!(
@@ -169,8 +178,8 @@ pub fn over_record_cap(spec: &JobSpec, task: &Task, next: &Usage) -> Option<Stri
         }
     }
     if let Some(cap) = b.max_cost_per_record {
-        let spent: f64 = used.iter().map(|u| u.cost(&spec.prices)).sum();
-        let next_cost = next.cost(&spec.prices);
+        let spent: f64 = used.iter().map(|(u, prices)| u.cost(prices)).sum();
+        let next_cost = next.cost(next_prices);
         if spent + next_cost > cap {
             return Some(format!(
                 "the record cost {spent:.6} USD; the next call could cost {next_cost:.6} more, past budget.max_cost_per_record = {cap}"
@@ -207,21 +216,45 @@ mod tests {
         let next = Usage::estimate(300, 200);
         let s = spec("max_tokens_per_record = 1000");
         assert_eq!(
-            over_record_cap(&s, &task_with(&[(250, 40)]), &next),
+            over_record_cap(&s, &task_with(&[(250, 40)]), &next, &s.prices),
             None,
             "290 + 500 fits"
         );
-        let why = over_record_cap(&s, &task_with(&[(250, 40), (260, 40)]), &next).unwrap();
+        let why = over_record_cap(&s, &task_with(&[(250, 40), (260, 40)]), &next, &s.prices).unwrap();
         assert!(why.contains("used 590 tokens") && why.contains("500 more"), "{why}");
         // Cost: 0.15 and 0.60 USD per million; the next call at most 300 in, 200 out = 0.000165.
         let s = spec("max_cost_per_record = 0.0002");
-        assert_eq!(over_record_cap(&s, &task_with(&[]), &next), None);
-        assert!(over_record_cap(&s, &task_with(&[(250, 40)]), &next).is_some());
+        assert_eq!(over_record_cap(&s, &task_with(&[]), &next, &s.prices), None);
+        assert!(over_record_cap(&s, &task_with(&[(250, 40)]), &next, &s.prices).is_some());
         assert_eq!(
-            over_record_cap(&spec(""), &task_with(&[(1_000_000, 1)]), &next),
+            over_record_cap(&spec(""), &task_with(&[(1_000_000, 1)]), &next, &spec("").prices),
             None,
             "no caps"
         );
+    }
+
+    #[test]
+    fn a_checker_call_counts_at_the_checkers_prices() {
+        // The checker costs 100 times the job's model: 15 and 60 USD per million.
+        let s = spec(
+            "max_cost_per_record = 0.002\n[check]\nmodel = \"big\"\nfields = [\"label\"]\n[check.prices]\ninput_per_mtok = 15.0\noutput_per_mtok = 60.0",
+        );
+        let next = Usage::estimate(300, 200);
+        let checker = s.check.prices.clone().unwrap();
+        // The first answer (250 in, 40 out at the job's prices) leaves room
+        // for another call of the job's model, not for the checker's (0.0165).
+        let first = task_with(&[(250, 40)]);
+        assert_eq!(over_record_cap(&s, &first, &next, &s.prices), None);
+        let why = over_record_cap(&s, &first, &next, &checker).unwrap();
+        assert!(why.contains("0.016500 more"), "{why}");
+        // A checker's earlier call is counted at its prices: 0.0027 over the cap.
+        let mut checked = task_with(&[(100, 20)]);
+        if let Some(HistoryItem::Attempt(a)) = checked.history.first_mut() {
+            a.check =
+                Some(serde_json::from_value(serde_json::json!({"model": "big", "fields": {}, "first": {}})).unwrap());
+        }
+        let why = over_record_cap(&s, &checked, &Usage::estimate(1, 1), &s.prices).unwrap();
+        assert!(why.contains("cost 0.002700"), "{why}");
     }
 
     #[test]

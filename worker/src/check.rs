@@ -94,7 +94,29 @@ pub(crate) async fn run(
         let result = result(job, d, limits, &pending, &key, d.task.history.clone());
         return settle.store(Finish::Commit(result), Settled::Committed, false).await;
     };
-    let call = match call(job, d, limits, (checker, &prompt), span).await? {
+    // The record's own caps hold for the checker's call too: one that could
+    // pass them is not sent, and a person decides with the first answer.
+    let prices = job.spec.check.prices.clone().unwrap_or_else(|| job.spec.prices.clone());
+    let at_most = crate::budget::at_most(
+        &job.spec,
+        &[&job.system, &prompt],
+        job.forms.format_bytes(job.forms.current().0),
+    );
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most, &prices) {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review with the first answer, the checker not called");
+        let entry = review_entry(
+            job,
+            d,
+            limits,
+            (&key, &prompt),
+            &pending,
+            &[],
+            "budget",
+            d.task.history.clone(),
+        );
+        return settle.store(Finish::Review(entry), Settled::Reviewed, false).await;
+    }
+    let call = match call(job, d, limits, (checker, &prompt), (&at_most, &prices), span).await? {
         Ok(call) => call,
         Err(settled) => return Ok(settled),
     };
@@ -179,9 +201,10 @@ async fn call<'a>(
     d: &Delivery,
     limits: &'a Limits,
     (checker, prompt): (&crate::provider::Provider, &str),
+    (at_most, prices): (&Usage, &common::spec::Prices),
     span: &Span,
 ) -> Result<Result<CheckerCall<'a>, Settled>, StoreError> {
-    let (form, response_format) = job.forms.current();
+    let (_, response_format) = job.forms.current();
     let body = checker.body(&Request {
         system: &job.system,
         user: prompt,
@@ -192,14 +215,12 @@ async fn call<'a>(
         record: &d.task.rid,
         worker: &limits.worker,
     });
-    let prices = job.spec.check.prices.clone().unwrap_or_else(|| job.spec.prices.clone());
     let calls = d.task.calls + 1;
     let estimate = Usage::estimate(
         estimate_tokens(&job.system) + estimate_tokens(prompt),
         u64::from(job.spec.provider.max_tokens),
     );
-    let at_most = crate::budget::at_most(&job.spec, &[&job.system, prompt], job.forms.format_bytes(form));
-    let reservation = match reserve(job, d, limits, &at_most, &prices).await? {
+    let reservation = match reserve(job, d, limits, at_most, prices).await? {
         Ok(r) => r,
         Err(settled) => return Ok(Err(settled)),
     };
@@ -212,7 +233,7 @@ async fn call<'a>(
             d.deliveries,
             &limits.worker,
             usage,
-            &prices,
+            prices,
             at,
         );
         call.cause = Cause::Check;
@@ -237,7 +258,7 @@ async fn call<'a>(
     }
     if let (Some(budget), Some(r)) = (&job.budget, reservation) {
         let actual = match reply.usage {
-            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&prices)),
+            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(prices)),
             Some(_) => r.amount_nusd,
             None => 0,
         };
@@ -246,7 +267,7 @@ async fn call<'a>(
         }
     }
     let paid = waiting.answered(reply.usage.map(paid_at));
-    let cost = reply.usage.map_or(0.0, |u| u.cost(&prices));
+    let cost = reply.usage.map_or(0.0, |u| u.cost(prices));
     let failing_since = match reply.outcome.is_world_failure() {
         true if d.task.failing_since > 0 => d.task.failing_since,
         true => started_ms,

@@ -47,8 +47,8 @@ pub struct JobCtx {
     pub budget: Option<crate::budget::JobBudget>,
     /// The cross-check's model (`[check]`), when the job has one.
     pub checker: Option<crate::provider::Provider>,
-    /// This worker's watch over the job's failure rates (see `common::drift`).
-    pub drift: std::sync::Mutex<common::drift::Detector>,
+    /// This worker's watch over the job's failure rates (see [`crate::drift`]).
+    pub drift: std::sync::Mutex<crate::drift::DriftWatch>,
 }
 
 impl JobCtx {
@@ -75,7 +75,7 @@ impl JobCtx {
             raw: None,
             raw_down_until: std::sync::atomic::AtomicU64::new(0),
             checker: None,
-            drift: std::sync::Mutex::new(common::drift::Detector::new(spec.drift.clone())),
+            drift: std::sync::Mutex::new(crate::drift::DriftWatch::new(spec.drift.clone())),
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
             budget: spec

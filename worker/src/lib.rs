@@ -36,6 +36,7 @@ pub mod check;
 pub mod claim;
 pub mod clock;
 pub mod config;
+pub mod drift;
 pub mod entry;
 pub mod fleet;
 pub mod form;

@@ -217,7 +217,7 @@ async fn run_attempt(
         .await;
     }
     // The record's own caps, then the job's, against the call at its most.
-    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &prep.at_most) {
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &prep.at_most, &job.spec.prices) {
         tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review, not called");
         let outcome = Outcome::OverBudget { why };
         return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
@@ -356,7 +356,8 @@ async fn conclude(
     let timed_out = used_of(&result).timed_out;
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
     judge_errors(job, &mut reply, prep.form).await;
-    watch_drift(job, limits, prep, &reply).await;
+    let key = business_key(&prep.before.input, &job.spec.job.id_field);
+    crate::drift::observe(job, limits, &key, &reply.outcome).await;
     if reply.usage.is_none() && (timed_out || answered) {
         // The server may have generated (and billed) it after we gave up,
         // or answered without saying what it used.
@@ -554,40 +555,6 @@ impl AttemptRecord<'_> {
             trail: self.trail.clone(),
             check: None,
         }
-    }
-}
-
-/// Adds a validated answer to the job's drift watch (see
-/// `common::drift`): a field or rule failing far more often than it did
-/// earlier halts the job with the reason and the latest examples (the
-/// record itself goes on as decided; `producer resume` lets the job go on).
-async fn watch_drift(job: &JobCtx, limits: &Limits, prep: &Prepared, reply: &Reply) {
-    let errors = match &reply.outcome {
-        Outcome::Valid => &[][..],
-        Outcome::Invalid(errors) => errors.as_slice(),
-        _ => return,
-    };
-    let key = business_key(&prep.before.input, &job.spec.job.id_field);
-    let (alarm, rates) = {
-        let mut drift = job.drift.lock().unwrap_or_else(|e| e.into_inner());
-        let alarm = drift.observe(&key, errors);
-        (alarm, drift.rates())
-    };
-    for (field, window, before) in rates {
-        let gauge = &limits.metrics.drift_failure_ratio;
-        gauge.with_label_values(&[&job.name, &field, "window"]).set(window);
-        gauge.with_label_values(&[&job.name, &field, "before"]).set(before);
-    }
-    let Some(alarm) = alarm else { return };
-    let reason = alarm.reason();
-    limits
-        .metrics
-        .drift_alarms
-        .with_label_values(&[&job.name, &alarm.key])
-        .inc();
-    tracing::error!(job = %job.name, field = %alarm.key, reason = %reason, "quality drift: halting the job (producer resume goes on)");
-    if let Err(e) = job.queue.halt(&reason).await {
-        tracing::warn!(job = %job.name, error = %e, "could not halt the job on its drift (the next alarm tries again)");
     }
 }
 

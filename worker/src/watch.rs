@@ -38,9 +38,7 @@ impl Watcher {
         for job in &f.jobs {
             match f.store.halted(&job.name).await {
                 Ok(Some(reason)) => {
-                    // A halted job's drift watch starts over: once resumed,
-                    // its rates then are the ones to compare with.
-                    job.drift.lock().unwrap_or_else(|e| e.into_inner()).restart();
+                    crate::drift::halted(job, &f.limits.metrics);
                     halted.insert(job.name.clone(), reason);
                 }
                 Ok(None) => {}
@@ -50,6 +48,10 @@ impl Watcher {
                         halted.insert(job.name.clone(), reason.clone());
                     }
                 }
+            }
+            match f.store.resume_mark(&job.name).await {
+                Ok(mark) => crate::drift::resume_mark(job, mark, &f.limits.metrics),
+                Err(e) => f.store_error(&e).await,
             }
             // The provider's outage, as the fleet knows it: taken for down
             // (only probes go out), or back (claim again at once).

@@ -116,6 +116,7 @@ pub fn job_keys(job: &str) -> Vec<String> {
         keys::datasets(job),
         keys::dropped_lines(job),
         keys::halt(job),
+        keys::resumed(job),
         keys::cancel(job),
         keys::batch_failures(job),
         keys::batch_tokens(job),

@@ -74,6 +74,16 @@ impl RedisStore {
                 keys::outage(job),
             ])
             .await?;
+        // Every worker's drift watch starts over from here: an alarm over
+        // rates from before the resume halts nothing.
+        let mark = format!(
+            "{}-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+            std::process::id()
+        );
+        let _: () = self.conn.clone().set(keys::resumed(job), mark).await?;
         self.wake(job, Wake::Flags).await;
         Ok(total)
     }

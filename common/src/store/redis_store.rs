@@ -135,6 +135,7 @@ pub struct RedisStore {
 pub(super) struct Scripts {
     pub enqueue: Script,
     pub finish: Script,
+    pub drift_halt: Script,
     pub promote: Script,
     pub limit_acquire: Script,
     pub limit_settle: Script,
@@ -256,6 +257,7 @@ impl RedisStore {
             scripts: Scripts {
                 enqueue: Script::new(ENQUEUE_LUA),
                 finish: Script::new(include_str!("scripts/finish.lua")),
+                drift_halt: Script::new(include_str!("scripts/drift_halt.lua")),
                 ledger: Script::new(include_str!("scripts/ledger.lua")),
                 budget: Script::new(include_str!("scripts/budget.lua")),
                 audit: Script::new(include_str!("scripts/audit.lua")),

@@ -815,6 +815,34 @@ impl RedisStore {
         Ok(())
     }
 
+    /// The job's resume mark ('' before any resume): see [`keys::resumed`].
+    pub async fn resume_mark(&self, job: &str) -> Result<String, StoreError> {
+        Ok(self
+            .conn
+            .clone()
+            .get::<_, Option<String>>(keys::resumed(job))
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// Halts the job on a drift alarm of a watch that began under resume
+    /// mark `mark`; false (nothing done) when the job was resumed since.
+    pub async fn halt_on_drift(&self, job: &str, reason: &str, mark: &str) -> Result<bool, StoreError> {
+        let halted: i64 = self
+            .scripts
+            .drift_halt
+            .key(keys::halt(job))
+            .key(keys::resumed(job))
+            .arg(reason)
+            .arg(mark)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if halted == 1 {
+            self.wake(job, super::Wake::Flags).await;
+        }
+        Ok(halted == 1)
+    }
+
     /// The server's `maxmemory-policy` (from `INFO memory`: CONFIG is not in
     /// batchfleet's ACL, it can read secrets), or None when the server hides it.
     /// On a cluster every master answers: the first policy that is not

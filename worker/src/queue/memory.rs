@@ -53,6 +53,8 @@ struct State {
     spend_calls: u64,
     spend_nusd: u64,
     halt: Option<String>,
+    /// Resumes so far (the resume mark).
+    resumes: u64,
     outage: Outage,
     budget: Budget,
     breaker: HashMap<String, u64>,
@@ -206,9 +208,11 @@ impl MemoryQueue {
         self.lock().halt.clone()
     }
 
-    /// Lifts the halt (`producer resume`).
+    /// Lifts the halt (`producer resume`): the resume mark changes.
     pub fn resume(&self) {
-        self.lock().halt = None;
+        let mut s = self.lock();
+        s.halt = None;
+        s.resumes += 1;
     }
 
     pub fn is_down(&self) -> bool {
@@ -399,6 +403,19 @@ impl JobQueue for MemoryQueue {
 
     fn halted(&self) -> Op<'_, Option<String>> {
         ready(self.lock().halt.clone())
+    }
+
+    fn resume_mark(&self) -> Op<'_, String> {
+        ready(self.lock().resumes.to_string())
+    }
+
+    fn halt_on_drift<'a>(&'a self, reason: &'a str, mark: &'a str) -> Op<'a, bool> {
+        let mut s = self.lock();
+        if s.resumes.to_string() != mark {
+            return ready(false);
+        }
+        s.halt.get_or_insert_with(|| reason.to_owned());
+        ready(true)
     }
 
     fn provider_failed<'a>(&'a self, call: &'a FailedCall<'a>, rules: &'a OutageRules) -> Op<'a, Noted> {

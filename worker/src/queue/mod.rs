@@ -53,6 +53,13 @@ pub trait JobQueue: Send + Sync {
     /// Why the job is halted, if it is.
     fn halted(&self) -> Op<'_, Option<String>>;
 
+    /// The job's resume mark: it changes at every `producer resume` ('' before any).
+    fn resume_mark(&self) -> Op<'_, String>;
+
+    /// Halts the job on a drift alarm of a watch begun under resume mark
+    /// `mark`; false, and nothing done, when the job was resumed since.
+    fn halt_on_drift<'a>(&'a self, reason: &'a str, mark: &'a str) -> Op<'a, bool>;
+
     /// Adds a transiently failed call to the fleet's streak (see `outage.lua`).
     fn provider_failed<'a>(&'a self, call: &'a FailedCall<'a>, rules: &'a OutageRules) -> Op<'a, Noted>;
 

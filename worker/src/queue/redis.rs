@@ -67,6 +67,14 @@ impl JobQueue for RedisQueue {
         Box::pin(self.store.halted(&self.job))
     }
 
+    fn resume_mark(&self) -> Op<'_, String> {
+        Box::pin(self.store.resume_mark(&self.job))
+    }
+
+    fn halt_on_drift<'a>(&'a self, reason: &'a str, mark: &'a str) -> Op<'a, bool> {
+        Box::pin(self.store.halt_on_drift(&self.job, reason, mark))
+    }
+
     fn provider_failed<'a>(&'a self, call: &'a FailedCall<'a>, rules: &'a OutageRules) -> Op<'a, Noted> {
         Box::pin(self.store.outage_failed(&self.job, call, rules))
     }
