@@ -53,6 +53,27 @@ pub async fn reserve(
     Ok(Err(settled))
 }
 
+/// Settles a call's reservation against the job's cap with what it used
+/// at `prices` (an estimate keeps the amount reserved; no usage, nothing).
+pub async fn settle_reservation(
+    job: &JobCtx,
+    reservation: Option<crate::budget::Reservation>,
+    usage: Option<Usage>,
+    prices: &common::spec::Prices,
+) {
+    let (Some(budget), Some(r)) = (&job.budget, reservation) else {
+        return;
+    };
+    let actual = match usage {
+        Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(prices)),
+        Some(_) => r.amount_nusd,
+        None => 0,
+    };
+    if let Err(e) = budget.settle(r, actual).await {
+        tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
+    }
+}
+
 /// The attempt's audit trail: the hashes of the request sent and the
 /// response received, and the response's bytes kept in the job's sink
 /// before its outcome is stored. A sink that does not take them within a

@@ -72,50 +72,18 @@ pub(crate) async fn run(
         limits,
         paid: None,
     };
-    if d.deliveries > limits.max_deliveries {
-        // Every worker that took the check died or hung on it: a person
-        // decides, with the first answer (kept, paid for) before them.
-        let entry = review_entry(
-            job,
-            d,
-            limits,
-            (&key, ""),
-            &pending,
-            &[],
-            "poison",
-            d.task.history.clone(),
-        );
-        return settle.store(Finish::Review(entry), Settled::Reviewed, false).await;
-    }
-    let prompt = job.spec.check.prompt_for(&job.user, &input, &pending.output);
-    let (Some(checker), Ok(prompt)) = (&job.checker, prompt) else {
-        // The job's spec no longer names a checker (or renders the record):
-        // the answer is committed as it is.
-        let result = result(job, d, limits, &pending, &key, d.task.history.clone());
-        return settle.store(Finish::Commit(result), Settled::Committed, false).await;
+    let Planned {
+        checker,
+        prompt,
+        at_most,
+        prices,
+    } = match plan(job, d, limits, &pending, &key) {
+        Ok(planned) => planned,
+        Err(unsent) => {
+            let (how, then) = *unsent;
+            return settle.store(how, then, false).await;
+        }
     };
-    // The record's own caps hold for the checker's call too: one that could
-    // pass them is not sent, and a person decides with the first answer.
-    let prices = job.spec.check.prices.clone().unwrap_or_else(|| job.spec.prices.clone());
-    let at_most = crate::budget::at_most(
-        &job.spec,
-        &[&job.system, &prompt],
-        job.forms.format_bytes(job.forms.current().0),
-    );
-    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most, &prices) {
-        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review with the first answer, the checker not called");
-        let entry = review_entry(
-            job,
-            d,
-            limits,
-            (&key, &prompt),
-            &pending,
-            &[],
-            "budget",
-            d.task.history.clone(),
-        );
-        return settle.store(Finish::Review(entry), Settled::Reviewed, false).await;
-    }
     let call = match call(job, d, limits, (checker, &prompt), (&at_most, &prices), span).await? {
         Ok(call) => call,
         Err(settled) => return Ok(settled),
@@ -174,6 +142,68 @@ pub(crate) async fn run(
             Ok(Settled::Halted(reason))
         }
     }
+}
+
+/// The checker's call to make: its prompt, at its most, at its prices.
+struct Planned<'a> {
+    checker: &'a crate::provider::Provider,
+    prompt: String,
+    at_most: Usage,
+    prices: common::spec::Prices,
+}
+
+/// The checker's call, or how the record ends without it (Err): a check
+/// delivered too often (every worker that took it died or hung on it) and
+/// a call that could pass the record's own caps go to a person with the
+/// first answer (kept, paid for); a job whose spec no longer names a
+/// checker (or renders the record) commits the answer as it is.
+fn plan<'a>(
+    job: &'a JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    pending: &Pending,
+    key: &str,
+) -> Result<Planned<'a>, Box<(Finish, Settled)>> {
+    let review = |prompt: &str, reason: &str| {
+        let entry = review_entry(
+            job,
+            d,
+            limits,
+            (key, prompt),
+            pending,
+            &[],
+            reason,
+            d.task.history.clone(),
+        );
+        Box::new((Finish::Review(entry), Settled::Reviewed))
+    };
+    if d.deliveries > limits.max_deliveries {
+        return Err(review("", "poison"));
+    }
+    let prompt = job
+        .spec
+        .check
+        .prompt_for(&job.user, &d.task.input_object(), &pending.output);
+    let (Some(checker), Ok(prompt)) = (&job.checker, prompt) else {
+        let result = result(job, d, limits, pending, key, d.task.history.clone());
+        return Err(Box::new((Finish::Commit(result), Settled::Committed)));
+    };
+    let prices = job.spec.check.prices.clone().unwrap_or_else(|| job.spec.prices.clone());
+    let at_most = crate::budget::at_most(
+        &job.spec,
+        &[&job.system, &prompt],
+        job.forms.format_bytes(job.forms.current().0),
+    );
+    if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &at_most, &prices) {
+        tracing::warn!(job = %job.name, record_id = %d.task.rid, why = %why, "record over its budget: to review with the first answer, the checker not called");
+        return Err(review(&prompt, "budget"));
+    }
+    Ok(Planned {
+        checker,
+        prompt,
+        at_most,
+        prices,
+    })
 }
 
 /// The checker's call as made: its reply, the paid call it may be billed
@@ -256,16 +286,7 @@ async fn call<'a>(
     if reply.usage.is_none() && (answered || report.used.timed_out) {
         reply.usage = Some(estimate);
     }
-    if let (Some(budget), Some(r)) = (&job.budget, reservation) {
-        let actual = match reply.usage {
-            Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(prices)),
-            Some(_) => r.amount_nusd,
-            None => 0,
-        };
-        if let Err(e) = budget.settle(r, actual).await {
-            tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
-        }
-    }
+    crate::attempt::settle_reservation(job, reservation, reply.usage, prices).await;
     let paid = waiting.answered(reply.usage.map(paid_at));
     let cost = reply.usage.map_or(0.0, |u| u.cost(prices));
     let failing_since = match reply.outcome.is_world_failure() {

@@ -363,7 +363,7 @@ async fn conclude(
         // or answered without saying what it used.
         reply.usage = Some(prep.estimate);
     }
-    let (waiting, line) = settle_reservation(job, &reply, via).await;
+    let (waiting, line) = settle_via(job, &reply, via).await;
 
     // An online call tells the fleet whether the provider answers (an
     // outage that outlasted the job's budget halts it).
@@ -459,23 +459,10 @@ fn paid_of(
 /// estimated call keeps its whole reservation: it may have cost that).
 /// Returns the call's place among the calls in flight, or the batch line
 /// that answered it.
-async fn settle_reservation<'a>(
-    job: &JobCtx,
-    reply: &Reply,
-    via: Via<'a>,
-) -> (Option<CallInFlight<'a>>, Option<String>) {
+async fn settle_via<'a>(job: &JobCtx, reply: &Reply, via: Via<'a>) -> (Option<CallInFlight<'a>>, Option<String>) {
     match via {
         Via::Online { waiting, reservation } => {
-            if let (Some(budget), Some(r)) = (&job.budget, reservation) {
-                let actual = match reply.usage {
-                    Some(u) if !u.estimated => common::ledger::nano_usd(u.cost(&job.spec.prices)),
-                    Some(_) => r.amount_nusd,
-                    None => 0,
-                };
-                if let Err(e) = budget.settle(r, actual).await {
-                    tracing::warn!(job = %job.name, error = %e, "could not settle a budget reservation (it is charged in full when it expires)");
-                }
-            }
+            crate::attempt::settle_reservation(job, reservation, reply.usage, &job.spec.prices).await;
             (Some(waiting), None)
         }
         Via::Batch { line } => (None, Some(line)),
