@@ -365,3 +365,53 @@ async fn outage() {
 async fn breaker() {
     both!(the_breaker_counts_each_signature_fleet_wide);
 }
+
+/// A ledger a drained fleet left to expire (`ledger_expire.lua`) persists
+/// again as soon as a call is new to it, recorded with an outcome
+/// (`finish.lua`) or without one (`ledger.lua`): no paid call ever leaves
+/// Redis before the sink holds it.
+#[tokio::test]
+async fn a_ledger_left_to_expire_persists_again_when_a_call_is_recorded() {
+    let bed = Bed::redis().await;
+    let Bed::Redis {
+        _server: server, store, ..
+    } = &bed
+    else {
+        unreachable!()
+    };
+    let mut c = server.conn();
+    let (ledger, sunk) = (common::keys::ledger(JOB, 0), common::keys::ledger_sunk(JOB, 0));
+    let left_to_expire = |c: &mut redis::Connection| {
+        let _: () = redis::cmd("HSET").arg(&ledger).arg("old").arg("x").query(c).unwrap();
+        let _: () = redis::cmd("ZADD").arg(&sunk).arg(1).arg("old").query(c).unwrap();
+        for k in [&ledger, &sunk] {
+            let _: () = redis::cmd("EXPIRE").arg(k).arg(100).query(c).unwrap();
+        }
+    };
+    let ttls = |c: &mut redis::Connection| -> Vec<i64> {
+        [&ledger, &sunk]
+            .iter()
+            .map(|k| redis::cmd("TTL").arg(k).query(c).unwrap())
+            .collect()
+    };
+    left_to_expire(&mut c);
+    assert_eq!(ttls(&mut c), [100, 100]);
+    bed.enqueue("e").await;
+    let d = bed.deliver("w1").await;
+    let how = Finish::Drop { reason: "x".into() };
+    let call = paid(&d);
+    assert_eq!(
+        bed.queue().finish(&d, &how, Some(&call), false).await.unwrap(),
+        Finished::Moved
+    );
+    assert_eq!(ttls(&mut c), [-1, -1], "an outcome's new call: both persist");
+    left_to_expire(&mut c);
+    let mut lost = paid(&d);
+    lost.call = 2;
+    store.record_paid(JOB, &[(0, lost)]).await.unwrap();
+    assert_eq!(
+        ttls(&mut c),
+        [-1, -1],
+        "a call recorded without an outcome: both persist"
+    );
+}

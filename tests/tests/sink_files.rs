@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::keys;
 use harness::{
     LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, wait_for, worker_cmd, write_records,
 };
@@ -445,4 +446,84 @@ fn trace_proves_a_row_from_the_kept_response_and_catches_an_altered_one() {
     let out = harness::typed(next, &[("REDIS_URL", &url)]);
     assert!(out.status.success(), "{next}: {}", harness::stderr(&out));
     assert!(!err.contains(harness::TEST_REDIS_PASSWORD), "{err}");
+}
+
+/// A finished job leaves Redis small when no worker stays: the last writer
+/// of a drained fleet leaves each partition's ledger (every paid call in
+/// it already in the sink's ledger segments) to expire when the calls'
+/// hold ends. Once it has, the job's keys hold at most 150 bytes a record,
+/// every key counted: its records' state entries and little else.
+#[test]
+fn a_drained_job_leaves_redis_small_once_its_calls_hold_ended() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "0"]);
+    let dir = TempDir::new("files-small");
+    let data = dir.join("d.jsonl");
+    let records = 2000;
+    write_records(&data, 0, records);
+    enqueue(&redis, &data, JOB, &files_spec(&dir, &dir.join("out")));
+    // A visibility timeout of 4 s (past the 3 s provider timeout): the
+    // calls are held 8 s.
+    let (exit, log) = Running::spawn(worker_cmd(
+        &redis,
+        JOB,
+        &sim,
+        &["--drain", "--visibility-timeout-ms", "4000"],
+    ))
+    .finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    let mut c = redis.conn();
+    let job_bytes = |c: &mut redis::Connection| -> u64 {
+        let keys: Vec<String> = redis::cmd("KEYS").arg("bf:*").query(c).unwrap();
+        keys.iter()
+            .map(|k| {
+                redis::cmd("MEMORY")
+                    .arg("USAGE")
+                    .arg(k)
+                    .query::<Option<u64>>(c)
+                    .unwrap()
+                    .unwrap_or(0)
+            })
+            .sum()
+    };
+    let held = job_bytes(&mut c);
+    for p in 0..4 {
+        for key in [keys::ledger(JOB, p), keys::ledger_sunk(JOB, p)] {
+            let ttl: i64 = redis::cmd("TTL").arg(&key).query(&mut c).unwrap();
+            assert!((1..=9).contains(&ttl), "{key} expires after the hold: TTL {ttl}");
+        }
+    }
+    wait_for("the ledger's hold to end", Duration::from_secs(15), || {
+        redis.hlen_sum(JOB, keys::ledger) == 0
+    });
+    let left = job_bytes(&mut c);
+    assert!(
+        left <= 150 * records,
+        "{} bytes a record stay in Redis ({} while the calls were held)",
+        left / records,
+        held / records
+    );
+    eprintln!(
+        "Redis per finished record: {} bytes while the calls were held, {} after",
+        held / records,
+        left / records
+    );
+    // The spend counters keep what left; the sink's ledger has every call.
+    let out = producer(&[
+        "status",
+        "--job",
+        JOB,
+        "--redis",
+        &redis.url(),
+        "--require-complete",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let s: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let l = &s["sink"]["verified"]["ledger"];
+    assert_eq!(
+        (l["complete"].as_bool(), l["missing"].as_u64()),
+        (Some(true), Some(0)),
+        "{s}"
+    );
 }

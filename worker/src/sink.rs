@@ -150,6 +150,33 @@ impl<S: ResultSink> SinkWriter<S> {
         }
     }
 
+    /// At the end of a flush (the worker leaves): the ledgers of this
+    /// writer's partitions, once the sink holds every call in them, are
+    /// left to expire when their last call's hold ends. A drained fleet
+    /// never comes back to trim them, and a finished job keeps in Redis only
+    /// its records' small state entries; a call recorded later (a
+    /// re-enqueue, another worker) makes the ledger persist again.
+    async fn leave_ledger(&mut self) {
+        let f = self.fleet.clone();
+        let (lane, lanes, hold) = (self.lane, self.lanes, self.hold());
+        for p in (0..self.job.spec.job.partitions).filter(|p| p % lanes == lane) {
+            let left = match f.store.ledger_trim(&self.job.name, p, hold).await {
+                Ok(_) => f.store.ledger_expire(&self.job.name, p).await,
+                Err(e) => Err(e),
+            };
+            match left {
+                Ok(Some(secs)) if secs > 0 => {
+                    tracing::debug!(job = %self.job.name, partition = p, expires_in_s = secs, "the ledger's calls are in the sink: it expires after their hold")
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    f.store_error(&e).await;
+                    return;
+                }
+            }
+        }
+    }
+
     /// Stops the job's claims while the outcomes waiting for the sink are
     /// at `sink.max_backlog` or more, and lets them resume below it.
     async fn watch_backlog(&mut self) {
@@ -461,7 +488,10 @@ impl<S: ResultSink> SinkWriter<S> {
             // after it ends the flush.
             let own_round = !self.own_pending_read;
             match tokio::time::timeout_at(deadline, self.write_round()).await {
-                Ok(Ok(0)) if !own_round => return,
+                Ok(Ok(0)) if !own_round => {
+                    self.leave_ledger().await;
+                    return;
+                }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
                     self.failed(e);

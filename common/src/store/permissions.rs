@@ -39,6 +39,7 @@ fn probes(tag: &str) -> Vec<(&'static str, Cmd)> {
         ("get", c("GET", &[&string])),
         ("exists", c("EXISTS", &[&string])),
         ("expire", c("EXPIRE", &[&string, "60"])),
+        ("persist", c("PERSIST", &[&string])),
         ("sadd", c("SADD", &[&set, "m"])),
         ("smembers", c("SMEMBERS", &[&set])),
         ("hset", c("HSET", &[&hash, "f", "v"])),

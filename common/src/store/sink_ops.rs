@@ -364,6 +364,21 @@ impl RedisStore {
         inv
     }
 
+    /// Leaves a partition's ledger to expire when the last call's hold ends,
+    /// once the sink holds every call in it (see `ledger_expire.lua`):
+    /// Some(seconds until then), None when it holds calls the sink does not
+    /// hold yet (nothing changed). An empty ledger: Some(0).
+    pub async fn ledger_expire(&self, job: &str, partition: u32) -> Result<Option<u64>, StoreError> {
+        let secs: i64 = self
+            .scripts
+            .ledger_expire
+            .key(keys::ledger(job, partition))
+            .key(keys::ledger_sunk(job, partition))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(u64::try_from(secs).ok())
+    }
+
     /// Lets the paid calls of a partition whose time in the ledger hash is
     /// over (see [`RedisStore::sink_ack`]) leave it, all of them.
     pub async fn ledger_trim(&self, job: &str, partition: u32, hold: std::time::Duration) -> Result<u64, StoreError> {

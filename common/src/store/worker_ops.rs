@@ -462,6 +462,7 @@ impl RedisStore {
                 .key(keys::stats(job, p))
                 .key(keys::audit(job, p))
                 .key(keys::shard(job, p, shard.unwrap_or("-")))
+                .key(keys::ledger_sunk(job, p))
                 .arg(keys::GROUP);
             for f in slots.iter().map(|&i| &items[i]) {
                 inv.arg(&f.entry_id)
@@ -518,7 +519,8 @@ impl RedisStore {
             inv.key(keys::ledger(job, p))
                 .key(keys::spend(job, p))
                 .key(keys::sink(job, p))
-                .key(keys::stats(job, p));
+                .key(keys::stats(job, p))
+                .key(keys::ledger_sunk(job, p));
             for c in calls {
                 inv.arg(c.key()).arg(c.encode()).arg(c.spend_args());
             }

@@ -37,6 +37,9 @@
 --          outcome is fenced by the shard still holding it (taken out of
 --          the hash by the same step); its record is `batched`, which every
 --          move treats as `queued`
+-- KEYS[13] partition ledger's calls in the sink  bf:{job:pN}:paid:sunk: with
+--          KEYS[8], made to persist again when a call is new to the ledger
+--          (a drained fleet left them to expire: see ledger_expire.lua)
 -- ARGV[1]  consumer group
 -- then 11 per task:
 --   stream entry id, record_id,
@@ -64,6 +67,7 @@ local has_sink = redis.call('EXISTS', KEYS[7]) == 1
 local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
 local per_minute = {c = minute .. ':c', u = minute .. ':u', d = minute .. ':d', f = minute .. ':f'}
 local out, acked = {}, {}
+local new_calls = false
 local spend, stats = {}, {}
 local function add(field, n)
   spend[field] = (spend[field] or 0) + n
@@ -75,6 +79,7 @@ local function paid(i)
   if ARGV[i + 7] == '' or redis.call('HSETNX', KEYS[8], ARGV[i + 7], ARGV[i + 8]) == 0 then
     return
   end
+  new_calls = true
   if has_sink then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
@@ -191,5 +196,9 @@ if #acked > 0 then
 end
 for field, n in pairs(stats) do
   redis.call('HINCRBY', KEYS[10], field, n)
+end
+if new_calls then
+  redis.call('PERSIST', KEYS[8])
+  redis.call('PERSIST', KEYS[13])
 end
 return out

@@ -9,6 +9,9 @@
 --          (`rid`, `k` l, `c` its key), as in finish.lua
 -- KEYS[4]  partition stats hash     bf:{job:pN}:stats: paid calls and their
 --          nano-USD per Unix minute (`t<minute>:c`, `t<minute>:u`), as in finish.lua
+-- KEYS[5]  partition ledger's calls in the sink  bf:{job:pN}:paid:sunk: with
+--          KEYS[1], made to persist again when a call is new to the ledger
+--          (a drained fleet left them to expire: see ledger_expire.lua)
 -- then 3 per call: its key (`<record id>:<call>:<nonce>`), its encoding, and
 -- what it adds to the spend (`bucket prompt cached completion nano-USD
 -- estimated`, and the online cost of a call through the Batch API, as in
@@ -50,6 +53,10 @@ for i = 1, #ARGV, 3 do
 end
 for field, v in pairs(spend) do
   redis.call('HINCRBY', KEYS[2], field, v)
+end
+if n > 0 then
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[5])
 end
 if n > 0 then
   redis.call('HINCRBY', KEYS[4], minute .. ':c', n)
