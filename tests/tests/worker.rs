@@ -662,3 +662,54 @@ fn an_idle_worker_waits_on_wake_ups_and_new_work_starts_without_waiting_for_its_
     );
     drop(worker);
 }
+
+/// Idle is free: two workers with nothing to do (the job done), then with
+/// the job halted, each cost Redis at most 2 commands a second per worker
+/// (`INFO` deltas over 15 s, the commands scripts run included).
+#[test]
+fn an_idle_and_a_halted_fleet_cost_redis_at_most_two_commands_a_second_per_worker() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--seed", "4"]);
+    let dir = TempDir::new("idle-cost");
+    let spec = dir.join("job.toml");
+    std::fs::write(&spec, include_str!("../../examples/job.toml")).unwrap();
+    let data = dir.join("a.jsonl");
+    write_records(&data, 0, 5);
+    enqueue(&redis, &data, "quiet", &spec);
+    let workers: Vec<Running> = (0..2)
+        .map(|i| {
+            let name = format!("q{i}");
+            Running::spawn(worker_cmd(
+                &redis,
+                "quiet",
+                &sim,
+                &["--idle-poll-ms", "30000", "--consumer", &name],
+            ))
+        })
+        .collect();
+    wait_for("the records", Duration::from_secs(30), || {
+        redis.hlen_sum("quiet", keys::results) == 5
+    });
+    let per_worker_second = |what: &str| {
+        std::thread::sleep(Duration::from_secs(3));
+        let before = commands_processed(&redis);
+        std::thread::sleep(Duration::from_secs(15));
+        // Less this test's own INFO.
+        let n = commands_processed(&redis) - before - 1;
+        let rate = n as f64 / 15.0 / workers.len() as f64;
+        eprintln!("{what}: {rate:.2} Redis commands a second per worker");
+        assert!(
+            rate <= 2.0,
+            "{what}: {rate:.2} Redis commands a second per worker ({n} in 15 s)"
+        );
+    };
+    per_worker_second("idle");
+    // Halted as the fleet halts a job (a key refused, the quota gone).
+    let _: () = redis::cmd("SET")
+        .arg(keys::halt("quiet"))
+        .arg("insufficient_quota")
+        .query(&mut redis.conn())
+        .unwrap();
+    per_worker_second("halted");
+    drop(workers);
+}

@@ -34,6 +34,10 @@ pub struct OutageWatch {
     answer_noted: Mutex<Option<Instant>>,
     /// The record whose call is the probe this worker is sending.
     probe: Mutex<Option<String>>,
+    /// While down: when to ask the fleet for the probe's lease again: when
+    /// Redis last said the next probe may start, at most the longest wait
+    /// between probes from then (a wake-up does not ask sooner).
+    next_probe: Mutex<Option<Instant>>,
 }
 
 impl OutageWatch {
@@ -51,6 +55,7 @@ impl OutageWatch {
             since_ms: AtomicU64::new(0),
             answer_noted: Mutex::new(None),
             probe: Mutex::new(None),
+            next_probe: Mutex::new(None),
         }
     }
 
@@ -108,6 +113,7 @@ impl OutageWatch {
     pub fn from_redis(&self, job: &str, o: &ProviderOutage) {
         if !o.down {
             *self.probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
         self.set(job, o.down, o.since_ms, || {
             if o.down {
@@ -207,14 +213,26 @@ impl OutageWatch {
 
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe), or says how long until
-    /// the next probe may start.
+    /// the next probe may start (known from Redis's last answer, Redis is
+    /// not asked again before then).
     pub async fn take_probe(
         &self,
         store: &RedisStore,
         job: &str,
         lease: Duration,
     ) -> Result<Result<(), Duration>, StoreError> {
-        store.outage_probe(job, lease).await
+        let now = Instant::now();
+        if let Some(at) = *self.next_probe.lock().unwrap_or_else(|e| e.into_inner())
+            && at > now
+        {
+            return Ok(Err(at - now));
+        }
+        let taken = store.outage_probe(job, lease).await?;
+        // Asked again at least as often as probes may come (a lease given
+        // back lets the next start a second later).
+        *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) =
+            taken.err().map(|wait| now + wait.min(self.rules.probe_every_max));
+        Ok(taken)
     }
 
     /// The probe's lease found no task to send: given back.
