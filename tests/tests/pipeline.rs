@@ -995,16 +995,20 @@ fn a_drift_alarm_over_rates_from_before_a_resume_halts_nothing() {
             let (job, limits, wrong) = (&job, &limits, &wrong);
             async move {
                 for i in 0..valid {
-                    worker::drift::observe(job, limits, &format!("ok-{i}"), &Outcome::Valid).await;
+                    job.drift_watch(&limits.metrics)
+                        .observe(&format!("ok-{i}"), &Outcome::Valid)
+                        .await;
                 }
                 for i in 0..invalid {
-                    worker::drift::observe(job, limits, &format!("bad-{i}"), wrong).await;
+                    job.drift_watch(&limits.metrics)
+                        .observe(&format!("bad-{i}"), wrong)
+                        .await;
                 }
             }
         };
         // The watcher read the mark; 20 good answers, then 2 wrong ones.
         let mark = job.queue.resume_mark().await.unwrap();
-        worker::drift::resume_mark(&job, mark, &limits.metrics);
+        job.drift_watch(&limits.metrics).resume_mark(mark);
         feed(20, 2).await;
         assert!(gauged(&limits), "{}", limits.metrics.encode());
         // Halted elsewhere and resumed, unseen here; the third wrong answer alarms.
@@ -1018,7 +1022,7 @@ fn a_drift_alarm_over_rates_from_before_a_resume_halts_nothing() {
         assert!(!gauged(&limits), "the watch started over, its gauges gone");
         // The same answers again, under the new mark: the drift halts.
         let mark = job.queue.resume_mark().await.unwrap();
-        worker::drift::resume_mark(&job, mark, &limits.metrics);
+        job.drift_watch(&limits.metrics).resume_mark(mark);
         feed(20, 3).await;
         let reason = queue.halt_reason().expect("halted on the new drift");
         assert!(reason.starts_with("quality drift: field `label`"), "{reason}");

@@ -91,6 +91,16 @@ impl JobCtx {
         })
     }
 
+    /// The job's drift watch with what it needs of the job (see [`crate::drift`]).
+    pub fn drift_watch<'a>(&'a self, metrics: &'a Metrics) -> crate::drift::Watched<'a> {
+        crate::drift::Watched {
+            watch: &self.drift,
+            job: &self.name,
+            queue: self.queue.as_ref(),
+            metrics,
+        }
+    }
+
     /// Stores a task's outcome (with its ack), batched with the job's other
     /// outcomes of the moment.
     /// Sends the job's results to `target` after Redis, and keeps its

@@ -357,7 +357,7 @@ async fn conclude(
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
     judge_errors(job, &mut reply, prep.form).await;
     let key = business_key(&prep.before.input, &job.spec.job.id_field);
-    crate::drift::observe(job, limits, &key, &reply.outcome).await;
+    job.drift_watch(&limits.metrics).observe(&key, &reply.outcome).await;
     if reply.usage.is_none() && (timed_out || answered) {
         // The server may have generated (and billed) it after we gave up,
         // or answered without saying what it used.

@@ -38,7 +38,7 @@ impl Watcher {
         for job in &f.jobs {
             match f.store.halted(&job.name).await {
                 Ok(Some(reason)) => {
-                    crate::drift::halted(job, &f.limits.metrics);
+                    job.drift_watch(&f.limits.metrics).halted();
                     halted.insert(job.name.clone(), reason);
                 }
                 Ok(None) => {}
@@ -50,7 +50,7 @@ impl Watcher {
                 }
             }
             match f.store.resume_mark(&job.name).await {
-                Ok(mark) => crate::drift::resume_mark(job, mark, &f.limits.metrics),
+                Ok(mark) => job.drift_watch(&f.limits.metrics).resume_mark(mark),
                 Err(e) => f.store_error(&e).await,
             }
             // The provider's outage, as the fleet knows it: taken for down
