@@ -57,8 +57,6 @@ end
 if n > 0 then
   redis.call('PERSIST', KEYS[1])
   redis.call('PERSIST', KEYS[5])
-end
-if n > 0 then
   redis.call('HINCRBY', KEYS[4], minute .. ':c', n)
   redis.call('HINCRBY', KEYS[4], minute .. ':u', spend['nusd'] or 0)
 end
