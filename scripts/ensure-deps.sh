@@ -30,6 +30,17 @@ if [ "$what" = test ] && ! python3 -c "import rotel" >/dev/null 2>&1; then
     }
   fi
 fi
+if [ "$what" = test ] && ! python3 -c "import openai" >/dev/null 2>&1; then
+  if [ -n "$dry" ]; then
+    missing+=(openai)
+  else
+    echo "the openai SDK is missing (the Batch API test drives serve-batches with it): pip install openai==3.63.0" >&2
+    python3 -m pip install -q openai==3.63.0 >/dev/null 2>&1 || {
+      echo "error: could not install the openai SDK: pip install openai==3.63.0" >&2
+      exit 1
+    }
+  fi
+fi
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   missing+=(postgresql)

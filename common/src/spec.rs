@@ -23,7 +23,9 @@ pub struct JobSpec {
     pub versions: Versions,
     /// The input template: system and user messages.
     pub prompt: PromptSection,
-    /// The output field spec the validator enforces.
+    /// The output field spec the validator enforces (none for a request
+    /// passed through as the record gives it, see [`PromptSection::request_field`]).
+    #[serde(default)]
     pub output: OutputSection,
     /// The OpenAI-compatible endpoint and model settings.
     pub provider: Provider,
@@ -324,15 +326,33 @@ pub struct Versions {
 #[serde(deny_unknown_fields)]
 pub struct PromptSection {
     /// System message; the output field list is appended to it by code.
+    #[serde(default)]
     pub system: String,
     /// User message with `{{field}}` placeholders filled from the record.
+    #[serde(default)]
     pub user: String,
+    /// Instead of `system` and `user`: the record's field that holds the
+    /// whole chat request body (an OpenAI Batch API line's `body`), sent as
+    /// the record gives it. Its `model` and `max_tokens` default to the
+    /// provider's; `stream` is turned off. Output fields are then optional:
+    /// without them any answer is valid; the result's output is the
+    /// provider's whole response body either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_field: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+impl PromptSection {
+    /// The request comes whole from the record (see `request_field`).
+    pub fn passthrough(&self) -> bool {
+        self.request_field.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct OutputSection {
     /// Fields of the JSON object the model must return, in prompt order.
+    #[serde(default)]
     pub fields: OrderedFields,
     /// Business rules over the record's input and output together (CEL
     /// expressions by name, see [`crate::rules`]).
@@ -867,6 +887,42 @@ impl JobSpec {
                 p.add(key, "must not be empty");
             }
         }
+        self.prompt_problems(&mut p);
+        self.output_problems(&mut p);
+        self.provider_problems(&mut p);
+        self.limit_problems(&mut p);
+        self.sink_problems(&mut p);
+        p.0
+    }
+
+    fn prompt_problems(&self, p: &mut Problems) {
+        if let Some(field) = &self.prompt.request_field {
+            if !is_field_path(field) {
+                p.add(
+                    "prompt.request_field",
+                    "must be a field name like `body` or `request.body`",
+                );
+            }
+            if !self.prompt.system.is_empty() || !self.prompt.user.is_empty() {
+                p.add(
+                    "prompt.request_field",
+                    "the request comes whole from the record: remove prompt.system and prompt.user",
+                );
+            }
+            if self.provider.mode == ProviderMode::Batch {
+                p.add(
+                    "prompt.request_field",
+                    "is sent online only: remove provider.mode = \"batch\"",
+                );
+            }
+            if !self.check.is_none() {
+                p.add(
+                    "prompt.request_field",
+                    "a passed-through request is not cross-checked: remove [check]",
+                );
+            }
+            return;
+        }
         for (key, text) in [
             ("prompt.system", &self.prompt.system),
             ("prompt.user", &self.prompt.user),
@@ -888,15 +944,13 @@ impl JobSpec {
                 Err(e) => p.add(key, e.to_string()),
             }
         }
-        self.output_problems(&mut p);
-        self.provider_problems(&mut p);
-        self.limit_problems(&mut p);
-        self.sink_problems(&mut p);
-        p.0
     }
 
     fn output_problems(&self, p: &mut Problems) {
-        Self::field_problems(&self.output.fields, "output.fields", true, p);
+        // A passed-through request's answer may be free text: fields are optional.
+        if !(self.prompt.passthrough() && self.output.fields.is_empty()) {
+            Self::field_problems(&self.output.fields, "output.fields", true, p);
+        }
         for (name, why) in self.output.rules.problems() {
             p.add(format!("output.rules.{name}"), why);
         }

@@ -7,7 +7,8 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::commands::{
-    EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, rerun, review, shell, spec, status,
+    EXIT_INPUT, JobArgs, NoSuchJob, console, control, enqueue, report, rerun, review, serve_batches, shell, spec,
+    status,
 };
 
 #[derive(Debug, Parser)]
@@ -77,6 +78,11 @@ pub enum Command {
     /// Reviewers sign in with a token of their own: `name:token` lines in
     /// --tokens-file or in the variable BATCHFLEET_CONSOLE_TOKENS.
     Console(console::ConsoleArgs),
+    /// Serve the OpenAI Batch API (`/v1/files`, `/v1/batches`) in front of
+    /// the fleet: code written for `client.batches` runs unchanged with its
+    /// base_url pointed here. API keys: `name:token` lines in --keys-file or
+    /// in the variable BATCHFLEET_BATCHES_KEYS.
+    ServeBatches(serve_batches::ServeBatchesArgs),
     /// Shell completions, generated from this command line: `producer
     /// completions bash > ~/.local/share/bash-completion/completions/producer`.
     Completions(shell::CompletionsCmd),
@@ -124,6 +130,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Audit(cmd) => report::audit(cmd).await,
         Command::Trace(cmd) => report::trace(cmd).await,
         Command::Console(cmd) => console::run(cmd, cancel).await,
+        Command::ServeBatches(cmd) => serve_batches::run(cmd, cancel).await,
         Command::Completions(cmd) => shell::completions(cmd, <Cli as clap::CommandFactory>::command()),
         Command::Man(cmd) => shell::man(cmd, <Cli as clap::CommandFactory>::command()),
     }

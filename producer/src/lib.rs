@@ -1,6 +1,7 @@
 //! The `producer` command: puts datasets into jobs and inspects them.
 //!
 //! - [`audit`]: spot checks: sample committed results, judge them, the accuracy.
+//! - [`batches`]: the OpenAI Batch API (`serve-batches`) in front of the fleet.
 //! - [`cli`]: the command line: the commands by name, dispatched.
 //! - [`commands`]: each command family's flags and code.
 //! - [`compare`]: two jobs side by side (failures, validity, cost, regressions).
@@ -23,6 +24,7 @@
 //! - [`trace`]: a record's chain back to the request and response bytes that produced it.
 
 pub mod audit;
+pub mod batches;
 pub mod bulk;
 pub mod cli;
 pub mod commands;

@@ -64,6 +64,22 @@ pub struct RunSummary {
     pub limiters: BTreeMap<String, crate::limiter::LimiterReport>,
 }
 
+impl RunSummary {
+    /// Adds a later run's counts (a worker that started again to serve a new job).
+    pub fn absorb(&mut self, later: RunSummary) {
+        for (k, v) in later.outcomes {
+            *self.outcomes.entry(k).or_default() += v;
+        }
+        self.store_errors += later.store_errors;
+        self.halted.extend(later.halted);
+        self.abandoned += later.abandoned;
+        self.calls_abandoned += later.calls_abandoned;
+        self.rate_limit_waits += later.rate_limit_waits;
+        self.rate_limit_wait_ms += later.rate_limit_wait_ms;
+        self.limiters.extend(later.limiters);
+    }
+}
+
 impl Config {
     /// Checks what can be checked before connecting.
     pub fn validate(&self) -> Result<(), RunError> {

@@ -112,9 +112,23 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         key: business_key(&input, &job.spec.job.id_field),
         input,
     };
-    let rendered = match pre_call(job, d, &before, limits) {
+    if d.deliveries > limits.max_deliveries {
+        let outcome = Outcome::Poison {
+            deliveries: d.deliveries,
+        };
+        return Err(Box::new((before, outcome)));
+    }
+    if let Some(field) = &job.spec.prompt.request_field {
+        return prepare_passthrough(job, d, before, field);
+    }
+    let rendered = match job.user.render(&before.input) {
         Ok(rendered) => rendered,
-        Err(outcome) => return Err(Box::new((before, outcome))),
+        Err(missing) => {
+            let outcome = Outcome::InputError {
+                reason: missing.to_string(),
+            };
+            return Err(Box::new((before, outcome)));
+        }
     };
     let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
     let user = match &sent_feedback {
@@ -152,6 +166,39 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         user,
         sent_feedback,
         form,
+        body,
+        estimate,
+        at_most,
+    })
+}
+
+/// [`prepare`] for a request passed through from the record's `field`.
+fn prepare_passthrough(
+    job: &JobCtx,
+    d: &Delivery,
+    before: Before,
+    field: &str,
+) -> Result<Prepared, Box<(Before, Outcome)>> {
+    let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
+    let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
+    let retry = previous.zip(sent_feedback.as_deref());
+    let request = common::template::lookup(&before.input, field);
+    let (body, max_tokens) = match job.provider.passthrough_body(request, field, retry) {
+        Ok(made) => made,
+        Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
+    };
+    // The review entry shows the request as sent.
+    let user = body.get().to_owned();
+    let estimate = Usage::estimate(estimate_tokens(&user), max_tokens);
+    let mut at_most = crate::budget::at_most(&job.spec, &[user.as_str()], 0);
+    at_most.completion = max_tokens;
+    at_most.total = at_most.prompt + max_tokens;
+    Ok(Prepared {
+        fp: crate::provider::fingerprint(&body),
+        before,
+        user,
+        sent_feedback,
+        form: common::spec::StructuredOutput::Off,
         body,
         estimate,
         at_most,
@@ -351,10 +398,16 @@ async fn conclude(
 ) -> Result<Settled, StoreError> {
     let sent = (&job.provider, &*prep.body);
     let trail = keep_trail(job, d, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
-    let Got { result, elapsed, .. } = got;
+    let Got {
+        result, elapsed, body, ..
+    } = got;
     let answered = matches!(result, CallResult::Message { .. });
     let timed_out = used_of(&result).timed_out;
     let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
+    if job.spec.prompt.passthrough() && reply.output.is_some() {
+        // A passed-through request's result is the provider's whole response.
+        reply.output = body.as_deref().and_then(|b| serde_json::from_str(b).ok());
+    }
     judge_errors(job, &mut reply, prep.form).await;
     let key = business_key(&prep.before.input, &job.spec.job.id_field);
     job.drift_watch(&limits.metrics).observe(&key, &reply.outcome).await;
@@ -733,19 +786,6 @@ async fn without_call(
     let stamp = job.stamp.renewed();
     let history = d.task.history.clone();
     apply(job, d, decision, before, facts, None, history, &stamp, limits, span).await
-}
-
-/// Before a call: a task delivered too often is poison, a record whose
-/// template cannot be filled is an input error. Otherwise the rendered user prompt.
-fn pre_call(job: &JobCtx, d: &Delivery, before: &Before, limits: &Limits) -> Result<String, Outcome> {
-    if d.deliveries > limits.max_deliveries {
-        return Err(Outcome::Poison {
-            deliveries: d.deliveries,
-        });
-    }
-    job.user.render(&before.input).map_err(|missing| Outcome::InputError {
-        reason: missing.to_string(),
-    })
 }
 
 /// What a review entry needs from the attempt.

@@ -208,6 +208,51 @@ impl Provider {
         serde_json::value::to_raw_value(&body).expect("a request body of strings and numbers serializes")
     }
 
+    /// A request body passed through from the record (`prompt.request_field`):
+    /// sent as given, with the provider's `model` and `max_tokens` where it
+    /// names none, `stream` off, and after an invalid answer that answer
+    /// (as the assistant) and the validator's feedback appended to its
+    /// messages. Returns the body and the completion tokens it allows; an
+    /// error names what the record's request lacks.
+    pub fn passthrough_body(
+        &self,
+        request: Option<&Value>,
+        field: &str,
+        retry: Option<(&str, &str)>,
+    ) -> Result<(Box<RawValue>, u64), String> {
+        let Some(Value::Object(request)) = request else {
+            return Err(format!("request_missing:{field}"));
+        };
+        let mut body = request.clone();
+        let has_messages = body
+            .get("messages")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty());
+        if !has_messages {
+            return Err(format!("request_without_messages:{field}"));
+        }
+        body.entry("model").or_insert_with(|| Value::from(self.model.as_str()));
+        if body.get("stream").is_some() {
+            body.insert("stream".into(), Value::Bool(false));
+        }
+        let named = ["max_completion_tokens", "max_tokens"]
+            .iter()
+            .find_map(|k| body.get(*k).and_then(Value::as_u64));
+        let max_tokens = match named {
+            Some(n) => n,
+            None => {
+                body.insert("max_tokens".into(), Value::from(self.max_tokens));
+                u64::from(self.max_tokens)
+            }
+        };
+        if let (Some((previous, feedback)), Some(Value::Array(messages))) = (retry, body.get_mut("messages")) {
+            messages.push(serde_json::json!({"role": "assistant", "content": previous}));
+            messages.push(serde_json::json!({"role": "user", "content": feedback}));
+        }
+        let raw = serde_json::value::to_raw_value(&body).map_err(|e| format!("request_unencodable:{e}"))?;
+        Ok((raw, max_tokens))
+    }
+
     /// Sends one request body (see [`Provider::body`]) for `record`, from
     /// `worker` (its headers). Never returns an error: every failure is
     /// classified. Also returns the rate-limit headers and the response's

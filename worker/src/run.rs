@@ -45,12 +45,54 @@ const COMMIT_GRACE: Duration = Duration::from_secs(2);
 
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
+    let mut total = RunSummary::default();
+    loop {
+        let (summary, rejoin) = serve_jobs(config.clone(), &cancel).await?;
+        total.absorb(summary);
+        if !rejoin || cancel.is_cancelled() {
+            return Ok(total);
+        }
+        tracing::info!("a job was enqueued since this worker started: serving every job again, the new one too");
+    }
+}
+
+/// How often a worker that serves every job looks for new ones.
+const NEW_JOB_POLL: Duration = Duration::from_secs(2);
+
+/// Stops the fleet (`stop`) when a job appears that `serving` lacks, and
+/// says so (`rejoin`): the worker then finishes what it holds and starts
+/// again serving every job (the jobs a fleet serves are set at its start).
+async fn watch_new_jobs(
+    store: RedisStore,
+    serving: Vec<String>,
+    stop: CancellationToken,
+    rejoin: Arc<std::sync::atomic::AtomicBool>,
+) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(NEW_JOB_POLL) => {}
+        }
+        if let Ok(jobs) = store.jobs().await
+            && jobs.iter().any(|j| !serving.contains(j))
+        {
+            rejoin.store(true, std::sync::atomic::Ordering::Relaxed);
+            stop.cancel();
+            return;
+        }
+    }
+}
+
+/// Serves one set of jobs until cancelled (or, serving every job, until a
+/// new one appears: the bool says so).
+async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSummary, bool), RunError> {
     // Wake-ups are read from here on, on a connection of their own (a
     // blocking read holds it): nothing enqueued after this is missed.
     let listener_store = RedisStore::connect(&config.redis_url).await?;
     let wake_cursor = listener_store.wake_cursor().await?;
-    let Some(jobs) = jobs_to_serve(&listener_store, &config, &cancel).await? else {
-        return Ok(RunSummary::default());
+    let every_job = config.jobs.is_empty() && !config.drain;
+    let Some(jobs) = jobs_to_serve(&listener_store, &config, cancel).await? else {
+        return Ok((RunSummary::default(), false));
     };
     let config = Config { jobs, ..config };
     let (fleet, http_stop) = start(config).await?;
@@ -61,16 +103,33 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
     let stop = fleet.shutdown.clone();
     let signalled = {
         let stop = stop.clone();
+        let cancel = cancel.clone();
         tokio::spawn(async move {
             cancel.cancelled().await;
             stop.cancel();
         })
     };
+    let rejoin = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if every_job {
+        let serving = fleet.jobs.iter().map(|j| j.name.clone()).collect();
+        tokio::spawn(watch_new_jobs(
+            fleet.store.clone(),
+            serving,
+            stop.clone(),
+            rejoin.clone(),
+        ));
+    }
     let loops = spawn_services(&fleet, listener_store, wake_cursor);
     stop.cancelled().await;
+    let rejoin = rejoin.load(std::sync::atomic::Ordering::Relaxed) && !cancel.is_cancelled();
 
     // 1. No new claims.
     loops.wait().await;
+    if rejoin {
+        // Not a shutdown: every call in flight runs to its end (no drain deadline).
+        fleet.tracker.close();
+        fleet.tracker.wait().await;
+    }
     // 2. Not ready any more; the fleet sees it draining.
     fleet.health.draining.store(true, std::sync::atomic::Ordering::Relaxed);
     // The heartbeat goes on through the drain (draining, not dead).
@@ -99,7 +158,7 @@ pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary
         tracing::warn!(error = %e, "could not give back the consumer name (its lease expires by itself)");
     }
     http_stop.cancel();
-    Ok(summary)
+    Ok((summary, rejoin))
 }
 
 /// The worker's loops: claimer, rescuer, promoter, watcher, listener, and
@@ -287,7 +346,7 @@ async fn jobs_to_serve(
                 tracing::info!(
                     redis = %at,
                     jobs = %existing.join(", "),
-                    "serving every job in Redis (no --job given); a job enqueued later is served once the worker restarts"
+                    "serving every job in Redis (no --job given); a job enqueued later is served within seconds (this worker finishes what it holds, then starts again with it)"
                 );
                 return Ok(Some(existing));
             }

@@ -39,16 +39,8 @@ pub const TOKENS_ENV: &str = "BATCHFLEET_CONSOLE_TOKENS";
 
 /// Runs `producer console` until cancelled.
 pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result<ExitCode> {
-    let _ = tracing_subscriber::fmt()
-        .with_ansi(common::log::colour())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(common::log::Stderr)
-        .log_internal_errors(false)
-        .try_init();
-    let reviewers = match reviewers(args.tokens_file.as_deref()) {
+    init_logs();
+    let reviewers = match key_lines(args.tokens_file.as_deref(), "--tokens-file", TOKENS_ENV) {
         Ok(r) => r,
         Err(why) => return refuse(why),
     };
@@ -71,15 +63,28 @@ pub async fn run(args: ConsoleArgs, cancel: CancellationToken) -> anyhow::Result
     }
 }
 
-/// The reviewers of `--tokens-file` and of [`TOKENS_ENV`], together.
-fn reviewers(tokens_file: Option<&Path>) -> Result<Reviewers, String> {
+/// Logs to standard error, `info` unless `RUST_LOG` says otherwise.
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_ansi(common::log::colour())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(common::log::Stderr)
+        .log_internal_errors(false)
+        .try_init();
+}
+
+/// The `name:token` lines of a file (`flag`) and of the variable `env`, together.
+pub fn key_lines(file: Option<&Path>, flag: &str, env: &str) -> Result<Reviewers, String> {
     let mut reviewers = Reviewers::default();
-    if let Some(path) = tokens_file {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("--tokens-file {}: {e}", path.display()))?;
-        reviewers.extend(Reviewers::parse(&text, &format!("--tokens-file {}", path.display()))?);
+    if let Some(path) = file {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{flag} {}: {e}", path.display()))?;
+        reviewers.extend(Reviewers::parse(&text, &format!("{flag} {}", path.display()))?);
     }
-    if let Ok(text) = std::env::var(TOKENS_ENV) {
-        reviewers.extend(Reviewers::parse(&text.replace(',', "\n"), TOKENS_ENV)?);
+    if let Ok(text) = std::env::var(env) {
+        reviewers.extend(Reviewers::parse(&text.replace(',', "\n"), env)?);
     }
     Ok(reviewers)
 }

@@ -13,6 +13,7 @@
 //! - [`rerun`]: `rerun` (a job's done records, by filter, again in a new job).
 //! - [`review`]: `review` (list, show, accept, revise, requeue, reject, next, export, import).
 //! - [`console`]: `console` (the web console's flags and reviewers).
+//! - [`serve_batches`]: `serve-batches` (the OpenAI Batch API in front of the fleet).
 
 pub mod console;
 pub mod control;
@@ -20,6 +21,7 @@ pub mod enqueue;
 pub mod report;
 pub mod rerun;
 pub mod review;
+pub mod serve_batches;
 pub mod shell;
 pub mod spec;
 pub mod status;

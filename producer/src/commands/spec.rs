@@ -60,7 +60,10 @@ fn check(path: &Path, data: Option<&Path>) -> anyhow::Result<ExitCode> {
         spec.output.fields.len(),
         spec.job.partitions
     );
-    crate::outln!("--- system prompt ---\n{}", system_prompt(&spec));
+    match &spec.prompt.request_field {
+        Some(field) => crate::outln!("each record's `{field}` is sent as the request, as the record gives it"),
+        None => crate::outln!("--- system prompt ---\n{}", system_prompt(&spec)),
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1007,7 +1007,11 @@ fn message(fault: Option<Fault>, object: Value, response_format: &Value) -> (Str
             (s[..s.len() * 2 / 3].to_owned(), "length", Value::Null)
         }
         Some(f) => (malformed(f, object, response_format), "stop", Value::Null),
-        None => (object.to_string(), "stop", Value::Null),
+        // Asked for no JSON: plain text, as a chat model answers.
+        None => match object {
+            Value::String(text) => (text, "stop", Value::Null),
+            other => (other.to_string(), "stop", Value::Null),
+        },
     }
 }
 

@@ -1,0 +1,167 @@
+//! What the Batch API server keeps: its files' and batches' records in Redis
+//! (one hash each, so a restarted server, or another replica, serves the
+//! same ones), the files' bytes on disk under `--data-dir`.
+
+use common::store::{RedisStore, StoreError};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+const FILES: &str = "bf:oai:files";
+const BATCHES: &str = "bf:oai:batches";
+
+/// An uploaded (or produced) file, as the Files API shows it, and whose it is.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FileRow {
+    pub id: String,
+    pub filename: String,
+    pub purpose: String,
+    pub bytes: u64,
+    pub created_at: u64,
+    /// The key's name that uploaded it (or whose batch produced it).
+    pub owner: String,
+}
+
+impl FileRow {
+    /// The File object of the API.
+    pub fn object(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": self.created_at,
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": null,
+            "expires_at": null,
+        })
+    }
+}
+
+/// A batch: the Batch object as served, and what only the server knows.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BatchRow {
+    pub owner: String,
+    /// The fleet job that runs its lines.
+    pub job: String,
+    /// The named template whose `[output]` validates answers (None: the
+    /// provider spec's own).
+    pub template: Option<String>,
+    /// How it ends once nothing is left to run: `cancelled` or `expired`
+    /// (None: `completed`).
+    #[serde(default)]
+    pub ending: Option<String>,
+    /// The custom ids of the input file are validated and the job is enqueued.
+    #[serde(default)]
+    pub enqueued: bool,
+    pub batch: Value,
+}
+
+impl BatchRow {
+    pub fn id(&self) -> &str {
+        self.batch["id"].as_str().unwrap_or_default()
+    }
+
+    pub fn status(&self) -> &str {
+        self.batch["status"].as_str().unwrap_or_default()
+    }
+
+    /// Sets the status and its `<status>_at` time.
+    pub fn set_status(&mut self, status: &str, now: u64) {
+        self.batch["status"] = json!(status);
+        let at = format!("{status}_at");
+        if self.batch.get(&at).is_some() {
+            self.batch[at] = json!(now);
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.status(), "completed" | "failed" | "expired" | "cancelled")
+    }
+}
+
+async fn hset(store: &RedisStore, key: &str, id: &str, value: String) -> Result<(), StoreError> {
+    let mut conn = store.connection();
+    redis::cmd("HSET")
+        .arg(key)
+        .arg(id)
+        .arg(value)
+        .query_async::<()>(&mut conn)
+        .await?;
+    Ok(())
+}
+
+async fn hget<T: for<'de> Deserialize<'de>>(store: &RedisStore, key: &str, id: &str) -> Result<Option<T>, StoreError> {
+    let mut conn = store.connection();
+    let text: Option<String> = redis::cmd("HGET").arg(key).arg(id).query_async(&mut conn).await?;
+    Ok(text.and_then(|t| serde_json::from_str(&t).ok()))
+}
+
+async fn hvals<T: for<'de> Deserialize<'de>>(store: &RedisStore, key: &str) -> Result<Vec<T>, StoreError> {
+    let mut conn = store.connection();
+    let all: Vec<(String, String)> = redis::cmd("HGETALL").arg(key).query_async(&mut conn).await?;
+    Ok(all.iter().filter_map(|(_, v)| serde_json::from_str(v).ok()).collect())
+}
+
+pub async fn put_file(store: &RedisStore, f: &FileRow) -> Result<(), StoreError> {
+    hset(store, FILES, &f.id, serde_json::to_string(f).unwrap_or_default()).await
+}
+
+pub async fn file(store: &RedisStore, id: &str) -> Result<Option<FileRow>, StoreError> {
+    hget(store, FILES, id).await
+}
+
+pub async fn files(store: &RedisStore) -> Result<Vec<FileRow>, StoreError> {
+    hvals(store, FILES).await
+}
+
+pub async fn forget_file(store: &RedisStore, id: &str) -> Result<(), StoreError> {
+    let mut conn = store.connection();
+    redis::cmd("HDEL")
+        .arg(FILES)
+        .arg(id)
+        .query_async::<()>(&mut conn)
+        .await?;
+    Ok(())
+}
+
+pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<(), StoreError> {
+    hset(store, BATCHES, b.id(), serde_json::to_string(b).unwrap_or_default()).await
+}
+
+pub async fn batch(store: &RedisStore, id: &str) -> Result<Option<BatchRow>, StoreError> {
+    hget(store, BATCHES, id).await
+}
+
+pub async fn batches(store: &RedisStore) -> Result<Vec<BatchRow>, StoreError> {
+    hvals(store, BATCHES).await
+}
+
+/// Claims an idempotency key for `batch_id` (`SET NX`): None when it was
+/// free, else the batch it already names.
+pub async fn claim_idempotency(
+    store: &RedisStore,
+    owner: &str,
+    key: &str,
+    batch_id: &str,
+    ttl_secs: u64,
+) -> Result<Option<String>, StoreError> {
+    let name = format!(
+        "bf:oai:idem:{}",
+        common::sink::sha256_hex(format!("{owner}\n{key}").as_bytes())
+    );
+    let mut conn = store.connection();
+    let set: Option<String> = redis::cmd("SET")
+        .arg(&name)
+        .arg(batch_id)
+        .arg("NX")
+        .arg("EX")
+        .arg(ttl_secs)
+        .query_async(&mut conn)
+        .await?;
+    if set.is_some() {
+        return Ok(None);
+    }
+    let held: Option<String> = redis::cmd("GET").arg(&name).query_async(&mut conn).await?;
+    Ok(held)
+}

@@ -1,0 +1,132 @@
+"""Drives `producer serve-batches` with the official `openai` SDK, as a user's
+code would: the test (tests/tests/batches_api.rs) runs one phase at a time and
+reads the JSON line each phase prints last.
+
+    python3 batches_sdk.py PHASE   (BASE_URL, API_KEY, WORK_DIR in the environment)
+
+Phases: submit (upload, create, the same create retried, the same key with
+other parameters), wait (until the batch ends; its output), cancel (a batch
+cancelled mid-way: its partial output and error file), invalid (a file with a
+duplicate custom_id fails validation), isolation (another key sees nothing).
+"""
+
+import json
+import os
+import sys
+import time
+
+import openai
+from openai import OpenAI
+
+client = OpenAI(base_url=os.environ["BASE_URL"], api_key=os.environ["API_KEY"], max_retries=0)
+work = os.environ["WORK_DIR"]
+
+
+def requests_file(name, n, first=0):
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        for i in range(first, first + n):
+            body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"Say hello to number {i}"}]}
+            f.write(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+    return path
+
+
+def wait_until(batch_id, statuses, within=120):
+    deadline = time.time() + within
+    while time.time() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.3)
+    raise SystemExit(f"batch {batch_id} did not reach {statuses}: {batch.status}")
+
+
+def lines(file_id):
+    if file_id is None:
+        return []
+    return [json.loads(l) for l in client.files.content(file_id).text.splitlines() if l.strip()]
+
+
+def submit():
+    path = requests_file("input.jsonl", int(os.environ.get("N", "30")))
+    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes == os.path.getsize(path), uploaded
+    key = {"Idempotency-Key": "nightly-2026-12-05"}
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+        metadata={"run": "nightly"}, extra_headers=key)
+    assert batch.status == "validating", batch
+    again = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+        metadata={"run": "nightly"}, extra_headers=key)
+    conflict = None
+    try:
+        client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+            metadata={"run": "other"}, extra_headers=key)
+    except openai.ConflictError as e:
+        conflict = e.status_code
+    listed = [f.id for f in client.files.list(purpose="batch")]
+    print(json.dumps({"batch": batch.id, "again": again.id, "conflict": conflict,
+                      "file": uploaded.id, "file_listed": uploaded.id in listed}))
+
+
+def wait():
+    batch = wait_until(os.environ["BATCH"], {"completed", "failed", "expired", "cancelled"})
+    out = lines(batch.output_file_id)
+    err = lines(batch.error_file_id)
+    ids = [l["custom_id"] for l in out]
+    shapes = all(l["response"]["status_code"] == 200 and l["error"] is None
+                 and l["response"]["body"]["object"] == "chat.completion"
+                 and l["response"]["body"]["choices"][0]["message"]["content"] for l in out)
+    listed = [b.id for b in client.batches.list(limit=1)]  # pages through, one at a time
+    print(json.dumps({"status": batch.status, "counts": batch.request_counts.model_dump(),
+                      "output_ids": ids, "errors": len(err), "shapes_ok": shapes,
+                      "usage_tokens": sum(l["response"]["body"]["usage"]["total_tokens"] for l in out),
+                      "listed": batch.id in listed or batch.id in [b.id for b in client.batches.list()]}))
+
+
+def cancel():
+    path = requests_file("big.jsonl", int(os.environ.get("N", "200")), first=1000)
+    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    deadline = time.time() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 5:
+        assert time.time() < deadline, "no request completed"
+        time.sleep(0.2)
+    cancelling = client.batches.cancel(batch.id)
+    ended = wait_until(batch.id, {"cancelled", "completed"})
+    out = lines(ended.output_file_id)
+    err = lines(ended.error_file_id)
+    print(json.dumps({"batch": batch.id, "cancelling": cancelling.status, "status": ended.status,
+                      "output_ids": [l["custom_id"] for l in out],
+                      "error_codes": sorted({l["error"]["code"] for l in err}),
+                      "error_ids": [l["custom_id"] for l in err],
+                      "total": ended.request_counts.total}))
+
+
+def invalid():
+    path = os.path.join(work, "dup.jsonl")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    with open(path, "w") as f:
+        for cid in ["a", "b", "a"]:
+            f.write(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    ended = wait_until(batch.id, {"failed", "completed"})
+    errors = [{"code": e.code, "line": e.line} for e in (ended.errors.data if ended.errors else [])]
+    print(json.dumps({"status": ended.status, "errors": errors}))
+
+
+def isolation():
+    seen = None
+    try:
+        client.batches.retrieve(os.environ["BATCH"])
+    except openai.NotFoundError as e:
+        seen = e.status_code
+    print(json.dumps({"retrieve": seen, "batches": len(list(client.batches.list()))}))
+
+
+{"submit": submit, "wait": wait, "cancel": cancel, "invalid": invalid, "isolation": isolation}[sys.argv[1]]()
