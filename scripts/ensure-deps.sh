@@ -19,27 +19,22 @@ case "$what" in
 esac
 dry=${ENSURE_DEPS_DRY_RUN:-}
 missing=()
-if [ "$what" = test ] && ! python3 -c "import rotel" >/dev/null 2>&1; then
+# pip_module MODULE PACKAGE WHY: installs PACKAGE when python3 cannot import MODULE.
+pip_module() {
+  python3 -c "import $1" >/dev/null 2>&1 && return 0
   if [ -n "$dry" ]; then
-    missing+=(rotel)
-  else
-    echo "rotel is missing: installing it (pip install rotel==0.0.1a15)" >&2
-    python3 -m pip install -q rotel==0.0.1a15 >/dev/null 2>&1 || {
-      echo "error: could not install rotel: pip install rotel==0.0.1a15" >&2
-      exit 1
-    }
+    missing+=("$1")
+    return 0
   fi
-fi
-if [ "$what" = test ] && ! python3 -c "import openai" >/dev/null 2>&1; then
-  if [ -n "$dry" ]; then
-    missing+=(openai)
-  else
-    echo "the openai SDK is missing (the Batch API test drives serve-batches with it): pip install openai==3.63.0" >&2
-    python3 -m pip install -q openai==3.63.0 >/dev/null 2>&1 || {
-      echo "error: could not install the openai SDK: pip install openai==3.63.0" >&2
-      exit 1
-    }
-  fi
+  echo "$1 is missing ($3): installing it (pip install $2)" >&2
+  python3 -m pip install -q "$2" >/dev/null 2>&1 || {
+    echo "error: could not install $1: pip install $2" >&2
+    exit 1
+  }
+}
+if [ "$what" = test ]; then
+  pip_module rotel rotel==0.0.1a15 "the OTLP receiver of the traces tests"
+  pip_module openai openai==3.63.0 "the Batch API test drives serve-batches with it"
 fi
 command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || missing+=(redis-server redis-tools)
 if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then

@@ -257,49 +257,10 @@ async fn upload(State(api): State<Shared>, headers: HeaderMap, mut form: Multipa
             Some("purpose") => purpose = field.text().await.ok(),
             Some("file") => {
                 let filename = field.file_name().unwrap_or("upload.jsonl").to_owned();
-                let mut out = match tokio::fs::File::create(&path).await {
-                    Ok(f) => f,
-                    Err(e) => return internal(e),
-                };
-                let mut bytes = 0u64;
-                loop {
-                    match field.chunk().await {
-                        Ok(Some(chunk)) => {
-                            bytes += chunk.len() as u64;
-                            if bytes > api.max_upload_bytes {
-                                drop(out);
-                                let _ = std::fs::remove_file(&path);
-                                let why = format!(
-                                    "the file is over this server's upload limit of {} bytes (--max-upload-mb)",
-                                    api.max_upload_bytes
-                                );
-                                return api_error(
-                                    StatusCode::PAYLOAD_TOO_LARGE,
-                                    why,
-                                    Some("file"),
-                                    Some("file_too_large"),
-                                );
-                            }
-                            if let Err(e) = out.write_all(&chunk).await {
-                                return internal(e);
-                            }
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            let _ = std::fs::remove_file(&path);
-                            return api_error(
-                                StatusCode::BAD_REQUEST,
-                                format!("the upload broke off: {e}"),
-                                Some("file"),
-                                None,
-                            );
-                        }
-                    }
+                match save_part(&api, &mut field, &path).await {
+                    Ok(bytes) => stored = Some((filename, bytes)),
+                    Err(refused) => return refused,
                 }
-                if let Err(e) = out.flush().await {
-                    return internal(e);
-                }
-                stored = Some((filename, bytes));
             }
             _ => {}
         }
@@ -329,6 +290,46 @@ async fn upload(State(api): State<Shared>, headers: HeaderMap, mut form: Multipa
         Ok(()) => axum::Json(f.object()).into_response(),
         Err(e) => internal(e),
     }
+}
+
+/// Streams a form's file part to `path`, within the upload limit (the
+/// partial file removed when refused).
+async fn save_part(
+    api: &Api,
+    field: &mut axum::extract::multipart::Field<'_>,
+    path: &std::path::Path,
+) -> Result<u64, Response> {
+    let mut out = tokio::fs::File::create(path).await.map_err(internal)?;
+    let mut bytes = 0u64;
+    loop {
+        let chunk = match field.chunk().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                let why = format!("the upload broke off: {e}");
+                return Err(api_error(StatusCode::BAD_REQUEST, why, Some("file"), None));
+            }
+        };
+        bytes += chunk.len() as u64;
+        if bytes > api.max_upload_bytes {
+            drop(out);
+            let _ = std::fs::remove_file(path);
+            let why = format!(
+                "the file is over this server's upload limit of {} bytes (--max-upload-mb)",
+                api.max_upload_bytes
+            );
+            return Err(api_error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                why,
+                Some("file"),
+                Some("file_too_large"),
+            ));
+        }
+        out.write_all(&chunk).await.map_err(internal)?;
+    }
+    out.flush().await.map_err(internal)?;
+    Ok(bytes)
 }
 
 /// The key's own file `id`, or the response that says why not.
