@@ -7,7 +7,11 @@ reads the JSON line each phase prints last.
 Phases: submit (upload, create, the same create retried, the same key with
 other parameters), wait (until the batch ends; its output), cancel (a batch
 cancelled mid-way: its partial output and error file), invalid (a file with a
-duplicate custom_id fails validation), isolation (another key sees nothing).
+duplicate custom_id fails validation), isolation (another key sees nothing),
+template (answers validated by a named template: the valid ones in the output
+file, those that stay invalid in the error file with their reason), started
+(a batch created and running), too_large (an upload over the server's
+limit), pages (the batch list paged with limit and after).
 """
 
 import json
@@ -82,6 +86,8 @@ def wait():
     listed = [b.id for b in client.batches.list(limit=1)]  # pages through, one at a time
     print(json.dumps({"status": batch.status, "counts": batch.request_counts.model_dump(),
                       "output_ids": ids, "errors": len(err), "shapes_ok": shapes,
+                      "error_codes": sorted({l["error"]["code"] for l in err}),
+                      "error_ids": [l["custom_id"] for l in err],
                       "usage_tokens": sum(l["response"]["body"]["usage"]["total_tokens"] for l in out),
                       "listed": batch.id in listed or batch.id in [b.id for b in client.batches.list()]}))
 
@@ -129,4 +135,67 @@ def isolation():
     print(json.dumps({"retrieve": seen, "batches": len(list(client.batches.list()))}))
 
 
-{"submit": submit, "wait": wait, "cancel": cancel, "invalid": invalid, "isolation": isolation}[sys.argv[1]]()
+def template():
+    path = requests_file("reviews.jsonl", int(os.environ.get("N", "24")), first=2000)
+    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    unknown = None
+    try:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window="24h", metadata={"template": "sentimnet"})
+    except openai.BadRequestError as e:
+        unknown = e.body.get("message") if isinstance(e.body, dict) else str(e)
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"template": "sentiment"})
+    ended = wait_until(batch.id, {"completed", "failed", "expired", "cancelled"})
+    out = lines(ended.output_file_id)
+    err = lines(ended.error_file_id)
+    answers = [json.loads(l["response"]["body"]["choices"][0]["message"]["content"]) for l in out]
+    print(json.dumps({"status": ended.status, "counts": ended.request_counts.model_dump(),
+                      "unknown_template": unknown, "batch": batch.id,
+                      "output_ids": [l["custom_id"] for l in out],
+                      "answers": answers,
+                      "error_ids": [l["custom_id"] for l in err],
+                      "errors": [l["error"] for l in err]}))
+
+
+def started():
+    path = requests_file("long.jsonl", int(os.environ.get("N", "300")), first=3000)
+    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="1h")
+    deadline = time.time() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < 5:
+        assert time.time() < deadline, "no request completed"
+        time.sleep(0.2)
+    print(json.dumps({"batch": batch.id}))
+
+
+def too_large():
+    path = os.path.join(work, "huge.jsonl")
+    with open(path, "w") as f:
+        f.write("x" * int(os.environ["BYTES"]) + "\n")
+    refused = None
+    try:
+        client.files.create(file=open(path, "rb"), purpose="batch")
+    except openai.APIStatusError as e:
+        refused = {"status": e.status_code, "code": e.code, "message": e.message}
+    print(json.dumps({"refused": refused, "files": [f.id for f in client.files.list()]}))
+
+
+def pages():
+    everything = [b.id for b in client.batches.list(limit=100)]
+    first = client.batches.list(limit=2)
+    seen, page, has_more = [], first, [first.has_more]
+    while True:
+        seen += [b.id for b in page.data]
+        if not page.has_more:
+            break
+        page = client.batches.list(limit=2, after=page.data[-1].id)
+        has_more.append(page.has_more)
+    created = [client.batches.retrieve(b).created_at for b in seen]
+    print(json.dumps({"all": everything, "paged": seen, "has_more": has_more,
+                      "newest_first": created == sorted(created, reverse=True)}))
+
+
+{"submit": submit, "wait": wait, "cancel": cancel, "invalid": invalid, "isolation": isolation,
+ "template": template, "started": started, "too_large": too_large, "pages": pages}[sys.argv[1]]()

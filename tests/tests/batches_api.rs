@@ -30,6 +30,10 @@ fn provider_spec(dir: &TempDir, sim: &LlmSim) -> PathBuf {
 }
 
 fn serve(redis: &RedisServer, dir: &TempDir, spec: &PathBuf, port: u16) -> Running {
+    serve_with(redis, dir, spec, port, &[])
+}
+
+fn serve_with(redis: &RedisServer, dir: &TempDir, spec: &PathBuf, port: u16, extra: &[&str]) -> Running {
     let mut c = Command::new(bin("producer"));
     c.args([
         "serve-batches",
@@ -41,6 +45,7 @@ fn serve(redis: &RedisServer, dir: &TempDir, spec: &PathBuf, port: u16) -> Runni
     .arg("--data-dir")
     .arg(dir.join("data"))
     .args(["--poll-ms", "200"])
+    .args(extra)
     .env("REDIS_URL", redis.url())
     .env("BATCHFLEET_BATCHES_KEYS", format!("alice:{ALICE},bob:{BOB}"));
     let running = Running::spawn(c);
@@ -161,5 +166,145 @@ fn the_openai_sdk_runs_a_batch_through_the_fleet_across_a_restart_a_retry_and_a_
     assert_eq!(out.len() + err.len(), 200, "no request in both files");
     // Every paid answer is in the output file: nothing paid was thrown away.
     assert_eq!(served(&sim), 30 + out.len() as u64, "calls served vs answers kept");
+    drop(server);
+}
+
+fn job_status(redis: &RedisServer, batch: &str) -> Value {
+    let out = producer(&[
+        "status",
+        "--job",
+        &format!("oai-{batch}"),
+        "--redis",
+        &redis.url(),
+        "--json",
+    ]);
+    serde_json::from_str(&stdout(&out)).unwrap()
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+/// Time passes while the server is down: the batch's window ends now (its
+/// record in Redis, as the server keeps it, with `expires_at` moved back).
+fn end_window(redis: &RedisServer, batch: &str) {
+    let mut conn = redis.conn();
+    let text: String = redis::cmd("HGET")
+        .arg("bf:oai:batches")
+        .arg(batch)
+        .query(&mut conn)
+        .unwrap();
+    let mut row: Value = serde_json::from_str(&text).unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    row["batch"]["expires_at"] = serde_json::json!(now - 1);
+    let _: () = redis::cmd("HSET")
+        .arg("bf:oai:batches")
+        .arg(batch)
+        .arg(row.to_string())
+        .query(&mut conn)
+        .unwrap();
+}
+
+#[test]
+fn templates_send_the_invalid_to_the_error_file_windows_expire_uploads_are_bounded_lists_page() {
+    let dir = TempDir::new("batches-api-more");
+    let redis = RedisServer::start();
+    // A model that misses a field of the asked format in 70% of its answers, feedback or not.
+    let sim = LlmSim::start(&["--latency-ms", "100", "--faults", "missing_field=0.7", "--stubborn"]);
+    let spec = provider_spec(&dir, &sim);
+    let port = free_port();
+    let templates = workspace().join("examples/batches/templates");
+    let extra = ["--templates", templates.to_str().unwrap(), "--max-upload-mb", "1"];
+    let mut server = serve_with(&redis, &dir, &spec, port, &extra);
+    let _worker = Running::spawn(worker_cmd_all(&redis, &sim, &["--concurrency", "4"]));
+
+    // An upload over --max-upload-mb is refused whole; nothing is kept.
+    let big = sdk("too_large", port, ALICE, &dir, &[("BYTES", "1200000")]);
+    assert_eq!(big["refused"]["status"], 413, "{big}");
+    assert_eq!(big["refused"]["code"], "file_too_large", "{big}");
+    assert_eq!(big["files"], serde_json::json!([]), "{big}");
+
+    // A template validates the answers: each request is in exactly one file,
+    // the valid answers in the output, the ones that stayed invalid (two
+    // attempts, the template's [retry]) in the error file with their reason.
+    let t = sdk("template", port, ALICE, &dir, &[("N", "24")]);
+    assert_eq!(t["status"], "completed", "{t}");
+    let unknown = t["unknown_template"].as_str().unwrap_or_default();
+    assert!(unknown.contains("sentimnet") && unknown.contains("sentiment"), "{t}");
+    let (out, err) = (strings(&t["output_ids"]), strings(&t["error_ids"]));
+    // Plain chat requests: asked for the template's fields as structured output.
+    let forms = sim.stats()["by_form"].clone();
+    assert_eq!(
+        forms["text"],
+        Value::Null,
+        "a template batch's request went without a format: {forms}"
+    );
+    assert!(forms["json_schema"].as_u64().unwrap_or(0) >= 24, "{forms}");
+    assert!(
+        !out.is_empty() && !err.is_empty(),
+        "both kinds expected at a 70% fault rate: {t}"
+    );
+    let all: BTreeSet<&String> = out.iter().chain(&err).collect();
+    assert_eq!((all.len(), out.len() + err.len()), (24, 24), "{t}");
+    for answer in t["answers"].as_array().unwrap() {
+        let sentiment = answer["sentiment"].as_str().unwrap_or_default();
+        assert!(["positive", "neutral", "negative"].contains(&sentiment), "{answer}");
+        assert!(answer["reason"].is_string(), "{answer}");
+    }
+    for e in t["errors"].as_array().unwrap() {
+        // The review reason, and the first validation error with its field.
+        assert_eq!(e["code"], "attempts_exhausted", "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("E_MISSING sentiment") || message.starts_with("E_MISSING reason"),
+            "{e}"
+        );
+    }
+    assert_eq!(t["counts"]["failed"], err.len(), "{t}");
+    let status = job_status(&redis, t["batch"].as_str().unwrap_or_default());
+    assert_eq!(
+        status["review"],
+        err.len(),
+        "the error file's lines are the job's review entries: {status}"
+    );
+
+    // The window ends while the server is down: back up, it expires the
+    // batch, keeping what was answered; the rest is `batch_expired`.
+    let before = served(&sim);
+    let started = sdk("started", port, ALICE, &dir, &[("N", "300")]);
+    let batch = started["batch"].as_str().unwrap().to_owned();
+    drop(server);
+    end_window(&redis, &batch);
+    server = serve_with(&redis, &dir, &spec, port, &extra);
+    let expired = sdk("wait", port, ALICE, &dir, &[("BATCH", &batch)]);
+    assert_eq!(expired["status"], "expired", "{expired}");
+    let (out, err) = (strings(&expired["output_ids"]), strings(&expired["error_ids"]));
+    assert!(out.len() >= 5 && out.len() < 300, "partial output: {}", out.len());
+    assert_eq!(
+        expired["error_codes"],
+        serde_json::json!(["batch_expired"]),
+        "{expired}"
+    );
+    let all: BTreeSet<&String> = out.iter().chain(&err).collect();
+    assert_eq!(
+        (all.len(), out.len() + err.len()),
+        (300, 300),
+        "each request in one file"
+    );
+    let status = job_status(&redis, &batch);
+    assert_eq!(status["done"], out.len(), "{status}");
+    assert_eq!(served(&sim) - before, out.len() as u64, "calls served vs answers kept");
+
+    // Lists page newest first, with limit and after, each batch once.
+    let invalid = sdk("invalid", port, ALICE, &dir, &[]);
+    assert_eq!(invalid["status"], "failed", "{invalid}");
+    let pages = sdk("pages", port, ALICE, &dir, &[]);
+    assert_eq!(pages["all"].as_array().unwrap().len(), 3, "{pages}");
+    assert_eq!(pages["paged"], pages["all"], "{pages}");
+    assert_eq!(pages["has_more"], serde_json::json!([true, false]), "{pages}");
+    assert_eq!(pages["newest_first"], true, "{pages}");
     drop(server);
 }

@@ -183,13 +183,24 @@ fn prepare_passthrough(
     let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
     let retry = previous.zip(sent_feedback.as_deref());
     let request = common::template::lookup(&before.input, field);
-    let (body, max_tokens) = match job.provider.passthrough_body(request, field, retry) {
+    // A request that sets no response_format is asked for the job's fields (a template's).
+    let (form, response_format) = match job.spec.output.fields.is_empty() {
+        true => (common::spec::StructuredOutput::Off, None),
+        false => job.forms.current(),
+    };
+    let (body, max_tokens, formatted) = match job.provider.passthrough_body(request, field, retry, response_format) {
         Ok(made) => made,
         Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
+    };
+    let form = if formatted {
+        form
+    } else {
+        common::spec::StructuredOutput::Off
     };
     // The review entry shows the request as sent.
     let user = body.get().to_owned();
     let estimate = Usage::estimate(estimate_tokens(&user), max_tokens);
+    // The body's bytes hold the response format it carries.
     let mut at_most = crate::budget::at_most(&job.spec, &[user.as_str()], 0);
     at_most.completion = max_tokens;
     at_most.total = at_most.prompt + max_tokens;
@@ -198,7 +209,7 @@ fn prepare_passthrough(
         before,
         user,
         sent_feedback,
-        form: common::spec::StructuredOutput::Off,
+        form,
         body,
         estimate,
         at_most,

@@ -212,14 +212,17 @@ impl Provider {
     /// sent as given, with the provider's `model` and `max_tokens` where it
     /// names none, `stream` off, and after an invalid answer that answer
     /// (as the assistant) and the validator's feedback appended to its
-    /// messages. Returns the body and the completion tokens it allows; an
-    /// error names what the record's request lacks.
+    /// messages; `response_format` (the job's structured output) where it
+    /// sets none. Returns the body, the completion tokens it allows and
+    /// whether `response_format` went in; an error names what the record's
+    /// request lacks.
     pub fn passthrough_body(
         &self,
         request: Option<&Value>,
         field: &str,
         retry: Option<(&str, &str)>,
-    ) -> Result<(Box<RawValue>, u64), String> {
+        response_format: Option<&Value>,
+    ) -> Result<(Box<RawValue>, u64, bool), String> {
         let Some(Value::Object(request)) = request else {
             return Err(format!("request_missing:{field}"));
         };
@@ -249,8 +252,15 @@ impl Provider {
             messages.push(serde_json::json!({"role": "assistant", "content": previous}));
             messages.push(serde_json::json!({"role": "user", "content": feedback}));
         }
+        let formatted = match response_format {
+            Some(rf) if !body.contains_key("response_format") => {
+                body.insert("response_format".into(), rf.clone());
+                true
+            }
+            _ => false,
+        };
         let raw = serde_json::value::to_raw_value(&body).map_err(|e| format!("request_unencodable:{e}"))?;
-        Ok((raw, max_tokens))
+        Ok((raw, max_tokens, formatted))
     }
 
     /// Sends one request body (see [`Provider::body`]) for `record`, from
@@ -696,5 +706,36 @@ mod tests {
             (h.limit_requests, h.remaining_requests, h.reset_requests_ms),
             (Some(300), Some(12), Some(60_000))
         );
+    }
+
+    #[test]
+    fn a_passed_through_request_keeps_its_own_format_and_gets_the_jobs_otherwise() {
+        let spec = JobSpec::parse(include_str!("../../examples/job.toml"), "job.toml").unwrap();
+        let p = Provider::new(&spec, Some("http://127.0.0.1:9/v1"), "sk-test".into()).unwrap();
+        let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x"}});
+        let plain = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+        let (body, max_tokens, formatted) = p.passthrough_body(Some(&plain), "body", None, Some(&schema)).unwrap();
+        let sent: Value = serde_json::from_str(body.get()).unwrap();
+        assert!(formatted);
+        assert_eq!(sent["response_format"], schema);
+        assert_eq!(
+            (sent["stream"].clone(), sent["model"].clone()),
+            (Value::Bool(false), "gpt-4o-mini".into())
+        );
+        assert_eq!(max_tokens, u64::from(spec.provider.max_tokens));
+        let mut own = plain.clone();
+        own["response_format"] = serde_json::json!({"type": "json_object"});
+        own["max_tokens"] = 7.into();
+        let retry = Some(("{\"a\":1}", "fix: sentiment is required"));
+        let (body, max_tokens, formatted) = p.passthrough_body(Some(&own), "body", retry, Some(&schema)).unwrap();
+        let sent: Value = serde_json::from_str(body.get()).unwrap();
+        assert!(!formatted, "the request's own format is kept");
+        assert_eq!(sent["response_format"]["type"], "json_object");
+        assert_eq!(max_tokens, 7);
+        assert_eq!(sent["messages"].as_array().unwrap().len(), 3, "{sent}");
+        assert_eq!(sent["messages"][2]["content"], "fix: sentiment is required");
+        let none = serde_json::json!({"messages": []});
+        let refused = p.passthrough_body(Some(&none), "body", None, None).unwrap_err();
+        assert_eq!(refused, "request_without_messages:body");
     }
 }

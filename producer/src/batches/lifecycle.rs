@@ -9,6 +9,7 @@
 use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::spec::{JobSpec, PromptSection};
 use common::store::RedisStore;
@@ -23,11 +24,39 @@ pub const ENDPOINT: &str = "/v1/chat/completions";
 /// The most validation errors a failed batch lists.
 const MAX_ERRORS: usize = 100;
 
+/// A named template (`metadata={"template": NAME}`, the file
+/// `--templates DIR/NAME.toml`): the `[output]` that validates a batch's
+/// answers (asked for as structured output when a request sets no
+/// `response_format`) and, optionally, the `[retry]` of invalid answers.
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Template {
+    pub output: common::spec::OutputSection,
+    #[serde(default)]
+    pub retry: Option<common::spec::RetryPolicy>,
+    /// How the fields are asked for (`provider.structured_output`'s
+    /// values); default `auto`: the first form the server accepts.
+    #[serde(default)]
+    pub structured_output: Option<common::spec::StructuredOutput>,
+}
+
+impl Template {
+    /// Reads a template, naming the file and the key of any mistake.
+    pub fn load(path: &Path) -> anyhow::Result<Template> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let de = toml::Deserializer::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let at = e.path().to_string();
+            anyhow::anyhow!("{} at `{at}`: {}", path.display(), e.into_inner().to_string().trim())
+        })
+    }
+}
+
 /// The job spec a batch runs under: the provider spec's provider, limits,
 /// prices, budget and sink; the record's `body` sent as the request, its
 /// `custom_id` the record's key; answers validated by the template's
-/// `[output]` (or the provider spec's, when it has fields).
-pub fn job_spec(provider: &JobSpec, template: Option<&JobSpec>) -> JobSpec {
+/// `[output]` and retried by its `[retry]` (or the provider spec's).
+pub fn job_spec(provider: &JobSpec, template: Option<&Template>) -> JobSpec {
     let mut spec = provider.clone();
     spec.job.id_field = "custom_id".into();
     spec.prompt = PromptSection {
@@ -37,6 +66,10 @@ pub fn job_spec(provider: &JobSpec, template: Option<&JobSpec>) -> JobSpec {
     };
     if let Some(t) = template {
         spec.output = t.output.clone();
+        if let Some(retry) = &t.retry {
+            spec.retry = retry.clone();
+        }
+        spec.provider.structured_output = t.structured_output.unwrap_or(common::spec::StructuredOutput::Auto);
     }
     spec.check = Default::default();
     spec.provider.mode = Default::default();
@@ -125,7 +158,7 @@ pub fn check_input(path: &Path, max_record_bytes: usize) -> std::io::Result<Resu
 }
 
 /// Moves every unfinished batch one step; called every poll.
-pub async fn advance_all(api: &Api) -> anyhow::Result<()> {
+pub async fn advance_all(api: &Arc<Api>) -> anyhow::Result<()> {
     for row in kept::batches(&api.store).await? {
         if row.is_terminal() {
             continue;
@@ -138,14 +171,26 @@ pub async fn advance_all(api: &Api) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn advance(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
+async fn advance(api: &Arc<Api>, mut row: BatchRow) -> anyhow::Result<()> {
     let now = now_secs();
+    if api
+        .validating
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains(row.id())
+    {
+        // Its task moves it on (a cancel meanwhile included).
+        return Ok(());
+    }
     if !row.enqueued {
         if row.status() == "cancelling" {
-            // Nothing was sent: it ends here.
             row.ending = Some("cancelled".into());
+            // Nothing was sent, unless its enqueue ended while the cancel was written.
+            row.enqueued = api.store.job_spec(&row.job).await?.is_some();
+            cancel_job(&api.store, &row).await?;
         } else {
-            return validate_and_enqueue(api, row).await;
+            validate_in_background(api, row);
+            return Ok(());
         }
     }
     let expires_at = row.batch["expires_at"].as_u64().unwrap_or(u64::MAX);
@@ -182,8 +227,40 @@ async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The job's counts into `request_counts`; true when nothing of it is left to run.
+/// How often a batch in progress gets the full pass over its records
+/// (`producer status`'s); between, its counts come from the job's counters.
+const FULL_PASS_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The job's counts into `request_counts`; true when nothing of it is left
+/// to run. Each poll reads the job's outcome counters (a hash a partition,
+/// whatever the job's size); the full pass over its records runs when they
+/// say it may be over, when it is ending, and once a minute (a person's
+/// decision in review is not in the counters).
 async fn counts(api: &Api, row: &mut BatchRow) -> anyhow::Result<bool> {
+    let partitions = api.store.job_spec(&row.job).await?.map_or(1, |s| s.job.partitions);
+    let stats = api.store.stats(&row.job, partitions).await?;
+    let (done, failed) = stats
+        .timeline
+        .values()
+        .fold((0, 0), |(d, f), m| (d + m.done, f + m.failed));
+    let total = row.batch["request_counts"]["total"].as_u64().unwrap_or(0);
+    let due = {
+        let mut passes = api.full_passes.lock().unwrap_or_else(|e| e.into_inner());
+        let last = passes.get(row.id()).copied();
+        let due = row.ending.is_some()
+            || done + failed >= total
+            || last.is_none_or(|t: std::time::Instant| t.elapsed() >= FULL_PASS_EVERY);
+        if due {
+            passes.insert(row.id().to_owned(), std::time::Instant::now());
+        }
+        due
+    };
+    if !due {
+        // Counters only grow; a record a person sent back to work may count twice.
+        row.batch["request_counts"]["completed"] = json!(done.min(total));
+        row.batch["request_counts"]["failed"] = json!(failed.min(total - done.min(total)));
+        return Ok(false);
+    }
     let s = crate::status::status(&api.store, &row.job, false, false).await?;
     row.batch["request_counts"]["completed"] = json!(s.done);
     row.batch["request_counts"]["failed"] = json!(s.review + s.dropped);
@@ -197,6 +274,27 @@ pub async fn cancel_job(store: &RedisStore, row: &BatchRow) -> anyhow::Result<()
         store.cancel_job(&row.job, partitions).await?;
     }
     Ok(())
+}
+
+/// Validates and enqueues a batch in a task of its own (a large file does
+/// not hold up the other batches' polls), one at a time a batch.
+fn validate_in_background(api: &Arc<Api>, row: BatchRow) {
+    let id = row.id().to_owned();
+    if !api
+        .validating
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(id.clone())
+    {
+        return;
+    }
+    let api = api.clone();
+    tokio::spawn(async move {
+        if let Err(e) = validate_and_enqueue(&api, row).await {
+            tracing::warn!(batch = %id, error = %format!("{e:#}"), "batch not enqueued: tried again at the next poll");
+        }
+        api.validating.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    });
 }
 
 /// Validates the input file, then enqueues it as the batch's job (resumed
@@ -410,14 +508,86 @@ async fn write_files(api: &Api, row: &BatchRow) -> anyhow::Result<(Written, Writ
             };
             if seen.insert(custom_id.clone()) {
                 let error = json!({"code": code, "message": message});
-                err.push(output_line(
-                    &common::sink::sha256_hex(custom_id.as_bytes()),
-                    &custom_id,
-                    Value::Null,
-                    error,
-                ));
+                let record_id = spec.as_ref().map_or_else(
+                    || common::sink::sha256_hex(custom_id.as_bytes()),
+                    |s| common::record::IdContext::new(&row.job, s).record_id(&custom_id),
+                );
+                err.push(output_line(&record_id, &custom_id, Value::Null, error));
             }
         }
     }
     Ok((out.finish()?, err.finish()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn provider() -> JobSpec {
+        JobSpec::parse(include_str!("../../../examples/batches/provider.toml"), "provider.toml").unwrap()
+    }
+
+    #[test]
+    fn a_template_brings_its_fields_retry_and_form_and_names_its_mistakes() {
+        let dir = std::env::temp_dir().join(format!("bf-template-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/batches/templates/sentiment.toml");
+        let t = Template::load(&example).unwrap();
+        let spec = job_spec(&provider(), Some(&t));
+        assert!(spec.problems().is_empty(), "{:?}", spec.problems());
+        assert_eq!(spec.output.fields.len(), 2);
+        assert_eq!(spec.retry.max_attempts, 2);
+        assert_eq!(spec.provider.structured_output, common::spec::StructuredOutput::Auto);
+        assert_eq!(spec.job.id_field, "custom_id");
+        // Without a template: the provider spec's own, nothing asked for.
+        let plain = job_spec(&provider(), None);
+        assert!(plain.output.fields.is_empty());
+        assert_eq!(plain.provider.structured_output, common::spec::StructuredOutput::Off);
+
+        let typo = dir.join("typo.toml");
+        std::fs::write(
+            &typo,
+            "[output.fields.x]\ntype = \"string\"\n\n[retyr]\nmax_attempts = 2\n",
+        )
+        .unwrap();
+        let e = Template::load(&typo).unwrap_err().to_string();
+        assert!(e.contains("typo.toml") && e.contains("retyr"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_input_check_names_each_bad_line() {
+        let dir = std::env::temp_dir().join(format!("bf-input-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("in.jsonl");
+        let good = r#"{"custom_id":"a","method":"POST","url":"/v1/chat/completions","body":{"messages":[{"role":"user","content":"hi"}]}}"#;
+        let lines = [
+            good,
+            "not json",
+            r#"{"custom_id":"a","method":"GET","url":"/v1/embeddings","body":{}}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let errors = check_input(&path, 1 << 20).unwrap().unwrap_err();
+        let codes: Vec<(u64, &str)> = errors
+            .iter()
+            .map(|e| (e["line"].as_u64().unwrap(), e["code"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            codes,
+            [
+                (2, "invalid_json_line"),
+                (3, "duplicate_custom_id"),
+                (3, "invalid_method"),
+                (3, "invalid_url"),
+                (3, "invalid_body")
+            ]
+        );
+        std::fs::write(&path, format!("{good}\n\n")).unwrap();
+        assert_eq!(check_input(&path, 1 << 20).unwrap().unwrap(), 1);
+        assert_eq!(
+            check_input(&path, 10).unwrap().unwrap_err()[0]["code"],
+            "line_too_large"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

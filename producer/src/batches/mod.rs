@@ -67,6 +67,10 @@ pub struct Api {
     pub redis_url: String,
     pub max_backlog: u64,
     pub allow_evicting_redis: bool,
+    /// Batches being validated and enqueued now (each by one task).
+    pub validating: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// When each batch in progress last had its full pass (see `lifecycle::counts`).
+    pub full_passes: std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
 }
 
 type Shared = Arc<Api>;
@@ -77,8 +81,9 @@ impl Api {
         self.data_dir.join("files").join(id)
     }
 
-    /// A named template (`metadata.template`), or why there is none.
-    pub fn template(&self, name: &str) -> anyhow::Result<JobSpec> {
+    /// A named template (`metadata.template`), checked against the
+    /// provider spec, or why it cannot be used.
+    pub fn template(&self, name: &str) -> anyhow::Result<lifecycle::Template> {
         let dir = self
             .templates
             .as_ref()
@@ -96,7 +101,14 @@ impl Api {
             known.sort();
             anyhow::bail!("no template `{name}`: the templates are {}", known.join(", "));
         }
-        Ok(JobSpec::load(&path.to_string_lossy())?)
+        let template = lifecycle::Template::load(&path)?;
+        if let Some(p) = lifecycle::job_spec(&self.provider_spec, Some(&template))
+            .problems()
+            .first()
+        {
+            anyhow::bail!("{}: {}: {}", path.display(), p.path, p.message);
+        }
+        Ok(template)
     }
 }
 
@@ -136,6 +148,8 @@ pub async fn run(
         redis_url: config.redis_url,
         max_backlog: config.max_backlog,
         allow_evicting_redis: config.allow_evicting_redis,
+        validating: Default::default(),
+        full_passes: Default::default(),
     });
     let poller = tokio::spawn(poll(api.clone(), config.poll, cancel.clone()));
     let app = router(api);
@@ -244,13 +258,14 @@ async fn upload(State(api): State<Shared>, headers: HeaderMap, mut form: Multipa
         let mut field = match form.next_field().await {
             Ok(Some(f)) => f,
             Ok(None) => break,
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                let _ = std::fs::remove_file(&path);
+                return too_large(&api);
+            }
             Err(e) => {
-                return api_error(
-                    StatusCode::BAD_REQUEST,
-                    format!("the upload is not a multipart form: {e}"),
-                    None,
-                    None,
-                );
+                let _ = std::fs::remove_file(&path);
+                let why = format!("the upload is not a multipart form: {e}");
+                return api_error(StatusCode::BAD_REQUEST, why, None, None);
             }
         };
         match field.name() {
@@ -305,6 +320,11 @@ async fn save_part(
         let chunk = match field.chunk().await {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
+            // The body's limit met inside a chunk.
+            Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                let _ = std::fs::remove_file(path);
+                return Err(too_large(api));
+            }
             Err(e) => {
                 let _ = std::fs::remove_file(path);
                 let why = format!("the upload broke off: {e}");
@@ -315,21 +335,20 @@ async fn save_part(
         if bytes > api.max_upload_bytes {
             drop(out);
             let _ = std::fs::remove_file(path);
-            let why = format!(
-                "the file is over this server's upload limit of {} bytes (--max-upload-mb)",
-                api.max_upload_bytes
-            );
-            return Err(api_error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                why,
-                Some("file"),
-                Some("file_too_large"),
-            ));
+            return Err(too_large(api));
         }
         out.write_all(&chunk).await.map_err(internal)?;
     }
     out.flush().await.map_err(internal)?;
     Ok(bytes)
+}
+
+fn too_large(api: &Api) -> Response {
+    let why = format!(
+        "the file is over this server's upload limit of {} bytes (--max-upload-mb)",
+        api.max_upload_bytes
+    );
+    api_error(StatusCode::PAYLOAD_TOO_LARGE, why, Some("file"), Some("file_too_large"))
 }
 
 /// The key's own file `id`, or the response that says why not.
@@ -446,6 +465,64 @@ fn window_secs(w: &str) -> Option<u64> {
     (1..=168).contains(&hours).then_some(hours * 3600)
 }
 
+impl CreateBatch {
+    /// The request's input file, window and template, checked as the API
+    /// checks them; the response that refuses it otherwise.
+    async fn check(&self, api: &Api, who: &str) -> Result<Checked, Response> {
+        let Some(input) = self.input_file_id.clone() else {
+            let why = "input_file_id is required";
+            return Err(api_error(StatusCode::BAD_REQUEST, why, Some("input_file_id"), None));
+        };
+        if self.endpoint.as_deref() != Some(lifecycle::ENDPOINT) {
+            let why = format!(
+                "endpoint must be {}: the only one this server runs",
+                lifecycle::ENDPOINT
+            );
+            return Err(api_error(StatusCode::BAD_REQUEST, why, Some("endpoint"), None));
+        }
+        let window = self.window();
+        let Some(window_s) = window_secs(&window) else {
+            let why = format!("completion_window `{window}`: give hours, 1h to 168h, such as 24h");
+            return Err(api_error(StatusCode::BAD_REQUEST, why, Some("completion_window"), None));
+        };
+        match store::file(&api.store, &input).await {
+            Ok(Some(f)) if f.owner == who && f.purpose == "batch" => {}
+            Ok(_) => return Err(not_found("File", &input)),
+            Err(e) => return Err(internal(e)),
+        }
+        let template = self
+            .metadata
+            .as_ref()
+            .and_then(|m| m.get("template"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        if let Some(name) = &template
+            && let Err(e) = api.template(name)
+        {
+            let why = format!("metadata.template: {e:#}");
+            return Err(api_error(StatusCode::BAD_REQUEST, why, Some("metadata"), None));
+        }
+        Ok(Checked {
+            input,
+            window,
+            window_s,
+            template,
+        })
+    }
+
+    fn window(&self) -> String {
+        self.completion_window.clone().unwrap_or_else(|| "24h".into())
+    }
+}
+
+/// A create request that passed [`CreateBatch::check`].
+struct Checked {
+    input: String,
+    window: String,
+    window_s: u64,
+    template: Option<String>,
+}
+
 async fn create_batch(State(api): State<Shared>, headers: HeaderMap, body: String) -> Response {
     let who = match owner(&api, &headers) {
         Ok(w) => w,
@@ -454,93 +531,69 @@ async fn create_batch(State(api): State<Shared>, headers: HeaderMap, body: Strin
     let req: CreateBatch = match serde_json::from_str(&body) {
         Ok(r) => r,
         Err(e) => {
-            return api_error(
-                StatusCode::BAD_REQUEST,
-                format!("the body is not a batch request: {e}"),
-                None,
-                None,
-            );
+            let why = format!("the body is not a batch request: {e}");
+            return api_error(StatusCode::BAD_REQUEST, why, None, None);
         }
     };
-    let Some(input) = req.input_file_id.clone() else {
-        return api_error(
-            StatusCode::BAD_REQUEST,
-            "input_file_id is required",
-            Some("input_file_id"),
-            None,
-        );
+    let checked = match req.check(&api, &who).await {
+        Ok(c) => c,
+        Err(r) => return r,
     };
-    if req.endpoint.as_deref() != Some(lifecycle::ENDPOINT) {
-        let why = format!(
-            "endpoint must be {}: the only one this server runs",
-            lifecycle::ENDPOINT
-        );
-        return api_error(StatusCode::BAD_REQUEST, why, Some("endpoint"), None);
-    }
-    let window = req.completion_window.clone().unwrap_or_else(|| "24h".into());
-    let Some(window_s) = window_secs(&window) else {
-        let why = format!("completion_window `{window}`: give hours, 1h to 168h, such as 24h");
-        return api_error(StatusCode::BAD_REQUEST, why, Some("completion_window"), None);
-    };
-    match store::file(&api.store, &input).await {
-        Ok(Some(f)) if f.owner == who && f.purpose == "batch" => {}
-        Ok(_) => return not_found("File", &input),
-        Err(e) => return internal(e),
-    }
-    let metadata = req.metadata.clone().unwrap_or_default();
-    let template = metadata.get("template").and_then(Value::as_str).map(str::to_owned);
-    if let Some(name) = &template
-        && let Err(e) = api.template(name)
-    {
-        return api_error(
-            StatusCode::BAD_REQUEST,
-            format!("metadata.template: {e:#}"),
-            Some("metadata"),
-            None,
-        );
-    }
     let id = format!("batch_{}", random_hex());
     if let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
-        match store::claim_idempotency(&api.store, &who, key, &id, window_s + 7 * 24 * 3600).await {
+        let ttl = checked.window_s + 7 * 24 * 3600;
+        match store::claim_idempotency(&api.store, &who, key, &id, ttl).await {
             Ok(None) => {}
             Ok(Some(existing)) => return same_batch(&api, &existing, &req).await,
             Err(e) => return internal(e),
         }
     }
-    let now = now_secs();
-    let batch = json!({
-        "id": id,
-        "object": "batch",
-        "endpoint": lifecycle::ENDPOINT,
-        "errors": null,
-        "input_file_id": input,
-        "completion_window": window,
-        "status": "validating",
-        "output_file_id": null,
-        "error_file_id": null,
-        "created_at": now,
-        "in_progress_at": null,
-        "expires_at": now + window_s,
-        "finalizing_at": null,
-        "completed_at": null,
-        "failed_at": null,
-        "expired_at": null,
-        "cancelling_at": null,
-        "cancelled_at": null,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": req.metadata,
-    });
-    let row = BatchRow {
-        owner: who,
-        job: format!("oai-{id}"),
-        template,
-        ending: None,
-        enqueued: false,
-        batch,
-    };
+    let row = BatchRow::new(id, who, checked, req.metadata, now_secs());
     match store::put_batch(&api.store, &row).await {
         Ok(()) => axum::Json(row.batch).into_response(),
         Err(e) => internal(e),
+    }
+}
+
+impl BatchRow {
+    /// A batch just created: `validating`, its job `oai-<id>`.
+    fn new(
+        id: String,
+        owner: String,
+        c: Checked,
+        metadata: Option<serde_json::Map<String, Value>>,
+        now: u64,
+    ) -> BatchRow {
+        let batch = json!({
+            "id": id,
+            "object": "batch",
+            "endpoint": lifecycle::ENDPOINT,
+            "errors": null,
+            "input_file_id": c.input,
+            "completion_window": c.window,
+            "status": "validating",
+            "output_file_id": null,
+            "error_file_id": null,
+            "created_at": now,
+            "in_progress_at": null,
+            "expires_at": now + c.window_s,
+            "finalizing_at": null,
+            "completed_at": null,
+            "failed_at": null,
+            "expired_at": null,
+            "cancelling_at": null,
+            "cancelled_at": null,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": metadata,
+        });
+        BatchRow {
+            owner,
+            job: format!("oai-{id}"),
+            template: c.template,
+            ending: None,
+            enqueued: false,
+            batch,
+        }
     }
 }
 
@@ -553,7 +606,7 @@ async fn same_batch(api: &Api, id: &str, req: &CreateBatch) -> Response {
             Ok(Some(row)) => {
                 let b = &row.batch;
                 let same = b["input_file_id"].as_str() == req.input_file_id.as_deref()
-                    && b["completion_window"].as_str() == Some(req.completion_window.as_deref().unwrap_or("24h"))
+                    && b["completion_window"].as_str() == Some(req.window().as_str())
                     && b["metadata"] == json!(req.metadata);
                 if same {
                     return axum::Json(row.batch).into_response();
