@@ -2,16 +2,38 @@
 //! in order, one file at a time, from a folder that holds the repository's
 //! `examples/`, against a real redis-server and llm-sim (`REDIS_URL`,
 //! `BATCHFLEET_BASE_URL` and `OPENAI_API_KEY` set, batchfleet's binaries first
-//! on `PATH`), each block under `sh -e`. `text` blocks are synopses; a code
-//! block with no language, or a shell under another name, is refused, so no
-//! command goes untested by accident.
+//! on `PATH`), each block under `sh -e`. `python` blocks run the same way
+//! under `python3`, with `producer serve-batches` listening where the docs
+//! say (127.0.0.1:8090, the key `alice:alice-0123456789abcdef`). `text`
+//! blocks are synopses; a code block with no language, or a shell under
+//! another name, is refused, so no command goes untested by accident.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
 
 use std::path::PathBuf;
 use std::process::Command;
 
-use harness::{LlmSim, RedisServer, TempDir, bin, stderr, stdout, workspace};
+use harness::{LlmSim, RedisServer, Running, TempDir, bin, stderr, stdout, workspace};
+
+/// Where the docs' Python finds `producer serve-batches`, and its key.
+const BATCHES_BIND: &str = "127.0.0.1:8090";
+const BATCHES_KEYS: &str = "alice:alice-0123456789abcdef";
+
+/// `producer serve-batches` as docs/batches.md starts it.
+fn serve_batches(redis: &RedisServer, dir: &TempDir) -> Running {
+    let mut c = Command::new(bin("producer"));
+    c.args(["serve-batches", "--bind", BATCHES_BIND, "--provider-spec"])
+        .arg(workspace().join("examples/batches/provider.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("batches"))
+        .env("REDIS_URL", redis.url())
+        .env("BATCHFLEET_BATCHES_KEYS", BATCHES_KEYS);
+    let running = Running::spawn(c);
+    harness::wait_for("serve-batches to listen", std::time::Duration::from_secs(20), || {
+        std::net::TcpStream::connect(BATCHES_BIND).is_ok()
+    });
+    running
+}
 
 /// A fenced block: the line it opens on, its language, its text.
 struct Block {
@@ -82,7 +104,10 @@ fn every_sh_block_of_the_readme_and_docs_runs_as_written() {
     let mut ran = 0;
     for file in documents() {
         let text = std::fs::read_to_string(&file).unwrap();
-        let runnable: Vec<Block> = blocks(&text).into_iter().filter(|b| b.lang == "sh").collect();
+        let runnable: Vec<Block> = blocks(&text)
+            .into_iter()
+            .filter(|b| b.lang == "sh" || b.lang == "python")
+            .collect();
         if runnable.is_empty() {
             continue;
         }
@@ -91,9 +116,20 @@ fn every_sh_block_of_the_readme_and_docs_runs_as_written() {
         let sim = LlmSim::start(&[]);
         let dir = TempDir::new("docs");
         std::os::unix::fs::symlink(workspace().join("examples"), dir.join("examples")).unwrap();
+        let _batches = runnable
+            .iter()
+            .any(|b| b.lang == "python")
+            .then(|| serve_batches(&redis, &dir));
         for b in runnable {
-            let out = Command::new("/bin/sh")
-                .args(["-e", "-c", &b.body])
+            let mut cmd = match b.lang.as_str() {
+                "python" => Command::new("python3"),
+                _ => Command::new("/bin/sh"),
+            };
+            if b.lang == "sh" {
+                cmd.arg("-e");
+            }
+            let out = cmd
+                .args(["-c", &b.body])
                 .current_dir(dir.path())
                 .env("PATH", &path)
                 .env("REDIS_URL", redis.url())
