@@ -1123,3 +1123,79 @@ async fn only_done_records_join_the_audit_queue_and_each_is_judged_once() {
     let acc = store.accuracy(JOB, 1).await.unwrap();
     assert_eq!((acc.overall.correct, acc.overall.audited, acc.waiting), (1, 1, 1));
 }
+
+/// A proxy such as LiteLLM answers "retry after 60" to any request over its
+/// per-minute window: a fleet that paces itself under a limit it knows takes
+/// one as that request's (it goes on, 5% slower); a storm of them, or one
+/// with no limit known, pauses the fleet as long as the hint says.
+#[tokio::test]
+async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pauses_it() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let p = |requests| LimitParams {
+        requests,
+        tokens: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        max_concurrent: 0,
+        need_tokens: 10,
+        need_input: 5,
+        need_output: 5,
+        burst_ms: 60_000,
+        lease_ms: 60_000,
+    };
+    let hinted = |ceiling| Settlement {
+        tokens_back: 10,
+        pause_ms: 60_000,
+        call: CallKind::RateLimitedWithHint,
+        ceiling_requests: ceiling,
+        ..Settlement::default()
+    };
+    let field = |id: &str, f: &str| -> Option<f64> {
+        let v: Option<String> = redis.conn().hget(keys::limit_buckets(id), f).unwrap();
+        v.and_then(|v| v.parse().ok())
+    };
+    let take = |id: &'static str, requests| {
+        let store = store.clone();
+        async move { store.limit_acquire(id, &p(requests), 1, "w").await.unwrap() }
+    };
+
+    // The spec says 300/min: one 429 is that request's; the fleet goes on at 285.
+    let (first, _) = take("told", 300).await;
+    let (in_flight, _) = take("told", 300).await;
+    store.limit_settle("told", &first[0], &hinted(300)).await.unwrap();
+    assert_eq!(field("told", "pause"), None, "an occasional 429 paused the fleet");
+    assert_eq!(field("told", "ar"), Some(285.0));
+    let (next, wait) = take("told", 300).await;
+    assert_eq!((next.len(), wait), (1, 0), "the fleet goes on");
+    // One on a grant taken before that cut is the same event: no second cut.
+    store.limit_settle("told", &in_flight[0], &hinted(300)).await.unwrap();
+    assert_eq!(field("told", "ar"), Some(285.0));
+    // A storm: a third fresh one within 10 s pauses the fleet for the hint.
+    store.limit_settle("told", &next[0], &hinted(300)).await.unwrap();
+    assert_eq!(field("told", "pause"), None, "two are not a storm");
+    let (third, _) = take("told", 300).await;
+    store.limit_settle("told", &third[0], &hinted(300)).await.unwrap();
+    let (none, wait) = take("told", 300).await;
+    assert!(none.is_empty() && wait > 55_000, "a storm pauses the fleet: {wait} ms");
+
+    // No limit known (no spec limit, no header, none learned): the hint pauses the fleet.
+    let (g, _) = take("untold", 0).await;
+    store.limit_settle("untold", &g[0], &hinted(0)).await.unwrap();
+    let (none, wait) = take("untold", 0).await;
+    assert!(none.is_empty() && wait > 55_000, "{wait} ms");
+
+    // Limits told by the provider's headers count as known.
+    let (g, _) = take("headers", 0).await;
+    let told = Settlement {
+        header_limit_requests: Some(300),
+        call: CallKind::Answered,
+        ..Settlement::default()
+    };
+    store.limit_settle("headers", &g[0], &told).await.unwrap();
+    let (g, _) = take("headers", 0).await;
+    store.limit_settle("headers", &g[0], &hinted(0)).await.unwrap();
+    let (next, wait) = take("headers", 0).await;
+    assert_eq!((next.len(), wait), (1, 0));
+    assert_eq!(field("headers", "ar"), Some(285.0));
+}

@@ -4,7 +4,9 @@
 //!
 //! Always on: the spec's `[limits]` are ceilings and starting points, the
 //! provider's `x-ratelimit-*` headers tighten them while fresh, a 429's
-//! retry hint pauses the fleet that long, and bare 429s teach the rest (an
+//! retry hint pauses the fleet that long (under a known limit only a storm
+//! of them does: an occasional one is that request's, and the fleet slows
+//! a little), and bare 429s teach the rest (an
 //! AIMD controller of the fleet's request rate and concurrency, in the same
 //! Redis hash; see `limit_settle.lua`). A job with no `[limits]` against a
 //! provider that sends no headers at all still settles near the provider's

@@ -43,6 +43,10 @@ use crate::watch::Watcher;
 /// whose outcome is being stored, before it records them as lost.
 const COMMIT_GRACE: Duration = Duration::from_secs(2);
 
+/// The least time a leaving worker gives its sink writers, even past the
+/// drain timeout.
+const SINK_GRACE: Duration = Duration::from_secs(2);
+
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
     let mut total = RunSummary::default();
@@ -145,7 +149,6 @@ async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSu
     };
     // 3. In-flight work gets its deadline; 4. what the limiters saw.
     let summary = drain(&fleet).await;
-    fleet.flush_lost_answers().await;
     // 5. The consumer name is free again; the HTTP endpoints go last.
     signalled.abort();
     beats.abort();
@@ -191,8 +194,11 @@ fn spawn_services(
     loops
 }
 
-/// In-flight work gets the drain timeout, then what was committed goes to
-/// the sink within the same deadline; calls cut off are recorded as paid.
+/// In-flight work gets the drain timeout; calls cut off are recorded as
+/// paid; then what was committed and paid goes to the sink within the same
+/// deadline, or a moment past it when the drain used it all (the calls
+/// recorded at the end reach the sink too: a fleet's last worker leaves
+/// nothing only in Redis while the sink is up).
 async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
     fleet.tracker.close();
     let in_flight = fleet.tracker.len();
@@ -207,9 +213,19 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
     let drained = tokio::time::timeout(fleet.drain_timeout, fleet.tracker.wait())
         .await
         .is_ok();
+    let mut abandoned = (0, 0);
+    if !drained {
+        abandoned = (fleet.tracker.len(), record_cut_off_calls(fleet).await);
+        tracing::warn!(
+            abandoned = abandoned.0,
+            "drain timeout: unfinished tasks stay pending for another worker"
+        );
+    }
+    fleet.flush_lost_answers().await;
     // What was committed reaches the sink before the worker leaves (within
-    // the same deadline; whatever is left another worker writes).
-    let deadline = started_drain + fleet.drain_timeout;
+    // the same deadline, at least SINK_GRACE; whatever is left another
+    // worker writes).
+    let deadline = (started_drain + fleet.drain_timeout).max(std::time::Instant::now() + SINK_GRACE);
     let mut flushes = tokio::task::JoinSet::new();
     for job in &fleet.jobs {
         for mut writer in SinkWriter::for_job(fleet, job) {
@@ -223,14 +239,8 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
             summary.limiters.insert(job.name.clone(), report);
         }
     }
-    if !drained {
-        summary.abandoned = fleet.tracker.len();
-        tracing::warn!(
-            abandoned = summary.abandoned,
-            "drain timeout: unfinished tasks stay pending for another worker"
-        );
-        summary.calls_abandoned += record_cut_off_calls(fleet).await;
-    }
+    summary.abandoned = abandoned.0;
+    summary.calls_abandoned += abandoned.1;
     summary
 }
 

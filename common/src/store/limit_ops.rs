@@ -48,7 +48,9 @@ pub enum CallKind {
     /// Answered: a learned limit that holds the fleet back grows a little.
     Answered,
     /// Refused with 429 and told when to come back (`retry-after` and its
-    /// kin): the fleet pauses that long, the learned limits stay.
+    /// kin): under a limit the fleet knows, about that request (the fleet
+    /// goes on at 0.95 of its pace); a storm of them, or one with no known
+    /// limit, pauses the fleet that long (see `limit_settle.lua`).
     RateLimitedWithHint,
     /// Refused with a bare 429: the learned limits are cut (once per event,
     /// from the second such 429 within 10 s: a lone one is noise).

@@ -123,9 +123,10 @@ struct Args {
     contrary: f64,
     /// How the rate limits are told: `openai` (`x-ratelimit-*` limit,
     /// remaining and reset on every answer; `retry-after` and
-    /// `retry-after-ms` on a 429), `litellm` (LiteLLM's proxy: limit and
-    /// remaining but no reset; a 429 says only `llm_provider-retry-after`,
-    /// whole seconds), `none` (nothing at all: a bare 429 body).
+    /// `retry-after-ms` on a 429), `litellm` (LiteLLM's proxy: limits
+    /// counted per calendar minute, limit and remaining but no reset; a 429
+    /// says only `llm_provider-retry-after: 60`, whatever the minute's real
+    /// reset), `none` (nothing at all: a bare 429 body).
     #[arg(long, value_enum, default_value_t = LimitHeaders::Openai)]
     limit_headers: LimitHeaders,
     /// Like a self-hosted server (llama.cpp's `--parallel` slots,
@@ -312,6 +313,10 @@ struct Limits {
     requests: f64,
     tokens: f64,
     last: Instant,
+    /// `--limit-headers litellm`: the calendar minute counted, and what it used.
+    minute: u64,
+    minute_requests: u64,
+    minute_tokens: u64,
 }
 
 #[derive(Default, serde::Serialize)]
@@ -330,6 +335,10 @@ struct Stats {
     max_in_flight: u64,
     /// Chat requests by `response_format` type (`text` when none).
     by_form: BTreeMap<String, u64>,
+    /// Per calendar minute (Unix minute): requests admitted under the
+    /// rate limits, and refused with a 429 (what a proxy's per-minute
+    /// window saw; a bench reads each full minute's use of the limit).
+    by_minute: BTreeMap<u64, [u64; 2]>,
     /// With `--slots`: requests generating right now (their client waiting
     /// or not), the most at once, and those finished after their client left.
     generating: u64,
@@ -359,6 +368,9 @@ async fn main() -> anyhow::Result<()> {
             requests: args.rpm as f64,
             tokens: args.tpm as f64,
             last: Instant::now(),
+            minute: 0,
+            minute_requests: 0,
+            minute_tokens: 0,
         }),
         stats: Mutex::new(Stats::default()),
         log: Mutex::new(VecDeque::new()),
@@ -720,6 +732,12 @@ enum Admission {
 /// Rate limits, the simulator's own buckets: takes the request's budget.
 fn admit(sim: &Sim, chat: &ChatRequest) -> Admission {
     let (limit_headers, retry_after) = take_budget(sim, chat.prompt_tokens + chat.max_tokens);
+    if let Ok(mut s) = sim.stats.lock() {
+        let minute = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() / 60);
+        s.by_minute.entry(minute).or_default()[usize::from(retry_after.is_some())] += 1;
+    }
     if let Some(wait) = retry_after {
         return Admission::RateLimited(rate_limited(sim, limit_headers, wait));
     }
@@ -1092,6 +1110,9 @@ const HOSTILE_MARKUP: &str = "<script>window.__bf_xss=1</script><img src=x onerr
 fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
     let mut h = HeaderMap::new();
     let Ok(mut l) = sim.limits.lock() else { return (h, None) };
+    if sim.args.limit_headers == LimitHeaders::Litellm {
+        return take_minute_budget(&mut l, tokens);
+    }
     let now = Instant::now();
     let dt = now.duration_since(l.last).as_secs_f64();
     l.last = now;
@@ -1157,6 +1178,45 @@ fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
         }
     }
     (h, wait)
+}
+
+/// LiteLLM's proxy: each key's requests and tokens (prompt and max_tokens)
+/// are counted per calendar minute, the counts starting over when the wall
+/// clock's minute turns; a request over either is refused with a 429 that
+/// says to come back in 60 s, whatever is left of the minute. Its answers
+/// tell the limits and what is left, never when the window resets.
+fn take_minute_budget(l: &mut Limits, tokens: u64) -> (HeaderMap, Option<f64>) {
+    let minute = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 60);
+    if minute != l.minute {
+        (l.minute, l.minute_requests, l.minute_tokens) = (minute, 0, 0);
+    }
+    let over = (l.rpm > 0 && l.minute_requests + 1 > l.rpm) || (l.tpm > 0 && l.minute_tokens + tokens > l.tpm);
+    if !over {
+        l.minute_requests += 1;
+        l.minute_tokens += tokens;
+    }
+    let mut h = HeaderMap::new();
+    for (limit, used, names) in [
+        (
+            l.rpm,
+            l.minute_requests,
+            ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests"],
+        ),
+        (
+            l.tpm,
+            l.minute_tokens,
+            ["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens"],
+        ),
+    ] {
+        if limit > 0 {
+            for (name, v) in names.into_iter().zip([limit, limit.saturating_sub(used)]) {
+                h.insert(name, HeaderValue::from(v));
+            }
+        }
+    }
+    (h, over.then_some(60.0))
 }
 
 /// About 4 characters a token, at least 1 for non-empty text.

@@ -8,8 +8,18 @@
 -- tightening: `remaining` below our level lowers it); and on a 429 pauses the
 -- whole fleet until the provider's retry hint.
 --
+-- A 429 with a retry hint, when the fleet paces itself under a limit it
+-- knows (the spec's ceiling, the provider's header limit while fresh, or
+-- one learned), is taken as about that request, which waits the hint by
+-- itself (the record's own retry): the fleet goes on at 0.95 of the limit
+-- it paced at (learned `ar`, once per congestion event), not paused. A
+-- proxy such as LiteLLM says "retry after 60" whatever its window's real
+-- reset, so pausing the fleet on each would stop it for a minute. A storm
+-- (the third fresh hinted 429 within 10 s: `qn` since `qt`), or a hint
+-- with no known limit, pauses the fleet as long as the hint says.
+--
 -- The adaptive controller (AIMD, shared by the fleet): a bare 429 (no retry
--- hint: a hinted one only pauses the fleet as long as it says) cuts the
+-- hint: a hinted one is handled as above) cuts the
 -- learned request rate `ar` to 0.7 of what the fleet was sending and the
 -- learned concurrency `ac` to 0.7 of what was in flight, once per congestion
 -- event (a 429 on a grant taken before the last cut does not cut again;
@@ -40,7 +50,7 @@
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw'}
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw', 'qn', 'qt'}
 local got = redis.call('HMGET', b, unpack(names))
 -- The hash as it is now, changed here and written back once at the end
 -- (numbers turn back into text once, there).
@@ -80,6 +90,8 @@ for g = 1, #ARGV, 13 do
     if v ~= nil and rt < v then set('t', rt) end
   end
   local kind = ARGV[g + 9]
+  -- Whether this grant's pause applies (see the hinted 429 above).
+  local hint_pause = true
   if held == 1 and kind == 'timeout' and tonumber(ARGV[g + 10]) > 0 then
     -- Its tokens are settled above; the slot stays taken (0 tokens at expiry).
     redis.call('ZADD', inflight, -(now + tonumber(ARGV[g + 10])), id .. ':grace:0')
@@ -112,6 +124,31 @@ for g = 1, #ARGV, 13 do
       set('r', 0)
       set('bn', 0)
     end
+  elseif kind == 'hinted' then
+    local seq = tonumber(string.match(id, ':(%d+):%d+$')) or 0
+    local fresh = seq > (tonumber(h['dseq']) or 0)
+    local pace = tonumber(h['ar'])
+    local function tighter(l)
+      if l and l > 0 and (pace == nil or l < pace) then pace = l end
+    end
+    tighter(tonumber(ARGV[g + 11]))
+    if (tonumber(h['hat']) or 0) > now - 60000 then tighter(tonumber(h['hr'])) end
+    if pace ~= nil then
+      local qn, qt = tonumber(h['qn']) or 0, tonumber(h['qt']) or now
+      if fresh then
+        qn = qn + 1
+        if now - qt > 10000 then qn, qt = 1, now end
+        set('qn', qn)
+        set('qt', qt)
+        set('dseq', h['seq'] or 0)
+        set('ar', tostring(math.max(1, pace * 0.95)))
+      end
+      if qn >= 3 and fresh then
+        set('qn', 0)
+      else
+        hint_pause = false
+      end
+    end
   elseif kind == 'ok' then
     local ar, ac = tonumber(h['ar']), tonumber(h['ac'])
     local ceil_r, ceil_c = tonumber(ARGV[g + 11]), tonumber(ARGV[g + 12])
@@ -125,7 +162,7 @@ for g = 1, #ARGV, 13 do
     end
   end
   local pause = tonumber(ARGV[g + 8])
-  if pause > 0 then
+  if pause > 0 and hint_pause then
     local until_ms = now + pause
     local cur = tonumber(h['pause']) or 0
     if until_ms > cur then set('pause', until_ms) end
