@@ -256,9 +256,13 @@ async fn counts(api: &Api, row: &mut BatchRow) -> anyhow::Result<bool> {
         due
     };
     if !due {
-        // Counters only grow; a record a person sent back to work may count twice.
-        row.batch["request_counts"]["completed"] = json!(done.min(total));
-        row.batch["request_counts"]["failed"] = json!(failed.min(total - done.min(total)));
+        // Counters only grow (a record a person sent back to work may count
+        // twice), and miss what a person accepted in review: the counts
+        // never go back below the last full pass's.
+        let counted = |k: &str| row.batch["request_counts"][k].as_u64().unwrap_or(0);
+        let completed = done.min(total).max(counted("completed"));
+        row.batch["request_counts"]["completed"] = json!(completed);
+        row.batch["request_counts"]["failed"] = json!(failed.min(total - completed));
         return Ok(false);
     }
     let s = crate::status::status(&api.store, &row.job, false, false).await?;
@@ -392,6 +396,7 @@ async fn finalize(api: &Api, row: &mut BatchRow, now: u64) -> anyhow::Result<()>
     }
     let end = row.ending.clone().unwrap_or_else(|| "completed".into());
     row.set_status(&end, now_secs());
+    api.full_passes.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
     Ok(())
 }
 
