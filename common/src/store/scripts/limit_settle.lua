@@ -15,8 +15,10 @@
 -- it paced at (learned `ar`, once per congestion event), not paused. A
 -- proxy such as LiteLLM says "retry after 60" whatever its window's real
 -- reset, so pausing the fleet on each would stop it for a minute. A storm
--- (the third fresh hinted 429 within 10 s: `qn` since `qt`), or a hint
--- with no known limit, pauses the fleet as long as the hint says.
+-- (the third fresh hinted 429 within 10 s: `qn` since `qt`) pauses the
+-- fleet as long as the hint says, at most until the next whole minute of
+-- the server's clock and a second (when a calendar minute's window is new);
+-- a hint with no known limit pauses it as long as it says.
 --
 -- The adaptive controller (AIMD, shared by the fleet): a bare 429 (no retry
 -- hint: a hinted one is handled as above) cuts the
@@ -90,8 +92,9 @@ for g = 1, #ARGV, 13 do
     if v ~= nil and rt < v then set('t', rt) end
   end
   local kind = ARGV[g + 9]
-  -- Whether this grant's pause applies (see the hinted 429 above).
-  local hint_pause = true
+  -- Whether this grant's pause applies, and until when at the latest (see
+  -- the hinted 429 above).
+  local hint_pause, hint_until = true, nil
   if held == 1 and kind == 'timeout' and tonumber(ARGV[g + 10]) > 0 then
     -- Its tokens are settled above; the slot stays taken (0 tokens at expiry).
     redis.call('ZADD', inflight, -(now + tonumber(ARGV[g + 10])), id .. ':grace:0')
@@ -145,6 +148,9 @@ for g = 1, #ARGV, 13 do
       end
       if qn >= 3 and fresh then
         set('qn', 0)
+        -- A per-minute window counted per calendar minute (LiteLLM, most
+        -- proxies) is new at the next whole minute, whatever the hint says.
+        hint_until = (math.floor(now / 60000) + 1) * 60000 + 1000
       else
         hint_pause = false
       end
@@ -163,7 +169,7 @@ for g = 1, #ARGV, 13 do
   end
   local pause = tonumber(ARGV[g + 8])
   if pause > 0 and hint_pause then
-    local until_ms = now + pause
+    local until_ms = math.min(now + pause, hint_until or (now + pause))
     local cur = tonumber(h['pause']) or 0
     if until_ms > cur then set('pause', until_ms) end
   end
