@@ -16,12 +16,11 @@ Ends with one JSON line per run.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 
-from benchlib import BIN, ROOT, redis_commands, redis_cpu, sim_stats, start_redis, start_sim, write_records
+from benchlib import BIN, ROOT, redis_commands, redis_cpu, sim_stats, start_redis, start_sim, stop_all, write_records
 
 RPM = int(os.environ.get("RPM", "300"))
 MINUTES = int(os.environ.get("MINUTES", "3"))
@@ -56,12 +55,7 @@ def run(tmp, told):
         cpu1, cmd1 = redis_cpu(url), redis_commands(url)
         stats = sim_stats(addr)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait()
-        sim.terminate(); sim.wait()
-        redis.terminate(); redis.wait()
+        stop_all(procs, sim, redis)
     by_minute = {int(m): v for m, v in stats["by_minute"].items()}
     minutes = [by_minute.get(m, [0, 0]) for m in range(first, last + 1)]
     accepted = [ok for ok, _ in minutes]

@@ -17,13 +17,12 @@ time of the limiter's two scripts, `limit_acquire.lua` and
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 
 from benchlib import (BIN, ROOT, log_every_command, redis_commands, redis_cpu, script_times, sim_stats,
-                      start_redis, start_sim)
+                      start_redis, start_sim, stop_all)
 
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 WARMUP = int(os.environ.get("WARMUP_SECONDS", "60"))
@@ -66,12 +65,7 @@ def run(tmp, workers, tpm, headers=None):
         b, t1, cpu1, cmd1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url)
         scripts = script_times(url)
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            p.wait()
-        sim.terminate(); sim.wait()
-        redis.terminate(); redis.wait()
+        stop_all(procs, sim, redis)
     minutes = (t1 - t0) / 60
     ok = b["by_status"].get("200", 0) - a["by_status"].get("200", 0)
     r429 = b["by_status"].get("429", 0) - a["by_status"].get("429", 0)

@@ -4,6 +4,7 @@ spent (`INFO` deltas; command time per script from SLOWLOG)."""
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -106,3 +107,14 @@ def write_records(path, n, prefix):
 def sim_stats(addr):
     with urllib.request.urlopen(addr + "/stats") as r:
         return json.load(r)["stats"]
+
+
+def stop_all(procs, *servers):
+    """Drains the workers (SIGTERM, then waits for each), then stops the servers."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait()
+    for s in servers:
+        s.terminate()
+        s.wait()

@@ -45,6 +45,14 @@ def wait_until(batch_id, statuses, within=120):
     raise SystemExit(f"batch {batch_id} did not reach {statuses}: {batch.status}")
 
 
+def answered(batch_id, n, within=120):
+    """Waits until n requests of the batch are answered."""
+    deadline = time.time() + within
+    while client.batches.retrieve(batch_id).request_counts.completed < n:
+        assert time.time() < deadline, f"fewer than {n} requests answered"
+        time.sleep(0.2)
+
+
 def lines(file_id):
     if file_id is None:
         return []
@@ -97,10 +105,7 @@ def cancel():
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
-    deadline = time.time() + 120
-    while client.batches.retrieve(batch.id).request_counts.completed < 5:
-        assert time.time() < deadline, "no request completed"
-        time.sleep(0.2)
+    answered(batch.id, 5)
     cancelling = client.batches.cancel(batch.id)
     ended = wait_until(batch.id, {"cancelled", "completed"})
     out = lines(ended.output_file_id)
@@ -163,10 +168,7 @@ def started():
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="1h")
-    deadline = time.time() + 120
-    while client.batches.retrieve(batch.id).request_counts.completed < 5:
-        assert time.time() < deadline, "no request completed"
-        time.sleep(0.2)
+    answered(batch.id, 5)
     print(json.dumps({"batch": batch.id}))
 
 

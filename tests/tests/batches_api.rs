@@ -153,20 +153,22 @@ fn the_openai_sdk_runs_a_batch_through_the_fleet_across_a_restart_a_retry_and_a_
     let cancelled = sdk("cancel", port, ALICE, &dir, &[("N", "200")]);
     assert_eq!(cancelled["cancelling"], "cancelling", "{cancelled}");
     assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
-    let out: Vec<String> = serde_json::from_value(cancelled["output_ids"].clone()).unwrap();
-    let err: Vec<String> = serde_json::from_value(cancelled["error_ids"].clone()).unwrap();
-    assert!(out.len() >= 5 && out.len() < 200, "partial output: {}", out.len());
-    assert_eq!(
-        cancelled["error_codes"],
-        serde_json::json!(["batch_cancelled"]),
-        "{cancelled}"
-    );
-    let all: BTreeSet<&String> = out.iter().chain(&err).collect();
-    assert_eq!(all.len(), 200, "each request in one file");
-    assert_eq!(out.len() + err.len(), 200, "no request in both files");
+    let out = partial(&cancelled, 200, "batch_cancelled");
     // Every paid answer is in the output file: nothing paid was thrown away.
     assert_eq!(served(&sim), 30 + out.len() as u64, "calls served vs answers kept");
     drop(server);
+}
+
+/// A batch ended part way (cancelled, expired): its output file holds a
+/// part, the error file the rest with `code`, each of the `n` requests in
+/// exactly one of them. Returns the output's custom ids.
+fn partial(ended: &Value, n: usize, code: &str) -> Vec<String> {
+    let (out, err) = (strings(&ended["output_ids"]), strings(&ended["error_ids"]));
+    assert!(out.len() >= 5 && out.len() < n, "partial output: {}", out.len());
+    assert_eq!(ended["error_codes"], serde_json::json!([code]), "{ended}");
+    let all: BTreeSet<&String> = out.iter().chain(&err).collect();
+    assert_eq!((all.len(), out.len() + err.len()), (n, n), "each request in one file");
+    out
 }
 
 fn job_status(redis: &RedisServer, batch: &str) -> Value {
@@ -281,19 +283,7 @@ fn templates_send_the_invalid_to_the_error_file_windows_expire_uploads_are_bound
     server = serve_with(&redis, &dir, &spec, port, &extra);
     let expired = sdk("wait", port, ALICE, &dir, &[("BATCH", &batch)]);
     assert_eq!(expired["status"], "expired", "{expired}");
-    let (out, err) = (strings(&expired["output_ids"]), strings(&expired["error_ids"]));
-    assert!(out.len() >= 5 && out.len() < 300, "partial output: {}", out.len());
-    assert_eq!(
-        expired["error_codes"],
-        serde_json::json!(["batch_expired"]),
-        "{expired}"
-    );
-    let all: BTreeSet<&String> = out.iter().chain(&err).collect();
-    assert_eq!(
-        (all.len(), out.len() + err.len()),
-        (300, 300),
-        "each request in one file"
-    );
+    let out = partial(&expired, 300, "batch_expired");
     let status = job_status(&redis, &batch);
     assert_eq!(status["done"], out.len(), "{status}");
     assert_eq!(served(&sim) - before, out.len() as u64, "calls served vs answers kept");

@@ -67,6 +67,15 @@ local function add(field, delta)
   if v ~= nil and delta ~= 0 then set(field, v + delta) end
 end
 local settled, out = 0, {}
+-- One more 429 in the streak counted in fields `n` (since `t`, ms), which
+-- starts over after 10 s; returns the streak's length.
+local function streak(n, t)
+  local count, since = (tonumber(h[n]) or 0) + 1, tonumber(h[t]) or now
+  if now - since > 10000 then count, since = 1, now end
+  set(n, count)
+  set(t, since)
+  return count
+end
 for g = 1, #ARGV, 13 do
   local id = ARGV[g]
   local held = redis.call('ZREM', inflight, id)
@@ -102,15 +111,8 @@ for g = 1, #ARGV, 13 do
   if kind == 'limited' then
     local seq = tonumber(string.match(id, ':(%d+):%d+$')) or 0
     local fresh = seq > (tonumber(h['dseq']) or 0)
-    local bn, bt = tonumber(h['bn']) or 0, tonumber(h['bt']) or now
     -- Only 429s on grants taken after the last cut count towards the next one.
-    if fresh then
-      bn = bn + 1
-      if now - bt > 10000 then bn, bt = 1, now end
-      set('bn', bn)
-      set('bt', bt)
-    end
-    if bn >= 2 and fresh then
+    if fresh and streak('bn', 'bt') >= 2 then
       local ws = tonumber(h['ws']) or now
       local sending = math.max(tonumber(h['pr']) or 0, (tonumber(h['wn']) or 0) * 60000 / math.max(now - ws, 1000))
       local ar = tonumber(h['ar'])
@@ -137,16 +139,12 @@ for g = 1, #ARGV, 13 do
     tighter(tonumber(ARGV[g + 11]))
     if (tonumber(h['hat']) or 0) > now - 60000 then tighter(tonumber(h['hr'])) end
     if pace ~= nil then
-      local qn, qt = tonumber(h['qn']) or 0, tonumber(h['qt']) or now
+      local storm = fresh and streak('qn', 'qt') >= 3
       if fresh then
-        qn = qn + 1
-        if now - qt > 10000 then qn, qt = 1, now end
-        set('qn', qn)
-        set('qt', qt)
         set('dseq', h['seq'] or 0)
         set('ar', tostring(math.max(1, pace * 0.95)))
       end
-      if qn >= 3 and fresh then
+      if storm then
         set('qn', 0)
         -- A per-minute window counted per calendar minute (LiteLLM, most
         -- proxies) is new at the next whole minute, whatever the hint says.
