@@ -9,7 +9,8 @@ Two runs of 3 workers x 32 at RPM requests/min (default 300): the limit told
 in the spec's `[limits]`, and untold (learned from the proxy's headers).
 Each runs MINUTES full calendar minutes (default 3) after the minute it
 started in. llm-sim is the judge: what it accepted in each full minute
-against the limit, and its 429s over all requests.
+against the limit, and its 429s over all requests (in the full minutes, and
+over the whole run, its start included).
 Goal: >= 0.95 of the limit in every full minute, <= 1% 429s, told and untold.
 Ends with one JSON line per run.
 """
@@ -61,8 +62,11 @@ def run(tmp, told):
     accepted = [ok for ok, _ in minutes]
     refused = sum(r for _, r in minutes)
     calls = max(1, sum(accepted) + refused)
+    # The whole run too: the start (the first, partial minute) included.
+    run_ok, run_refused = (sum(v[k] for v in by_minute.values()) for k in (0, 1))
     return {"run": "told" if told else "untold", "rpm": RPM, "accepted_per_minute": accepted,
             "min_utilization": round(min(accepted) / RPM, 3), "rate_429": round(refused / calls, 4),
+            "rate_429_whole_run": round(run_refused / max(1, run_ok + run_refused), 4), "refused_whole_run": run_refused,
             "redis_cpu_us_per_call": round((cpu1 - cpu0) * 1e6 / calls, 1),
             "redis_commands_per_call": round((cmd1 - cmd0) / calls, 1)}
 
@@ -75,12 +79,13 @@ def main():
             results.append(run(tmp, told))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"| limit | accepted in each full minute (limit {RPM}) | least utilization | 429s |")
-    print("|---|---|---|---|")
+    print(f"| limit | accepted in each full minute (limit {RPM}) | least utilization | 429s in them "
+          "| 429s over the whole run |")
+    print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {', '.join(map(str, r['accepted_per_minute']))} | {r['min_utilization']:.1%} "
-              f"| {r['rate_429']:.2%} |")
-    met = all(r["min_utilization"] >= 0.95 and r["rate_429"] <= 0.01 for r in results)
+              f"| {r['rate_429']:.2%} | {r['refused_whole_run']} ({r['rate_429_whole_run']:.2%}) |")
+    met = all(r["min_utilization"] >= 0.95 and r["rate_429_whole_run"] <= 0.01 for r in results)
     print(f"goal (>= 0.95 of the limit every full minute, <= 1% 429s, told and untold): {'met' if met else 'NOT met'}")
     for r in results:
         print(json.dumps(r))
