@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-status bench-sink bench-console bench-batch bench-outage deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-sink bench-console bench-batch bench-outage deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 ## (MODE=batch: the same job through the provider's Batch API, at batch prices)
@@ -43,7 +43,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-status bench-tracing bench-sink bench-console bench-batch bench-outage
+bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-tracing bench-sink bench-console bench-batch bench-outage
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -78,6 +78,11 @@ bench-ratelimit: deps
 bench-litellm: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-litellm.py
+
+## bench-scale: one job end to end (enqueue, 2 workers, files sink, status) at N records (default 1,000,000): Redis peak and end, rates, RSS; one JSON line
+bench-scale: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-scale.py
 
 ## bench-status: producer status (full reconciliation) on 1,000,000 records vs their enqueue in the same run
 bench-status: deps
