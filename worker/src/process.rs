@@ -184,9 +184,10 @@ fn prepare_passthrough(
     let retry = previous.zip(sent_feedback.as_deref());
     let request = common::template::lookup(&before.input, field);
     // A request that sets no response_format is asked for the job's fields (a template's).
-    let (form, response_format) = match job.spec.output.fields.is_empty() {
-        true => (common::spec::StructuredOutput::Off, None),
-        false => job.forms.current(),
+    let (form, response_format) = if job.spec.output.fields.is_empty() {
+        (common::spec::StructuredOutput::Off, None)
+    } else {
+        job.forms.current()
     };
     let (body, max_tokens, formatted) = match job.provider.passthrough_body(request, field, retry, response_format) {
         Ok(made) => made,
@@ -200,7 +201,7 @@ fn prepare_passthrough(
     // The review entry shows the request as sent.
     let user = body.get().to_owned();
     let estimate = Usage::estimate(estimate_tokens(&user), max_tokens);
-    // The body's bytes hold the response format it carries.
+    // Estimated from the body's bytes, the response format in it included.
     let mut at_most = crate::budget::at_most(&job.spec, &[user.as_str()], 0);
     at_most.completion = max_tokens;
     at_most.total = at_most.prompt + max_tokens;

@@ -733,10 +733,7 @@ enum Admission {
 fn admit(sim: &Sim, chat: &ChatRequest) -> Admission {
     let (limit_headers, retry_after) = take_budget(sim, chat.prompt_tokens + chat.max_tokens);
     if let Ok(mut s) = sim.stats.lock() {
-        let minute = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() / 60);
-        s.by_minute.entry(minute).or_default()[usize::from(retry_after.is_some())] += 1;
+        s.by_minute.entry(unix_minute()).or_default()[usize::from(retry_after.is_some())] += 1;
     }
     if let Some(wait) = retry_after {
         return Admission::RateLimited(rate_limited(sim, limit_headers, wait));
@@ -1186,9 +1183,7 @@ fn take_budget(sim: &Sim, tokens: u64) -> (HeaderMap, Option<f64>) {
 /// says to come back in 60 s, whatever is left of the minute. Its answers
 /// tell the limits and what is left, never when the window resets.
 fn take_minute_budget(l: &mut Limits, tokens: u64) -> (HeaderMap, Option<f64>) {
-    let minute = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 60);
+    let minute = unix_minute();
     if minute != l.minute {
         (l.minute, l.minute_requests, l.minute_tokens) = (minute, 0, 0);
     }
@@ -1217,6 +1212,13 @@ fn take_minute_budget(l: &mut Limits, tokens: u64) -> (HeaderMap, Option<f64>) {
         }
     }
     (h, over.then_some(60.0))
+}
+
+/// The wall clock's minute (Unix seconds / 60).
+fn unix_minute() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 60)
 }
 
 /// About 4 characters a token, at least 1 for non-empty text.
@@ -1586,6 +1588,37 @@ async fn set_limits(State(sim): State<Arc<Sim>>, Json(body): Json<Value>) -> Sta
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_litellm_window_counts_the_calendar_minute_and_always_says_sixty_seconds() {
+        let mut l = Limits {
+            rpm: 2,
+            tpm: 0,
+            requests: 0.0,
+            tokens: 0.0,
+            last: Instant::now(),
+            minute: unix_minute(),
+            minute_requests: 0,
+            minute_tokens: 0,
+        };
+        let (h, wait) = take_minute_budget(&mut l, 10);
+        assert_eq!(
+            (wait, &h["x-ratelimit-remaining-requests"]),
+            (None, &HeaderValue::from(1u64))
+        );
+        assert_eq!(take_minute_budget(&mut l, 10).1, None);
+        let (h, wait) = take_minute_budget(&mut l, 10);
+        assert_eq!(
+            wait,
+            Some(60.0),
+            "over the window: 60 s, whatever is left of the minute"
+        );
+        assert_eq!(h["x-ratelimit-limit-requests"], HeaderValue::from(2u64));
+        assert!(h.get("x-ratelimit-reset-requests").is_none(), "no reset told");
+        // The next calendar minute starts over.
+        l.minute -= 1;
+        assert_eq!(take_minute_budget(&mut l, 10).1, None);
+    }
 
     #[test]
     fn a_schema_attached_to_json_object_is_enforced_as_llama_cpp_s_converter_does() {
