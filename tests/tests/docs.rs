@@ -28,10 +28,16 @@ fn serve_batches(redis: &RedisServer, dir: &TempDir) -> Running {
         .arg(dir.join("batches"))
         .env("REDIS_URL", redis.url())
         .env("BATCHFLEET_BATCHES_KEYS", BATCHES_KEYS);
-    let running = Running::spawn(c);
+    let mut running = Running::spawn(c);
     harness::wait_for("serve-batches to listen", std::time::Duration::from_secs(20), || {
         std::net::TcpStream::connect(BATCHES_BIND).is_ok()
     });
+    // What listens is this server, not another process on the docs' port.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        running.child.try_wait().unwrap().is_none(),
+        "serve-batches left at once: is {BATCHES_BIND} taken by another process?"
+    );
     running
 }
 

@@ -713,3 +713,43 @@ fn an_idle_and_a_halted_fleet_cost_redis_at_most_two_commands_a_second_per_worke
     per_worker_second("halted");
     drop(workers);
 }
+
+/// A worker serving every job takes up each job enqueued after it started
+/// (it finishes what it holds, then starts again with the new job among
+/// its own), and keeps serving its metrics on the port it was given: a
+/// scraper's target stays where it was, and a rebind racing the old
+/// listener's close neither kills the worker nor moves it.
+#[test]
+fn a_worker_serving_every_job_takes_up_new_ones_on_the_same_metrics_port() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "20"]);
+    let dir = TempDir::new("rejoin");
+    let spec = dir.join("job.toml");
+    std::fs::write(&spec, include_str!("../../examples/job.toml")).unwrap();
+    let first = dir.join("first.jsonl");
+    write_records(&first, 0, 5);
+    enqueue(&redis, &first, "first", &spec);
+    let addr = format!("127.0.0.1:{}", harness::free_port());
+    let mut worker = Running::spawn(harness::worker_cmd_all(&redis, &sim, &["--metrics-addr", &addr]));
+    wait_for("the first job", Duration::from_secs(30), || {
+        redis.hlen_sum("first", keys::results) == 5
+    });
+    for (i, job) in ["second", "third", "fourth"].into_iter().enumerate() {
+        let data = dir.join(&format!("{job}.jsonl"));
+        write_records(&data, 100 * (i as u64 + 1), 5);
+        enqueue(&redis, &data, job, &spec);
+        wait_for(job, Duration::from_secs(30), || redis.hlen_sum(job, keys::results) == 5);
+        assert!(
+            worker.child.try_wait().unwrap().is_none(),
+            "the worker left on taking up {job}"
+        );
+        wait_for("the metrics after the rejoin", Duration::from_secs(10), || {
+            harness::http_get(&format!("http://{addr}"), "/metrics").0 == 200
+        });
+        let (_, metrics) = harness::http_get(&format!("http://{addr}"), "/metrics");
+        assert!(
+            metrics.contains(&format!("job=\"{job}\"")),
+            "{job} is not in the metrics on {addr}"
+        );
+    }
+}

@@ -52,7 +52,7 @@ pub async fn serve(
     jobs: Vec<crate::telemetry::Watched>,
     health: Arc<Health>,
     stop: tokio_util::sync::CancellationToken,
-) -> std::io::Result<SocketAddr> {
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let state = Arc::new(Http {
@@ -66,7 +66,7 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
         .with_state(state);
-    tokio::spawn(async move {
+    let served = tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { stop.cancelled().await })
             .await;
@@ -74,7 +74,7 @@ pub async fn serve(
             tracing::error!(error = %e, "metrics server stopped");
         }
     });
-    Ok(bound)
+    Ok((bound, served))
 }
 
 async fn metrics_handler(State(s): State<Arc<Http>>) -> impl IntoResponse {

@@ -99,7 +99,7 @@ async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSu
         return Ok((RunSummary::default(), false));
     };
     let config = Config { jobs, ..config };
-    let (fleet, http_stop) = start(config).await?;
+    let (fleet, endpoints) = start(config).await?;
     tracing::info!(consumer = %fleet.config.consumer, jobs = fleet.jobs.len(), visibility_ms = fleet.visibility.as_millis() as u64, "worker started");
     // The watcher's first look comes before the first claim: a halted or
     // cancelled job is never claimed from.
@@ -160,7 +160,7 @@ async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSu
     {
         tracing::warn!(error = %e, "could not give back the consumer name (its lease expires by itself)");
     }
-    http_stop.cancel();
+    endpoints.close().await;
     Ok((summary, rejoin))
 }
 
@@ -405,10 +405,28 @@ async fn jobs_to_serve(
     }
 }
 
+/// The worker's HTTP endpoints (`/metrics`, `/healthz`, `/readyz`).
+pub struct Endpoints {
+    stop: CancellationToken,
+    served: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Endpoints {
+    /// Stops them, and waits (a moment at most) until their port is free
+    /// again: a worker that starts again serving every job binds the same
+    /// port, where a scraper looks for it.
+    pub async fn close(self) {
+        self.stop.cancel();
+        if let Some(served) = self.served {
+            let _ = tokio::time::timeout(Duration::from_secs(2), served).await;
+        }
+    }
+}
+
 /// Connects, checks Redis and the config, loads the jobs and starts the
 /// HTTP endpoints. Returns the fleet's shared state (no service runs yet: a
-/// test can drive them one round at a time) and the HTTP server's stop token.
-pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), RunError> {
+/// test can drive them one round at a time) and the HTTP endpoints.
+pub async fn start(config: Config) -> Result<(Arc<Fleet>, Endpoints), RunError> {
     config.validate()?;
     let store = connect(&config).await?;
     let mut jobs = load_jobs(&store, &config).await?;
@@ -427,6 +445,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     }
     let health = Arc::new(Health::default());
     let http_stop = CancellationToken::new();
+    let mut served = None;
     if let Some(addr) = config.metrics_addr {
         let jobs_info: Vec<crate::telemetry::Watched> = jobs
             .iter()
@@ -440,7 +459,7 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
             let (metrics, store, health, stop) = (metrics.clone(), store.clone(), health.clone(), http_stop.clone());
             serve(addr, metrics, store, jobs_info.clone(), health, stop)
         };
-        serve_metrics(addr, config.metrics_fallback, serve_on).await?;
+        served = Some(serve_metrics(addr, config.metrics_fallback, serve_on).await?);
     }
     let limits = Limits {
         max_deliveries: config.max_deliveries,
@@ -457,7 +476,11 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, CancellationToken), Ru
     };
     let fleet = Fleet::new(store, jobs, limits, config, visibility, metrics, health);
     take_consumer_name(&fleet).await?;
-    Ok((Arc::new(fleet), http_stop))
+    let endpoints = Endpoints {
+        stop: http_stop,
+        served,
+    };
+    Ok((Arc::new(fleet), endpoints))
 }
 
 /// Connects to Redis and refuses one that may evict keys (unless allowed).
@@ -540,16 +563,20 @@ fn timeouts(jobs: &[(JobCtx, Limiter)], config: &Config) -> Result<(Duration, Du
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `addr`, or (with
 /// `fallback`, when another process holds it) on a free port of its host.
-async fn serve_metrics<F, Fut>(addr: std::net::SocketAddr, fallback: bool, serve_on: F) -> Result<(), RunError>
+async fn serve_metrics<F, Fut>(
+    addr: std::net::SocketAddr,
+    fallback: bool,
+    serve_on: F,
+) -> Result<tokio::task::JoinHandle<()>, RunError>
 where
     F: Fn(std::net::SocketAddr) -> Fut,
-    Fut: std::future::Future<Output = std::io::Result<std::net::SocketAddr>>,
+    Fut: std::future::Future<Output = std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)>>,
 {
-    let bound = match serve_on(addr).await {
+    let (bound, served) = match serve_on(addr).await {
         Ok(bound) => bound,
         Err(e) if fallback && e.kind() == std::io::ErrorKind::AddrInUse => {
             let free = std::net::SocketAddr::new(addr.ip(), 0);
-            let bound = serve_on(free)
+            let (bound, served) = serve_on(free)
                 .await
                 .map_err(|e| RunError::Refused(format!("cannot serve metrics on {free}: {e}")))?;
             tracing::warn!(
@@ -557,12 +584,12 @@ where
                 addr = %bound,
                 "the default metrics address is in use (another worker on this host?): serving on a free port"
             );
-            bound
+            (bound, served)
         }
         Err(e) => return Err(RunError::Refused(format!("cannot serve metrics on {addr}: {e}"))),
     };
     tracing::info!(addr = %bound, "metrics, healthz and readyz listening");
-    Ok(())
+    Ok(served)
 }
 
 /// Takes the lease on this worker's consumer name, waiting out a dead
