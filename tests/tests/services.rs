@@ -62,7 +62,13 @@ fn config(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Config {
 }
 
 async fn fleet(redis: &RedisServer, sim: &LlmSim, consumer: &str) -> Arc<Fleet> {
-    start(config(redis, sim, consumer)).await.expect("worker starts").0
+    start(
+        config(redis, sim, consumer),
+        Arc::new(worker::telemetry::Metrics::new()),
+    )
+    .await
+    .expect("worker starts")
+    .0
 }
 
 /// Reads `count` new entries as `consumer` (a worker that then dies or stays busy).

@@ -716,9 +716,9 @@ fn an_idle_and_a_halted_fleet_cost_redis_at_most_two_commands_a_second_per_worke
 
 /// A worker serving every job takes up each job enqueued after it started
 /// (it finishes what it holds, then starts again with the new job among
-/// its own), and keeps serving its metrics on the port it was given: a
-/// scraper's target stays where it was, and a rebind racing the old
-/// listener's close neither kills the worker nor moves it.
+/// its own), and keeps serving its metrics on the port it was given, their
+/// counters running on: a scraper's target and totals stay, and a rebind
+/// racing the old listener's close neither kills the worker nor moves it.
 #[test]
 fn a_worker_serving_every_job_takes_up_new_ones_on_the_same_metrics_port() {
     let redis = RedisServer::start();
@@ -751,5 +751,15 @@ fn a_worker_serving_every_job_takes_up_new_ones_on_the_same_metrics_port() {
             metrics.contains(&format!("job=\"{job}\"")),
             "{job} is not in the metrics on {addr}"
         );
+        // The counters run on across the rejoins: the first job's are still there.
+        let first_done = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("batchfleet_records_total{")
+                    && l.contains("job=\"first\"")
+                    && l.contains("outcome=\"commit\"")
+            })
+            .unwrap_or_else(|| panic!("the first job's records counter is gone after taking up {job}"));
+        assert!(first_done.ends_with(" 5"), "{first_done}");
     }
 }

@@ -50,8 +50,10 @@ const SINK_GRACE: Duration = Duration::from_secs(2);
 /// Runs until `cancel` fires (or, with `drain`, until the jobs are complete).
 pub async fn run(config: Config, cancel: CancellationToken) -> Result<RunSummary, RunError> {
     let mut total = RunSummary::default();
+    // One set of metrics for the worker's life: a rejoin does not reset its counters.
+    let metrics = Arc::new(Metrics::new());
     loop {
-        let (summary, rejoin) = serve_jobs(config.clone(), &cancel).await?;
+        let (summary, rejoin) = serve_jobs(config.clone(), &metrics, &cancel).await?;
         total.absorb(summary);
         if !rejoin || cancel.is_cancelled() {
             return Ok(total);
@@ -89,7 +91,11 @@ async fn watch_new_jobs(
 
 /// Serves one set of jobs until cancelled (or, serving every job, until a
 /// new one appears: the bool says so).
-async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSummary, bool), RunError> {
+async fn serve_jobs(
+    config: Config,
+    metrics: &Arc<Metrics>,
+    cancel: &CancellationToken,
+) -> Result<(RunSummary, bool), RunError> {
     // Wake-ups are read from here on, on a connection of their own (a
     // blocking read holds it): nothing enqueued after this is missed.
     let listener_store = RedisStore::connect(&config.redis_url).await?;
@@ -99,7 +105,7 @@ async fn serve_jobs(config: Config, cancel: &CancellationToken) -> Result<(RunSu
         return Ok((RunSummary::default(), false));
     };
     let config = Config { jobs, ..config };
-    let (fleet, endpoints) = start(config).await?;
+    let (fleet, endpoints) = start(config, metrics.clone()).await?;
     tracing::info!(consumer = %fleet.config.consumer, jobs = fleet.jobs.len(), visibility_ms = fleet.visibility.as_millis() as u64, "worker started");
     // The watcher's first look comes before the first claim: a halted or
     // cancelled job is never claimed from.
@@ -426,7 +432,7 @@ impl Endpoints {
 /// Connects, checks Redis and the config, loads the jobs and starts the
 /// HTTP endpoints. Returns the fleet's shared state (no service runs yet: a
 /// test can drive them one round at a time) and the HTTP endpoints.
-pub async fn start(config: Config) -> Result<(Arc<Fleet>, Endpoints), RunError> {
+pub async fn start(config: Config, metrics: Arc<Metrics>) -> Result<(Arc<Fleet>, Endpoints), RunError> {
     config.validate()?;
     let store = connect(&config).await?;
     let mut jobs = load_jobs(&store, &config).await?;
@@ -439,7 +445,6 @@ pub async fn start(config: Config) -> Result<(Arc<Fleet>, Endpoints), RunError> 
             b.set_lease(visibility);
         }
     }
-    let metrics = Arc::new(Metrics::new());
     for (job, _) in &jobs {
         metrics.set_limits(&job.name, &job.spec.limits);
     }
