@@ -100,12 +100,18 @@ def wait():
                       "listed": batch.id in listed or batch.id in [b.id for b in client.batches.list()]}))
 
 
-def cancel():
-    path = requests_file("big.jsonl", int(os.environ.get("N", "200")), first=1000)
+def running(name, n, first, window="24h"):
+    """A batch of n requests uploaded, created, and answering (5 answers so far)."""
+    path = requests_file(name, n, first=first)
     uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+                                  completion_window=window)
     answered(batch.id, 5)
+    return batch
+
+
+def cancel():
+    batch = running("big.jsonl", int(os.environ.get("N", "200")), 1000)
     cancelling = client.batches.cancel(batch.id)
     ended = wait_until(batch.id, {"cancelled", "completed"})
     out = lines(ended.output_file_id)
@@ -164,11 +170,7 @@ def template():
 
 
 def started():
-    path = requests_file("long.jsonl", int(os.environ.get("N", "300")), first=3000)
-    uploaded = client.files.create(file=open(path, "rb"), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="1h")
-    answered(batch.id, 5)
+    batch = running("long.jsonl", int(os.environ.get("N", "300")), 3000, window="1h")
     print(json.dumps({"batch": batch.id}))
 
 

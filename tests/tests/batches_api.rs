@@ -124,15 +124,7 @@ fn the_openai_sdk_runs_a_batch_through_the_fleet_across_a_restart_a_retry_and_a_
     assert_eq!(done["listed"], true);
     // Never paid twice: one model call a request, across the restart and the retried create.
     assert_eq!(served(&sim), 30, "calls served for 30 requests");
-    let status = producer(&[
-        "status",
-        "--job",
-        &format!("oai-{batch}"),
-        "--redis",
-        &redis.url(),
-        "--json",
-    ]);
-    let status: Value = serde_json::from_str(&stdout(&status)).unwrap();
+    let status = job_status(&redis, &batch);
     assert_eq!(status["complete"], true, "{status}");
     assert_eq!(status["done"], 30);
 
