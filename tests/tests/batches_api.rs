@@ -288,5 +288,8 @@ fn templates_send_the_invalid_to_the_error_file_windows_expire_uploads_are_bound
     assert_eq!(pages["paged"], pages["all"], "{pages}");
     assert_eq!(pages["has_more"], serde_json::json!([true, false]), "{pages}");
     assert_eq!(pages["newest_first"], true, "{pages}");
+    // Every batch ended: the polls read none of them again.
+    let open: u64 = redis::cmd("SCARD").arg("bf:oai:open").query(&mut redis.conn()).unwrap();
+    assert_eq!(open, 0, "ended batches are still polled");
     drop(server);
 }

@@ -159,7 +159,7 @@ pub fn check_input(path: &Path, max_record_bytes: usize) -> std::io::Result<Resu
 
 /// Moves every unfinished batch one step; called every poll.
 pub async fn advance_all(api: &Arc<Api>) -> anyhow::Result<()> {
-    for row in kept::batches(&api.store).await? {
+    for row in kept::open_batches(&api.store).await? {
         if row.is_terminal() {
             continue;
         }

@@ -132,6 +132,7 @@ pub async fn run(
     if let Some(p) = derived.problems().first() {
         anyhow::bail!("--provider-spec: {}: {}", p.path, p.message);
     }
+    store::reopen(&store).await?;
     std::fs::create_dir_all(config.data_dir.join("files"))
         .map_err(|e| anyhow::anyhow!("--data-dir {}: {e}", config.data_dir.display()))?;
     let listener = tokio::net::TcpListener::bind(config.bind)
@@ -431,7 +432,7 @@ async fn delete_file(State(api): State<Shared>, headers: HeaderMap, Path(id): Pa
         return r;
     }
     // A batch still validating reads it.
-    match store::batches(&api.store).await {
+    match store::open_batches(&api.store).await {
         Ok(all)
             if all
                 .iter()

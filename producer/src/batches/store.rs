@@ -8,6 +8,9 @@ use serde_json::{Value, json};
 
 const FILES: &str = "bf:oai:files";
 const BATCHES: &str = "bf:oai:batches";
+/// The ids of the batches not ended yet: what each poll reads, however many
+/// ended batches the server keeps.
+const OPEN: &str = "bf:oai:open";
 
 /// An uploaded (or produced) file, as the Files API shows it, and whose it is.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -125,8 +128,59 @@ pub async fn forget_file(store: &RedisStore, id: &str) -> Result<(), StoreError>
     Ok(())
 }
 
+/// Stores a batch's record, and whether it is open, together.
 pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<(), StoreError> {
-    hset(store, BATCHES, b.id(), serde_json::to_string(b).unwrap_or_default()).await
+    let mut conn = store.connection();
+    let mut pipe = redis::pipe();
+    pipe.atomic()
+        .hset(BATCHES, b.id(), serde_json::to_string(b).unwrap_or_default())
+        .ignore();
+    if b.is_terminal() {
+        pipe.srem(OPEN, b.id()).ignore();
+    } else {
+        pipe.sadd(OPEN, b.id()).ignore();
+    }
+    pipe.query_async::<()>(&mut conn).await?;
+    Ok(())
+}
+
+/// The batches not ended yet.
+pub async fn open_batches(store: &RedisStore) -> Result<Vec<BatchRow>, StoreError> {
+    let mut conn = store.connection();
+    let ids: Vec<String> = redis::cmd("SMEMBERS").arg(OPEN).query_async(&mut conn).await?;
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let texts: Vec<Option<String>> = redis::cmd("HMGET")
+        .arg(BATCHES)
+        .arg(&ids)
+        .query_async(&mut conn)
+        .await?;
+    Ok(texts
+        .iter()
+        .flatten()
+        .filter_map(|t| serde_json::from_str(t).ok())
+        .collect())
+}
+
+/// Marks every batch not ended as open (the records of a server that kept
+/// no open set yet); run once at start.
+pub async fn reopen(store: &RedisStore) -> Result<(), StoreError> {
+    let open: Vec<String> = batches(store)
+        .await?
+        .into_iter()
+        .filter(|b| !b.is_terminal())
+        .map(|b| b.id().to_owned())
+        .collect();
+    if !open.is_empty() {
+        let mut conn = store.connection();
+        redis::cmd("SADD")
+            .arg(OPEN)
+            .arg(&open)
+            .query_async::<()>(&mut conn)
+            .await?;
+    }
+    Ok(())
 }
 
 pub async fn batch(store: &RedisStore, id: &str) -> Result<Option<BatchRow>, StoreError> {
