@@ -310,7 +310,7 @@ async fn validate_and_enqueue(api: &Api, mut row: BatchRow) -> anyhow::Result<()
         Some(name) => Some(api.template(name)?),
         None => None,
     };
-    let spec = job_spec(&api.provider_spec, template.as_ref());
+    let spec = job_spec(&api.config.provider_spec, template.as_ref());
     let path = api.file_path(&input_id);
     let checked = match kept::file(&api.store, &input_id).await? {
         None => Err(vec![line_error(
@@ -330,22 +330,22 @@ async fn validate_and_enqueue(api: &Api, mut row: BatchRow) -> anyhow::Result<()
             return Ok(());
         }
     };
-    let spec_path = api.data_dir.join("specs").join(format!("{}.toml", row.id()));
+    let spec_path = api.config.data_dir.join("specs").join(format!("{}.toml", row.id()));
     std::fs::create_dir_all(spec_path.parent().unwrap_or(Path::new(".")))?;
     std::fs::write(&spec_path, toml::to_string(&spec)?)?;
     let args = crate::enqueue::EnqueueArgs {
         dataset: path,
         job: row.job.clone(),
         spec_path: spec_path.to_string_lossy().into_owned(),
-        redis_url: api.redis_url.clone(),
+        redis_url: api.config.redis_url.clone(),
         restart: false,
         sample: None,
         dry_run: false,
         batch_size: 2000,
         idem_ttl_secs: 7 * 24 * 3600,
         progress: false,
-        allow_evicting_redis: api.allow_evicting_redis,
-        max_backlog: api.max_backlog,
+        allow_evicting_redis: api.config.allow_evicting_redis,
+        max_backlog: api.config.max_backlog,
         selected: None,
     };
     let summary = crate::enqueue::enqueue(&args, CancellationToken::new()).await?;

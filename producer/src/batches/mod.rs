@@ -59,14 +59,7 @@ pub struct Config {
 /// The server's state, shared by its handlers and its poll.
 pub struct Api {
     pub store: RedisStore,
-    pub keys: Reviewers,
-    pub provider_spec: JobSpec,
-    pub templates: Option<PathBuf>,
-    pub data_dir: PathBuf,
-    pub max_upload_bytes: u64,
-    pub redis_url: String,
-    pub max_backlog: u64,
-    pub allow_evicting_redis: bool,
+    pub config: Config,
     /// Batches being validated and enqueued now (each by one task).
     pub validating: std::sync::Mutex<std::collections::HashSet<String>>,
     /// When each batch in progress last had its full pass (see `lifecycle::counts`).
@@ -78,13 +71,14 @@ type Shared = Arc<Api>;
 impl Api {
     /// Where a file's bytes are kept.
     pub fn file_path(&self, id: &str) -> PathBuf {
-        self.data_dir.join("files").join(id)
+        self.config.data_dir.join("files").join(id)
     }
 
     /// A named template (`metadata.template`), checked against the
     /// provider spec, or why it cannot be used.
     pub fn template(&self, name: &str) -> anyhow::Result<lifecycle::Template> {
         let dir = self
+            .config
             .templates
             .as_ref()
             .ok_or_else(|| anyhow::anyhow!("no templates are served (start serve-batches with --templates DIR)"))?;
@@ -102,7 +96,7 @@ impl Api {
             anyhow::bail!("no template `{name}`: the templates are {}", known.join(", "));
         }
         let template = lifecycle::Template::load(&path)?;
-        if let Some(p) = lifecycle::job_spec(&self.provider_spec, Some(&template))
+        if let Some(p) = lifecycle::job_spec(&self.config.provider_spec, Some(&template))
             .problems()
             .first()
         {
@@ -139,20 +133,14 @@ pub async fn run(
         .await
         .map_err(|e| anyhow::anyhow!("--bind {}: {e}", config.bind))?;
     let addr = listener.local_addr()?;
+    let poll_every = config.poll;
     let api = Arc::new(Api {
         store,
-        keys: config.keys,
-        provider_spec: config.provider_spec,
-        templates: config.templates,
-        data_dir: config.data_dir,
-        max_upload_bytes: config.max_upload_bytes,
-        redis_url: config.redis_url,
-        max_backlog: config.max_backlog,
-        allow_evicting_redis: config.allow_evicting_redis,
+        config,
         validating: Default::default(),
         full_passes: Default::default(),
     });
-    let poller = tokio::spawn(poll(api.clone(), config.poll, cancel.clone()));
+    let poller = tokio::spawn(poll(api.clone(), poll_every, cancel.clone()));
     let app = router(api);
     common::errln!("serve-batches: serving the Batch API on http://{addr}/v1");
     if let Some(tx) = bound {
@@ -179,7 +167,7 @@ async fn poll(api: Shared, every: Duration, cancel: CancellationToken) {
 }
 
 pub fn router(api: Shared) -> Router {
-    let limit = usize::try_from(api.max_upload_bytes)
+    let limit = usize::try_from(api.config.max_upload_bytes)
         .unwrap_or(usize::MAX)
         .saturating_add(64 * 1024);
     Router::new()
@@ -222,7 +210,7 @@ fn owner(api: &Api, headers: &HeaderMap) -> Result<String, Response> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    token.and_then(|t| api.keys.who(t)).ok_or_else(|| {
+    token.and_then(|t| api.config.keys.who(t)).ok_or_else(|| {
         api_error(
             StatusCode::UNAUTHORIZED,
             "Incorrect API key provided: use a key of this server's --keys-file or BATCHFLEET_BATCHES_KEYS",
@@ -333,7 +321,7 @@ async fn save_part(
             }
         };
         bytes += chunk.len() as u64;
-        if bytes > api.max_upload_bytes {
+        if bytes > api.config.max_upload_bytes {
             drop(out);
             let _ = std::fs::remove_file(path);
             return Err(too_large(api));
@@ -347,7 +335,7 @@ async fn save_part(
 fn too_large(api: &Api) -> Response {
     let why = format!(
         "the file is over this server's upload limit of {} bytes (--max-upload-mb)",
-        api.max_upload_bytes
+        api.config.max_upload_bytes
     );
     api_error(StatusCode::PAYLOAD_TOO_LARGE, why, Some("file"), Some("file_too_large"))
 }
@@ -394,15 +382,22 @@ async fn list_files(State(api): State<Shared>, headers: HeaderMap, Query(q): Que
         Ok(w) => w,
         Err(r) => return r,
     };
-    match store::files(&api.store).await {
-        Ok(all) => {
-            let items = all
-                .into_iter()
-                .filter(|f| f.owner == who && q.purpose.as_ref().is_none_or(|p| *p == f.purpose))
-                .map(|f| (f.created_at, f.id.clone(), f.object()))
-                .collect();
-            axum::Json(page(items, &q)).into_response()
-        }
+    let files = store::files(&api.store).await;
+    listed(files, &q, |f| {
+        let shown = f.owner == who && q.purpose.as_ref().is_none_or(|p| *p == f.purpose);
+        shown.then(|| (f.created_at, f.id.clone(), f.object()))
+    })
+}
+
+/// The key's page of a list read from the store (`item` keeps what it
+/// shows, as `(created_at, id, object)`), or the error that stopped it.
+fn listed<T>(
+    all: Result<Vec<T>, common::store::StoreError>,
+    q: &ListQuery,
+    item: impl Fn(T) -> Option<(u64, String, Value)>,
+) -> Response {
+    match all {
+        Ok(all) => axum::Json(page(all.into_iter().filter_map(item).collect(), q)).into_response(),
         Err(e) => internal(e),
     }
 }
@@ -646,17 +641,11 @@ async fn list_batches(State(api): State<Shared>, headers: HeaderMap, Query(q): Q
         Ok(w) => w,
         Err(r) => return r,
     };
-    match store::batches(&api.store).await {
-        Ok(all) => {
-            let items = all
-                .into_iter()
-                .filter(|b| b.owner == who)
-                .map(|b| (b.batch["created_at"].as_u64().unwrap_or(0), b.id().to_owned(), b.batch))
-                .collect();
-            axum::Json(page(items, &q)).into_response()
-        }
-        Err(e) => internal(e),
-    }
+    let batches = store::batches(&api.store).await;
+    listed(batches, &q, |b| {
+        let created = b.batch["created_at"].as_u64().unwrap_or(0);
+        (b.owner == who).then(|| (created, b.id().to_owned(), b.batch))
+    })
 }
 
 async fn cancel_batch(State(api): State<Shared>, headers: HeaderMap, Path(id): Path<String>) -> Response {
