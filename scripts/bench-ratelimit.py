@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """`make bench-ratelimit`: how much of a provider's limit the fleet uses, and
-how many 429s it causes, for 1, 2 and 4 workers and for a tokens/min-bound job
-(the spec states the limit); then for 2 workers whose spec states no limit at
-all, against each way llm-sim can tell it (`--limit-headers openai`,
-`litellm`, `none`), measured after WARMUP seconds of learning (default 60).
+how many 429s it causes, for 1, 4 and 8 workers of concurrency 64 and for a
+tokens/min-bound job (the spec states the limit); then for 1, 4 and 8 workers
+whose spec states no limit at all (llm-sim tells it in OpenAI's headers), and
+for 2 workers against the other ways llm-sim can tell it (`--limit-headers
+litellm`, `none`), measured after WARMUP seconds of learning (default 60).
+RUNS=told or RUNS=untold runs only those.
 
 llm-sim enforces the limits itself and is the judge: utilization is what it
 accepted over the window against its limit, the 429 rate is its 429s over all
@@ -26,7 +28,7 @@ from benchlib import (BIN, ROOT, log_every_command, redis_commands, redis_cpu, s
 
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 WARMUP = int(os.environ.get("WARMUP_SECONDS", "60"))
-RPM = 3000
+RPM = int(os.environ.get("RPM", "1200"))
 
 
 def run(tmp, workers, tpm, headers=None):
@@ -82,8 +84,12 @@ def main():
     tmp = tempfile.mkdtemp(prefix="bf-bench-rl-")
     rows, costs = [], []
     try:
-        for workers, tpm, headers in [(1, 0, None), (2, 0, None), (4, 0, None), (3, 200_000, None),
-                                      (2, 0, "openai"), (2, 0, "litellm"), (2, 0, "none")]:
+        runs = [(1, 0, None), (4, 0, None), (8, 0, None), (3, RPM * 200 // 3, None),
+                (1, 0, "openai"), (4, 0, "openai"), (8, 0, "openai"), (2, 0, "litellm"), (2, 0, "none")]
+        only = os.environ.get("RUNS")
+        for workers, tpm, headers in runs:
+            if only and (only == "told") != (headers is None):
+                continue
             ok, r429, util, rate, cost = run(tmp, workers, tpm, headers)
             bound = f"{tpm:,} tokens/min" if tpm else f"{RPM:,} requests/min"
             if headers:
@@ -105,6 +111,19 @@ def main():
     for workers, bound, c in costs:
         print(f"| {workers} | {bound} | {c['cpu_us']:.0f} us | {c['commands']:.1f} "
               f"| {c['acquire'][0]:.2f} calls, {c['acquire'][1]:.1f} us | {c['settle'][0]:.2f} calls, {c['settle'][1]:.1f} us |")
+    # The limiter's own cost (its two scripts' calls and command time) must
+    # not grow with the fleet: 1 and 8 workers of the same binding limit.
+    limiter = {(w, b): (c["acquire"][0] + c["settle"][0], c["acquire"][1] + c["settle"][1]) for w, b, c in costs}
+    total = {(w, b): c["cpu_us"] for w, b, c in costs}
+    print()
+    for bound in dict.fromkeys(b for _, b in limiter):
+        ws = sorted(w for w, b in limiter if b == bound)
+        if len(ws) < 2:
+            continue
+        lo, hi = (ws[0], bound), (ws[-1], bound)
+        print(f"{bound}: limiter per model call {limiter[lo][0]:.2f} -> {limiter[hi][0]:.2f} script calls, "
+              f"{limiter[lo][1]:.0f} -> {limiter[hi][1]:.0f} us ({ws[0]} -> {ws[-1]} workers); "
+              f"Redis CPU per call {total[hi] / max(total[lo], 1e-9):.2f}x")
     told = [r for r in rows if "not in the spec" not in r[1]]
     learned = [r for r in rows if "not in the spec" in r[1]]
     print()

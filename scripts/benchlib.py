@@ -12,7 +12,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release")
+# BF_BIN: another build's binaries (a before/after run of the same bench).
+BIN = os.environ.get("BF_BIN") or os.path.join(ROOT, "target", "release")
 
 
 def free_port():

@@ -208,9 +208,19 @@ fn scaling_from_one_to_four_workers_keeps_429s_down() {
     f.add_workers(3);
     run_for(20);
     let b = f.snapshot();
-    f.stop();
+    let summaries = f.stop();
     let w = window(&a, &b);
     assert_fleet_within(&w, w.request_utilization(RPM), "1 -> 4 workers");
+    // A throttled worker takes a stretch of the budget per ask and waits its
+    // turn: the fleet asks far less than once per call, however many workers
+    // (each ask on every refill or every call ended made 3-6 per call).
+    let sum = |k: &str| -> u64 { summaries.iter().map(|s| s["limiters"]["rl"][k].as_u64().unwrap()).sum() };
+    let (acquires, grants) = (sum("acquires"), sum("grants"));
+    assert!(grants >= w.accepted, "{grants} grants, {} accepted", w.accepted);
+    assert!(
+        acquires as f64 <= 0.4 * grants as f64,
+        "{acquires} acquires for {grants} grants: the fleet polls its budget"
+    );
 }
 
 #[test]

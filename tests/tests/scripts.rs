@@ -7,8 +7,8 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, LimitParams, RecordSet, RedisStore, ReviewAction,
-    ReviewOutcome, Settlement, SunkResult, TaskEntry,
+    Acquired, Bound, CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, LimitParams, RecordSet,
+    RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
     Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
@@ -27,6 +27,11 @@ async fn store(redis: &RedisServer) -> RedisStore {
     let store = RedisStore::connect(&redis.url()).await.unwrap();
     store.prepare_job(JOB, "", 1, false).await.unwrap();
     store
+}
+
+/// An acquire's grant ids and its wait (ms), the delays of the grants aside.
+fn acquired(a: Acquired) -> (Vec<String>, u64) {
+    (a.grants.into_iter().map(|(id, _)| id).collect(), a.wait_ms)
 }
 
 fn entry(rid: &str, input: &str) -> TaskEntry {
@@ -972,6 +977,74 @@ async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
     );
 }
 
+/// A throttled worker takes a stretch of the budget per acquire: grants the
+/// buckets cannot give yet come with the delay until they can (at most the
+/// window ahead), spaced at the limit's pace. The workers held back are told
+/// to come back one at a time, half a window apart, the first once half the
+/// window is free: each then finds a stretch to take, whatever their number.
+#[tokio::test]
+async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_come_back_in_turn() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut c = redis.conn();
+    // 600 requests/min (one every 100 ms), a burst of 1 s (10), 1 s ahead.
+    let p = LimitParams {
+        requests: 600,
+        tokens: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        max_concurrent: 0,
+        need_tokens: 10,
+        need_input: 5,
+        need_output: 5,
+        burst_ms: 1000,
+        lease_ms: 60_000,
+        ahead_ms: 1000,
+    };
+    let a = store.limit_acquire("ahead", &p, 30, "a").await.unwrap();
+    let delays: Vec<u64> = a.grants.iter().map(|(_, d)| *d).collect();
+    assert_eq!(delays.len(), 20, "the burst now and one window ahead: {delays:?}");
+    assert!(delays[..10].iter().all(|&d| d == 0), "{delays:?}");
+    for (k, d) in delays[10..].iter().enumerate() {
+        // The clock moves between TIME and here: a few ms of refill at most.
+        let due = 100 * (k as u64 + 1);
+        assert!(
+            *d <= due && d + 20 >= due,
+            "grant {} waits {d} ms, not ~{due}: {delays:?}",
+            k + 10
+        );
+    }
+    // The 21st would wait 1,100 ms: come back when 500 ms of the window are free.
+    assert_eq!(a.bound, Bound::Rate);
+    assert!((550..=600).contains(&a.wait_ms), "{a:?}");
+    // Two more workers ask at once: nothing, each told its own turn, and
+    // only that turn written (a refusal leaves the levels alone).
+    let before: std::collections::HashMap<String, String> = c.hgetall(keys::limit_buckets("ahead")).unwrap();
+    let b = store.limit_acquire("ahead", &p, 30, "b").await.unwrap();
+    let c2 = store.limit_acquire("ahead", &p, 30, "c").await.unwrap();
+    assert!(b.grants.is_empty() && b.bound == Bound::Rate, "{b:?}");
+    assert!(c2.grants.is_empty() && c2.bound == Bound::Rate, "{c2:?}");
+    assert!((1050..=1100).contains(&b.wait_ms), "{b:?}");
+    assert!((1550..=1600).contains(&c2.wait_ms), "{c2:?}");
+    let mut after: std::collections::HashMap<String, String> = c.hgetall(keys::limit_buckets("ahead")).unwrap();
+    let mut before = before;
+    assert_ne!(before.remove("qt"), after.remove("qt"));
+    assert_eq!(before, after, "a refusal wrote more than the turn");
+    // At its turn (A did not come back), B finds the window's stretch.
+    tokio::time::sleep(std::time::Duration::from_millis(b.wait_ms)).await;
+    let later = store.limit_acquire("ahead", &p, 30, "b").await.unwrap();
+    let delays: Vec<u64> = later.grants.iter().map(|(_, d)| *d).collect();
+    assert!((10..=12).contains(&delays.len()), "{delays:?}");
+    assert!(delays.iter().all(|&d| d <= 1000), "{delays:?}");
+    // Without a window ahead (0): only what the buckets hold now.
+    let now_only = store
+        .limit_acquire("ahead-0", &LimitParams { ahead_ms: 0, ..p }, 30, "c")
+        .await
+        .unwrap();
+    assert_eq!(now_only.grants.len(), 10);
+    assert!(now_only.wait_ms > 0 && now_only.wait_ms <= 100, "{now_only:?}");
+}
+
 #[tokio::test]
 async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
     let redis = RedisServer::start();
@@ -987,8 +1060,9 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
         need_output: 5,
         burst_ms: 2000,
         lease_ms: 60_000,
+        ahead_ms: 0,
     };
-    let (held, _) = store.limit_acquire("slot", &p, 1, "a").await.unwrap();
+    let (held, _) = acquired(store.limit_acquire("slot", &p, 1, "a").await.unwrap());
     assert_eq!(held.len(), 1);
     // Settled with nobody waiting: no wake-up.
     let quiet = store.wake_cursor().await.unwrap();
@@ -999,9 +1073,9 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
             .unwrap()
     );
     assert_eq!(store.wait_wake(&quiet, 1).await.unwrap(), None);
-    let (held, _) = store.limit_acquire("slot", &p, 1, "a").await.unwrap();
+    let (held, _) = acquired(store.limit_acquire("slot", &p, 1, "a").await.unwrap());
     // Another worker is refused (the slot is taken) and told to wait long: it will be woken.
-    let (none, wait_ms) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
+    let (none, wait_ms) = acquired(store.limit_acquire("slot", &p, 1, "b").await.unwrap());
     assert!(none.is_empty());
     assert!(wait_ms >= 1000, "{wait_ms}");
     let before = store.wake_cursor().await.unwrap();
@@ -1015,7 +1089,7 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
         store.wait_wake(&before, 1).await.unwrap().is_some(),
         "the waiting worker is woken"
     );
-    let (got, _) = store.limit_acquire("slot", &p, 1, "b").await.unwrap();
+    let (got, _) = acquired(store.limit_acquire("slot", &p, 1, "b").await.unwrap());
     assert_eq!(got.len(), 1, "and gets the slot");
 }
 
@@ -1035,17 +1109,18 @@ async fn a_dead_workers_slots_expire_oldest_first_and_their_tokens_count_as_used
         need_output: 5,
         burst_ms: 2000,
         lease_ms,
+        ahead_ms: 0,
     };
     // A worker that dies holding two short slots, then one holding a long one.
-    let (dead, _) = store.limit_acquire("exp", &p(300), 2, "dead").await.unwrap();
-    let (alive, _) = store.limit_acquire("exp", &p(60_000), 1, "alive").await.unwrap();
+    let (dead, _) = acquired(store.limit_acquire("exp", &p(300), 2, "dead").await.unwrap());
+    let (alive, _) = acquired(store.limit_acquire("exp", &p(60_000), 1, "alive").await.unwrap());
     assert_eq!((dead.len(), alive.len()), (2, 1));
-    let (none, _) = store.limit_acquire("exp", &p(60_000), 1, "new").await.unwrap();
+    let (none, _) = acquired(store.limit_acquire("exp", &p(60_000), 1, "new").await.unwrap());
     assert!(none.is_empty(), "all three slots are taken");
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     // The two expired slots come back (the live one does not), and their
     // reserved tokens count as settled.
-    let (got, _) = store.limit_acquire("exp", &p(60_000), 3, "new").await.unwrap();
+    let (got, _) = acquired(store.limit_acquire("exp", &p(60_000), 3, "new").await.unwrap());
     assert_eq!(got.len(), 2, "{got:?}");
     let slots: Vec<String> = c.zrange(keys::limit_inflight("exp"), 0, -1).unwrap();
     assert_eq!(slots.len(), 3);
@@ -1144,6 +1219,7 @@ async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pause
         need_output: 5,
         burst_ms: 60_000,
         lease_ms: 60_000,
+        ahead_ms: 0,
     };
     let hinted = |ceiling| Settlement {
         tokens_back: 10,
@@ -1158,7 +1234,7 @@ async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pause
     };
     let take = |id: &'static str, requests| {
         let store = store.clone();
-        async move { store.limit_acquire(id, &p(requests), 1, "w").await.unwrap() }
+        async move { acquired(store.limit_acquire(id, &p(requests), 1, "w").await.unwrap()) }
     };
 
     // The spec says 300/min: one 429 is that request's; the fleet goes on at 285.

@@ -235,7 +235,7 @@ impl Batcher {
                 return;
             };
             loop {
-                let (mut grants, wait) = f.grants(&job, 1).await;
+                let (mut grants, wait, _) = f.grants(&job, 1).await;
                 if let Some(grant) = grants.pop() {
                     f.spawn(job, d, permit, Some(grant));
                     return;

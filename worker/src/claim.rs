@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::store::Bound;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
@@ -32,6 +33,9 @@ pub struct Claimer {
     drained: tokio_util::sync::CancellationToken,
     /// When `--drain` last asked Redis whether the jobs are complete.
     drain_checked: Option<std::time::Instant>,
+    /// Per job, when its rate buckets can give grants again (asking sooner
+    /// gets nothing: a settlement's wake-up does not make the claimer ask).
+    budget_at: std::collections::HashMap<String, tokio::time::Instant>,
 }
 
 /// What one claim round did.
@@ -61,6 +65,7 @@ impl Claimer {
             rounds: 0,
             drained,
             drain_checked: None,
+            budget_at: Default::default(),
         }
     }
 
@@ -94,7 +99,10 @@ impl Claimer {
             self.own_pending = false;
             f.own_pending_read.store(true, Ordering::Relaxed);
         }
-        self.last_claimed = round.claimed;
+        // A round the rate held back says nothing of how much there is to claim.
+        if round.claimed > 0 || round.limited.is_none() {
+            self.last_claimed = round.claimed;
+        }
         f.health.loop_ok();
         round
     }
@@ -107,6 +115,13 @@ impl Claimer {
         // Until the provider answered once, one call at a time.
         let mut room = job.breaker.room();
         if room == 0 {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        if let Some(&at) = self.budget_at.get(&job.name)
+            && at > now
+        {
+            round.limited = sooner(round.limited, at - now);
             return;
         }
         // While the provider is down: no real work, one probe at a time
@@ -122,7 +137,11 @@ impl Claimer {
         let free = self.claimable(first.is_some()).min(room);
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
         // Budget before claim: a throttled fleet leaves tasks in the stream.
-        let (mut grants, wait) = f.grants(job, want).await;
+        let (mut grants, wait, bound) = f.grants(job, want).await;
+        if bound == Bound::Rate {
+            self.budget_at
+                .insert(job.name.clone(), tokio::time::Instant::now() + wait);
+        }
         if grants.is_empty() {
             round.limited = sooner(round.limited, wait);
             if probing {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::store::{Finish, Finished, RedisStore, StoreError};
+use common::store::{Bound, Finish, Finished, RedisStore, StoreError};
 use common::task::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::task::TaskTracker;
@@ -16,7 +16,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, RunSummary};
 use crate::http::Health;
 use crate::job::{JobCtx, Limits, Settled};
-use crate::limiter::{Grant, Limiter};
+use crate::limiter::{Acquired, Grant, Limiter};
 use crate::process::process;
 use crate::telemetry::Metrics;
 
@@ -177,9 +177,9 @@ impl Fleet {
         &self.limiters[&job.name]
     }
 
-    /// Up to `want` grants of the job's limiter, and how long to wait when
-    /// none was given.
-    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration) {
+    /// Up to `want` grants of the job's limiter; when fewer, how long to
+    /// wait and what held the rest back.
+    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration, Bound) {
         // The acquisition runs on the tracker: a round cancelled while Redis
         // answers (SIGTERM) must not leave the reservation it made unsettled;
         // with nobody to take them, the grants go straight back.
@@ -187,26 +187,30 @@ impl Fleet {
         let limiter = self.limiter(job).clone();
         self.tracker.spawn(async move {
             let got = limiter.try_acquire(want).await;
-            if let Err(Ok((grants, _))) = tx.send(got) {
-                for g in grants {
+            if let Err(Ok(got)) = tx.send(got) {
+                for g in got.grants {
                     let _ = limiter.release(g).await;
                 }
             }
         });
-        let (grants, wait) = match rx.await {
+        let got = match rx.await {
             Ok(Ok(got)) => got,
-            Ok(Err(e)) => {
-                self.store_error(&e).await;
-                (Vec::new(), Duration::from_millis(200))
+            failed => {
+                if let Ok(Err(e)) = &failed {
+                    self.store_error(e).await;
+                }
+                Acquired {
+                    wait: Duration::from_millis(200),
+                    ..Acquired::default()
+                }
             }
-            Err(_) => (Vec::new(), Duration::from_millis(200)),
         };
         let held = HeldGrants {
             limiter: self.limiter(job).clone(),
-            grants,
+            grants: got.grants,
             tracker: self.tracker.clone(),
         };
-        (held, wait)
+        (held, got.wait, got.bound)
     }
 
     /// Starts one delivered task on the tracker; it holds `permit` (and the
@@ -217,6 +221,10 @@ impl Fleet {
         let probe = job.outage.is_down().then(|| d.task.rid.clone());
         job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
         self.tracker.spawn(async move {
+            // A grant given ahead of the buckets: its call waits for its time.
+            if let Some(g) = &grant {
+                tokio::time::sleep_until(g.at).await;
+            }
             let mut report = None;
             // While the provider is down only the probe is called; a task
             // taken over from a dead worker, or claimed just before the

@@ -17,25 +17,41 @@ use std::time::Duration;
 
 use common::batch::GroupCommit;
 use common::spec::JobSpec;
-use common::store::{CallKind, LimitParams, RedisStore, Settlement, StoreError};
+use common::store::{Bound, CallKind, LimitParams, RedisStore, Settlement, StoreError};
 use reqwest::header::HeaderMap;
 use sha2::{Digest, Sha256};
 
 /// How many seconds of a limit the shared buckets may hold (the burst).
 const BURST_MS: u64 = 2_000;
+/// How far ahead of the buckets a grant may be given (its call waits for
+/// its time): a throttled worker takes a stretch of grants per acquire
+/// instead of asking each time the buckets refill.
+const AHEAD_MS: u64 = 1_000;
 /// Longest fleet pause a provider's reset hint may cause.
 const MAX_PAUSE_MS: u64 = 60_000;
 /// Settlements stored together while the last call is on its way (at most
 /// this many a call; each still applied as if alone, see `limit_settle.lua`).
 const SETTLE_BATCH: usize = 128;
 
-/// One reservation: a request, its tokens and a concurrency slot.
+/// One reservation: a request, its tokens and a concurrency slot, from
+/// `at` on (its call waits until then).
 #[derive(Debug, Clone)]
 pub struct Grant {
     pub id: String,
+    pub at: tokio::time::Instant,
     tokens: u64,
     input: u64,
     output: u64,
+}
+
+/// What one acquire gave, and when none (or too few) came, how long until
+/// asking again can give more and whether a freed concurrency slot may
+/// give one sooner.
+#[derive(Debug, Default)]
+pub struct Acquired {
+    pub grants: Vec<Grant>,
+    pub wait: Duration,
+    pub bound: Bound,
 }
 
 /// The budget of one provider key/model, shared by the fleet.
@@ -56,6 +72,8 @@ pub struct Limiter {
 /// This worker's view of the shared budget, for metrics and the run summary.
 #[derive(Debug, Default)]
 pub struct LimiterStats {
+    /// Times this worker asked the shared buckets for grants.
+    pub acquires: AtomicU64,
     pub grants: AtomicU64,
     pub tokens_reserved: AtomicU64,
     /// Tokens given back at settlement (reserved but not used, or unused grants).
@@ -69,6 +87,7 @@ pub struct LimiterStats {
 /// A snapshot of [`LimiterStats`] and of the shared bucket levels.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct LimiterReport {
+    pub acquires: u64,
     pub grants: u64,
     pub tokens_reserved: u64,
     pub tokens_returned: u64,
@@ -145,6 +164,7 @@ impl Limiter {
                 need_output: 0,
                 burst_ms: BURST_MS,
                 lease_ms: 0,
+                ahead_ms: AHEAD_MS,
             },
             prefix: consumer.to_owned(),
             max_tokens,
@@ -164,8 +184,9 @@ impl Limiter {
         self.params.lease_ms = lease.as_millis() as u64;
     }
 
-    /// Takes up to `want` grants now; with fewer, also how long to wait.
-    pub async fn try_acquire(&self, want: usize) -> Result<(Vec<Grant>, Duration), StoreError> {
+    /// Takes up to `want` grants, each with the moment its call may start;
+    /// with fewer, also how long to wait and what held the rest back.
+    pub async fn try_acquire(&self, want: usize) -> Result<Acquired, StoreError> {
         // A margin over the running average: a longer prompt than usual must
         // not push the fleet over the limit before settlement corrects it.
         let input = self.prompt_estimate.load(Ordering::Relaxed) * 5 / 4;
@@ -173,21 +194,30 @@ impl Limiter {
         p.need_input = input;
         p.need_output = self.max_tokens;
         p.need_tokens = input + self.max_tokens;
-        let (ids, wait_ms) = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
-        self.stats.grants.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.stats.acquires.fetch_add(1, Ordering::Relaxed);
+        let got = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
+        let n = got.grants.len() as u64;
+        self.stats.grants.fetch_add(n, Ordering::Relaxed);
         self.stats
             .tokens_reserved
-            .fetch_add(ids.len() as u64 * p.need_tokens, Ordering::Relaxed);
-        let grants = ids
+            .fetch_add(n * p.need_tokens, Ordering::Relaxed);
+        let now = tokio::time::Instant::now();
+        let grants = got
+            .grants
             .into_iter()
-            .map(|id| Grant {
+            .map(|(id, delay_ms)| Grant {
                 id,
+                at: now + Duration::from_millis(delay_ms),
                 tokens: p.need_tokens,
                 input,
                 output: self.max_tokens,
             })
             .collect();
-        Ok((grants, Duration::from_millis(wait_ms)))
+        Ok(Acquired {
+            grants,
+            wait: Duration::from_millis(got.wait_ms),
+            bound: got.bound,
+        })
     }
 
     /// Returns an unused grant whole.
@@ -271,6 +301,7 @@ impl Limiter {
     pub async fn report(&self) -> Result<LimiterReport, StoreError> {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Ok(LimiterReport {
+            acquires: load(&self.stats.acquires),
             grants: load(&self.stats.grants),
             tokens_reserved: load(&self.stats.tokens_reserved),
             tokens_returned: load(&self.stats.tokens_returned),

@@ -71,7 +71,7 @@ impl Rescuer {
         if free == 0 {
             return 0;
         }
-        let (mut grants, _) = f.grants(job, free).await;
+        let (mut grants, ..) = f.grants(job, free).await;
         if grants.is_empty() {
             return 0;
         }

@@ -17,6 +17,30 @@ pub struct LimitParams {
     pub need_output: u64,
     pub burst_ms: u64,
     pub lease_ms: u64,
+    /// How far ahead of the buckets a grant may be given (see `limit_acquire.lua`).
+    pub ahead_ms: u64,
+}
+
+/// What one acquire gave: grant ids with how long each waits before its
+/// call (ms), and, when fewer than asked, when to ask again and what held
+/// the rest back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Acquired {
+    pub grants: Vec<(String, u64)>,
+    pub wait_ms: u64,
+    pub bound: Bound,
+}
+
+/// What held back the grants not given.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Bound {
+    /// Nothing: every grant asked for was given.
+    #[default]
+    None,
+    /// The rate buckets or a pause: nothing more before `wait_ms`.
+    Rate,
+    /// The concurrency slots: a settlement that frees one wakes the waiting workers.
+    Concurrency,
 }
 
 /// What settling a grant tells the shared budget.
@@ -75,15 +99,16 @@ impl CallKind {
 }
 
 impl RedisStore {
-    /// Takes up to `want` grants now. Returns their ids and, when fewer were
-    /// granted, how long to wait before asking again.
+    /// Takes up to `want` grants, each given with how long it waits before
+    /// its call (at most `p.ahead_ms`), and, when fewer were granted, when to
+    /// ask again and why.
     pub async fn limit_acquire(
         &self,
         limiter: &str,
         p: &LimitParams,
         want: usize,
         id_prefix: &str,
-    ) -> Result<(Vec<String>, u64), StoreError> {
+    ) -> Result<Acquired, StoreError> {
         let reply: Vec<redis::Value> = self
             .scripts
             .limit_acquire
@@ -101,22 +126,29 @@ impl RedisStore {
             .arg(p.burst_ms)
             .arg(p.lease_ms)
             .arg(id_prefix)
+            .arg(p.ahead_ms)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let int = |v: Option<&redis::Value>| match v {
-            Some(redis::Value::Int(n)) => (*n).max(0) as u64,
+        let int = |v: &redis::Value| match v {
+            redis::Value::Int(n) => (*n).max(0) as u64,
             _ => 0,
         };
-        let wait = int(reply.get(1));
-        let ids = reply
-            .iter()
-            .skip(2)
-            .filter_map(|v| match v {
-                redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-                _ => None,
-            })
-            .collect();
-        Ok((ids, wait))
+        let head: Vec<u64> = reply.iter().take(3).map(int).collect();
+        let granted = head.first().copied().unwrap_or(0) as usize;
+        let ids = reply.iter().skip(3).take(granted).filter_map(|v| match v {
+            redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            _ => None,
+        });
+        let delays = reply.iter().skip(3 + granted).map(int);
+        Ok(Acquired {
+            grants: ids.zip(delays.chain(std::iter::repeat(0))).collect(),
+            wait_ms: head.get(1).copied().unwrap_or(0),
+            bound: match head.get(2) {
+                Some(1) => Bound::Rate,
+                Some(2) => Bound::Concurrency,
+                _ => Bound::None,
+            },
+        })
     }
 
     /// Settles one grant. Returns false when it had already expired.

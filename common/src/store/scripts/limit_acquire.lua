@@ -19,7 +19,8 @@
 --                  bound, ms), wn ws pr (grants since ws, ms; the rate of
 --                  the window before, per minute), cw (since when a
 --                  worker waits for a concurrency slot, ms), sw (when a
---                  freed slot last woke the waiting workers, ms)
+--                  freed slot last woke the waiting workers, ms), qt (when
+--                  the last worker the rate held back was told to come, ms)
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:slots  (member grant id, score minus its
 --          expiry ms: the newest grant goes to the head of a small set, where
 --          inserting it parses no score, and the expired are at the tail)
@@ -30,19 +31,29 @@
 -- ARGV[10] burst window, ms
 -- ARGV[11] slot lease, ms (a slot not settled by then is freed)
 -- ARGV[12] grant id prefix (unique per worker); ids are prefix:seq:reserved_tokens
+-- ARGV[13] how far ahead a grant may be scheduled, ms: a grant the buckets
+--          cannot give yet is given when they will within this time, with
+--          that delay (its holder waits it out before the call); the buckets
+--          then run below zero, and the next grants wait behind it. One
+--          acquire takes a whole stretch of the budget instead of one grant
+--          each time the buckets refill.
 -- Counters in the bucket hash: `reserved` (tokens of every grant) and
 -- `settled` (tokens of grants settled, released or expired); their difference
 -- is what grants in flight hold, and 0 when the fleet is idle.
--- Returns: {granted, wait_ms, id1, id2, ...}; wait_ms says when to ask again when granted < N.
+-- Returns: {granted, wait_ms, bound, id1, ..., idN, delay1, ..., delayN}:
+-- wait_ms says when to ask again when granted < N; bound is 1 when the
+-- rate buckets (or a pause) held back the rest (asking sooner gets nothing),
+-- 2 when the concurrency slots did (a settlement that frees one wakes the
+-- waiting workers), else 0; delay_k is how long grant k waits before its call.
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want = tonumber(ARGV[9])
-local burst, lease = tonumber(ARGV[10]), tonumber(ARGV[11])
-local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws')
+local burst, lease, ahead = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[13])
+local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws', 'qt')
 local pause = tonumber(s[6]) or 0
 if now < pause then
-  return {0, pause - now}
+  return {0, pause - now, 1}
 end
 -- Header limits are trusted for a minute after they were last seen.
 local fresh = (tonumber(s[9]) or 0) > now - 60000
@@ -71,6 +82,46 @@ for k = 1, 4 do
     level[k] = math.min(cap[k], l + (now - at) * limits[k] / 60000)
   end
 end
+-- How long the next grant would wait for the buckets (0: it may go now),
+-- marking in `bound` each bucket that makes it wait.
+local bound = {}
+local function delay_of_next()
+  local d = 0
+  for k = 1, 4 do
+    if limits[k] > 0 then
+      local short = math.min(need[k], cap[k]) - level[k]
+      if short > 0 then
+        bound[k] = true
+        d = math.max(d, math.ceil(short * 60000 / limits[k]))
+      end
+    end
+  end
+  return d
+end
+-- When a worker the rate holds back may come again: once half the window
+-- is free (it then takes a stretch of grants, not one), and half a window
+-- after the last worker told so (`qt`), so the waiting workers come one at
+-- a time instead of all at the same moment: the asks per call stay the
+-- same whatever the number of workers.
+local half = math.floor(ahead / 2)
+local function come_back(d)
+  local at = now + d - ahead + half
+  local q = tonumber(s[14])
+  if q and q + half > at then at = q + half end
+  return at
+end
+-- Nothing to give within the window: said at once, the levels untouched
+-- (they follow from `at`), with the turn to come back.
+local first = delay_of_next()
+if first > ahead then
+  local at = come_back(first)
+  if bound[1] and learned_rate then
+    redis.call('HSET', b, 'qt', at, 'rb', now)
+  else
+    redis.call('HSET', b, 'qt', at)
+  end
+  return {0, at - now, 1}
+end
 -- Expired grants (their worker died): their tokens count as used.
 local expired = redis.call('ZRANGE', inflight, '+inf', -now, 'BYSCORE', 'REV')
 if #expired > 0 then
@@ -88,30 +139,27 @@ if ac and (maxc == 0 or math.floor(ac) < maxc) then
   maxc = math.max(1, math.floor(ac))
   learned_conc = true
 end
-local granted, wait = 0, 0
-local bound = {}
+local granted, wait, why = 0, 0, 0
+local delays = {}
 local in_flight = maxc > 0 and redis.call('ZCARD', inflight) or 0
 while granted < want do
-  local ok = true
-  for k = 1, 4 do
-    if limits[k] > 0 and level[k] < math.min(need[k], cap[k]) then
-      ok = false
-      bound[k] = true
-      wait = math.max(wait, math.ceil((math.min(need[k], cap[k]) - level[k]) * 60000 / limits[k]))
-    end
+  local d = delay_of_next()
+  if d > ahead then
+    wait, why = come_back(d) - now, 1
+    break
   end
-  if ok and maxc > 0 and in_flight + granted >= maxc then
-    ok = false
+  if maxc > 0 and in_flight + granted >= maxc then
     bound[5] = true
     -- A settlement that frees a slot says so (`cw`: someone waits for one),
     -- and the waiting worker is woken then; this is only the longest wait.
-    wait = math.max(wait, 1000)
+    wait, why = 1000, 2
+    break
   end
-  if not ok then break end
   for k = 1, 4 do
     if limits[k] > 0 then level[k] = level[k] - need[k] end
   end
   granted = granted + 1
+  delays[granted] = d
 end
 -- One sequence step and one ZADD for all of them.
 local ids = {}
@@ -128,6 +176,10 @@ if granted > 0 then
   redis.call('HINCRBY', b, 'reserved', granted * need[2])
 end
 local fields = {'at', now}
+if why == 1 then
+  fields[#fields + 1] = 'qt'
+  fields[#fields + 1] = now + wait
+end
 -- A learned limit grows back only while it is what holds the fleet back.
 if bound[1] and learned_rate then
   fields[#fields + 1] = 'rb'
@@ -163,6 +215,7 @@ for k = 1, 4 do
   end
 end
 redis.call('HSET', b, unpack(fields))
-local out = {granted, wait}
+local out = {granted, wait, why}
 for _, id in ipairs(ids) do out[#out + 1] = id end
+for _, d in ipairs(delays) do out[#out + 1] = d end
 return out
