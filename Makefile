@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-sink bench-console bench-batch bench-outage deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-sink bench-console bench-batch bench-outage bench-waiting deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 ## (MODE=batch: the same job through the provider's Batch API, at batch prices)
@@ -43,7 +43,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-tracing bench-sink bench-console bench-batch bench-outage
+bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-tracing bench-sink bench-console bench-batch bench-outage bench-waiting
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -103,6 +103,11 @@ bench-batch: deps
 bench-outage: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-outage.py
+
+## bench-waiting: Redis commands/s per worker of an idle fleet and of one waiting out a provider outage, young and an hour old
+bench-waiting: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-waiting.py
 
 ## bench-sink: rows/s into PostgreSQL vs a raw COPY of the same rows, Redis bytes per queued and finished record
 bench-sink: deps

@@ -977,6 +977,59 @@ async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
     );
 }
 
+/// A long outage is probed less often: each failed probe's wait doubles to
+/// `probe_every_max` while the outage is young, then grows with its age (a
+/// twelfth of it, at most six times the cap), as `OutageRules::probe_wait` says.
+#[tokio::test]
+async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let rules = common::store::OutageRules {
+        min_fails: 1,
+        window: std::time::Duration::ZERO,
+        ..Default::default()
+    };
+    let call = |probe| common::store::FailedCall {
+        took: std::time::Duration::from_millis(5),
+        cause: "http_503",
+        rate_limited: false,
+        message: "down",
+        base_url: "http://127.0.0.1:1/v1",
+        worker: "w",
+        probe,
+    };
+    let mut c = redis.conn();
+    let field = |c: &mut redis::Connection, f: &str| -> u64 {
+        let v: Option<u64> = c.hget(keys::outage(JOB), f).unwrap();
+        v.unwrap_or(0)
+    };
+    store.outage_failed(JOB, &call(false), &rules).await.unwrap();
+    assert_eq!(field(&mut c, "down"), 1);
+    // Young: the third failed probe waits 5 s (2, 4, then the 5 s cap).
+    let mut noted = None;
+    for _ in 0..3 {
+        noted = Some(store.outage_failed(JOB, &call(true), &rules).await.unwrap());
+    }
+    let now = noted.unwrap().now_ms;
+    assert_eq!(field(&mut c, "probe_at") - now, 5_000);
+    // Down for 2 minutes: a twelfth of that (10 s, not the 16 s of the
+    // doubling); for an hour: 30 s (not 32).
+    for (age_s, wait_s) in [(120u64, 10u64), (3600, 30)] {
+        let down_ms = field(&mut c, "down_ms");
+        let _: () = c.hset(keys::outage(JOB), "down_ms", down_ms - age_s * 1000).unwrap();
+        let n = store.outage_failed(JOB, &call(true), &rules).await.unwrap();
+        let (probe_at, down_ms) = (field(&mut c, "probe_at"), field(&mut c, "down_ms"));
+        let age = std::time::Duration::from_millis(n.now_ms - down_ms);
+        let probes = field(&mut c, "probes") as u32;
+        assert_eq!(probe_at - n.now_ms, rules.probe_wait(probes, age).as_millis() as u64);
+        let wait = (probe_at - n.now_ms) / 1000;
+        assert!(
+            wait == wait_s || wait + 1 == wait_s,
+            "{age_s} s down: {wait} s, not {wait_s}"
+        );
+    }
+}
+
 /// A throttled worker takes a stretch of the budget per acquire: grants the
 /// buckets cannot give yet come with the delay until they can (at most the
 /// window ahead), spaced at the limit's pace. The workers held back are told

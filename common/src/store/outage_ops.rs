@@ -20,8 +20,24 @@ pub struct OutageRules {
     /// The same for a streak of 429s only: at its own pace a fleet sees
     /// answers between its 429s; a provider refusing everything does not.
     pub window_429: Duration,
-    /// The longest wait between two probes.
+    /// The longest wait between two probes while the outage is young (see
+    /// [`OutageRules::probe_wait`]).
     pub probe_every_max: Duration,
+}
+
+impl OutageRules {
+    /// How long after the `probes`-th failed probe (1 for the first) the
+    /// next may start, in an outage `age` old: doubling from 1 s up to
+    /// `probe_every_max`, and past it as the outage lasts (a twelfth of its
+    /// age, at most six times `probe_every_max`: 30 s by default, reached
+    /// after 6 minutes). A long outage costs Redis and the provider less,
+    /// and its end is seen at most a twelfth of its length late.
+    /// `outage.lua` applies the same rule.
+    pub fn probe_wait(&self, probes: u32, age: Duration) -> Duration {
+        let max = self.probe_every_max.as_millis() as u64;
+        let cap = (age.as_millis() as u64 / 12).clamp(max, 6 * max);
+        Duration::from_millis((1000u64 << probes.min(20)).min(cap))
+    }
 }
 
 impl Default for OutageRules {
@@ -228,5 +244,26 @@ impl RedisStore {
             outages: num(&h, "outages"),
             last_outage_ms: num(&h, "last_outage_ms"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probes_double_to_the_cap_which_grows_with_the_outage_to_six_times() {
+        let rules = OutageRules::default();
+        let s = |secs| Duration::from_secs(secs);
+        let young = s(10);
+        let waits: Vec<u64> = (1..=5).map(|p| rules.probe_wait(p, young).as_secs()).collect();
+        assert_eq!(waits, [2, 4, 5, 5, 5]);
+        // A twelfth of the outage's age once it is past the cap: 2 min -> 10 s.
+        assert_eq!(rules.probe_wait(9, s(120)), s(10));
+        // At most six times the cap (after 6 minutes), however long it lasts.
+        assert_eq!(rules.probe_wait(9, s(360)), s(30));
+        assert_eq!(rules.probe_wait(30, s(86_400)), s(30));
+        // The doubling still applies first.
+        assert_eq!(rules.probe_wait(1, s(86_400)), s(2));
     }
 }

@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use common::ledger::PaidCall;
 use common::store::{FailedCall, Finish, Finished, Noted, OutageRules, Provider, Reserved, StoreError};
@@ -77,6 +78,7 @@ struct Outage {
     down: bool,
     probes: u32,
     probe_at: u64,
+    down_ms: u64,
     outages: u64,
 }
 
@@ -442,15 +444,15 @@ impl JobQueue for MemoryQueue {
             let answered = noted(Provider::Down);
             if call.probe {
                 o.probes += 1;
-                let wait = (1000u64 << o.probes.min(20)).min(rules.probe_every_max.as_millis() as u64);
-                o.probe_at = now + wait;
+                let age = Duration::from_millis(now.saturating_sub(o.down_ms));
+                o.probe_at = now + rules.probe_wait(o.probes, age).as_millis() as u64;
             }
             return ready(answered);
         }
         let window = if o.rl_only { rules.window_429 } else { rules.window };
         if o.fails >= u64::from(rules.min_fails) && now.saturating_sub(since) >= window.as_millis() as u64 {
             let answered = noted(Provider::DownNow);
-            (o.down, o.probes, o.probe_at) = (true, 0, now + 1000);
+            (o.down, o.probes, o.probe_at, o.down_ms) = (true, 0, now + 1000, now);
             o.outages += 1;
             return ready(answered);
         }

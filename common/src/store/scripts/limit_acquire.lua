@@ -102,12 +102,14 @@ end
 -- is free (it then takes a stretch of grants, not one), and half a window
 -- after the last worker told so (`qt`), so the waiting workers come one at
 -- a time instead of all at the same moment: the asks per call stay the
--- same whatever the number of workers.
+-- same whatever the number of workers. A turn is never more than 8 half
+-- windows past the time the buckets name (turns told to workers that did
+-- not come back must not hold the others off).
 local half = math.floor(ahead / 2)
 local function come_back(d)
   local at = now + d - ahead + half
   local q = tonumber(s[14])
-  if q and q + half > at then at = q + half end
+  if q and q + half > at then at = math.min(q + half, at + 8 * half) end
   return at
 end
 -- Nothing to give within the window: said at once, the levels untouched

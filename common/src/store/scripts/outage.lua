@@ -8,8 +8,9 @@
 -- failures and no call was answered for `window` ms (a longer window for a
 -- streak of 429s only: capacity, not this fleet's pace), the provider is
 -- taken for down: workers send nothing but one probe at a time (leased
--- here), each failed probe waiting longer (doubling from 1 s to a cap), and
--- the first answer ends the outage for everyone. Times are Redis's clock.
+-- here), each failed probe waiting longer (doubling from 1 s to a cap that
+-- grows as the outage lasts: OutageRules::probe_wait), and the first
+-- answer ends the outage for everyone. Times are Redis's clock.
 --
 -- KEYS[1]  the outage hash   bf:{job}:outage
 --          ok_ms (last answer noted), since_ms (start of the earliest failed
@@ -28,7 +29,8 @@
 --          ARGV[7] the worker
 --          ARGV[8] failures in the streak before the provider is down
 --          ARGV[9] ms without an answer before it is (ARGV[10]: 429s only)
---          ARGV[11] the longest wait between probes, ms
+--          ARGV[11] the longest wait between probes while the outage is
+--          young, ms (then a twelfth of its age, at most 6 times this)
 --          ARGV[12] 1 when this call was the probe
 --          Returns {state, since_ms, now, ok_ms}: state 0 up, 1 down from
 --          this failure on, 2 down before it; ok_ms the last answer noted.
@@ -45,7 +47,7 @@ local h = KEYS[1]
 local verb = ARGV[1]
 
 if verb == 'fail' then
-  local v = redis.call('HMGET', h, 'ok_ms', 'since_ms', 'fails', 'rl_only', 'down', 'probes')
+  local v = redis.call('HMGET', h, 'ok_ms', 'since_ms', 'fails', 'rl_only', 'down', 'probes', 'down_ms')
   local ok = tonumber(v[1]) or 0
   local since = tonumber(v[2])
   local fails = tonumber(v[3]) or 0
@@ -66,7 +68,10 @@ if verb == 'fail' then
   if down then
     if ARGV[12] == '1' then
       local probes = (tonumber(v[6]) or 0) + 1
-      local wait = math.min(1000 * math.pow(2, math.min(probes, 20)), tonumber(ARGV[11]))
+      local max = tonumber(ARGV[11])
+      local age = now - (tonumber(v[7]) or now)
+      local cap = math.min(math.max(math.floor(age / 12), max), 6 * max)
+      local wait = math.min(1000 * math.pow(2, math.min(probes, 20)), cap)
       redis.call('HSET', h, 'probes', probes, 'probe_at', now + math.floor(wait))
     end
     return {2, since, now, ok}
