@@ -33,9 +33,9 @@ def admin_fail(addr, spec):
     urllib.request.urlopen(req).read()
 
 
-def enqueue(url, data, spec):
+def enqueue(url, data, spec, *more):
     subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "wait", "--spec", spec,
-                    "--redis", url, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+                    "--redis", url, "--no-progress", *more], check=True, stdout=subprocess.DEVNULL)
 
 
 def outage_field(url, field):
@@ -80,7 +80,7 @@ def main():
             time.sleep(3)
             idle = measure(url, addr, "idle")
             admin_fail(addr, "503:overloaded:the engine is overloaded")
-            enqueue(url, more, spec)
+            enqueue(url, more, spec, "--restart")
             deadline = time.monotonic() + 60
             while outage_field(url, "down") != "1":
                 assert time.monotonic() < deadline, "the provider was not taken for down"

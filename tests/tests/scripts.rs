@@ -34,6 +34,24 @@ fn acquired(a: Acquired) -> (Vec<String>, u64) {
     (a.grants.into_iter().map(|(id, _)| id).collect(), a.wait_ms)
 }
 
+/// Limits of `requests`/min and `max_concurrent` calls, grants of 10 tokens
+/// (5 in, 5 out), a 2 s burst, a minute's lease, nothing given ahead.
+fn limits(requests: u64, max_concurrent: u64) -> LimitParams {
+    LimitParams {
+        requests,
+        tokens: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        max_concurrent,
+        need_tokens: 10,
+        need_input: 5,
+        need_output: 5,
+        burst_ms: 2000,
+        lease_ms: 60_000,
+        ahead_ms: 0,
+    }
+}
+
 fn entry(rid: &str, input: &str) -> TaskEntry {
     TaskEntry {
         partition: 0,
@@ -1042,17 +1060,9 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
     let mut c = redis.conn();
     // 600 requests/min (one every 100 ms), a burst of 1 s (10), 1 s ahead.
     let p = LimitParams {
-        requests: 600,
-        tokens: 0,
-        input_tokens: 0,
-        output_tokens: 0,
-        max_concurrent: 0,
-        need_tokens: 10,
-        need_input: 5,
-        need_output: 5,
         burst_ms: 1000,
-        lease_ms: 60_000,
         ahead_ms: 1000,
+        ..limits(600, 0)
     };
     let a = store.limit_acquire("ahead", &p, 30, "a").await.unwrap();
     let delays: Vec<u64> = a.grants.iter().map(|(_, d)| *d).collect();
@@ -1102,19 +1112,7 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
 async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
-    let p = LimitParams {
-        requests: 0,
-        tokens: 0,
-        input_tokens: 0,
-        output_tokens: 0,
-        max_concurrent: 1,
-        need_tokens: 10,
-        need_input: 5,
-        need_output: 5,
-        burst_ms: 2000,
-        lease_ms: 60_000,
-        ahead_ms: 0,
-    };
+    let p = limits(0, 1);
     let (held, _) = acquired(store.limit_acquire("slot", &p, 1, "a").await.unwrap());
     assert_eq!(held.len(), 1);
     // Settled with nobody waiting: no wake-up.
@@ -1152,17 +1150,8 @@ async fn a_dead_workers_slots_expire_oldest_first_and_their_tokens_count_as_used
     let store = store(&redis).await;
     let mut c = redis.conn();
     let p = |lease_ms| LimitParams {
-        requests: 0,
-        tokens: 0,
-        input_tokens: 0,
-        output_tokens: 0,
-        max_concurrent: 3,
-        need_tokens: 10,
-        need_input: 5,
-        need_output: 5,
-        burst_ms: 2000,
         lease_ms,
-        ahead_ms: 0,
+        ..limits(0, 3)
     };
     // A worker that dies holding two short slots, then one holding a long one.
     let (dead, _) = acquired(store.limit_acquire("exp", &p(300), 2, "dead").await.unwrap());
@@ -1262,17 +1251,8 @@ async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pause
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let p = |requests| LimitParams {
-        requests,
-        tokens: 0,
-        input_tokens: 0,
-        output_tokens: 0,
-        max_concurrent: 0,
-        need_tokens: 10,
-        need_input: 5,
-        need_output: 5,
         burst_ms: 60_000,
-        lease_ms: 60_000,
-        ahead_ms: 0,
+        ..limits(requests, 0)
     };
     let hinted = |ceiling| Settlement {
         tokens_back: 10,
