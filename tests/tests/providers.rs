@@ -619,3 +619,80 @@ fn a_server_that_takes_no_key_is_called_without_one() {
     );
     assert_eq!(status_json(&redis, "far").1["done"], 0);
 }
+
+/// A flex tier without capacity (llm-sim refusing 40% of flex requests in
+/// bursts, as OpenAI's 429 `resource_unavailable` and as Groq's 498) is the
+/// world's: every record is done, none reviewed, none used an attempt for it,
+/// and the fleet's pace is untouched: no refusal counted as a rate limit, no
+/// limit learned, no pause.
+#[test]
+fn flex_refusals_are_waited_out_without_attempts_and_without_slowing_the_fleet() {
+    for refusal in ["openai", "groq"] {
+        let redis = RedisServer::start();
+        let sim = LlmSim::start(&[
+            "--flex-unavailable",
+            "0.4",
+            "--flex-burst",
+            "3",
+            "--flex-refusal",
+            refusal,
+            "--seed",
+            "5",
+        ]);
+        let dir = TempDir::new("flex");
+        // A Batch API line's body, sent whole: the way a request asks for flex.
+        let example = include_str!("../../examples/job.toml");
+        let (head, rest) = example.split_once("[prompt]").unwrap();
+        let provider = &rest[rest.find("[provider]").unwrap()..];
+        let text = format!(
+            "{}[prompt]\nrequest_field = \"body\"\n\n{}",
+            head.replace("id_field = \"message_id\"", "id_field = \"custom_id\""),
+            provider
+                .replace("base_delay_ms = 500", "base_delay_ms = 10")
+                .replace("max_delay_ms = 30000", "max_delay_ms = 50")
+        );
+        let spec = dir.join("flex.toml");
+        std::fs::write(&spec, text).unwrap();
+        let n = 30u64;
+        let lines: Vec<String> = (0..n)
+            .map(|i| {
+                serde_json::json!({"custom_id": format!("f{i}"), "body": {
+                    "messages": [{"role": "user", "content": format!("message {i}: where is my order?")}],
+                    "service_tier": "flex"}})
+                .to_string()
+            })
+            .collect();
+        let data = dir.join("d.jsonl");
+        std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+        enqueue(&redis, &data, "flex", &spec);
+        let (exit, log) =
+            Running::spawn(worker_cmd(&redis, "flex", &sim, &["--drain"])).finish(Duration::from_secs(90));
+        assert!(exit.success(), "{refusal}: {log}");
+        let (_, s) = status_json(&redis, "flex");
+        assert_eq!(
+            (s["done"].as_u64(), s["review"].as_u64()),
+            (Some(n), Some(0)),
+            "{refusal}: {s}"
+        );
+        let tiers = &sim.stats()["by_tier"]["flex"];
+        assert!(tiers["refused"].as_u64().unwrap() >= 5, "{refusal}: {tiers}");
+        let mut c = redis.conn();
+        for p in 0..4 {
+            let results: Vec<String> = redis::cmd("HVALS")
+                .arg(common::keys::results("flex", p))
+                .query(&mut c)
+                .unwrap();
+            for r in results {
+                let r: serde_json::Value = serde_json::from_str(&r).unwrap();
+                assert_eq!(r["attempts"], 1, "{refusal}: a refusal used an attempt: {r}");
+            }
+        }
+        let limiter = &harness::worker_summary(&log).unwrap()["limiters"]["flex"];
+        assert_eq!(limiter["rate_limited"], 0, "{refusal}: {limiter}");
+        let budget = &limiter["budget"];
+        assert!(
+            budget.get("learned_requests_per_minute").is_none() && budget.get("learned_concurrency").is_none(),
+            "{refusal}: a flex refusal taught the fleet a limit: {budget}"
+        );
+    }
+}

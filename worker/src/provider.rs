@@ -417,9 +417,14 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
         .unwrap_or("");
     let should_retry = headers.get("x-should-retry").and_then(|v| v.to_str().ok());
     let s = status.as_u16();
+    // A flex tier without capacity (OpenAI, Azure, Gemini: 429
+    // `resource_unavailable`; Groq: 498) is no rate limit: it must not slow
+    // the fleet's pace nor pause it; it waits and is retried as the world's.
+    let flex_full = s == 498 || (s == 429 && code == "resource_unavailable");
     let mut kind = match s {
         401 | 403 | 300..=399 => ErrorKind::FleetHalt,
         429 if code == "insufficient_quota" || body["error"]["type"] == "insufficient_quota" => ErrorKind::FleetHalt,
+        _ if flex_full => ErrorKind::Transient,
         429 => ErrorKind::RateLimited,
         408 | 409 | 500..=599 => ErrorKind::Transient,
         _ => ErrorKind::Permanent,
@@ -435,6 +440,7 @@ pub fn classify(status: StatusCode, headers: &HeaderMap, text: &str) -> CallResu
         (ErrorKind::FleetHalt, "insufficient_quota") => "insufficient_quota".to_owned(),
         (ErrorKind::FleetHalt, _) if status.is_redirection() => format!("redirect_{s}_refused"),
         (ErrorKind::RateLimited, _) => "rate_limited".to_owned(),
+        (ErrorKind::Transient, _) if flex_full => "flex_unavailable".to_owned(),
         _ => format!("http_{s}"),
     };
     fail(kind, cause)
@@ -582,6 +588,17 @@ mod tests {
         assert_eq!(
             kind_of(429, &HeaderMap::new(), rate),
             (ErrorKind::RateLimited, "rate_limited".into())
+        );
+        // A flex tier without capacity is no rate limit (the fleet's pace
+        // and the learned limits stay): the world's, retried, no attempt.
+        let flex = r#"{"error": {"code": "resource_unavailable", "type": "server_error"}}"#;
+        assert_eq!(
+            kind_of(429, &HeaderMap::new(), flex),
+            (ErrorKind::Transient, "flex_unavailable".into())
+        );
+        assert_eq!(
+            kind_of(498, &HeaderMap::new(), "{}"),
+            (ErrorKind::Transient, "flex_unavailable".into())
         );
     }
 

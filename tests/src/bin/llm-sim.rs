@@ -14,6 +14,8 @@
 mod batch;
 #[path = "llm-sim/outage.rs"]
 mod outage;
+#[path = "llm-sim/tier.rs"]
+mod tier;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -165,6 +167,25 @@ struct Args {
     /// with `token_limit_exceeded`, as OpenAI's do.
     #[arg(long)]
     batch_enqueued_tokens: Option<u64>,
+    /// Share of `service_tier: "flex"` requests refused for want of capacity
+    /// (0 to 1), in bursts of about `--flex-burst`.
+    #[arg(long, default_value_t = 0.0)]
+    flex_unavailable: f64,
+    #[arg(long, default_value_t = 5)]
+    flex_burst: u32,
+    /// How flex is refused: `openai` (429 `resource_unavailable`, as OpenAI,
+    /// Azure and Gemini answer) or `groq` (498).
+    #[arg(long, value_enum, default_value_t = tier::FlexRefusal::Openai)]
+    flex_refusal: tier::FlexRefusal,
+    /// Models with no flex tier (comma-separated): flex requests for them
+    /// answer 400.
+    #[arg(long, value_delimiter = ',')]
+    no_flex_models: Vec<String>,
+    /// A tier's prices, `TIER=INPUT:OUTPUT` in USD per million tokens
+    /// (repeatable; tiers: default, flex, priority): `/stats` counts each
+    /// tier's cost at its own.
+    #[arg(long)]
+    tier_price: Vec<String>,
 }
 
 /// See [`Args::limit_headers`].
@@ -296,6 +317,8 @@ struct Sim {
     api_calls: std::sync::atomic::AtomicU64,
     /// Requests admitted so far, for `--latency-cycle-ms`.
     admitted: std::sync::atomic::AtomicU64,
+    /// Service tiers: flex refusals, each tier's counts and cost.
+    tiers: tier::Tiers,
 }
 
 /// Counts a client's request to the API.
@@ -358,6 +381,15 @@ async fn main() -> anyhow::Result<()> {
     let faults = parse_faults(&args.faults)?;
     let batch_faults = batch::BatchFaults::parse(&args.batch_faults)?;
     let outages = outage::Outages::new(outage::parse_plans(&args.outage).map_err(anyhow::Error::msg)?);
+    let tiers = tier::Tiers::new(&tier::TierArgs {
+        flex_unavailable: args.flex_unavailable,
+        flex_burst: args.flex_burst,
+        refusal: args.flex_refusal,
+        no_flex_models: &args.no_flex_models,
+        prices: &args.tier_price,
+        seed: args.seed,
+    })
+    .map_err(anyhow::Error::msg)?;
     let listener = tokio::net::TcpListener::bind((args.bind, args.port)).await?;
     let addr = listener.local_addr()?;
     let sim = Arc::new(Sim {
@@ -386,6 +418,7 @@ async fn main() -> anyhow::Result<()> {
         outages,
         api_calls: Default::default(),
         admitted: Default::default(),
+        tiers,
         args,
     });
     let app = Router::new()
@@ -563,6 +596,13 @@ async fn answer(sim: &Arc<Sim>, headers: &HeaderMap, body: &str) -> Response {
     if let Some(refused) = refuse_form(sim, &chat) {
         return refused;
     }
+    chat.tier = match tier::requested(&req) {
+        Ok(tier) => tier,
+        Err(refused) => return *refused,
+    };
+    if let Some(refused) = sim.tiers.refuse(chat.tier, req["model"].as_str().unwrap_or("")) {
+        return refused;
+    }
     let limit_headers = match admit(sim, &chat) {
         Admission::Admitted(headers) => headers,
         Admission::RateLimited(refused) => return refused,
@@ -605,6 +645,8 @@ struct ChatRequest<'a> {
     with_feedback: bool,
     /// The Authorization header, for `--echo-auth`.
     authorization: String,
+    /// The service tier that serves it, as the answer names it.
+    tier: &'static str,
 }
 
 impl<'a> ChatRequest<'a> {
@@ -640,6 +682,7 @@ impl<'a> ChatRequest<'a> {
             record_user,
             with_feedback: user.contains("rejected by the validator"),
             authorization: String::new(),
+            tier: "default",
         }
     }
 }
@@ -973,6 +1016,7 @@ fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers
         s.served += 1;
         s.completion_tokens += completion_tokens;
     }
+    sim.tiers.served(chat.tier, prompt_tokens, completion_tokens);
     let cached = if prompt_tokens > 64 { prompt_tokens / 2 } else { 0 };
     let n = sim.answers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let id = format!(
@@ -989,6 +1033,7 @@ fn completion(sim: &Sim, chat: &ChatRequest, fault: Option<Fault>, limit_headers
         "object": "chat.completion",
         "created": 1_796_000_000u64,
         "model": chat.req["model"],
+        "service_tier": chat.tier,
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": content, "refusal": refusal},
@@ -1419,6 +1464,8 @@ async fn stats(State(sim): State<Arc<Sim>>) -> Json<Value> {
     s["api_calls"] = json!(sim.api_calls.load(std::sync::atomic::Ordering::Relaxed));
     // Outages: the one under way, how many started, the requests they refused.
     s["outage"] = sim.outages.stats();
+    // Service tiers: requests, refusals, tokens and cost per tier.
+    s["by_tier"] = sim.tiers.stats();
     let l = sim
         .limits
         .lock()
