@@ -117,11 +117,8 @@ impl Claimer {
         if room == 0 {
             return;
         }
-        let now = tokio::time::Instant::now();
-        if let Some(&at) = self.budget_at.get(&job.name)
-            && at > now
-        {
-            round.limited = sooner(round.limited, at - now);
+        if let Some(wait) = self.budget_wait(&job.name) {
+            round.limited = sooner(round.limited, wait);
             return;
         }
         // While the provider is down: no real work, one probe at a time
@@ -190,6 +187,14 @@ impl Claimer {
         if probing && round.claimed == claimed_before {
             self.probe_unsent(job).await;
         }
+    }
+
+    /// How long until `job`'s rate buckets can give grants again, when they
+    /// said so and that time has not come (asking sooner gets nothing).
+    fn budget_wait(&self, job: &str) -> Option<Duration> {
+        let at = *self.budget_at.get(job)?;
+        at.checked_duration_since(tokio::time::Instant::now())
+            .filter(|wait| !wait.is_zero())
     }
 
     /// While `job`'s provider is down: whether this worker holds the probe's
