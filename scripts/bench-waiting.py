@@ -77,7 +77,7 @@ def main():
             while sum(int(redis_cli(url, "hlen", f"bf:{{wait:p{p}}}:results") or 0) for p in range(4)) < 5:
                 assert time.monotonic() < deadline, "the first records were not done"
                 time.sleep(0.2)
-            time.sleep(3)
+            time.sleep(10)  # the job's last writes (sink, ledger) done: idle as it stays
             idle = measure(url, addr, "idle")
             admin_fail(addr, "503:overloaded:the engine is overloaded")
             enqueue(url, more, spec, "--restart")
