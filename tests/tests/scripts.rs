@@ -1099,6 +1099,14 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
     let delays: Vec<u64> = later.grants.iter().map(|(_, d)| *d).collect();
     assert!((10..=12).contains(&delays.len()), "{delays:?}");
     assert!(delays.iter().all(|&d| d <= 1000), "{delays:?}");
+    // A rate learned from 429s only (no limit told): nothing given ahead.
+    let _: () = c.hset(keys::limit_buckets("learned"), "ar", 600).unwrap();
+    let learned = store
+        .limit_acquire("learned", &LimitParams { requests: 0, ..p }, 30, "d")
+        .await
+        .unwrap();
+    assert_eq!(learned.grants.len(), 10, "{learned:?}");
+    assert!(learned.grants.iter().all(|(_, d)| *d == 0), "{learned:?}");
     // Without a window ahead (0): only what the buckets hold now.
     let now_only = store
         .limit_acquire("ahead-0", &LimitParams { ahead_ms: 0, ..p }, 30, "c")

@@ -69,6 +69,10 @@ local learned_rate = false
 if ar and (limits[1] == 0 or ar < limits[1]) then
   limits[1] = ar
   learned_rate = true
+  -- A rate learned from 429s is probed, not known: grants go out as the
+  -- buckets give them, none ahead (given ahead, they still went out after
+  -- a 429 had cut the rate, and the fleet settled lower).
+  ahead = 0
 end
 local need = {1, tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
 local names = {'r', 't', 'i', 'o'}
