@@ -674,8 +674,14 @@ fn flex_refusals_are_waited_out_without_attempts_and_without_slowing_the_fleet()
             (Some(n), Some(0)),
             "{refusal}: {s}"
         );
-        let tiers = &sim.stats()["by_tier"]["flex"];
-        assert!(tiers["refused"].as_u64().unwrap() >= 5, "{refusal}: {tiers}");
+        // What llm-sim saw: every request asked for flex (none fell back to
+        // another tier), some were refused, and each record was answered once.
+        let by_tier = &sim.stats()["by_tier"];
+        let tiers = &by_tier["flex"];
+        assert!(by_tier.get("default").is_none(), "{refusal}: {by_tier}");
+        let (requests, refused) = (tiers["requests"].as_u64().unwrap(), tiers["refused"].as_u64().unwrap());
+        assert!(refused >= 5, "{refusal}: {tiers}");
+        assert_eq!(requests - refused, n, "{refusal}: {tiers}");
         let mut c = redis.conn();
         for p in 0..4 {
             let results: Vec<String> = redis::cmd("HVALS")
