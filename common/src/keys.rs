@@ -103,6 +103,12 @@ pub fn limit_inflight(limiter: &str) -> String {
     format!("bf:{{rl:{limiter}}}:slots")
 }
 
+/// The job's deadline, Unix ms (see [`crate::route`]): set at its first
+/// enqueue from `job.deadline`, changed by `producer deadline`.
+pub fn deadline(job: &str) -> String {
+    format!("bf:{{{job}}}:deadline")
+}
+
 /// Set while the job is cancelled: workers claim nothing for it.
 pub fn cancel(job: &str) -> String {
     format!("bf:{{{job}}}:cancel")

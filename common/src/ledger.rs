@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::route::Tier;
 use crate::spec::Prices;
 use crate::task::{HistoryItem, Task, Usage};
 
@@ -137,13 +138,18 @@ pub struct PaidCall {
     /// online, in nano-USD (counted with the spend, for the saving; not
     /// kept in the entry).
     pub online_nusd: Option<u64>,
+    /// The route it took: `standard`, `flex` (`provider.tiers`) or `batch`
+    /// (through the Batch API).
+    pub tier: String,
+    /// The model it was sent to.
+    pub model: String,
 }
 
 /// Where a call's spend is counted: its cause, or `no_result`.
 pub const NO_RESULT: &str = "no_result";
 
 impl PaidCall {
-    /// Costs `usage` at `prices`.
+    /// Costs `usage` at `prices` (the standard tier's; see [`PaidCall::on_tier`]).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         task: &Task,
@@ -169,7 +175,28 @@ impl PaidCall {
             cost_nusd: nano_usd(usage.cost(prices)),
             at_ms,
             online_nusd: None,
+            tier: Tier::Standard.name().to_owned(),
+            model: String::new(),
         }
+    }
+
+    /// The model the call was sent to.
+    pub fn to_model(mut self, model: &str) -> PaidCall {
+        self.model = model.to_owned();
+        self
+    }
+
+    /// The same call on `tier`: costed at its prices, what it would have
+    /// cost at `standard` prices kept for the comparison.
+    pub fn on_tier(mut self, tier: Tier, standard: &Prices) -> PaidCall {
+        if tier != Tier::Standard {
+            let prices = standard.of_tier(tier);
+            self.online_nusd = Some(nano_usd(self.usage.cost(standard)));
+            self.cost_nusd = nano_usd(self.usage.cost(&prices));
+            self.prices = price_version(&prices);
+        }
+        self.tier = tier.name().to_owned();
+        self
     }
 
     /// The same call made through the provider's Batch API: costed at
@@ -181,6 +208,7 @@ impl PaidCall {
         self.online_nusd = Some(nano_usd(self.usage.cost(online)));
         self.cost_nusd = nano_usd(self.usage.cost(batch));
         self.prices = price_version(batch);
+        self.tier = "batch".to_owned();
         let mut nonce = hex::encode(sha2::Sha256::digest(line.as_bytes()));
         nonce.truncate(12);
         self.nonce = nonce;
@@ -194,7 +222,8 @@ impl PaidCall {
 
     /// The ledger's value (the key holds the record id, call and nonce):
     /// `[attempt, delivery, worker, cause, fate, prompt, cached, completion,
-    /// estimated, prices, nano-USD, at_ms]`.
+    /// estimated, prices, nano-USD, at_ms, tier, model]` (an entry of a
+    /// version before routes has the first 12).
     pub fn encode(&self) -> String {
         let u = &self.usage;
         serde_json::json!([
@@ -209,7 +238,9 @@ impl PaidCall {
             u8::from(u.estimated),
             self.prices,
             self.cost_nusd,
-            self.at_ms
+            self.at_ms,
+            self.tier,
+            self.model
         ])
         .to_string()
     }
@@ -222,8 +253,8 @@ impl PaidCall {
             return Err(bad("key is not record:call:nonce"));
         };
         let v: Vec<serde_json::Value> = serde_json::from_str(value).map_err(|e| bad(&e.to_string()))?;
-        if v.len() != 12 {
-            return Err(bad("not 12 values"));
+        if v.len() != 12 && v.len() != 14 {
+            return Err(bad("not 12 or 14 values"));
         }
         let n = |i: usize| v[i].as_u64().ok_or_else(|| bad(&format!("value {i} is not a number")));
         let t = |i: usize| v[i].as_str().ok_or_else(|| bad(&format!("value {i} is not text")));
@@ -249,6 +280,8 @@ impl PaidCall {
             cost_nusd: n(10)?,
             at_ms: n(11)?,
             online_nusd: None,
+            tier: if v.len() == 14 { t(12)? } else { Tier::Standard.name() }.to_owned(),
+            model: if v.len() == 14 { t(13)? } else { "" }.to_owned(),
         })
     }
 
@@ -269,6 +302,8 @@ impl PaidCall {
             "cost_usd": self.cost_nusd as f64 / 1e9,
             "cost_nusd": self.cost_nusd,
             "at_ms": self.at_ms,
+            "tier": self.tier,
+            "model": self.model,
         })
         .to_string()
     }
@@ -287,6 +322,13 @@ impl PaidCall {
             prices: String,
             cost_nusd: u64,
             at_ms: u64,
+            #[serde(default = "standard")]
+            tier: String,
+            #[serde(default)]
+            model: String,
+        }
+        fn standard() -> String {
+            Tier::Standard.name().to_owned()
         }
         let l: Line = serde_json::from_str(line).map_err(|e| format!("ledger line: {e}"))?;
         let u = &l.usage;
@@ -302,7 +344,9 @@ impl PaidCall {
             u8::from(u.estimated),
             l.prices,
             l.cost_nusd,
-            l.at_ms
+            l.at_ms,
+            l.tier,
+            l.model
         ]);
         PaidCall::decode(&l.call_key, &encoded.to_string())
     }
@@ -317,7 +361,8 @@ impl PaidCall {
 
     /// What the scripts add to the spend counters, as they parse it:
     /// `bucket prompt cached completion nano-USD estimated`, and for a call
-    /// through the Batch API what it would have cost online (nano-USD).
+    /// not at standard prices its tier (`flex`, `batch`) and what it would
+    /// have cost at them (nano-USD).
     pub fn spend_args(&self) -> String {
         let mut args = format!(
             "{} {} {} {} {} {}",
@@ -329,7 +374,7 @@ impl PaidCall {
             u8::from(self.usage.estimated)
         );
         if let Some(online) = self.online_nusd {
-            args.push_str(&format!(" {online}"));
+            args.push_str(&format!(" {} {online}", self.tier));
         }
         args
     }
@@ -417,6 +462,20 @@ pub struct Spend {
     /// above: what they cost, and what they would have cost online.
     #[serde(skip_serializing_if = "BatchSpend::is_empty")]
     pub batch: BatchSpend,
+    /// The calls on a tier but standard (`flex`; `provider.tiers`): calls,
+    /// cost, and what they would have cost at standard prices (see
+    /// [`Spend::routes`] for every route, batch and standard included).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_tier: BTreeMap<String, TierSpend>,
+}
+
+/// The calls of one route.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TierSpend {
+    pub calls: u64,
+    pub cost_usd: f64,
+    /// The same calls at standard prices.
+    pub standard_cost_usd: f64,
 }
 
 /// The part of a job's spend made through the Batch API.
@@ -440,6 +499,40 @@ impl BatchSpend {
 }
 
 impl Spend {
+    /// Every route's calls: `standard`, and `flex` and `batch` when any
+    /// call took them.
+    pub fn routes(&self) -> BTreeMap<String, TierSpend> {
+        let mut routes = self.by_tier.clone();
+        if !self.batch.is_empty() {
+            routes.insert(
+                "batch".to_owned(),
+                TierSpend {
+                    calls: self.batch.calls,
+                    cost_usd: self.batch.cost_usd,
+                    standard_cost_usd: self.batch.online_cost_usd,
+                },
+            );
+        }
+        let (calls, cost) = routes
+            .values()
+            .fold((0, 0.0), |(n, c), t| (n + t.calls, c + t.cost_usd));
+        let standard_cost = (self.totals.cost_usd - cost).max(0.0);
+        routes.insert(
+            "standard".to_owned(),
+            TierSpend {
+                calls: self.totals.calls.saturating_sub(calls),
+                cost_usd: standard_cost,
+                standard_cost_usd: standard_cost,
+            },
+        );
+        routes
+    }
+
+    /// What every call would have cost at standard prices.
+    pub fn standard_cost_usd(&self) -> f64 {
+        self.routes().values().map(|t| t.standard_cost_usd).sum()
+    }
+
     /// Adds one partition's spend hash (`field -> integer`).
     pub fn add_counters(&mut self, fields: &BTreeMap<String, u64>) {
         let get = |k: &str| fields.get(k).copied().unwrap_or(0);
@@ -457,7 +550,15 @@ impl Spend {
         self.batch.cost_usd += get("batch_nusd") as f64 / 1e9;
         self.batch.online_cost_usd += get("batch_online_nusd") as f64 / 1e9;
         for (k, v) in fields {
-            if let Some(bucket) = k.strip_prefix("calls:") {
+            if let Some((what, tier)) = k.split_once('@') {
+                let part = self.by_tier.entry(tier.to_owned()).or_default();
+                match what {
+                    "calls" => part.calls += v,
+                    "nusd" => part.cost_usd += *v as f64 / 1e9,
+                    "std" => part.standard_cost_usd += *v as f64 / 1e9,
+                    _ => {}
+                }
+            } else if let Some(bucket) = k.strip_prefix("calls:") {
                 self.by_bucket.entry(bucket.to_owned()).or_default().calls += v;
             } else if let Some(bucket) = k.strip_prefix("nusd:") {
                 self.by_bucket.entry(bucket.to_owned()).or_default().cost_usd += *v as f64 / 1e9;

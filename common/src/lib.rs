@@ -5,6 +5,7 @@
 //!   system prompt with its field list.
 //! - [`template`]: strict `{{field}}` rendering.
 //! - [`record`]: a dataset line as a typed record; `record_id`; partitioning.
+//! - [`route`]: price tiers (flex, standard), deadlines, and the planner's share rule.
 //! - [`task`]: a record's lifecycle as types (task, state, attempt, usage,
 //!   result, review entry), each with one encoding.
 //! - [`keys`]: every Redis key, stream, group and consumer name.
@@ -38,6 +39,7 @@ pub mod log;
 pub mod manifest;
 pub mod otel;
 pub mod record;
+pub mod route;
 pub mod rules;
 pub mod secret;
 pub mod shard;

@@ -304,6 +304,11 @@ pub struct JobSection {
     /// A dataset line longer than this many bytes is dropped as `too_large`.
     #[serde(default = "default_max_record_bytes")]
     pub max_record_bytes: usize,
+    /// When the job must be done: a duration from its first enqueue (`6h`,
+    /// `1h30m`, `2d`) or an instant (`2026-12-07T18:00:00Z`). With flex
+    /// among `provider.tiers`, the planner moves calls to standard as it nears.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -513,6 +518,11 @@ pub struct Provider {
     /// Batch API (see `[batch]`).
     #[serde(default, skip_serializing_if = "is_online")]
     pub mode: ProviderMode,
+    /// The price tiers calls may take (`"flex"`, `"standard"`); empty: the
+    /// provider's default, and no `service_tier` is sent. With both, the
+    /// planner sends what the deadline allows on flex (see [`crate::route`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tiers: Vec<String>,
 }
 
 fn is_online(m: &ProviderMode) -> bool {
@@ -520,6 +530,25 @@ fn is_online(m: &ProviderMode) -> bool {
 }
 
 impl Provider {
+    /// The tiers the job's calls may take (standard alone when none are named).
+    pub fn tiers(&self) -> Vec<crate::route::Tier> {
+        let named: Vec<_> = self
+            .tiers
+            .iter()
+            .filter_map(|t| crate::route::Tier::from_name(t))
+            .collect();
+        if named.is_empty() {
+            vec![crate::route::Tier::Standard]
+        } else {
+            named
+        }
+    }
+
+    /// Whether calls name a `service_tier` (the job lists its tiers).
+    pub fn routed(&self) -> bool {
+        !self.tiers.is_empty()
+    }
+
     /// How long a timed-out call keeps its concurrency slot.
     pub fn timeout_grace(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.timeout_grace_secs.unwrap_or(self.timeout_secs))
@@ -695,6 +724,13 @@ pub struct Prices {
     pub batch_cached_input_per_mtok: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_output_per_mtok: Option<f64>,
+    /// On the flex tier (`provider.tiers`); each defaults to its batch price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flex_input_per_mtok: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flex_cached_input_per_mtok: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flex_output_per_mtok: Option<f64>,
 }
 
 impl Prices {
@@ -706,6 +742,25 @@ impl Prices {
             cached_input_per_mtok: Some(self.batch_cached_input_per_mtok.unwrap_or(cached / 2.0)),
             output_per_mtok: self.batch_output_per_mtok.unwrap_or(self.output_per_mtok / 2.0),
             ..Prices::default()
+        }
+    }
+
+    /// The prices of a call on the flex tier, as a price list of its own.
+    pub fn flex(&self) -> Prices {
+        let batch = self.batch();
+        Prices {
+            input_per_mtok: self.flex_input_per_mtok.unwrap_or(batch.input_per_mtok),
+            cached_input_per_mtok: self.flex_cached_input_per_mtok.or(batch.cached_input_per_mtok),
+            output_per_mtok: self.flex_output_per_mtok.unwrap_or(batch.output_per_mtok),
+            ..Prices::default()
+        }
+    }
+
+    /// The prices of a call on `tier`.
+    pub fn of_tier(&self, tier: crate::route::Tier) -> Prices {
+        match tier {
+            crate::route::Tier::Flex => self.flex(),
+            crate::route::Tier::Standard => self.clone(),
         }
     }
 
@@ -1260,6 +1315,37 @@ impl JobSpec {
         if !(0.0..=2.0).contains(&pr.temperature) {
             p.add("provider.temperature", "must be between 0 and 2");
         }
+        self.route_problems(p);
+    }
+
+    fn route_problems(&self, p: &mut Problems) {
+        let pr = &self.provider;
+        for (i, t) in pr.tiers.iter().enumerate() {
+            if t == "batch" {
+                p.add(
+                    "provider.tiers",
+                    "\"batch\" is not a per-record tier yet: run the whole job through the Batch API with provider.mode = \"batch\"",
+                );
+            } else if crate::route::Tier::from_name(t).is_none() {
+                p.add(
+                    "provider.tiers",
+                    format!("`{t}` is no tier: list \"flex\" and/or \"standard\""),
+                );
+            } else if pr.tiers[..i].contains(t) {
+                p.add("provider.tiers", format!("`{t}` is listed twice"));
+            }
+        }
+        if pr.routed() && pr.mode == ProviderMode::Batch {
+            p.add(
+                "provider.tiers",
+                "a job through the Batch API takes no online tiers: remove provider.tiers or provider.mode = \"batch\"",
+            );
+        }
+        if let Some(d) = &self.job.deadline
+            && let Err(why) = crate::route::parse_deadline(d, 0)
+        {
+            p.add("job.deadline", why);
+        }
     }
 
     fn limit_problems(&self, p: &mut Problems) {
@@ -1388,6 +1474,9 @@ impl JobSpec {
             ("prices.batch_input_per_mtok", pr.batch_input_per_mtok),
             ("prices.batch_cached_input_per_mtok", pr.batch_cached_input_per_mtok),
             ("prices.batch_output_per_mtok", pr.batch_output_per_mtok),
+            ("prices.flex_input_per_mtok", pr.flex_input_per_mtok),
+            ("prices.flex_cached_input_per_mtok", pr.flex_cached_input_per_mtok),
+            ("prices.flex_output_per_mtok", pr.flex_output_per_mtok),
         ] {
             if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
                 p.add(key, "must be a non-negative number");

@@ -29,6 +29,9 @@ pub struct JobStats {
     pub attempts: BTreeMap<u64, u64>,
     /// Unix minute -> what happened in it.
     pub timeline: BTreeMap<u64, Minute>,
+    /// Tier (`flex`, `standard`) -> records committed through it (a job
+    /// that names `provider.tiers`).
+    pub routes: BTreeMap<String, u64>,
 }
 
 impl JobStats {
@@ -40,6 +43,8 @@ impl JobStats {
                 *self.errors.entry(name.to_owned()).or_default() += n;
             } else if let Some(name) = field.strip_prefix("r:") {
                 *self.retries.entry(name.to_owned()).or_default() += n;
+            } else if let Some(name) = field.strip_prefix("rt:") {
+                *self.routes.entry(name.to_owned()).or_default() += n;
             } else if let Some(a) = field.strip_prefix("a:").and_then(|a| a.parse().ok()) {
                 *self.attempts.entry(a).or_default() += n;
             } else if let Some((minute, what)) = field.strip_prefix('t').and_then(|t| t.split_once(':'))

@@ -268,6 +268,9 @@ pub struct Attempt {
     /// Batch mode: the provider batch that answered it (priced at batch prices).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<String>,
+    /// The tier it was sent on, when the job names tiers (`flex`, `standard`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
     /// The audit trail: what was sent, to whom, and what came back.
     #[serde(default, skip_serializing_if = "Trail::is_empty")]
     pub trail: Trail,
@@ -1086,6 +1089,7 @@ mod tests {
             error: None,
             feedback: None,
             batch: None,
+            tier: None,
             trail: Trail {
                 request_sha256: "ab".repeat(32),
                 model: "m".into(),

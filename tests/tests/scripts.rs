@@ -335,6 +335,7 @@ fn review_of(d: &Delivery, reason: &str) -> ReviewEntry {
         error: None,
         feedback: None,
         batch: None,
+        tier: None,
         trail: Default::default(),
         check: None,
     })];

@@ -762,7 +762,8 @@ impl Batcher {
             prices,
             now_ms(),
         )
-        .batched(&prices.batch(), prices, name);
+        .batched(&prices.batch(), prices, name)
+        .to_model(&job.spec.provider.model);
         call.fate = Fate::Duplicate;
         call
     }

@@ -244,6 +244,7 @@ async fn call<'a>(
         response_format,
         record: &d.task.rid,
         worker: &limits.worker,
+        service_tier: None,
     });
     let calls = d.task.calls + 1;
     let estimate = Usage::estimate(
@@ -265,7 +266,8 @@ async fn call<'a>(
             usage,
             prices,
             at,
-        );
+        )
+        .to_model(checker.model());
         call.cause = Cause::Check;
         call
     };
@@ -352,6 +354,7 @@ fn told(
         error: reply.error.as_ref().and_then(|e| e.message.clone()),
         feedback: None,
         batch: None,
+        tier: None,
         trail: call.trail.clone(),
         check: verdict,
     }

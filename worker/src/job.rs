@@ -49,6 +49,8 @@ pub struct JobCtx {
     pub checker: Option<crate::provider::Provider>,
     /// This worker's watch over the job's failure rates (see [`crate::drift`]).
     pub drift: std::sync::Mutex<crate::drift::DriftWatch>,
+    /// Which tier each call takes (`provider.tiers`; see [`crate::plan`]).
+    pub plan: crate::plan::Planner,
 }
 
 impl JobCtx {
@@ -76,6 +78,7 @@ impl JobCtx {
             raw_down_until: std::sync::atomic::AtomicU64::new(0),
             checker: None,
             drift: std::sync::Mutex::new(crate::drift::DriftWatch::new(spec.drift.clone())),
+            plan: crate::plan::Planner::new(&spec),
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
             budget: spec

@@ -18,6 +18,7 @@
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`outage`]: a provider failing every call: one probe at a time, a halt past the budget.
+//! - [`plan`]: a job with tiers: which tier (flex, standard) each call takes before its deadline.
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client (HTTP, request forms, classification).
 //! - [`judge`]: what an answer comes to for the record ([`judge::Reply`]: validated).
@@ -46,6 +47,7 @@ pub mod job;
 pub mod judge;
 pub mod limiter;
 pub mod outage;
+pub mod plan;
 pub mod process;
 pub mod promote;
 pub mod provider;

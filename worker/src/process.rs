@@ -6,6 +6,7 @@
 use common::decision::{Decision, Outcome, Standing, decide};
 use common::ledger::{Fate, PaidCall};
 use common::otel::{Span, SpanKind};
+use common::route::Tier;
 use common::store::{Finish, StoreError};
 use common::task::{
     Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task, Trail,
@@ -94,6 +95,8 @@ pub struct Prepared {
     estimate: Usage,
     /// At most what the call can use: its messages and `max_tokens`.
     pub at_most: Usage,
+    /// The tier it asks for (None: the job names none: standard).
+    pub tier: Option<Tier>,
 }
 
 impl Prepared {
@@ -136,6 +139,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         Some(f) => format!("{rendered}\n\n{f}"),
     };
     let (form, response_format) = job.forms.current();
+    let tier = job.plan.tier_for(&d.task);
     let in_round = (before.attempts + 1).saturating_sub(d.task.base);
     let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
     let request = Request {
@@ -147,6 +151,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         response_format,
         record: &d.task.rid,
         worker: &limits.worker,
+        service_tier: tier.map(Tier::service_tier),
     };
     let body = job.provider.body(&request);
     let estimate = Usage::estimate(
@@ -169,6 +174,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         body,
         estimate,
         at_most,
+        tier,
     })
 }
 
@@ -189,7 +195,15 @@ fn prepare_passthrough(
     } else {
         job.forms.current()
     };
-    let (body, max_tokens, formatted) = match job.provider.passthrough_body(request, field, retry, response_format) {
+    // A request that names its tier keeps it; otherwise the plan's.
+    let named = request.and_then(|r| r.get("service_tier")).and_then(serde_json::Value::as_str);
+    let planned = job.plan.tier_for(&d.task);
+    let tier = match named {
+        Some(t) => Some(if t == "flex" { Tier::Flex } else { Tier::Standard }),
+        None => planned,
+    };
+    let service_tier = planned.map(Tier::service_tier);
+    let (body, max_tokens, formatted) = match job.provider.passthrough_body(request, field, retry, response_format, service_tier) {
         Ok(made) => made,
         Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
     };
@@ -214,6 +228,7 @@ fn prepare_passthrough(
         body,
         estimate,
         at_most,
+        tier,
     })
 }
 
@@ -287,7 +302,7 @@ async fn run_attempt(
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate);
+    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate, prep.tier);
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
@@ -331,8 +346,15 @@ pub struct BatchAnswer {
     pub batch_files: Vec<String>,
 }
 
-/// The paid call an attempt makes, at online prices.
-pub(crate) fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u32, usage: Usage) -> PaidCall {
+/// The paid call an attempt makes, at online prices (its tier's).
+pub(crate) fn paid_call(
+    job: &JobCtx,
+    d: &Delivery,
+    limits: &Limits,
+    attempt: u32,
+    usage: Usage,
+    tier: Option<Tier>,
+) -> PaidCall {
     PaidCall::new(
         &d.task,
         attempt,
@@ -343,6 +365,8 @@ pub(crate) fn paid_call(job: &JobCtx, d: &Delivery, limits: &Limits, attempt: u3
         &job.spec.prices,
         now_ms(),
     )
+    .on_tier(tier.unwrap_or(Tier::Standard), &job.spec.prices)
+    .to_model(&job.spec.provider.model)
 }
 
 /// Settles one line of a provider batch's output or error file, answering
@@ -428,12 +452,12 @@ async fn conclude(
         // or answered without saying what it used.
         reply.usage = Some(prep.estimate);
     }
-    let (waiting, line) = settle_via(job, &reply, via).await;
+    let (waiting, line) = settle_via(job, &reply, via, prep.tier).await;
 
     // An online call tells the fleet whether the provider answers (an
     // outage that outlasted the job's budget halts it).
     let (failing_since, answered_ms) = match elapsed {
-        Some(took) => note_provider(job, d, limits, &mut reply, took).await,
+        Some(took) => note_provider(job, d, limits, &mut reply, took, prep.tier).await,
         // A batch's line: the provider answered the batch.
         None => (failing_since(d, &reply.outcome, std::time::Duration::ZERO), now_ms()),
     };
@@ -442,7 +466,7 @@ async fn conclude(
     let counts_as_attempt = reply.outcome.is_attempt();
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
-    let paid = paid_of(job, d, limits, attempt, &reply, line.as_deref(), waiting.as_ref());
+    let paid = paid_of(job, d, limits, (attempt, prep.tier), &reply, line.as_deref(), waiting.as_ref());
     let calls = d.task.calls + 1;
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
@@ -502,13 +526,13 @@ fn paid_of(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
-    attempt: u32,
+    (attempt, tier): (u32, Option<Tier>),
     reply: &Reply,
     line: Option<&str>,
     waiting: Option<&CallInFlight<'_>>,
 ) -> Option<PaidCall> {
     let call = reply.usage.map(|u| {
-        let call = paid_call(job, d, limits, attempt, u);
+        let call = paid_call(job, d, limits, attempt, u, tier);
         match line {
             Some(line) => call.batched(&job.spec.prices.batch(), &job.spec.prices, line),
             None => call,
@@ -524,10 +548,16 @@ fn paid_of(
 /// estimated call keeps its whole reservation: it may have cost that).
 /// Returns the call's place among the calls in flight, or the batch line
 /// that answered it.
-async fn settle_via<'a>(job: &JobCtx, reply: &Reply, via: Via<'a>) -> (Option<CallInFlight<'a>>, Option<String>) {
+async fn settle_via<'a>(
+    job: &JobCtx,
+    reply: &Reply,
+    via: Via<'a>,
+    tier: Option<Tier>,
+) -> (Option<CallInFlight<'a>>, Option<String>) {
     match via {
         Via::Online { waiting, reservation } => {
-            crate::attempt::settle_reservation(job, reservation, reply.usage, &job.spec.prices).await;
+            let prices = job.spec.prices.of_tier(tier.unwrap_or(Tier::Standard));
+            crate::attempt::settle_reservation(job, reservation, reply.usage, &prices).await;
             (Some(waiting), None)
         }
         Via::Batch { line } => (None, Some(line)),
@@ -604,6 +634,7 @@ impl AttemptRecord<'_> {
             error: reply.error.as_ref().and_then(|e| e.message.clone()),
             feedback: prep.sent_feedback.clone(),
             batch: self.batch_line.and_then(|l| l.split(':').next()).map(str::to_owned),
+            tier: prep.tier.map(|t| t.name().to_owned()),
             trail: self.trail.clone(),
             check: None,
         }
@@ -623,8 +654,15 @@ async fn note_provider(
     limits: &Limits,
     reply: &mut Reply,
     took: std::time::Duration,
+    tier: Option<Tier>,
 ) -> (u64, u64) {
-    let failed = reply.outcome.is_world_failure();
+    // A flex refusal is the provider's answer (it is up, its cheap tier is
+    // busy): the plan learns from it; the outage streak does not.
+    let flex_refused = reply.error.as_ref().is_some_and(|e| e.cause == crate::plan::FLEX_REFUSED);
+    if tier == Some(Tier::Flex) {
+        job.plan.saw_flex(flex_refused);
+    }
+    let failed = reply.outcome.is_world_failure() && !flex_refused;
     let noted = match (&reply.error, failed) {
         (Some(err), true) => {
             let noted = job

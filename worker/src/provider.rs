@@ -85,6 +85,9 @@ struct Body<'a> {
     temperature: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_format: Option<&'a Value>,
+    /// The tier (`provider.tiers`): last, and only when the job names tiers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service_tier: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -110,6 +113,8 @@ pub struct Request<'a> {
     /// delivery sent each request).
     pub record: &'a str,
     pub worker: &'a str,
+    /// The `service_tier` asked for (None: none named, the provider's default).
+    pub service_tier: Option<&'static str>,
 }
 
 /// A client for one job's provider settings.
@@ -204,6 +209,7 @@ impl Provider {
             max_tokens: self.max_tokens,
             temperature: req.temperature.unwrap_or(self.temperature),
             response_format: req.response_format,
+            service_tier: req.service_tier,
         };
         serde_json::value::to_raw_value(&body).expect("a request body of strings and numbers serializes")
     }
@@ -213,15 +219,16 @@ impl Provider {
     /// names none, `stream` off, and after an invalid answer that answer
     /// (as the assistant) and the validator's feedback appended to its
     /// messages; `response_format` (the job's structured output) where it
-    /// sets none. Returns the body, the completion tokens it allows and
-    /// whether `response_format` went in; an error names what the record's
-    /// request lacks.
+    /// sets none; `service_tier` (the plan's) where it names none. Returns
+    /// the body, the completion tokens it allows and whether
+    /// `response_format` went in; an error names what the record's request lacks.
     pub fn passthrough_body(
         &self,
         request: Option<&Value>,
         field: &str,
         retry: Option<(&str, &str)>,
         response_format: Option<&Value>,
+        service_tier: Option<&str>,
     ) -> Result<(Box<RawValue>, u64, bool), String> {
         let Some(Value::Object(request)) = request else {
             return Err(format!("request_missing:{field}"));
@@ -251,6 +258,9 @@ impl Provider {
         if let (Some((previous, feedback)), Some(Value::Array(messages))) = (retry, body.get_mut("messages")) {
             messages.push(serde_json::json!({"role": "assistant", "content": previous}));
             messages.push(serde_json::json!({"role": "user", "content": feedback}));
+        }
+        if let Some(tier) = service_tier {
+            body.entry("service_tier").or_insert_with(|| Value::from(tier));
         }
         let formatted = match response_format {
             Some(rf) if !body.contains_key("response_format") => {
@@ -565,6 +575,7 @@ mod tests {
                         response_format: rf,
                         record: "r1",
                         worker: "w1",
+                        service_tier: None,
                     };
                     let body = p.body(&req);
                     assert_eq!(body.get(), body_as_value(&p, &req));
@@ -731,7 +742,7 @@ mod tests {
         let p = Provider::new(&spec, Some("http://127.0.0.1:9/v1"), "sk-test".into()).unwrap();
         let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x"}});
         let plain = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
-        let (body, max_tokens, formatted) = p.passthrough_body(Some(&plain), "body", None, Some(&schema)).unwrap();
+        let (body, max_tokens, formatted) = p.passthrough_body(Some(&plain), "body", None, Some(&schema), None).unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(formatted);
         assert_eq!(sent["response_format"], schema);
@@ -744,7 +755,7 @@ mod tests {
         own["response_format"] = serde_json::json!({"type": "json_object"});
         own["max_tokens"] = 7.into();
         let retry = Some(("{\"a\":1}", "fix: sentiment is required"));
-        let (body, max_tokens, formatted) = p.passthrough_body(Some(&own), "body", retry, Some(&schema)).unwrap();
+        let (body, max_tokens, formatted) = p.passthrough_body(Some(&own), "body", retry, Some(&schema), None).unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(!formatted, "the request's own format is kept");
         assert_eq!(sent["response_format"]["type"], "json_object");
@@ -752,7 +763,7 @@ mod tests {
         assert_eq!(sent["messages"].as_array().unwrap().len(), 3, "{sent}");
         assert_eq!(sent["messages"][2]["content"], "fix: sentiment is required");
         let none = serde_json::json!({"messages": []});
-        let refused = p.passthrough_body(Some(&none), "body", None, None).unwrap_err();
+        let refused = p.passthrough_body(Some(&none), "body", None, None, None).unwrap_err();
         assert_eq!(refused, "request_without_messages:body");
     }
 }

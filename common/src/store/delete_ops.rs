@@ -118,6 +118,7 @@ pub fn job_keys(job: &str) -> Vec<String> {
         keys::halt(job),
         keys::resumed(job),
         keys::cancel(job),
+        keys::deadline(job),
         keys::batch_failures(job),
         keys::batch_tokens(job),
         keys::budget(job),

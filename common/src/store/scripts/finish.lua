@@ -51,8 +51,10 @@
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
 --   adds to the spend (`bucket prompt cached completion nano-USD estimated`,
---   then for a call through the Batch API its online cost in nano-USD:
---   `batch_calls`, `batch_nusd`, `batch_online_nusd`),
+--   then for a call not at standard prices its tier and its cost at them
+--   in nano-USD: through the Batch API (`batch`, or no name) `batch_calls`,
+--   `batch_nusd`, `batch_online_nusd`; another tier (`flex`) `calls@flex`,
+--   `nusd@flex`, `std@flex`),
 --   the stats fields its outcome adds 1 to when it moves the record
 --   (newline-separated; passed through unread).
 -- A paid call is recorded whatever happens to the outcome (stale, repeated,
@@ -83,7 +85,7 @@ local function paid(i)
   if has_sink then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
-  local bucket, p, k, c, n, e, o = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%d*)$')
+  local bucket, p, k, c, n, e, tier, o = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%a*) ?(%d*)$')
   add('calls', 1)
   add('prompt', tonumber(p))
   add('cached', tonumber(k))
@@ -96,10 +98,14 @@ local function paid(i)
     add('est_nusd', tonumber(n))
     add('est_tokens', tonumber(p) + tonumber(c))
   end
-  if o ~= '' then
+  if o ~= '' and (tier == '' or tier == 'batch') then
     add('batch_calls', 1)
     add('batch_nusd', tonumber(n))
     add('batch_online_nusd', tonumber(o))
+  elseif o ~= '' then
+    add('calls@' .. tier, 1)
+    add('nusd@' .. tier, tonumber(n))
+    add('std@' .. tier, tonumber(o))
   end
   count(per_minute.c, 1)
   count(per_minute.u, tonumber(n))

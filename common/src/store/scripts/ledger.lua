@@ -30,7 +30,7 @@ for i = 1, #ARGV, 3 do
     if has_sink then
       redis.call('XADD', KEYS[3], '*', 'rid', string.match(ARGV[i], '^(.*):[^:]*:[^:]*$') or '', 'k', 'l', 'c', ARGV[i])
     end
-    local bucket, p, k, c, usd, e, o = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%d*)$')
+    local bucket, p, k, c, usd, e, tier, o = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%a*) ?(%d*)$')
     add('calls', 1)
     add('prompt', tonumber(p))
     add('cached', tonumber(k))
@@ -43,10 +43,14 @@ for i = 1, #ARGV, 3 do
       add('est_nusd', tonumber(usd))
       add('est_tokens', tonumber(p) + tonumber(c))
     end
-    if o ~= '' then
+    if o ~= '' and (tier == '' or tier == 'batch') then
       add('batch_calls', 1)
       add('batch_nusd', tonumber(usd))
       add('batch_online_nusd', tonumber(o))
+    elseif o ~= '' then
+      add('calls@' .. tier, 1)
+      add('nusd@' .. tier, tonumber(usd))
+      add('std@' .. tier, tonumber(o))
     end
     n = n + 1
   end

@@ -1,0 +1,249 @@
+//! The planner of a job with tiers (`provider.tiers`): which tier each call
+//! takes. Every worker plans for itself from the same fleet-wide figures
+//! (the deadline, the records left, the records settled per second, read
+//! every [`PERIOD`] by [`PlanService`]) and what its own flex calls saw (the
+//! share the provider took); the rule is [`common::route::standard_share`].
+//!
+//! A record flex refused goes standard when the plan sends any share there
+//! (the deadline needs the speed); otherwise it waits, like any refusal of
+//! the world's, and tries flex again.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::route::{PlanFacts, Tier, standard_share};
+use common::spec::JobSpec;
+use common::store::PlanCounts;
+use common::task::{HistoryItem, Task};
+
+use crate::clock::now_ms;
+use crate::fleet::Fleet;
+use crate::job::JobCtx;
+use crate::service::Service;
+
+/// How often the fleet's figures are read.
+pub const PERIOD: Duration = Duration::from_secs(2);
+
+/// The settled counts kept to measure the rate, and the least time they span.
+const RATE_WINDOW_MS: u64 = 60_000;
+const RATE_MIN_SPAN_MS: u64 = 6_000;
+
+/// How much of the flex acceptance's estimate each new call moves.
+const ACCEPTANCE_WEIGHT: f64 = 0.02;
+
+/// The cause of a flex refusal (see `crate::provider::classify`).
+pub const FLEX_REFUSED: &str = "flex_unavailable";
+
+/// One job's plan, as this worker holds it.
+pub struct Planner {
+    /// The tiers the job may take; None: not routed (the provider's
+    /// default, no `service_tier` sent).
+    tiers: Option<Vec<Tier>>,
+    /// The share of calls sent standard, as f64 bits.
+    share: AtomicU64,
+    /// The share of flex calls the provider took (f64 bits; starts at 1).
+    acceptance: AtomicU64,
+    /// (Unix ms, records settled), oldest first.
+    settled: Mutex<VecDeque<(u64, u64)>>,
+    /// The last figures read (for `status`-like logs and the tests).
+    last: Mutex<Option<PlanFacts>>,
+}
+
+impl Planner {
+    pub fn new(spec: &JobSpec) -> Planner {
+        Planner {
+            tiers: spec.provider.routed().then(|| spec.provider.tiers()),
+            share: AtomicU64::new(0f64.to_bits()),
+            acceptance: AtomicU64::new(1f64.to_bits()),
+            settled: Mutex::new(VecDeque::new()),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Whether the job names tiers.
+    pub fn routed(&self) -> bool {
+        self.tiers.is_some()
+    }
+
+    /// The share of calls sent standard now.
+    pub fn share(&self) -> f64 {
+        f64::from_bits(self.share.load(Ordering::Relaxed))
+    }
+
+    /// The share of flex calls the provider took lately.
+    pub fn acceptance(&self) -> f64 {
+        f64::from_bits(self.acceptance.load(Ordering::Relaxed))
+    }
+
+    /// The tier of `task`'s next call (None: the job is not routed).
+    pub fn tier_for(&self, task: &Task) -> Option<Tier> {
+        let tiers = self.tiers.as_ref()?;
+        let [only] = tiers.as_slice() else {
+            let share = self.share();
+            if share <= 0.0 {
+                return Some(Tier::Flex);
+            }
+            let refused = last_outcome(task) == Some(FLEX_REFUSED);
+            let standard = refused || rand::random::<f64>() < share;
+            return Some(if standard { Tier::Standard } else { Tier::Flex });
+        };
+        Some(*only)
+    }
+
+    /// What a flex call came to: refused or not.
+    pub fn saw_flex(&self, refused: bool) {
+        let seen = if refused { 0.0 } else { 1.0 };
+        let a = self.acceptance();
+        let next = a + ACCEPTANCE_WEIGHT * (seen - a);
+        self.acceptance.store(next.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Re-plans from the fleet's counts read at `now_ms`; returns the facts
+    /// it planned with.
+    pub fn replan(&self, counts: PlanCounts, now_ms: u64) -> PlanFacts {
+        let rate = {
+            let mut seen = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+            seen.push_back((now_ms, counts.settled));
+            while seen.front().is_some_and(|(at, _)| now_ms - at > RATE_WINDOW_MS) {
+                seen.pop_front();
+            }
+            let (from_ms, from) = *seen.front().expect("one was just pushed");
+            let span = now_ms - from_ms;
+            (span >= RATE_MIN_SPAN_MS).then(|| counts.settled.saturating_sub(from) as f64 * 1000.0 / span as f64)
+        };
+        let facts = PlanFacts {
+            now_ms,
+            deadline_ms: counts.deadline_ms,
+            remaining: counts.remaining(),
+            rate,
+            flex_acceptance: self.acceptance(),
+            standard_share: self.share(),
+        };
+        self.share.store(standard_share(&facts).to_bits(), Ordering::Relaxed);
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(facts);
+        facts
+    }
+}
+
+/// The cause of the record's last call (its last attempt's outcome).
+fn last_outcome(task: &Task) -> Option<&str> {
+    task.history
+        .iter()
+        .rev()
+        .find_map(HistoryItem::as_attempt)
+        .map(|a| a.outcome.as_str())
+}
+
+/// Re-plans one routed job every [`PERIOD`] from the fleet's counts.
+pub struct PlanService {
+    fleet: Arc<Fleet>,
+    job: Arc<JobCtx>,
+}
+
+impl PlanService {
+    /// None: the job names no tiers to choose between.
+    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Option<PlanService> {
+        job.plan.routed().then(|| PlanService {
+            fleet: fleet.clone(),
+            job: job.clone(),
+        })
+    }
+}
+
+impl Service for PlanService {
+    fn name(&self) -> &'static str {
+        "planner"
+    }
+
+    async fn run_once(&mut self) -> Option<Duration> {
+        let job = &self.job;
+        match self.fleet.store.plan_counts(&job.name, job.spec.job.partitions).await {
+            Ok(counts) => {
+                let before = job.plan.share();
+                let facts = job.plan.replan(counts, now_ms());
+                let share = job.plan.share();
+                if (share - before).abs() >= 0.05 {
+                    tracing::info!(
+                        job = %job.name,
+                        standard_share = format!("{share:.2}"),
+                        remaining = facts.remaining,
+                        rate = facts.rate.map(|r| format!("{r:.1}/s")).unwrap_or_default(),
+                        flex_acceptance = format!("{:.2}", facts.flex_acceptance),
+                        left_s = facts.deadline_ms.map(|d| d.saturating_sub(facts.now_ms) / 1000),
+                        "the plan changed: this share of calls goes standard"
+                    );
+                }
+            }
+            Err(e) => self.fleet.store_error(&e).await,
+        }
+        Some(PERIOD)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(tiers: &[&str]) -> JobSpec {
+        let mut s = JobSpec::parse(include_str!("../../examples/job.toml"), "job.toml").unwrap();
+        s.provider.tiers = tiers.iter().map(|t| t.to_string()).collect();
+        s
+    }
+
+    fn task_refused(refused: bool) -> Task {
+        let outcome = if refused { FLEX_REFUSED } else { "server_error" };
+        serde_json::from_value(serde_json::json!({
+            "rid": "r", "input": {},
+            "history": [{"attempt": 0, "call": 1, "outcome": outcome}]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn tiers_follow_the_share_and_a_refused_record_goes_standard_once_any_does() {
+        let plain = Planner::new(&spec(&[]));
+        assert_eq!(plain.tier_for(&task_refused(true)), None, "no tiers: nothing named");
+        let only = Planner::new(&spec(&["flex"]));
+        assert_eq!(only.tier_for(&task_refused(true)), Some(Tier::Flex));
+        let p = Planner::new(&spec(&["flex", "standard"]));
+        assert_eq!(p.tier_for(&task_refused(true)), Some(Tier::Flex), "no hurry: flex again");
+        p.share.store(0.3f64.to_bits(), Ordering::Relaxed);
+        assert_eq!(p.tier_for(&task_refused(true)), Some(Tier::Standard));
+        let standard = (0..2000)
+            .filter(|_| p.tier_for(&task_refused(false)) == Some(Tier::Standard))
+            .count();
+        assert!((450..750).contains(&standard), "{standard} of 2000 at 0.3");
+    }
+
+    #[test]
+    fn the_rate_is_measured_over_the_window_and_the_deadline_moves_the_share() {
+        let p = Planner::new(&spec(&["flex", "standard"]));
+        for _ in 0..100 {
+            p.saw_flex(true);
+            p.saw_flex(false);
+        }
+        assert!((p.acceptance() - 0.5).abs() < 0.05, "{}", p.acceptance());
+        let t0 = 1_800_000_000_000;
+        let counts = |settled, left_s: u64, at: u64| PlanCounts {
+            deadline_ms: Some(at + left_s * 1000),
+            expected: Some(10_000),
+            settled,
+        };
+        let first = p.replan(counts(0, 3600, t0), t0);
+        assert_eq!(first.rate, None, "one count measures nothing");
+        assert_eq!(p.share(), 0.0);
+        // 10 records/s; 9,900 left in an hour: flex alone (5/s) is enough.
+        let f = p.replan(counts(100, 3600, t0 + 10_000), t0 + 10_000);
+        assert!((f.rate.unwrap() - 10.0).abs() < 1e-9, "{f:?}");
+        assert_eq!(p.share(), 0.0);
+        // The deadline tightened to 15 minutes: 11 records/s needed.
+        p.replan(counts(200, 900, t0 + 20_000), t0 + 20_000);
+        assert!(p.share() > 0.0 && p.share() < 1.0, "{}", p.share());
+        // Past the margin: every call standard.
+        p.replan(counts(300, 3, t0 + 30_000), t0 + 30_000);
+        assert_eq!(p.share(), 1.0);
+    }
+}
