@@ -46,6 +46,13 @@ impl Tier {
     }
 }
 
+/// The time now, Unix ms.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A deadline as people write it: a duration from `now_ms` (`90s`, `45m`,
 /// `6h`, `2d`, `1h30m`) or an instant (`2026-12-07T18:00:00Z`). Unix ms.
 pub fn parse_deadline(text: &str, now_ms: u64) -> Result<u64, String> {

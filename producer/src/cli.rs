@@ -52,6 +52,9 @@ pub enum Command {
     Cancel(JobArgs),
     /// Resume a cancelled or halted job: cancelled records go back to the streams.
     Resume(control::ResumeCmd),
+    /// Set or move a job's deadline (`producer deadline --job J 30m`): a
+    /// job with the flex tier sends more calls standard as it nears.
+    Deadline(control::DeadlineCmd),
     /// A new round of attempts for a set of records (ids kept, attempts count on).
     Retry(control::RetryCmd),
     /// A job's done records, selected by a filter (errors of earlier
@@ -121,6 +124,7 @@ async fn dispatch(command: Command, cancel: CancellationToken) -> anyhow::Result
         Command::Compare(cmd) => report::compare(cmd).await,
         Command::Cancel(cmd) => control::cancel(cmd).await,
         Command::Resume(cmd) => control::resume(cmd).await,
+        Command::Deadline(cmd) => control::deadline(cmd).await,
         Command::Retry(cmd) => control::retry(cmd).await,
         Command::Rerun(cmd) => rerun::run(cmd, cancel).await,
         Command::Delete(cmd) => control::delete(cmd).await,

@@ -25,6 +25,31 @@ pub async fn cancel(store: &RedisStore, job: &str) -> Result<String, ControlErro
     ))
 }
 
+/// Sets (or moves) a job's deadline: `when` is a duration from now (`30m`,
+/// `6h`) or an instant (`2026-12-07T18:00:00Z`). Returns what it says it did.
+pub async fn set_deadline(store: &RedisStore, job: &str, when: &str, now_ms: u64) -> Result<String, ControlError> {
+    let spec = spec(store, job).await?;
+    let at = common::route::parse_deadline(when, now_ms).map_err(|why| ControlError::Refused(format!("deadline: {why}")))?;
+    if at <= now_ms {
+        return Err(ControlError::Refused(format!(
+            "deadline: {} has passed; give a time to come, e.g. producer deadline --job {job} 30m",
+            common::manifest::rfc3339(at / 1000)
+        )));
+    }
+    let before = store.deadline(job).await?;
+    store.set_deadline(job, at, false).await?;
+    let was = before.map_or("none".to_owned(), |b| common::manifest::rfc3339(b / 1000));
+    let routed = if spec.provider.tiers.iter().any(|t| t == "flex") {
+        "its workers re-plan within seconds"
+    } else {
+        "shown by status; its spec names no flex tier, so every call stays standard"
+    };
+    Ok(format!(
+        "job {job}: deadline {} (was {was}); {routed}",
+        common::manifest::rfc3339(at / 1000)
+    ))
+}
+
 /// Lifts a cancel or a halt; `budget` (USD) sets a new cap first. Returns
 /// what it says it did.
 pub async fn resume(store: &RedisStore, job: &str, budget: Option<f64>) -> Result<String, ControlError> {

@@ -160,6 +160,12 @@ async fn enqueue_traced(
         // Never lowers a cap that `producer resume --budget` raised.
         store.set_budget_cap(&args.job, cap, true).await?;
     }
+    if let Some(deadline) = &spec.job.deadline {
+        // A duration counts from the first enqueue; a resumed or repeated
+        // enqueue (or `producer deadline`) does not move it.
+        let at = common::route::parse_deadline(deadline, common::route::now_ms()).unwrap_or(0);
+        store.set_deadline(&args.job, at, true).await?;
+    }
 
     let mut pass = Pass::new(&store, args, &spec, &identity, &start, traces).await?;
     let progress = Progress::new(args.progress, bytes, start.offset);

@@ -71,6 +71,65 @@ pub struct Estimate {
     /// Why the projection may lean one way (a sample that was not drawn at random).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
+    /// A job with the flex tier: the planner's share and what it costs
+    /// against all-standard.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<Plan>,
+}
+
+/// The plan for the full dataset (see [`common::route`]).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Plan {
+    /// The deadline as the spec says it (None: none; every call flex).
+    pub deadline: Option<String>,
+    /// The share of flex calls the provider took in the sample (1.0 when
+    /// the sample made none).
+    pub flex_acceptance: f64,
+    /// The share of calls the planner would send standard from the start.
+    pub standard_share: f64,
+    /// Expected cost of the plan, and of the same calls all standard and all flex.
+    pub cost_usd: f64,
+    pub all_standard_cost_usd: f64,
+    pub all_flex_cost_usd: f64,
+    /// Whether the limits let the plan end before the deadline.
+    pub deadline_met: bool,
+}
+
+/// The plan for `records` records of `cost` (standard) and `flex_cost`
+/// each, at `records_per_sec` if every call went flex.
+fn plan(spec: &JobSpec, records: f64, (cost, flex_cost): (f64, f64), acceptance: f64, calls_per_sec: f64) -> Plan {
+    use common::route::{PlanFacts, standard_share};
+    let left_ms = spec
+        .job
+        .deadline
+        .as_deref()
+        .and_then(|d| common::route::parse_deadline(d, common::route::now_ms()).ok())
+        .map(|at| at.saturating_sub(common::route::now_ms()));
+    // Settled per second all flex: each call slot settles `acceptance` of a record.
+    let flex_rate = calls_per_sec * acceptance;
+    let facts = PlanFacts {
+        now_ms: 0,
+        deadline_ms: left_ms,
+        remaining: records as u64,
+        rate: calls_per_sec.is_finite().then_some(flex_rate),
+        flex_acceptance: acceptance,
+        standard_share: 0.0,
+    };
+    let p = standard_share(&facts);
+    let rate = calls_per_sec * (p + (1.0 - p) * acceptance);
+    let deadline_met = left_ms.is_none_or(|left| {
+        let room = left.saturating_sub(common::route::margin_ms(left)) as f64 / 1000.0;
+        !calls_per_sec.is_finite() || records / rate.max(1e-9) <= room
+    });
+    Plan {
+        deadline: spec.job.deadline.clone(),
+        flex_acceptance: acceptance,
+        standard_share: p,
+        cost_usd: records * (p * cost + (1.0 - p) * flex_cost),
+        all_standard_cost_usd: records * cost,
+        all_flex_cost_usd: records * flex_cost,
+        deadline_met,
+    }
 }
 
 /// Calls a minute the spec's limits allow for calls of this shape.
@@ -141,6 +200,8 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     let (mut calls, mut prompt, mut completion, mut cost, mut latency) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let prices = &spec.prices;
+    let flex_prices = prices.flex();
+    let (mut flex_cost, mut flex_calls, mut flex_refused) = (Vec::new(), 0u64, 0u64);
     let mut see = |history: &[HistoryItem]| {
         let attempts: Vec<_> = history.iter().filter_map(HistoryItem::as_attempt).collect();
         if attempts.is_empty() {
@@ -151,6 +212,11 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
         prompt.push(usage.iter().map(|u| u.prompt as f64).sum());
         completion.push(usage.iter().map(|u| u.completion as f64).sum());
         cost.push(usage.iter().map(|u| u.cost(prices)).sum());
+        flex_cost.push(usage.iter().map(|u| u.cost(&flex_prices)).sum());
+        for a in attempts.iter().filter(|a| a.tier.as_deref() == Some("flex")) {
+            flex_calls += 1;
+            flex_refused += u64::from(a.outcome == "flex_unavailable");
+        }
         latency.extend(attempts.iter().map(|a| a.elapsed_ms as f64 / 1000.0));
     };
     crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |r| see(&r.history)).await?;
@@ -181,6 +247,16 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     } else {
         (0.0, 0.0, 0.0)
     };
+    let routed = spec.provider.tiers.iter().any(|t| t == "flex");
+    let plan = routed.then(|| {
+        let acceptance = match flex_calls {
+            0 => 1.0,
+            n => (n - flex_refused) as f64 / n as f64,
+        };
+        let flex_mean = PerRecord::of(flex_cost).mean;
+        // Calls a second the limits allow, over calls a record takes.
+        plan(spec, n, (cost.mean, flex_mean), acceptance, rate / 60.0 / calls.mean.max(1e-9))
+    });
     let warning = manifest.sample.as_ref().and_then(|s| {
         if s.from_job.is_some() {
             Some("the sample is another job's records (--from-job), not drawn at random: the projection leans to them".to_owned())
@@ -203,6 +279,7 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
         latency_secs: latency,
         duration_secs: duration,
         bound_by,
+        plan,
     })
 }
 
@@ -249,6 +326,22 @@ pub fn print(e: &Estimate) {
         );
     } else {
         crate::outln!("  duration     unbounded by the spec's limits (set [limits] to estimate it)");
+    }
+    if let Some(p) = &e.plan {
+        crate::outln!(
+            "  plan         {:.0}% of calls standard, the rest flex ({:.0}% of flex calls taken in the sample); deadline {}: {}",
+            100.0 * p.standard_share,
+            100.0 * p.flex_acceptance,
+            p.deadline.as_deref().unwrap_or("none"),
+            if p.deadline_met { "met" } else { "NOT met even all standard: move it (producer deadline) or raise [limits]" }
+        );
+        crate::outln!(
+            "  plan cost    {:.4} USD: {:.2} of all-standard ({:.4} USD); all flex {:.4} USD",
+            p.cost_usd,
+            if p.all_standard_cost_usd > 0.0 { p.cost_usd / p.all_standard_cost_usd } else { 0.0 },
+            p.all_standard_cost_usd,
+            p.all_flex_cost_usd
+        );
     }
 }
 

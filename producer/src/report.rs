@@ -14,12 +14,17 @@ use serde::Serialize;
 pub type Usage = Totals;
 
 /// The calls of a record's history (those a provider batch answered at
-/// batch prices).
+/// batch prices, those on the flex tier at flex prices).
 fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
     let mut u = Usage::default();
-    let batch = prices.batch();
+    let (batch, flex) = (prices.batch(), prices.flex());
     for a in history.iter().filter_map(HistoryItem::as_attempt) {
-        u.add_call(a.usage.as_ref(), if a.batch.is_some() { &batch } else { prices });
+        let at = match (&a.batch, a.tier.as_deref()) {
+            (Some(_), _) => &batch,
+            (None, Some("flex")) => &flex,
+            _ => prices,
+        };
+        u.add_call(a.usage.as_ref(), at);
     }
     u
 }
@@ -377,6 +382,22 @@ fn print_spend(r: &Report) {
             t.estimated_tokens,
             t.estimated_cost_usd
         );
+    }
+    if !r.spend.by_tier.is_empty() {
+        let standard = r.spend.standard_cost_usd();
+        crate::outln!(
+            "    by route ({:.6} USD at standard prices: {:.2} of it spent)",
+            standard,
+            if standard > 0.0 { t.cost_usd / standard } else { 0.0 }
+        );
+        for (tier, part) in r.spend.routes() {
+            crate::outln!(
+                "      {tier:<42} {:>7} {:>11.6}  (at standard {:.6})",
+                part.calls,
+                part.cost_usd,
+                part.standard_cost_usd
+            );
+        }
     }
     let b = &r.spend.batch;
     if b.calls > 0 {

@@ -68,6 +68,13 @@ pub struct JobStatus {
     pub eta_secs: Option<u64>,
     /// Dataset lines refused at enqueue (not records of the job: see `producer dropped`).
     pub dropped_at_enqueue: u64,
+    /// Records and spend per route, against all-standard (a job that names
+    /// `provider.tiers`, or one through the Batch API).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routes: Option<RouteStatus>,
+    /// The job's deadline, and whether it holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<DeadlineStatus>,
     pub halted: Option<String>,
     /// Why the job waits, in one line: `provider unavailable since <time>,
     /// last error <cause> from <base_url>: <the provider's words>` (None
@@ -89,6 +96,59 @@ pub struct JobStatus {
     pub redis_flag: String,
 }
 
+/// The routes of a job: what each did, and the cost against all-standard.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RouteStatus {
+    /// Tier -> records whose result came through it.
+    pub records: BTreeMap<String, u64>,
+    /// Tier -> calls, cost, and the same calls at standard prices.
+    pub spend: BTreeMap<String, common::ledger::TierSpend>,
+    /// Every call at standard prices.
+    pub standard_cost_usd: f64,
+    /// What was spent over that (1.0: all standard; None: nothing spent).
+    pub cost_ratio_vs_standard: Option<f64>,
+}
+
+/// A job's deadline as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DeadlineStatus {
+    /// RFC 3339, UTC.
+    pub at: String,
+    pub at_ms: u64,
+    /// Seconds left (negative: passed).
+    pub left_secs: i64,
+    /// Whether the job ends in time: for a finished job, its last record
+    /// settled before the deadline (to the minute of the job's counters);
+    /// otherwise, the records left end in time at the current rate.
+    pub holds: bool,
+}
+
+fn route_status(spend: &common::ledger::Spend, stats: &common::stats::JobStats) -> RouteStatus {
+    let routes = spend.routes();
+    let standard_cost_usd = spend.standard_cost_usd();
+    RouteStatus {
+        records: stats.routes.clone(),
+        spend: routes,
+        standard_cost_usd,
+        cost_ratio_vs_standard: (standard_cost_usd > 0.0).then(|| spend.totals.cost_usd / standard_cost_usd),
+    }
+}
+
+fn deadline_status(at_ms: u64, now_ms: u64, s: &JobStatus, stats: &common::stats::JobStats) -> DeadlineStatus {
+    let holds = if s.remaining == 0 {
+        let last = stats.timeline.iter().rev().find(|(_, m)| m.done + m.failed > 0);
+        last.is_none_or(|(minute, _)| minute * 60_000 <= at_ms)
+    } else {
+        s.eta_secs.is_some_and(|eta| now_ms + eta * 1000 <= at_ms)
+    };
+    DeadlineStatus {
+        at: common::manifest::rfc3339(at_ms / 1000),
+        at_ms,
+        left_secs: (at_ms as i64 - now_ms as i64) / 1000,
+        holds,
+    }
+}
+
 /// Reads the status of a job from Redis, with its reconciliation.
 /// `with_ids` keeps the record ids of every anomaly; `keep_done` the ids of
 /// the done records (in [`JobStatus::done_ids`], read in the same pass).
@@ -103,7 +163,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         None => spec.as_ref().map_or(0, |s| s.job.partitions),
     };
     // With a sink, a done record's result leaves Redis once the sink holds it.
-    let sink = spec.is_some_and(|s| s.sink.kind != SinkKind::None);
+    let sink = spec.as_ref().is_some_and(|s| s.sink.kind != SinkKind::None);
     let mut s = JobStatus {
         job: job.to_owned(),
         expected: manifest.as_ref().map(|m| m.expected_records),
@@ -113,7 +173,8 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
         ..JobStatus::default()
     };
     s.waiting = s.provider.waiting();
-    read_work_and_spend(store, job, partitions, sink, &mut s).await?;
+    let spend = read_work_and_spend(store, job, partitions, sink, &mut s).await?;
+    let routed = spec.as_ref().is_some_and(|s| s.provider.routed());
     let budget = store.budget(job).await?;
     s.budget = budget.cap_usd.is_some().then_some(budget);
     // The states are counted in the reconciliation's own pass over them.
@@ -140,9 +201,16 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     if with_ids {
         s.anomalies = Some(r);
     }
-    s.rate_per_sec = store.stats(job, partitions).await?.throughput(now_secs(), 1);
+    let stats = store.stats(job, partitions).await?;
+    s.rate_per_sec = stats.throughput(now_secs(), 1);
     s.remaining = s.expected.unwrap_or(s.known).saturating_sub(terminal);
     s.eta_secs = eta(s.remaining, s.rate_per_sec);
+    if routed || !spend.batch.is_empty() {
+        s.routes = Some(route_status(&spend, &stats));
+    }
+    if let Some(at) = store.deadline(job).await? {
+        s.deadline = Some(deadline_status(at, common::route::now_ms(), &s, &stats));
+    }
     Ok(s)
 }
 
@@ -155,7 +223,7 @@ async fn read_work_and_spend(
     partitions: u32,
     sink: bool,
     s: &mut JobStatus,
-) -> Result<(), StoreError> {
+) -> Result<common::ledger::Spend, StoreError> {
     for p in 0..partitions {
         s.in_flight += store.pending_count(job, p).await?;
         let mut shards = store.shards(job, p).await?;
@@ -189,7 +257,7 @@ async fn read_work_and_spend(
         };
         s.cost_usd = spent.cost_usd;
     }
-    Ok(())
+    Ok(spend)
 }
 
 /// Unix seconds now.
@@ -379,6 +447,46 @@ fn print_batches(s: &JobStatus) {
     }
 }
 
+/// The routes' lines of a status: records and cost per tier, the cost
+/// against all-standard, and the deadline.
+fn print_routes(s: &JobStatus) {
+    if let Some(r) = &s.routes {
+        for (tier, t) in &r.spend {
+            let records = r.records.get(tier).copied().unwrap_or(0);
+            crate::outln!(
+                "    {tier:<10} {records} records, {} calls, {:.6} USD (at standard {:.6})",
+                t.calls,
+                t.cost_usd,
+                t.standard_cost_usd
+            );
+        }
+        if let Some(ratio) = r.cost_ratio_vs_standard {
+            crate::outln!(
+                "    vs standard {ratio:.2} of the {:.6} USD all-standard would have cost",
+                r.standard_cost_usd
+            );
+        }
+    }
+    if let Some(d) = &s.deadline {
+        let left = if d.left_secs >= 0 {
+            format!("{} left", common::manifest::human_duration(d.left_secs as u64 * 1000))
+        } else {
+            format!("passed {} ago", common::manifest::human_duration(d.left_secs.unsigned_abs() * 1000))
+        };
+        let holds = if d.holds {
+            "holds"
+        } else {
+            "DOES NOT HOLD at the current rate"
+        };
+        crate::outln!(
+            "  deadline     {} ({left}): {holds} (producer deadline --job {}{} <when> moves it)",
+            d.at,
+            s.job,
+            s.redis_flag
+        );
+    }
+}
+
 /// Each record the reconciliation found missing, duplicated or unknown.
 fn print_anomalies(s: &JobStatus) {
     let Some(r) = &s.anomalies else { return };
@@ -441,6 +549,7 @@ pub fn print(s: &JobStatus) {
         s.tokens.completion
     );
     crate::outln!("  spent        {:.6} USD", s.cost_usd);
+    print_routes(s);
     if let Some(b) = &s.budget {
         crate::outln!(
             "  budget       {:.6} USD: {:.6} counted against it, {:.6} in flight",

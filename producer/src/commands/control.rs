@@ -22,6 +22,17 @@ pub struct ResumeCmd {
 }
 
 #[derive(Debug, Args)]
+pub struct DeadlineCmd {
+    #[arg(long)]
+    pub job: String,
+    /// A duration from now (`45m`, `6h`, `1h30m`, `2d`) or an instant
+    /// (`2026-12-07T18:00:00Z`).
+    pub when: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+}
+
+#[derive(Debug, Args)]
 pub struct RetryCmd {
     #[arg(long)]
     pub job: String,
@@ -49,6 +60,13 @@ pub async fn cancel(cmd: JobArgs) -> anyhow::Result<ExitCode> {
 pub async fn resume(cmd: ResumeCmd) -> anyhow::Result<ExitCode> {
     let store = job_store(&cmd.redis, &cmd.job).await?;
     said(crate::control::resume(&store, &cmd.job, cmd.budget).await)
+}
+
+/// `producer deadline`.
+pub async fn deadline(cmd: DeadlineCmd) -> anyhow::Result<ExitCode> {
+    let store = job_store(&cmd.redis, &cmd.job).await?;
+    let now = common::route::now_ms();
+    said(crate::control::set_deadline(&store, &cmd.job, &cmd.when, now).await)
 }
 
 fn said(r: Result<String, ControlError>) -> anyhow::Result<ExitCode> {

@@ -1,0 +1,167 @@
+//! Routes (`provider.tiers`, `job.deadline`): a job with the flex tier
+//! sends its calls flex while the deadline leaves room, through llm-sim's
+//! bursts of flex refusals, and moves calls to standard when the deadline
+//! tightens; every call is in the ledger with its tier, model and price,
+//! and no record is paid for twice.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap is a failed test
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use harness::{LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, status_json, worker_cmd, write_records};
+
+/// A job of `n` records whose calls may go flex or standard.
+fn routed_job(redis: &RedisServer, name: &str, n: u64, deadline: &str, rpm: &str) -> TempDir {
+    let dir = TempDir::new(name);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    let spec = spec_with(
+        &dir,
+        &[
+            ("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{deadline}\" ")),
+            (
+                "structured_output = \"auto\"",
+                "structured_output = \"auto\"\ntiers = [\"flex\", \"standard\"]",
+            ),
+            ("requests_per_minute = 10000", &format!("requests_per_minute = {rpm}")),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", "max_delay_ms = 50"),
+        ],
+    );
+    enqueue(redis, &data, name, &spec);
+    dir
+}
+
+/// llm-sim refusing 40% of flex requests in bursts of 3.
+fn flex_refusing() -> LlmSim {
+    LlmSim::start(&["--flex-unavailable", "0.4", "--flex-burst", "3", "--seed", "7"])
+}
+
+/// Every paid call of the job (`export --what ledger`), and the calls per record.
+fn ledger(redis: &RedisServer, job: &str) -> (Vec<serde_json::Value>, BTreeMap<String, u64>) {
+    let out = producer(&["export", "--job", job, "--what", "ledger", "--out", "-", "--redis", &redis.url()]);
+    assert!(out.status.success(), "{}", harness::stderr(&out));
+    let calls: Vec<serde_json::Value> = harness::stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut per_record = BTreeMap::new();
+    for c in &calls {
+        *per_record.entry(c["record_id"].as_str().unwrap().to_owned()).or_default() += 1;
+    }
+    (calls, per_record)
+}
+
+/// llm-sim's counts of one tier: requests and refusals.
+fn tier_seen(sim: &LlmSim, tier: &str) -> (u64, u64) {
+    let t = &sim.stats()["by_tier"][tier];
+    (t["requests"].as_u64().unwrap_or(0), t["refused"].as_u64().unwrap_or(0))
+}
+
+#[test]
+fn with_room_before_the_deadline_every_record_goes_flex_through_refusals_at_the_flex_price() {
+    let redis = RedisServer::start();
+    let sim = flex_refusing();
+    let n = 120;
+    let _dir = routed_job(&redis, "roomy", n, "1h", "10000");
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "roomy", &sim, &["--drain"])).finish(Duration::from_secs(90));
+    assert!(exit.success(), "{log}");
+
+    let (_, s) = status_json(&redis, "roomy");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64()), (Some(n), Some(0)), "{s}");
+    // llm-sim saw flex alone, refusals included, and one answer per record.
+    let (requests, refused) = tier_seen(&sim, "flex");
+    assert!(refused >= 10, "llm-sim refused {refused} of {requests}");
+    assert_eq!(requests - refused, n);
+    assert_eq!(tier_seen(&sim, "default"), (0, 0), "nothing went standard with an hour to spare");
+    // The status: every record through flex, at half the standard price.
+    let routes = &s["routes"];
+    assert_eq!(routes["records"], serde_json::json!({"flex": n}), "{routes}");
+    assert_eq!(routes["spend"]["flex"]["calls"], n, "{routes}");
+    let ratio = routes["cost_ratio_vs_standard"].as_f64().unwrap();
+    assert!((ratio - 0.5).abs() < 1e-4, "flex costs the batch price, half (to the nano-dollar): {ratio}");
+    assert_eq!(s["deadline"]["holds"], true, "{s}");
+    // The ledger: one paid call per record (a refusal is not billed), each
+    // with its tier, model and prices.
+    let (calls, per_record) = ledger(&redis, "roomy");
+    assert_eq!(calls.len() as u64, n);
+    assert!(per_record.values().all(|&c| c == 1), "{per_record:?}");
+    for c in &calls {
+        assert_eq!((c["tier"].as_str(), c["model"].as_str()), (Some("flex"), Some("gpt-4o-mini")), "{c}");
+    }
+    let report = producer(&["report", "--job", "roomy", "--redis", &redis.url()]);
+    let text = harness::stdout(&report);
+    assert!(text.contains("by route") && text.contains("flex"), "{text}");
+}
+
+#[test]
+fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_once_per_record() {
+    let redis = RedisServer::start();
+    let sim = flex_refusing();
+    let n = 400;
+    // 20 calls a second: flex alone settles ~12 records a second.
+    let _dir = routed_job(&redis, "tight", n, "1h", "1200");
+    let worker = Running::spawn(worker_cmd(&redis, "tight", &sim, &["--drain"]));
+    let started = Instant::now();
+    harness::wait_for("the first records", Duration::from_secs(30), || {
+        status_json(&redis, "tight").1["done"].as_u64().unwrap_or(0) >= 40
+    });
+    let standard_before = tier_seen(&sim, "default").0;
+    // Flex alone would take ~30 s more, past the margin; all standard ~18 s.
+    let moved = producer(&["deadline", "--job", "tight", "30s", "--redis", &redis.url()]);
+    assert!(moved.status.success(), "{}", harness::stderr(&moved));
+    assert!(harness::stdout(&moved).contains("re-plan"), "{}", harness::stdout(&moved));
+    let (_, s) = status_json(&redis, "tight");
+    let deadline_ms = s["deadline"]["at_ms"].as_u64().unwrap();
+    let (exit, log) = worker.finish(Duration::from_secs(120));
+    let ended_ms = common::route::now_ms();
+    assert!(exit.success(), "{log}");
+    assert!(
+        ended_ms <= deadline_ms,
+        "ended {} ms past the deadline ({:?} after the start)",
+        ended_ms - deadline_ms,
+        started.elapsed()
+    );
+    assert!(log.contains("the plan changed"), "{log}");
+
+    let (_, s) = status_json(&redis, "tight");
+    assert_eq!((s["done"].as_u64(), s["complete"].as_bool()), (Some(n), Some(true)), "{s}");
+    assert_eq!(standard_before, 0, "with an hour left every call was flex");
+    let (standard, _) = tier_seen(&sim, "default");
+    let (flex, refused) = tier_seen(&sim, "flex");
+    assert!(standard > 0 && flex - refused > 0, "standard {standard}, flex {flex} ({refused} refused)");
+    assert_eq!(standard + flex - refused, n, "one answer per record");
+    let routes = &s["routes"];
+    let records = &routes["records"];
+    assert_eq!(
+        records["flex"].as_u64().unwrap() + records["standard"].as_u64().unwrap(),
+        n,
+        "{routes}"
+    );
+    let ratio = routes["cost_ratio_vs_standard"].as_f64().unwrap();
+    assert!(ratio > 0.5 && ratio < 1.0, "part flex, part standard: {ratio}");
+    eprintln!(
+        "ended {} s before the deadline; {standard} standard, {flex} flex ({refused} refused); cost {ratio:.3} of all-standard",
+        (deadline_ms - ended_ms) / 1000
+    );
+    assert_eq!(s["deadline"]["holds"], true, "{s}");
+    let (calls, per_record) = ledger(&redis, "tight");
+    assert_eq!(calls.len() as u64, n, "never paid twice");
+    assert!(per_record.values().all(|&c| c == 1));
+    let tiers: BTreeMap<&str, u64> = calls.iter().fold(BTreeMap::new(), |mut m, c| {
+        *m.entry(c["tier"].as_str().unwrap()).or_default() += 1;
+        m
+    });
+    assert_eq!(tiers.get("standard").copied(), Some(standard), "{tiers:?}");
+    let text = harness::stdout(&producer(&["status", "--job", "tight", "--redis", &redis.url()]));
+    assert!(text.contains("deadline") && text.contains("holds") && text.contains("vs standard"), "{text}");
+
+    // A deadline already passed is refused, with the command to type.
+    let passed = producer(&["deadline", "--job", "tight", "2020-01-01T00:00:00Z", "--redis", &redis.url()]);
+    assert_eq!(passed.status.code(), Some(2), "{}", harness::stderr(&passed));
+    let err = harness::stderr(&passed);
+    assert!(err.contains("has passed") && err.contains("producer deadline --job tight 30m"), "{err}");
+    let nonsense = producer(&["deadline", "--job", "tight", "soon", "--redis", &redis.url()]);
+    assert!(harness::stderr(&nonsense).contains("neither a duration"), "{}", harness::stderr(&nonsense));
+}
