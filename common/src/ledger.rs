@@ -188,14 +188,21 @@ impl PaidCall {
 
     /// The same call on `tier`: costed at its prices, what it would have
     /// cost at `standard` prices kept for the comparison.
-    pub fn on_tier(mut self, tier: Tier, standard: &Prices) -> PaidCall {
-        if tier != Tier::Standard {
-            let prices = standard.of_tier(tier);
-            self.online_nusd = Some(nano_usd(self.usage.cost(standard)));
-            self.cost_nusd = nano_usd(self.usage.cost(&prices));
-            self.prices = price_version(&prices);
+    pub fn on_tier(self, tier: Tier, standard: &Prices) -> PaidCall {
+        match tier {
+            Tier::Standard => self,
+            _ => self.on_route(tier.name(), &standard.of_tier(tier), standard),
         }
-        self.tier = tier.name().to_owned();
+    }
+
+    /// The same call on a route other than the job's standard one (`flex`,
+    /// or a fallback's name): costed at `prices`, what it would have cost at
+    /// the job's `standard` prices kept for the comparison.
+    pub fn on_route(mut self, route: &str, prices: &Prices, standard: &Prices) -> PaidCall {
+        self.online_nusd = Some(nano_usd(self.usage.cost(standard)));
+        self.cost_nusd = nano_usd(self.usage.cost(prices));
+        self.prices = price_version(prices);
+        self.tier = route.to_owned();
         self
     }
 

@@ -523,10 +523,59 @@ pub struct Provider {
     /// planner sends what the deadline allows on flex (see [`crate::route`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<String>,
+    /// Other providers or models under the same output contract (the same
+    /// prompt, fields and validation), each with its own limits and prices:
+    /// the first takes the calls while this provider is down (the fleet's
+    /// outage state) or too slow for the job's deadline.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<Fallback>,
 }
+
+/// A fallback provider (`[[provider.fallbacks]]`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Fallback {
+    /// The route's name in the ledger, `status` and `report` (`backup`).
+    pub name: String,
+    pub base_url: String,
+    pub model: String,
+    #[serde(default = "default_api_key_env")]
+    pub api_key_env: String,
+    #[serde(default = "default_true")]
+    pub needs_key: bool,
+    /// Its own limits (its key's).
+    #[serde(default)]
+    pub limits: Limits,
+    /// Its prices (default: the job's `[prices]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prices: Option<Prices>,
+}
+
+/// Names a fallback may not take: the tiers' and the primary's.
+const RESERVED_ROUTES: &[&str] = &["standard", "flex", "batch", "primary", "default"];
 
 fn is_online(m: &ProviderMode) -> bool {
     *m == ProviderMode::Online
+}
+
+impl JobSpec {
+    /// The spec a fallback's calls are made under: the job's, with the
+    /// fallback's endpoint, model, key, limits and prices (one tier, no
+    /// fallbacks of its own).
+    pub fn as_fallback(&self, f: &Fallback) -> JobSpec {
+        let mut spec = self.clone();
+        spec.provider.base_url = f.base_url.clone();
+        spec.provider.model = f.model.clone();
+        spec.provider.api_key_env = f.api_key_env.clone();
+        spec.provider.needs_key = f.needs_key;
+        spec.provider.tiers.clear();
+        spec.provider.fallbacks.clear();
+        spec.limits = f.limits.clone();
+        if let Some(p) = &f.prices {
+            spec.prices = p.clone();
+        }
+        spec
+    }
 }
 
 impl Provider {
@@ -1345,6 +1394,31 @@ impl JobSpec {
             && let Err(why) = crate::route::parse_deadline(d, 0)
         {
             p.add("job.deadline", why);
+        }
+        for (i, f) in pr.fallbacks.iter().enumerate() {
+            let key = |k: &str| format!("provider.fallbacks[{i}].{k}");
+            let named = !f.name.is_empty()
+                && f.name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+                && f.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+            if !named || f.name.len() > 32 {
+                p.add(key("name"), format!("`{}` is no route name: a-z first, then a-z, 0-9, _ or -, at most 32", f.name));
+            } else if RESERVED_ROUTES.contains(&f.name.as_str()) {
+                p.add(key("name"), format!("`{}` names a tier: call the fallback by its provider, e.g. \"backup\"", f.name));
+            } else if pr.fallbacks[..i].iter().any(|o| o.name == f.name) {
+                p.add(key("name"), format!("`{}` is listed twice", f.name));
+            }
+            if !(f.base_url.starts_with("http://") || f.base_url.starts_with("https://")) {
+                p.add(key("base_url"), "must start with http:// or https://");
+            }
+            if f.model.trim().is_empty() {
+                p.add(key("model"), "must not be empty");
+            }
+            if !is_env_name(&f.api_key_env) {
+                p.add(key("api_key_env"), "must be the NAME of an environment variable (A-Z, 0-9, _), never the key");
+            }
+        }
+        if !pr.fallbacks.is_empty() && pr.mode == ProviderMode::Batch {
+            p.add("provider.fallbacks", "a job through the Batch API takes no online fallback: remove one or the other");
         }
     }
 

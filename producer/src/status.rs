@@ -174,7 +174,9 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     };
     s.waiting = s.provider.waiting();
     let spend = read_work_and_spend(store, job, partitions, sink, &mut s).await?;
-    let routed = spec.as_ref().is_some_and(|s| s.provider.routed());
+    let routed = spec
+        .as_ref()
+        .is_some_and(|s| s.provider.routed() || !s.provider.fallbacks.is_empty());
     let budget = store.budget(job).await?;
     s.budget = budget.cap_usd.is_some().then_some(budget);
     // The states are counted in the reconciliation's own pass over them.

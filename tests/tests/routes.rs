@@ -165,3 +165,76 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     let nonsense = producer(&["deadline", "--job", "tight", "soon", "--redis", &redis.url()]);
     assert!(harness::stderr(&nonsense).contains("neither a duration"), "{}", harness::stderr(&nonsense));
 }
+
+/// A job with a fallback provider (`[[provider.fallbacks]]`, a second
+/// llm-sim at its own prices): the primary goes down mid-job (30 s of
+/// 503s); the fleet takes it for down and the fallback answers the rest,
+/// while one probe at a time asks the primary. Nothing waits out the
+/// outage, nothing is paid twice, and each call is in the ledger under its
+/// route, model and prices.
+#[test]
+fn while_the_primary_is_down_the_fallback_answers_and_every_record_is_paid_once() {
+    let redis = RedisServer::start();
+    let primary = LlmSim::start(&["--outage", "unavailable:40:30"]);
+    let backup = LlmSim::start(&[]);
+    let dir = TempDir::new("fallback");
+    let data = dir.join("d.jsonl");
+    let n = 300;
+    write_records(&data, 0, n);
+    let fallback = format!(
+        "\n[[provider.fallbacks]]\nname = \"backup\"\nbase_url = \"{}\"\nmodel = \"gpt-4o\"\n\
+         [provider.fallbacks.prices]\ninput_per_mtok = 2.5\noutput_per_mtok = 10.0\n\n[limits]",
+        backup.base_url()
+    );
+    let spec = spec_with(
+        &dir,
+        &[
+            ("\n[limits]", &fallback),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", "max_delay_ms = 200"),
+        ],
+    );
+    enqueue(&redis, &data, "fb", &spec);
+    let started = Instant::now();
+    let (exit, log) = Running::spawn(worker_cmd(&redis, "fb", &primary, &["--drain"])).finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    let took = started.elapsed();
+
+    let (_, s) = status_json(&redis, "fb");
+    assert_eq!((s["done"].as_u64(), s["review"].as_u64(), s["complete"].as_bool()), (Some(n), Some(0), Some(true)), "{s}");
+    let (by_primary, by_backup) = (primary.stats()["served"].as_u64().unwrap(), backup.stats()["served"].as_u64().unwrap());
+    assert!(by_backup >= 100, "the fallback answered {by_backup}, the primary {by_primary}");
+    assert_eq!(by_primary + by_backup, n, "one answer per record");
+    assert!(took < Duration::from_secs(30), "the job waited out the primary's outage: {took:?}");
+    let records = &s["routes"]["records"];
+    assert_eq!(records["backup"].as_u64(), Some(by_backup), "{s}");
+    assert_eq!(records["standard"].as_u64(), Some(by_primary), "{s}");
+    let (calls, per_record) = ledger(&redis, "fb");
+    assert_eq!(calls.len() as u64, n, "never paid twice");
+    assert!(per_record.values().all(|&c| c == 1));
+    for c in &calls {
+        let expected = if c["tier"] == "backup" { "gpt-4o" } else { "gpt-4o-mini" };
+        assert_eq!(c["model"].as_str(), Some(expected), "{c}");
+    }
+    // The fallback's calls cost its prices: more than standard, compared in the status.
+    let backup_spend = &s["routes"]["spend"]["backup"];
+    assert!(
+        backup_spend["cost_usd"].as_f64().unwrap() > 10.0 * backup_spend["standard_cost_usd"].as_f64().unwrap(),
+        "{backup_spend}"
+    );
+    assert!(s["routes"]["cost_ratio_vs_standard"].as_f64().unwrap() > 1.0, "{s}");
+    for c in results_attempts(&redis, "fb") {
+        assert_eq!(c, 1, "an outage used an attempt");
+    }
+}
+
+/// Attempts of every committed result of a job.
+fn results_attempts(redis: &RedisServer, job: &str) -> Vec<u64> {
+    let mut c = redis.conn();
+    let mut out = Vec::new();
+    for p in 0..4 {
+        let results: Vec<String> = redis::cmd("HVALS").arg(common::keys::results(job, p)).query(&mut c).unwrap();
+        out.extend(results.iter().map(|r| serde_json::from_str::<serde_json::Value>(r).unwrap()["attempts"].as_u64().unwrap()));
+    }
+    out
+}

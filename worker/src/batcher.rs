@@ -34,6 +34,7 @@ use serde_json::value::RawValue;
 use crate::batch_api::{ApiError, BatchApi};
 use crate::clock::now_ms;
 use crate::fleet::Fleet;
+use crate::plan::Route;
 use crate::job::{JobCtx, Settled};
 use crate::process::{BatchAnswer, prepare, settle_batch_line, settle_unsent};
 use crate::provider::{CallError, CallResult, ErrorKind, classify};
@@ -235,9 +236,9 @@ impl Batcher {
                 return;
             };
             loop {
-                let (mut grants, wait, _) = f.grants(&job, 1).await;
+                let (mut grants, wait, _) = f.grants(&job, 1, Route::Primary).await;
                 if let Some(grant) = grants.pop() {
-                    f.spawn(job, d, permit, Some(grant));
+                    f.spawn(job, d, permit, (Some(grant), Route::Primary));
                     return;
                 }
                 tokio::time::sleep(wait.clamp(Duration::from_millis(5), Duration::from_secs(10))).await;
@@ -316,7 +317,7 @@ impl Batcher {
         let (mut unsent, mut over) = (Vec::new(), Vec::new());
         for task in tasks {
             let d = self.delivery(p, &shard.id, task);
-            let prep = match prepare(job, &d, &f.limits) {
+            let prep = match prepare(job, &d, &f.limits, Route::Primary) {
                 Ok(prep) if !d.task.answered.iter().any(|a| a == prep.fingerprint()) => prep,
                 _ => {
                     unsent.push(d);

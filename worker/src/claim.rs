@@ -11,6 +11,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
+use crate::plan::Route;
 use crate::service::Service;
 
 /// The longest wait for the fleet's budget before asking again (a slot
@@ -35,7 +36,7 @@ pub struct Claimer {
     drain_checked: Option<std::time::Instant>,
     /// Per job, when its rate buckets can give grants again (asking sooner
     /// gets nothing: a settlement's wake-up does not make the claimer ask).
-    budget_at: std::collections::HashMap<String, tokio::time::Instant>,
+    budget_at: std::collections::HashMap<(String, Route), tokio::time::Instant>,
 }
 
 /// What one claim round did.
@@ -109,35 +110,62 @@ impl Claimer {
 
     /// Claims what `job` may take this round (its breaker's room, one probe
     /// while its provider is down, the grants its limits give), spawning
-    /// each task with a permit (`first`, then free ones) and a grant.
+    /// each task with a permit (`first`, then free ones) and a grant. While
+    /// the provider is down a fallback takes the work (the probe still goes
+    /// to the provider); it also takes what the provider's limits leave
+    /// when the plan says the deadline needs more than they give.
     async fn claim_job(&mut self, job: &Arc<JobCtx>, first: &mut Option<OwnedSemaphorePermit>, round: &mut Round) {
-        let f = self.fleet.clone();
         // Until the provider answered once, one call at a time.
-        let mut room = job.breaker.room();
+        let room = job.breaker.room();
         if room == 0 {
             return;
         }
-        if let Some(wait) = self.budget_wait(&job.name) {
-            round.limited = sooner(round.limited, wait);
+        let down = job.outage.is_down();
+        if down && job.fallback.is_some() {
+            if self.probe_turn(job, round).await {
+                self.claim_route(job, (Route::Primary, 1, true), first, round).await;
+            }
+            self.claim_route(job, (Route::Fallback, room, false), first, round).await;
             return;
         }
         // While the provider is down: no real work, one probe at a time
         // across the fleet (whoever holds the lease sends one task).
-        let probing = job.outage.is_down();
-        if probing {
-            if !self.probe_turn(job, round).await {
-                return;
+        if down && !self.probe_turn(job, round).await {
+            return;
+        }
+        let room = if down { 1 } else { room };
+        self.claim_route(job, (Route::Primary, room, down), first, round).await;
+        if !down && job.fallback.is_some() && job.plan.overflow() {
+            let room = job.breaker.room();
+            self.claim_route(job, (Route::Fallback, room, false), first, round).await;
+        }
+    }
+
+    /// Claims up to `room` tasks of `job` for `route`'s provider, under its
+    /// limiter's grants (`probing`: the one probe of a provider taken for down).
+    async fn claim_route(
+        &mut self,
+        job: &Arc<JobCtx>,
+        (route, room, probing): (Route, usize, bool),
+        first: &mut Option<OwnedSemaphorePermit>,
+        round: &mut Round,
+    ) {
+        let f = self.fleet.clone();
+        if let Some(wait) = self.budget_wait(&job.name, route) {
+            round.limited = sooner(round.limited, wait);
+            if probing {
+                self.probe_unsent(job).await;
             }
-            room = 1;
+            return;
         }
         let claimed_before = round.claimed;
         let free = self.claimable(first.is_some()).min(room);
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
         // Budget before claim: a throttled fleet leaves tasks in the stream.
-        let (mut grants, wait, bound) = f.grants(job, want).await;
+        let (mut grants, wait, bound) = f.grants(job, want, route).await;
         if bound == Bound::Rate {
             self.budget_at
-                .insert(job.name.clone(), tokio::time::Instant::now() + wait);
+                .insert((job.name.clone(), route), tokio::time::Instant::now() + wait);
         }
         if grants.is_empty() {
             round.limited = sooner(round.limited, wait);
@@ -180,7 +208,7 @@ impl Claimer {
                     job.outage.set_probe(&d.task.rid);
                 }
                 let grant = grants.pop();
-                f.spawn(job.clone(), d, permit, grant);
+                f.spawn(job.clone(), d, permit, (grant, route));
             }
         }
         grants.release(&f).await;
@@ -189,10 +217,11 @@ impl Claimer {
         }
     }
 
-    /// How long until `job`'s rate buckets can give grants again, when they
-    /// said so and that time has not come (asking sooner gets nothing).
-    fn budget_wait(&self, job: &str) -> Option<Duration> {
-        let at = *self.budget_at.get(job)?;
+    /// How long until the rate buckets of `job`'s `route` can give grants
+    /// again, when they said so and that time has not come (asking sooner
+    /// gets nothing).
+    fn budget_wait(&self, job: &str, route: Route) -> Option<Duration> {
+        let at = *self.budget_at.get(&(job.to_owned(), route))?;
         at.checked_duration_since(tokio::time::Instant::now())
             .filter(|wait| !wait.is_zero())
     }

@@ -17,6 +17,7 @@ use crate::config::{Config, RunSummary};
 use crate::http::Health;
 use crate::job::{JobCtx, Limits, Settled};
 use crate::limiter::{Acquired, Grant, Limiter};
+use crate::plan::Route;
 use crate::process::process;
 use crate::telemetry::Metrics;
 
@@ -177,14 +178,22 @@ impl Fleet {
         &self.limiters[&job.name]
     }
 
-    /// Up to `want` grants of the job's limiter; when fewer, how long to
-    /// wait and what held the rest back.
-    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize) -> (HeldGrants, Duration, Bound) {
+    /// The limiter of a route's provider (the fallback's own, or the job's).
+    pub fn limiter_for<'a>(&'a self, job: &'a JobCtx, route: Route) -> &'a Arc<Limiter> {
+        match (route, &job.fallback) {
+            (Route::Fallback, Some(f)) => &f.limiter,
+            _ => self.limiter(job),
+        }
+    }
+
+    /// Up to `want` grants of the limiter of `route`'s provider; when fewer,
+    /// how long to wait and what held the rest back.
+    pub async fn grants(&self, job: &Arc<JobCtx>, want: usize, route: Route) -> (HeldGrants, Duration, Bound) {
         // The acquisition runs on the tracker: a round cancelled while Redis
         // answers (SIGTERM) must not leave the reservation it made unsettled;
         // with nobody to take them, the grants go straight back.
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let limiter = self.limiter(job).clone();
+        let limiter = self.limiter_for(job, route).clone();
         self.tracker.spawn(async move {
             let got = limiter.try_acquire(want).await;
             if let Err(Ok(got)) = tx.send(got) {
@@ -206,19 +215,26 @@ impl Fleet {
             }
         };
         let held = HeldGrants {
-            limiter: self.limiter(job).clone(),
+            limiter: self.limiter_for(job, route).clone(),
             grants: got.grants,
             tracker: self.tracker.clone(),
         };
         (held, got.wait, got.bound)
     }
 
-    /// Starts one delivered task on the tracker; it holds `permit` (and the
-    /// rate-limit `grant`) until it is settled.
-    pub fn spawn(self: &Arc<Self>, job: Arc<JobCtx>, d: Delivery, permit: OwnedSemaphorePermit, grant: Option<Grant>) {
+    /// Starts one delivered task on the tracker, to call `route`'s provider;
+    /// it holds `permit` (and the rate-limit `grant`) until it is settled.
+    pub fn spawn(
+        self: &Arc<Self>,
+        job: Arc<JobCtx>,
+        d: Delivery,
+        permit: OwnedSemaphorePermit,
+        (grant, route): (Option<Grant>, Route),
+    ) {
         let me = self.clone();
-        // Only a provider taken for down has probes (and keeps other tasks waiting).
-        let probe = job.outage.is_down().then(|| d.task.rid.clone());
+        // Only a provider taken for down has probes (and keeps other tasks
+        // waiting); the fallback's calls are no probes.
+        let probe = (route == Route::Primary && job.outage.is_down()).then(|| d.task.rid.clone());
         job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
         self.tracker.spawn(async move {
             // A grant given ahead of the buckets: its call waits for its time.
@@ -239,7 +255,7 @@ impl Fleet {
                 // The job was cancelled before this task ran: keep it for resume.
                 Some(me.cancel_task(&job, &d).await)
             } else {
-                Some(process(&job, d, &me.limits, &mut report).await)
+                Some(process(&job, d, &me.limits, &mut report, route).await)
             };
             drop(permit);
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -250,7 +266,7 @@ impl Fleet {
                 me.store_error(&e).await;
             }
             if let Some(grant) = grant {
-                let limiter = me.limiter(&job);
+                let limiter = me.limiter_for(&job, route);
                 let settled_budget = match &report {
                     Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
                     None => limiter.release(grant).await,

@@ -51,6 +51,21 @@ pub struct JobCtx {
     pub drift: std::sync::Mutex<crate::drift::DriftWatch>,
     /// Which tier each call takes (`provider.tiers`; see [`crate::plan`]).
     pub plan: crate::plan::Planner,
+    /// The first of `[[provider.fallbacks]]`: it takes the calls while the
+    /// provider is down, or too slow for the deadline.
+    pub fallback: Option<FallbackCtx>,
+}
+
+/// A fallback provider as the worker holds it.
+pub struct FallbackCtx {
+    /// The route's name (the ledger's, `status`'s).
+    pub name: String,
+    /// The job's spec with the fallback's endpoint, model, key, limits and
+    /// prices ([`JobSpec::as_fallback`]).
+    pub spec: JobSpec,
+    pub provider: Provider,
+    /// Its key's fleet-wide limits.
+    pub limiter: Arc<crate::limiter::Limiter>,
 }
 
 impl JobCtx {
@@ -79,6 +94,7 @@ impl JobCtx {
             checker: None,
             drift: std::sync::Mutex::new(crate::drift::DriftWatch::new(spec.drift.clone())),
             plan: crate::plan::Planner::new(&spec),
+            fallback: None,
             sink_full: std::sync::atomic::AtomicBool::new(false),
             // Its lease is set once every job is loaded (the visibility timeout).
             budget: spec
@@ -92,6 +108,35 @@ impl JobCtx {
             provider,
             spec,
         })
+    }
+
+    /// The client of the provider a route calls.
+    pub fn provider_for(&self, route: crate::plan::Route) -> &Provider {
+        match (route, &self.fallback) {
+            (crate::plan::Route::Fallback, Some(f)) => &f.provider,
+            _ => &self.provider,
+        }
+    }
+
+    /// The prices of a call on `route`, at `tier` (the fallback's own, or
+    /// the job's at the tier's).
+    pub fn prices_for(&self, route: crate::plan::Route, tier: Option<common::route::Tier>) -> common::spec::Prices {
+        match (route, &self.fallback) {
+            (crate::plan::Route::Fallback, Some(f)) => f.spec.prices.clone(),
+            _ => self.spec.prices.of_tier(tier.unwrap_or(common::route::Tier::Standard)),
+        }
+    }
+
+    /// The route's name in the ledger and the stats: the fallback's, the
+    /// tier's, or `standard` for a job with a fallback (None: a job with
+    /// one route names none).
+    pub fn route_name(&self, route: crate::plan::Route, tier: Option<common::route::Tier>) -> Option<String> {
+        match (route, &self.fallback, tier) {
+            (crate::plan::Route::Fallback, Some(f), _) => Some(f.name.clone()),
+            (_, _, Some(t)) => Some(t.name().to_owned()),
+            (_, Some(_), None) => Some(common::route::Tier::Standard.name().to_owned()),
+            (_, None, None) => None,
+        }
     }
 
     /// The job's drift watch with what it needs of the job (see [`crate::drift`]).

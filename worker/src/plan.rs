@@ -37,6 +37,13 @@ const ACCEPTANCE_WEIGHT: f64 = 0.02;
 /// The cause of a flex refusal (see `crate::provider::classify`).
 pub const FLEX_REFUSED: &str = "flex_unavailable";
 
+/// Which provider a call goes to: the job's, or its fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Route {
+    Primary,
+    Fallback,
+}
+
 /// One job's plan, as this worker holds it.
 pub struct Planner {
     /// The tiers the job may take; None: not routed (the provider's
@@ -71,6 +78,12 @@ impl Planner {
     /// The share of calls sent standard now.
     pub fn share(&self) -> f64 {
         f64::from_bits(self.share.load(Ordering::Relaxed))
+    }
+
+    /// Whether the deadline needs more than the provider's limits give
+    /// (every call standard and still behind): a fallback takes calls too.
+    pub fn overflow(&self) -> bool {
+        self.share() >= 1.0
     }
 
     /// The share of flex calls the provider took lately.

@@ -25,6 +25,7 @@ use crate::clock::now_ms;
 use crate::job::{CallReport, JobCtx, Limits, Settled};
 use crate::judge::Reply;
 use crate::limiter::estimate_tokens;
+use crate::plan::Route;
 use crate::provider::{CallResult, Request};
 
 /// Processes one delivery. Store errors are returned (the task then stays
@@ -38,9 +39,10 @@ pub async fn process(
     d: Delivery,
     limits: &Limits,
     report: &mut Option<CallReport>,
+    route: Route,
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, &d, limits);
-    let settled = run_attempt(job, d, limits, report, &span).await;
+    let settled = run_attempt(job, d, limits, (report, route), &span).await;
     attempt_settled(&span, &settled);
     settled
 }
@@ -97,6 +99,8 @@ pub struct Prepared {
     pub at_most: Usage,
     /// The tier it asks for (None: the job names none: standard).
     pub tier: Option<Tier>,
+    /// The provider it goes to.
+    pub route: Route,
 }
 
 impl Prepared {
@@ -108,7 +112,7 @@ impl Prepared {
 
 /// Before any call: a poison task or an input error is decided without one
 /// (returned with the delivery's facts); otherwise the request.
-pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, Box<(Before, Outcome)>> {
+pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits, route: Route) -> Result<Prepared, Box<(Before, Outcome)>> {
     let input = d.task.input_object();
     let before = Before {
         attempts: d.task.attempt + d.deliveries.saturating_sub(1),
@@ -122,7 +126,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         return Err(Box::new((before, outcome)));
     }
     if let Some(field) = &job.spec.prompt.request_field {
-        return prepare_passthrough(job, d, before, field);
+        return prepare_passthrough(job, d, before, (field, route));
     }
     let rendered = match job.user.render(&before.input) {
         Ok(rendered) => rendered,
@@ -139,7 +143,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         Some(f) => format!("{rendered}\n\n{f}"),
     };
     let (form, response_format) = job.forms.current();
-    let tier = job.plan.tier_for(&d.task);
+    let tier = (route == Route::Primary).then(|| job.plan.tier_for(&d.task)).flatten();
     let in_round = (before.attempts + 1).saturating_sub(d.task.base);
     let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
     let request = Request {
@@ -153,7 +157,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         worker: &limits.worker,
         service_tier: tier.map(Tier::service_tier),
     };
-    let body = job.provider.body(&request);
+    let body = job.provider_for(route).body(&request);
     let estimate = Usage::estimate(
         estimate_tokens(&job.system) + estimate_tokens(&user) + previous.map_or(0, estimate_tokens),
         u64::from(job.spec.provider.max_tokens),
@@ -175,6 +179,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Prepared, 
         estimate,
         at_most,
         tier,
+        route,
     })
 }
 
@@ -183,7 +188,7 @@ fn prepare_passthrough(
     job: &JobCtx,
     d: &Delivery,
     before: Before,
-    field: &str,
+    (field, route): (&str, Route),
 ) -> Result<Prepared, Box<(Before, Outcome)>> {
     let sent_feedback = feedback_with_note(&d.task.feedback, d.task.note.as_deref());
     let previous = d.task.answer.as_deref().filter(|_| sent_feedback.is_some());
@@ -197,13 +202,13 @@ fn prepare_passthrough(
     };
     // A request that names its tier keeps it; otherwise the plan's.
     let named = request.and_then(|r| r.get("service_tier")).and_then(serde_json::Value::as_str);
-    let planned = job.plan.tier_for(&d.task);
+    let planned = (route == Route::Primary).then(|| job.plan.tier_for(&d.task)).flatten();
     let tier = match named {
         Some(t) => Some(if t == "flex" { Tier::Flex } else { Tier::Standard }),
         None => planned,
     };
     let service_tier = planned.map(Tier::service_tier);
-    let (body, max_tokens, formatted) = match job.provider.passthrough_body(request, field, retry, response_format, service_tier) {
+    let (body, max_tokens, formatted) = match job.provider_for(route).passthrough_body(request, field, retry, response_format, service_tier) {
         Ok(made) => made,
         Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
     };
@@ -229,6 +234,7 @@ fn prepare_passthrough(
         estimate,
         at_most,
         tier,
+        route,
     })
 }
 
@@ -249,7 +255,7 @@ async fn run_attempt(
     job: &JobCtx,
     d: Delivery,
     limits: &Limits,
-    report: &mut Option<CallReport>,
+    (report, route): (&mut Option<CallReport>, Route),
     span: &Span,
 ) -> Result<Settled, StoreError> {
     // Read with the claim, moments ago: still the live delivery (the commit
@@ -270,7 +276,7 @@ async fn run_attempt(
         return crate::check::run(job, &d, limits, report, span).await;
     }
     // Poison and input errors are decided before any call.
-    let prep = match prepare(job, &d, limits) {
+    let prep = match prepare(job, &d, limits, route) {
         Ok(prep) => prep,
         Err(unsent) => {
             let (before, outcome) = *unsent;
@@ -296,17 +302,18 @@ async fn run_attempt(
         let outcome = Outcome::OverBudget { why };
         return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
-    let reservation = match reserve(job, &d, limits, &prep.at_most, &job.spec.prices).await? {
+    let prices = job.prices_for(prep.route, prep.tier);
+    let reservation = match reserve(job, &d, limits, &prep.at_most, &prices).await? {
         Ok(reservation) => reservation,
         Err(settled) => return Ok(settled),
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate, prep.tier);
+    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate, (prep.tier, prep.route));
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
-    let called = job.provider.call(&d.task.rid, &limits.worker, &prep.body).await;
+    let called = job.provider_for(prep.route).call(&d.task.rid, &limits.worker, &prep.body).await;
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &called.result);
     call_span.end();
@@ -353,9 +360,9 @@ pub(crate) fn paid_call(
     limits: &Limits,
     attempt: u32,
     usage: Usage,
-    tier: Option<Tier>,
+    (tier, route): (Option<Tier>, Route),
 ) -> PaidCall {
-    PaidCall::new(
+    let call = PaidCall::new(
         &d.task,
         attempt,
         d.task.calls + 1,
@@ -364,9 +371,15 @@ pub(crate) fn paid_call(
         usage,
         &job.spec.prices,
         now_ms(),
-    )
-    .on_tier(tier.unwrap_or(Tier::Standard), &job.spec.prices)
-    .to_model(&job.spec.provider.model)
+    );
+    match (route, &job.fallback) {
+        (Route::Fallback, Some(f)) => call
+            .on_route(&f.name, &f.spec.prices, &job.spec.prices)
+            .to_model(&f.spec.provider.model),
+        _ => call
+            .on_tier(tier.unwrap_or(Tier::Standard), &job.spec.prices)
+            .to_model(&job.spec.provider.model),
+    }
 }
 
 /// Settles one line of a provider batch's output or error file, answering
@@ -382,7 +395,7 @@ pub async fn settle_batch_line(
     line: String,
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, d, limits);
-    let settled = match prepare(job, d, limits) {
+    let settled = match prepare(job, d, limits, Route::Primary) {
         Ok(prep) => {
             let got = Got {
                 result: answer.result,
@@ -409,7 +422,7 @@ pub async fn settle_batch_line(
 /// answered (decided as online, without a call).
 pub async fn settle_unsent(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Settled, StoreError> {
     let span = Span::none();
-    match prepare(job, d, limits) {
+    match prepare(job, d, limits, Route::Primary) {
         Err(unsent) => {
             let (before, outcome) = *unsent;
             without_call(job, d, &before, outcome, None, limits, &span).await
@@ -432,7 +445,7 @@ async fn conclude(
     got: Got,
     via: Via<'_>,
 ) -> Result<Settled, StoreError> {
-    let sent = (&job.provider, &*prep.body);
+    let sent = (job.provider_for(prep.route), &*prep.body);
     let trail = keep_trail(job, d, limits, sent, got.body.as_deref(), got.batch_files.clone()).await;
     let Got {
         result, elapsed, body, ..
@@ -452,12 +465,12 @@ async fn conclude(
         // or answered without saying what it used.
         reply.usage = Some(prep.estimate);
     }
-    let (waiting, line) = settle_via(job, &reply, via, prep.tier).await;
+    let (waiting, line) = settle_via(job, &reply, via, job.prices_for(prep.route, prep.tier)).await;
 
     // An online call tells the fleet whether the provider answers (an
     // outage that outlasted the job's budget halts it).
     let (failing_since, answered_ms) = match elapsed {
-        Some(took) => note_provider(job, d, limits, &mut reply, took, prep.tier).await,
+        Some(took) => note_provider(job, d, limits, &mut reply, took, prep).await,
         // A batch's line: the provider answered the batch.
         None => (failing_since(d, &reply.outcome, std::time::Duration::ZERO), now_ms()),
     };
@@ -466,7 +479,7 @@ async fn conclude(
     let counts_as_attempt = reply.outcome.is_attempt();
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
-    let paid = paid_of(job, d, limits, (attempt, prep.tier), &reply, line.as_deref(), waiting.as_ref());
+    let paid = paid_of(job, d, limits, (attempt, prep), &reply, line.as_deref(), waiting.as_ref());
     let calls = d.task.calls + 1;
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
@@ -526,13 +539,13 @@ fn paid_of(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
-    (attempt, tier): (u32, Option<Tier>),
+    (attempt, prep): (u32, &Prepared),
     reply: &Reply,
     line: Option<&str>,
     waiting: Option<&CallInFlight<'_>>,
 ) -> Option<PaidCall> {
     let call = reply.usage.map(|u| {
-        let call = paid_call(job, d, limits, attempt, u, tier);
+        let call = paid_call(job, d, limits, attempt, u, (prep.tier, prep.route));
         match line {
             Some(line) => call.batched(&job.spec.prices.batch(), &job.spec.prices, line),
             None => call,
@@ -552,11 +565,10 @@ async fn settle_via<'a>(
     job: &JobCtx,
     reply: &Reply,
     via: Via<'a>,
-    tier: Option<Tier>,
+    prices: common::spec::Prices,
 ) -> (Option<CallInFlight<'a>>, Option<String>) {
     match via {
         Via::Online { waiting, reservation } => {
-            let prices = job.spec.prices.of_tier(tier.unwrap_or(Tier::Standard));
             crate::attempt::settle_reservation(job, reservation, reply.usage, &prices).await;
             (Some(waiting), None)
         }
@@ -590,7 +602,8 @@ impl AttemptRecord<'_> {
         stamp: &Stamp,
     ) -> Vec<HistoryItem> {
         let mut history = d.task.history.clone();
-        history.push(HistoryItem::Attempt(self.of(reply, prep, stamp, limits)));
+        let route = job.route_name(prep.route, prep.tier);
+        history.push(HistoryItem::Attempt(self.of(reply, prep, (stamp, route), limits)));
         let (outcome, decision) = (outcome_label(&reply.outcome), decision_label(self.decision));
         if span.is_on() {
             span.set("batchfleet.attempt", i64::from(self.attempt));
@@ -599,7 +612,7 @@ impl AttemptRecord<'_> {
         }
         let prices = match self.batch_line {
             Some(_) => job.spec.prices.batch(),
-            None => job.spec.prices.clone(),
+            None => job.prices_for(prep.route, prep.tier),
         };
         let facts = AttemptFacts {
             attempt: self.attempt,
@@ -616,7 +629,7 @@ impl AttemptRecord<'_> {
     }
 
     /// The attempt as the record's history keeps it.
-    fn of(&self, reply: &Reply, prep: &Prepared, stamp: &Stamp, limits: &Limits) -> Attempt {
+    fn of(&self, reply: &Reply, prep: &Prepared, (stamp, route): (&Stamp, Option<String>), limits: &Limits) -> Attempt {
         Attempt {
             attempt: self.attempt,
             call: self.call,
@@ -634,7 +647,7 @@ impl AttemptRecord<'_> {
             error: reply.error.as_ref().and_then(|e| e.message.clone()),
             feedback: prep.sent_feedback.clone(),
             batch: self.batch_line.and_then(|l| l.split(':').next()).map(str::to_owned),
-            tier: prep.tier.map(|t| t.name().to_owned()),
+            tier: route,
             trail: self.trail.clone(),
             check: None,
         }
@@ -654,12 +667,16 @@ async fn note_provider(
     limits: &Limits,
     reply: &mut Reply,
     took: std::time::Duration,
-    tier: Option<Tier>,
+    prep: &Prepared,
 ) -> (u64, u64) {
+    if prep.route == Route::Fallback {
+        // The fallback's answers say nothing of the provider's outage.
+        return (failing_since(d, &reply.outcome, took), 0);
+    }
     // A flex refusal is the provider's answer (it is up, its cheap tier is
     // busy): the plan learns from it; the outage streak does not.
     let flex_refused = reply.error.as_ref().is_some_and(|e| e.cause == crate::plan::FLEX_REFUSED);
-    if tier == Some(Tier::Flex) {
+    if prep.tier == Some(Tier::Flex) {
         job.plan.saw_flex(flex_refused);
     }
     let failed = reply.outcome.is_world_failure() && !flex_refused;

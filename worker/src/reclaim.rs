@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::store::IdleEntry;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::plan::Route;
 use crate::job::JobCtx;
 use crate::service::Service;
 
@@ -71,7 +72,12 @@ impl Rescuer {
         if free == 0 {
             return 0;
         }
-        let (mut grants, ..) = f.grants(job, free).await;
+        // While the provider is down, a fallback takes them (else they wait as released).
+        let route = match (job.outage.is_down(), &job.fallback) {
+            (true, Some(_)) => Route::Fallback,
+            _ => Route::Primary,
+        };
+        let (mut grants, ..) = f.grants(job, free, route).await;
         if grants.is_empty() {
             return 0;
         }
@@ -89,7 +95,7 @@ impl Rescuer {
                     match f.permits.clone().try_acquire_owned() {
                         Ok(permit) => {
                             let grant = grants.pop();
-                            f.spawn(job.clone(), d, permit, grant);
+                            f.spawn(job.clone(), d, permit, (grant, route));
                             started += 1;
                         }
                         Err(_) => break, // stays pending, owned by us; reclaimed again later

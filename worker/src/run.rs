@@ -247,6 +247,11 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
         if let Ok(report) = fleet.limiter(job).report().await {
             summary.limiters.insert(job.name.clone(), report);
         }
+        if let Some(f) = &job.fallback
+            && let Ok(report) = f.limiter.report().await
+        {
+            summary.limiters.insert(format!("{}/{}", job.name, f.name), report);
+        }
     }
     summary.abandoned = abandoned.0;
     summary.calls_abandoned += abandoned.1;
@@ -342,6 +347,30 @@ fn checker(name: &str, spec: &JobSpec, base_url: Option<&str>) -> Result<Option<
     Provider::new(&as_job, None, key)
         .map(Some)
         .map_err(|e| RunError::Refused(format!("the checker's HTTP client: {e}")))
+}
+
+/// The job's first fallback provider (`[[provider.fallbacks]]`), with its
+/// own client, key and limits.
+fn fallback(
+    store: &RedisStore,
+    name: &str,
+    spec: &JobSpec,
+    config: &Config,
+) -> Result<Option<crate::job::FallbackCtx>, RunError> {
+    let Some(f) = spec.provider.fallbacks.first() else {
+        return Ok(None);
+    };
+    let as_fallback = spec.as_fallback(f);
+    let key = api_key(name, &as_fallback, &f.base_url)?;
+    let provider = Provider::new(&as_fallback, None, key)
+        .map_err(|e| RunError::Refused(format!("the fallback's HTTP client: {e}")))?;
+    let limiter = Limiter::for_job(store, &as_fallback, &f.base_url, &config.consumer);
+    Ok(Some(crate::job::FallbackCtx {
+        name: f.name.clone(),
+        spec: as_fallback,
+        provider,
+        limiter: Arc::new(limiter),
+    }))
 }
 
 /// How often a worker looks for the jobs it waits for.
@@ -444,6 +473,9 @@ pub async fn start(config: Config, metrics: Arc<Metrics>) -> Result<(Arc<Fleet>,
     // worker's slots come back when its tasks could be reclaimed.
     for (job, limiter) in &mut jobs {
         limiter.set_lease(visibility);
+        if let Some(l) = job.fallback.as_mut().and_then(|f| Arc::get_mut(&mut f.limiter)) {
+            l.set_lease(visibility);
+        }
         if let Some(b) = &job.budget {
             b.set_lease(visibility);
         }
@@ -523,6 +555,9 @@ async fn load_jobs(store: &RedisStore, config: &Config) -> Result<Vec<(JobCtx, L
         if let Some(checker) = &job.checker {
             secrets.push(checker.key().to_owned());
         }
+        if let Some(f) = &job.fallback {
+            secrets.push(f.provider.key().to_owned());
+        }
         if let Some(common::sink::Target::Postgres(url)) = &job.sink {
             secrets.extend(common::sink::db_passwords(url));
         }
@@ -533,6 +568,9 @@ async fn load_jobs(store: &RedisStore, config: &Config) -> Result<Vec<(JobCtx, L
         job.provider.set_scrubber(scrubber.clone());
         if let Some(checker) = &mut job.checker {
             checker.set_scrubber(scrubber.clone());
+        }
+        if let Some(f) = &mut job.fallback {
+            f.provider.set_scrubber(scrubber.clone());
         }
     }
     Ok(jobs)
@@ -674,6 +712,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
     let queue = Arc::new(crate::queue::RedisQueue::new(store, name));
     let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
     job.checker = checker(name, &job.spec, base_url)?;
+    job.fallback = fallback(store, name, &job.spec, config)?;
     if let Some(target) = sink {
         job.set_sink(target)
             .map_err(|e| RunError::Refused(format!("job `{name}`: sink: {e}")))?;

@@ -85,7 +85,12 @@ local function paid(i)
   if has_sink then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
-  local bucket, p, k, c, n, e, tier, o = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%a*) ?(%d*)$')
+  local bucket, p, k, c, n, e, rest = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
+  -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
+  local tier, o = string.match(rest, '^ (%a[%w_-]*) (%d+)$')
+  if not tier then
+    tier, o = '', string.match(rest, '^ ?(%d*)$') or ''
+  end
   add('calls', 1)
   add('prompt', tonumber(p))
   add('cached', tonumber(k))

@@ -30,7 +30,12 @@ for i = 1, #ARGV, 3 do
     if has_sink then
       redis.call('XADD', KEYS[3], '*', 'rid', string.match(ARGV[i], '^(.*):[^:]*:[^:]*$') or '', 'k', 'l', 'c', ARGV[i])
     end
-    local bucket, p, k, c, usd, e, tier, o = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d) ?(%a*) ?(%d*)$')
+    local bucket, p, k, c, usd, e, rest = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
+    -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
+    local tier, o = string.match(rest, '^ (%a[%w_-]*) (%d+)$')
+    if not tier then
+      tier, o = '', string.match(rest, '^ ?(%d*)$') or ''
+    end
     add('calls', 1)
     add('prompt', tonumber(p))
     add('cached', tonumber(k))
