@@ -607,6 +607,59 @@ mod tests {
     }
 
     #[test]
+    fn a_call_off_the_standard_route_keeps_its_route_model_and_standard_cost() {
+        let p = Prices {
+            input_per_mtok: 1.0,
+            output_per_mtok: 4.0,
+            ..Prices::default()
+        };
+        let u = Usage {
+            prompt: 1000,
+            completion: 500,
+            total: 1500,
+            ..Usage::default()
+        };
+        let flex = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0)
+            .on_tier(Tier::Flex, &p)
+            .to_model("gpt-4o-mini");
+        assert_eq!((flex.cost_nusd, flex.online_nusd), (1_500_000, Some(3_000_000)), "flex: half");
+        assert_eq!(flex.spend_args(), "first 1000 0 500 1500000 0 flex 3000000");
+        assert_eq!(PaidCall::decode(&flex.key(), &flex.encode()).unwrap().tier, "flex");
+        let line = PaidCall::from_line(&flex.line()).unwrap();
+        assert_eq!((line.tier.as_str(), line.model.as_str()), ("flex", "gpt-4o-mini"));
+        let standard = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0).on_tier(Tier::Standard, &p);
+        assert_eq!(standard.spend_args(), "first 1000 0 500 3000000 0", "the standard route adds nothing");
+        let dear = Prices {
+            input_per_mtok: 3.0,
+            output_per_mtok: 12.0,
+            ..Prices::default()
+        };
+        let backup = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0).on_route("backup-2", &dear, &p);
+        assert_eq!(backup.spend_args(), "first 1000 0 500 9000000 0 backup-2 3000000");
+        // An entry of a version before routes: standard, model unknown.
+        let old = r#"[1,1,"w","first","settled",1000,0,500,0,"abc",3000000,0]"#;
+        let decoded = PaidCall::decode("r:1:n", old).unwrap();
+        assert_eq!((decoded.tier.as_str(), decoded.model.as_str()), ("standard", ""));
+        // The counters the scripts keep, read back per route.
+        let mut s = Spend::default();
+        s.add_counters(&BTreeMap::from([
+            ("calls".into(), 3),
+            ("nusd".into(), 3_000_000 + 1_500_000 + 9_000_000),
+            ("calls@flex".into(), 1),
+            ("nusd@flex".into(), 1_500_000),
+            ("std@flex".into(), 3_000_000),
+            ("calls@backup-2".into(), 1),
+            ("nusd@backup-2".into(), 9_000_000),
+            ("std@backup-2".into(), 3_000_000),
+        ]));
+        let routes = s.routes();
+        assert_eq!(routes["standard"].calls, 1);
+        assert!((routes["standard"].cost_usd - 0.003).abs() < 1e-12);
+        assert_eq!(routes["flex"].calls, 1);
+        assert!((s.standard_cost_usd() - 0.009).abs() < 1e-12, "{}", s.standard_cost_usd());
+    }
+
+    #[test]
     fn costs_are_whole_nano_dollars_and_prices_have_a_version() {
         let p = Prices {
             input_per_mtok: 0.15,

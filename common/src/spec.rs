@@ -2161,6 +2161,34 @@ mod tests {
     }
 
     #[test]
+    fn tiers_deadlines_and_fallbacks_are_checked_with_their_path() {
+        let tiers = |t: &str| edited("structured_output = \"auto\"", &format!("structured_output = \"auto\"\ntiers = {t}"));
+        let ok = JobSpec::parse(&tiers("[\"flex\", \"standard\"]"), "job.toml").unwrap();
+        assert_eq!(ok.provider.tiers(), vec![crate::route::Tier::Flex, crate::route::Tier::Standard]);
+        // Flex defaults to the batch price: half the standard one.
+        assert_eq!(ok.prices.flex().output_per_mtok, ok.prices.output_per_mtok / 2.0);
+        assert_problem(&tiers("[\"batch\"]"), "provider.tiers: \"batch\" is not a per-record tier yet");
+        assert_problem(&tiers("[\"flexx\"]"), "provider.tiers: `flexx` is no tier");
+        assert_problem(&tiers("[\"flex\", \"flex\"]"), "provider.tiers: `flex` is listed twice");
+        let deadline = |d: &str| edited("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{d}\" "));
+        assert_eq!(JobSpec::parse(&deadline("6h"), "job.toml").unwrap().job.deadline.as_deref(), Some("6h"));
+        assert_problem(&deadline("tomorrow"), "job.deadline: `tomorrow` is neither a duration");
+        let fallback = |body: &str| edited("\n[limits]", &format!("\n[[provider.fallbacks]]\n{body}\n\n[limits]"));
+        let good = "name = \"backup\"\nbase_url = \"https://api.example.com/v1\"\nmodel = \"m\"";
+        let spec = JobSpec::parse(&fallback(good), "job.toml").unwrap();
+        let as_fallback = spec.as_fallback(&spec.provider.fallbacks[0]);
+        assert_eq!((as_fallback.provider.model.as_str(), as_fallback.limits.requests_per_minute), ("m", None));
+        assert_eq!(as_fallback.prices, spec.prices, "the job's prices unless it names its own");
+        assert_problem(&fallback(&good.replace("backup", "flex")), "provider.fallbacks[0].name: `flex` names a tier");
+        assert_problem(&fallback(&good.replace("backup", "Backup 2")), "provider.fallbacks[0].name: `Backup 2` is no route name");
+        assert_problem(&fallback(&good.replace("https://", "ftp://")), "provider.fallbacks[0].base_url: must start with http");
+        assert_problem(
+            &fallback(&format!("{good}\napi_key_env = \"sk-123\"")),
+            "provider.fallbacks[0].api_key_env: must be the NAME",
+        );
+    }
+
+    #[test]
     fn a_sink_is_checked_field_by_field() {
         let with = |sink: &str| edited("[retry]", &format!("[sink]\n{sink}\n\n[retry]"));
         let ok = JobSpec::parse(&with("kind = \"postgres\"\nurl_env = \"DATABASE_URL\""), "job.toml").unwrap();

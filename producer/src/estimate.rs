@@ -350,6 +350,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_plan_sends_flex_while_the_deadline_leaves_room() {
+        let example = include_str!("../../examples/job.toml");
+        let with = |deadline: &str| {
+            let text = example.replacen("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{deadline}\" "), 1);
+            JobSpec::parse(&text, "job.toml").unwrap()
+        };
+        // 10,000 records at 0.001 USD standard, 0.0005 flex; 20 calls a
+        // second; flex takes 60%: 12 records a second all flex (~14 min).
+        let roomy = plan(&with("1h"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        assert_eq!(roomy.standard_share, 0.0);
+        assert!((roomy.cost_usd - 5.0).abs() < 1e-9 && roomy.deadline_met, "{roomy:?}");
+        assert!((roomy.all_standard_cost_usd - 10.0).abs() < 1e-9);
+        // 11 minutes: flex alone is too slow, all standard (8.3 min) is not.
+        let tight = plan(&with("11m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        assert!(tight.standard_share > 0.0 && tight.standard_share < 1.0, "{tight:?}");
+        assert!(tight.cost_usd > 5.0 && tight.cost_usd < 10.0 && tight.deadline_met, "{tight:?}");
+        // 5 minutes: not even all standard.
+        let impossible = plan(&with("5m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        assert_eq!(impossible.standard_share, 1.0);
+        assert!(!impossible.deadline_met);
+    }
+
+    #[test]
     fn per_record_figures_have_a_mean_percentiles_and_an_interval() {
         let p = PerRecord::of((1..=10).map(f64::from).collect());
         assert!((p.mean - 5.5).abs() < 1e-12);
