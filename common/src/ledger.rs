@@ -622,13 +622,21 @@ mod tests {
         let flex = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0)
             .on_tier(Tier::Flex, &p)
             .to_model("gpt-4o-mini");
-        assert_eq!((flex.cost_nusd, flex.online_nusd), (1_500_000, Some(3_000_000)), "flex: half");
+        assert_eq!(
+            (flex.cost_nusd, flex.online_nusd),
+            (1_500_000, Some(3_000_000)),
+            "flex: half"
+        );
         assert_eq!(flex.spend_args(), "first 1000 0 500 1500000 0 flex 3000000");
         assert_eq!(PaidCall::decode(&flex.key(), &flex.encode()).unwrap().tier, "flex");
         let line = PaidCall::from_line(&flex.line()).unwrap();
         assert_eq!((line.tier.as_str(), line.model.as_str()), ("flex", "gpt-4o-mini"));
         let standard = PaidCall::new(&task(), 1, 1, 1, "w", u, &p, 0).on_tier(Tier::Standard, &p);
-        assert_eq!(standard.spend_args(), "first 1000 0 500 3000000 0", "the standard route adds nothing");
+        assert_eq!(
+            standard.spend_args(),
+            "first 1000 0 500 3000000 0",
+            "the standard route adds nothing"
+        );
         let dear = Prices {
             input_per_mtok: 3.0,
             output_per_mtok: 12.0,
@@ -656,7 +664,11 @@ mod tests {
         assert_eq!(routes["standard"].calls, 1);
         assert!((routes["standard"].cost_usd - 0.003).abs() < 1e-12);
         assert_eq!(routes["flex"].calls, 1);
-        assert!((s.standard_cost_usd() - 0.009).abs() < 1e-12, "{}", s.standard_cost_usd());
+        assert!(
+            (s.standard_cost_usd() - 0.009).abs() < 1e-12,
+            "{}",
+            s.standard_cost_usd()
+        );
     }
 
     #[test]

@@ -61,7 +61,9 @@ pub fn parse_deadline(text: &str, now_ms: u64) -> Result<u64, String> {
         return parse_instant(text).map(|secs| secs * 1000);
     }
     parse_duration_ms(text).map(|ms| now_ms + ms).ok_or_else(|| {
-        format!("`{text}` is neither a duration (`90s`, `45m`, `6h`, `2d`, `1h30m`) nor an instant (`2026-12-07T18:00:00Z`)")
+        format!(
+            "`{text}` is neither a duration (`90s`, `45m`, `6h`, `2d`, `1h30m`) nor an instant (`2026-12-07T18:00:00Z`)"
+        )
     })
 }
 
@@ -189,6 +191,22 @@ pub fn standard_share(f: &PlanFacts) -> f64 {
     ((needed / slots - a) / (1.0 - a)).clamp(0.0, 1.0)
 }
 
+/// Whether even every call standard would end after the deadline itself
+/// (not its margin) at the slots measured: a fallback should take calls
+/// too. False until a rate is measured, and without a deadline.
+pub fn all_standard_too_slow(f: &PlanFacts) -> bool {
+    let (Some(deadline), Some(rate)) = (f.deadline_ms, f.rate) else {
+        return false;
+    };
+    if f.remaining == 0 {
+        return false;
+    }
+    let left_s = deadline.saturating_sub(f.now_ms) as f64 / 1000.0;
+    let a = f.flex_acceptance.clamp(0.0, 1.0);
+    let slots = rate / (f.standard_share + (1.0 - f.standard_share) * a).max(0.01);
+    left_s <= 0.0 || f.remaining as f64 > slots * left_s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,7 +235,15 @@ mod tests {
             crate::manifest::rfc3339(parse_deadline("2000-02-29T00:00:00Z", 0).unwrap() / 1000),
             "2000-02-29T00:00:00Z"
         );
-        for bad in ["", "6 hours", "0s", "12", "2026-13-01T00:00:00Z", "2026-12-01T25:00:00Z", "h"] {
+        for bad in [
+            "",
+            "6 hours",
+            "0s",
+            "12",
+            "2026-13-01T00:00:00Z",
+            "2026-12-01T25:00:00Z",
+            "h",
+        ] {
             let err = parse_deadline(bad, NOW).unwrap_err();
             assert!(err.contains("2026-12-07T18:00:00Z"), "{bad}: {err}");
         }
@@ -260,5 +286,20 @@ mod tests {
         assert_eq!(standard_share(&facts(4, 1, 100.0, 1.0, 0.0)), 1.0);
         // Flex that refuses nothing is as fast as standard: no reason to pay more.
         assert_eq!(standard_share(&facts(40, 1000, 10.0, 1.0, 0.0)), 0.0);
+    }
+
+    #[test]
+    fn a_fallback_is_needed_only_when_all_standard_misses_the_deadline_itself() {
+        // 16.7 slots a second: 1,000 records take 60 s all standard.
+        assert!(!all_standard_too_slow(&facts(80, 1000, 10.0, 0.6, 0.0)));
+        // Inside the margin but on time: no fallback.
+        assert!(!all_standard_too_slow(&facts(62, 1000, 10.0, 0.6, 0.0)));
+        assert!(all_standard_too_slow(&facts(50, 1000, 10.0, 0.6, 0.0)));
+        assert!(all_standard_too_slow(&facts(0, 1, 10.0, 0.6, 0.0)), "passed");
+        let unmeasured = PlanFacts {
+            rate: None,
+            ..facts(1, 1000, 0.0, 0.6, 0.0)
+        };
+        assert!(!all_standard_too_slow(&unmeasured));
     }
 }

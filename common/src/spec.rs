@@ -598,6 +598,13 @@ impl Provider {
         !self.tiers.is_empty()
     }
 
+    /// Whether records may go through the Batch API beside online calls
+    /// (`"batch"` among the tiers): while the deadline leaves the batch's
+    /// completion window.
+    pub fn batch_tier(&self) -> bool {
+        self.tiers.iter().any(|t| t == "batch")
+    }
+
     /// How long a timed-out call keeps its concurrency slot.
     pub fn timeout_grace(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.timeout_grace_secs.unwrap_or(self.timeout_secs))
@@ -892,9 +899,12 @@ impl JobSpec {
     /// `provider.mode = "batch"` and its `[batch]` section.
     fn check_batch(&self, p: &mut Problems) {
         let b = &self.batch;
-        if self.provider.mode == ProviderMode::Online {
+        if self.provider.mode == ProviderMode::Online && !self.provider.batch_tier() {
             if !b.is_default() {
-                p.add("batch", "applies to provider.mode = \"batch\"");
+                p.add(
+                    "batch",
+                    "applies to provider.mode = \"batch\" or \"batch\" among provider.tiers",
+                );
             }
             return;
         }
@@ -905,7 +915,7 @@ impl JobSpec {
         {
             p.add(
                 "budget",
-                "is not enforced in provider.mode = \"batch\" (a shard's calls are not reserved one by one): leave [budget] out",
+                "is not enforced through the Batch API (provider.mode = \"batch\", or \"batch\" among provider.tiers: a shard's calls are not reserved one by one): leave [budget] out",
             );
         }
         if b.shard_records.is_some_and(|n| !(1..=50_000).contains(&n)) {
@@ -1370,15 +1380,10 @@ impl JobSpec {
     fn route_problems(&self, p: &mut Problems) {
         let pr = &self.provider;
         for (i, t) in pr.tiers.iter().enumerate() {
-            if t == "batch" {
+            if t != "batch" && crate::route::Tier::from_name(t).is_none() {
                 p.add(
                     "provider.tiers",
-                    "\"batch\" is not a per-record tier yet: run the whole job through the Batch API with provider.mode = \"batch\"",
-                );
-            } else if crate::route::Tier::from_name(t).is_none() {
-                p.add(
-                    "provider.tiers",
-                    format!("`{t}` is no tier: list \"flex\" and/or \"standard\""),
+                    format!("`{t}` is no tier: list \"batch\", \"flex\" and/or \"standard\""),
                 );
             } else if pr.tiers[..i].contains(t) {
                 p.add("provider.tiers", format!("`{t}` is listed twice"));
@@ -1399,11 +1404,25 @@ impl JobSpec {
             let key = |k: &str| format!("provider.fallbacks[{i}].{k}");
             let named = !f.name.is_empty()
                 && f.name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-                && f.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+                && f.name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
             if !named || f.name.len() > 32 {
-                p.add(key("name"), format!("`{}` is no route name: a-z first, then a-z, 0-9, _ or -, at most 32", f.name));
+                p.add(
+                    key("name"),
+                    format!(
+                        "`{}` is no route name: a-z first, then a-z, 0-9, _ or -, at most 32",
+                        f.name
+                    ),
+                );
             } else if RESERVED_ROUTES.contains(&f.name.as_str()) {
-                p.add(key("name"), format!("`{}` names a tier: call the fallback by its provider, e.g. \"backup\"", f.name));
+                p.add(
+                    key("name"),
+                    format!(
+                        "`{}` names a tier: call the fallback by its provider, e.g. \"backup\"",
+                        f.name
+                    ),
+                );
             } else if pr.fallbacks[..i].iter().any(|o| o.name == f.name) {
                 p.add(key("name"), format!("`{}` is listed twice", f.name));
             }
@@ -1414,11 +1433,17 @@ impl JobSpec {
                 p.add(key("model"), "must not be empty");
             }
             if !is_env_name(&f.api_key_env) {
-                p.add(key("api_key_env"), "must be the NAME of an environment variable (A-Z, 0-9, _), never the key");
+                p.add(
+                    key("api_key_env"),
+                    "must be the NAME of an environment variable (A-Z, 0-9, _), never the key",
+                );
             }
         }
         if !pr.fallbacks.is_empty() && pr.mode == ProviderMode::Batch {
-            p.add("provider.fallbacks", "a job through the Batch API takes no online fallback: remove one or the other");
+            p.add(
+                "provider.fallbacks",
+                "a job through the Batch API takes no online fallback: remove one or the other",
+            );
         }
     }
 
@@ -2162,26 +2187,68 @@ mod tests {
 
     #[test]
     fn tiers_deadlines_and_fallbacks_are_checked_with_their_path() {
-        let tiers = |t: &str| edited("structured_output = \"auto\"", &format!("structured_output = \"auto\"\ntiers = {t}"));
+        let tiers = |t: &str| {
+            edited(
+                "structured_output = \"auto\"",
+                &format!("structured_output = \"auto\"\ntiers = {t}"),
+            )
+        };
         let ok = JobSpec::parse(&tiers("[\"flex\", \"standard\"]"), "job.toml").unwrap();
-        assert_eq!(ok.provider.tiers(), vec![crate::route::Tier::Flex, crate::route::Tier::Standard]);
+        assert_eq!(
+            ok.provider.tiers(),
+            vec![crate::route::Tier::Flex, crate::route::Tier::Standard]
+        );
         // Flex defaults to the batch price: half the standard one.
         assert_eq!(ok.prices.flex().output_per_mtok, ok.prices.output_per_mtok / 2.0);
-        assert_problem(&tiers("[\"batch\"]"), "provider.tiers: \"batch\" is not a per-record tier yet");
+        assert!(
+            JobSpec::parse(&tiers("[\"batch\", \"flex\", \"standard\"]"), "job.toml")
+                .unwrap()
+                .provider
+                .batch_tier()
+        );
+        assert_problem(
+            &tiers("[\"batch\"]").replace("[retry]", "[budget]\nmax_cost_usd = 5.0\n\n[retry]"),
+            "budget: is not enforced through the Batch API",
+        );
         assert_problem(&tiers("[\"flexx\"]"), "provider.tiers: `flexx` is no tier");
         assert_problem(&tiers("[\"flex\", \"flex\"]"), "provider.tiers: `flex` is listed twice");
         let deadline = |d: &str| edited("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{d}\" "));
-        assert_eq!(JobSpec::parse(&deadline("6h"), "job.toml").unwrap().job.deadline.as_deref(), Some("6h"));
+        assert_eq!(
+            JobSpec::parse(&deadline("6h"), "job.toml")
+                .unwrap()
+                .job
+                .deadline
+                .as_deref(),
+            Some("6h")
+        );
         assert_problem(&deadline("tomorrow"), "job.deadline: `tomorrow` is neither a duration");
         let fallback = |body: &str| edited("\n[limits]", &format!("\n[[provider.fallbacks]]\n{body}\n\n[limits]"));
         let good = "name = \"backup\"\nbase_url = \"https://api.example.com/v1\"\nmodel = \"m\"";
         let spec = JobSpec::parse(&fallback(good), "job.toml").unwrap();
         let as_fallback = spec.as_fallback(&spec.provider.fallbacks[0]);
-        assert_eq!((as_fallback.provider.model.as_str(), as_fallback.limits.requests_per_minute), ("m", None));
-        assert_eq!(as_fallback.prices, spec.prices, "the job's prices unless it names its own");
-        assert_problem(&fallback(&good.replace("backup", "flex")), "provider.fallbacks[0].name: `flex` names a tier");
-        assert_problem(&fallback(&good.replace("backup", "Backup 2")), "provider.fallbacks[0].name: `Backup 2` is no route name");
-        assert_problem(&fallback(&good.replace("https://", "ftp://")), "provider.fallbacks[0].base_url: must start with http");
+        assert_eq!(
+            (
+                as_fallback.provider.model.as_str(),
+                as_fallback.limits.requests_per_minute
+            ),
+            ("m", None)
+        );
+        assert_eq!(
+            as_fallback.prices, spec.prices,
+            "the job's prices unless it names its own"
+        );
+        assert_problem(
+            &fallback(&good.replace("backup", "flex")),
+            "provider.fallbacks[0].name: `flex` names a tier",
+        );
+        assert_problem(
+            &fallback(&good.replace("backup", "Backup 2")),
+            "provider.fallbacks[0].name: `Backup 2` is no route name",
+        );
+        assert_problem(
+            &fallback(&good.replace("https://", "ftp://")),
+            "provider.fallbacks[0].base_url: must start with http",
+        );
         assert_problem(
             &fallback(&format!("{good}\napi_key_env = \"sk-123\"")),
             "provider.fallbacks[0].api_key_env: must be the NAME",

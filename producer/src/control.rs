@@ -29,7 +29,8 @@ pub async fn cancel(store: &RedisStore, job: &str) -> Result<String, ControlErro
 /// `6h`) or an instant (`2026-12-07T18:00:00Z`). Returns what it says it did.
 pub async fn set_deadline(store: &RedisStore, job: &str, when: &str, now_ms: u64) -> Result<String, ControlError> {
     let spec = spec(store, job).await?;
-    let at = common::route::parse_deadline(when, now_ms).map_err(|why| ControlError::Refused(format!("deadline: {why}")))?;
+    let at =
+        common::route::parse_deadline(when, now_ms).map_err(|why| ControlError::Refused(format!("deadline: {why}")))?;
     if at <= now_ms {
         return Err(ControlError::Refused(format!(
             "deadline: {} has passed; give a time to come, e.g. producer deadline --job {job} 30m",

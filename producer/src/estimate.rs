@@ -255,7 +255,13 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
         };
         let flex_mean = PerRecord::of(flex_cost).mean;
         // Calls a second the limits allow, over calls a record takes.
-        plan(spec, n, (cost.mean, flex_mean), acceptance, rate / 60.0 / calls.mean.max(1e-9))
+        plan(
+            spec,
+            n,
+            (cost.mean, flex_mean),
+            acceptance,
+            rate / 60.0 / calls.mean.max(1e-9),
+        )
     });
     let warning = manifest.sample.as_ref().and_then(|s| {
         if s.from_job.is_some() {
@@ -333,12 +339,20 @@ pub fn print(e: &Estimate) {
             100.0 * p.standard_share,
             100.0 * p.flex_acceptance,
             p.deadline.as_deref().unwrap_or("none"),
-            if p.deadline_met { "met" } else { "NOT met even all standard: move it (producer deadline) or raise [limits]" }
+            if p.deadline_met {
+                "met"
+            } else {
+                "NOT met even all standard: move it (producer deadline) or raise [limits]"
+            }
         );
         crate::outln!(
             "  plan cost    {:.4} USD: {:.2} of all-standard ({:.4} USD); all flex {:.4} USD",
             p.cost_usd,
-            if p.all_standard_cost_usd > 0.0 { p.cost_usd / p.all_standard_cost_usd } else { 0.0 },
+            if p.all_standard_cost_usd > 0.0 {
+                p.cost_usd / p.all_standard_cost_usd
+            } else {
+                0.0
+            },
             p.all_standard_cost_usd,
             p.all_flex_cost_usd
         );
@@ -353,7 +367,11 @@ mod tests {
     fn the_plan_sends_flex_while_the_deadline_leaves_room() {
         let example = include_str!("../../examples/job.toml");
         let with = |deadline: &str| {
-            let text = example.replacen("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{deadline}\" "), 1);
+            let text = example.replacen(
+                "partitions = 4 ",
+                &format!("partitions = 4\ndeadline = \"{deadline}\" "),
+                1,
+            );
             JobSpec::parse(&text, "job.toml").unwrap()
         };
         // 10,000 records at 0.001 USD standard, 0.0005 flex; 20 calls a
@@ -365,7 +383,10 @@ mod tests {
         // 11 minutes: flex alone is too slow, all standard (8.3 min) is not.
         let tight = plan(&with("11m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
         assert!(tight.standard_share > 0.0 && tight.standard_share < 1.0, "{tight:?}");
-        assert!(tight.cost_usd > 5.0 && tight.cost_usd < 10.0 && tight.deadline_met, "{tight:?}");
+        assert!(
+            tight.cost_usd > 5.0 && tight.cost_usd < 10.0 && tight.deadline_met,
+            "{tight:?}"
+        );
         // 5 minutes: not even all standard.
         let impossible = plan(&with("5m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
         assert_eq!(impossible.standard_share, 1.0);

@@ -473,7 +473,10 @@ fn print_routes(s: &JobStatus) {
         let left = if d.left_secs >= 0 {
             format!("{} left", common::manifest::human_duration(d.left_secs as u64 * 1000))
         } else {
-            format!("passed {} ago", common::manifest::human_duration(d.left_secs.unsigned_abs() * 1000))
+            format!(
+                "passed {} ago",
+                common::manifest::human_duration(d.left_secs.unsigned_abs() * 1000)
+            )
         };
         let holds = if d.holds {
             "holds"

@@ -21,6 +21,7 @@ use common::store::OutageRules;
 use common::task::{RecordState, Task};
 use harness::{LlmSim, example_spec, record_line};
 use worker::job::{JobCtx, Limits, Settled};
+use worker::plan::Route;
 use worker::process::process;
 use worker::provider::Provider;
 use worker::queue::MemoryQueue;
@@ -301,7 +302,7 @@ fn a_delivery_taken_over_mid_call_applies_nothing_and_its_call_stays_paid() {
         queue.enqueue(task("r1"));
         let first = queue.deliver(WORKER).expect("delivered");
         let (j, l) = (job.clone(), limits.clone());
-        let late = tokio::spawn(async move { process(&j, first, &l, &mut None).await });
+        let late = tokio::spawn(async move { process(&j, first, &l, &mut None, Route::Primary).await });
         // Taken over while its call is on its way.
         tokio::time::sleep(Duration::from_millis(150)).await;
         let second = queue.take_over("r1", "w2").expect("taken over");
@@ -309,7 +310,9 @@ fn a_delivery_taken_over_mid_call_applies_nothing_and_its_call_stays_paid() {
         assert_eq!(late, Settled::Stale);
         assert_eq!(queue.state("r1"), Some(RecordState::Queued), "nothing applied");
         assert_eq!(queue.paid().len(), 1, "the late call was paid and is recorded");
-        let live = process(&job, second, &limits, &mut None).await.expect("process");
+        let live = process(&job, second, &limits, &mut None, Route::Primary)
+            .await
+            .expect("process");
         assert_eq!(live, Settled::Committed);
         assert_eq!(queue.state("r1"), Some(RecordState::Done));
         assert_eq!(queue.paid().len(), 2, "both calls, each once");
@@ -333,10 +336,14 @@ fn a_settled_record_delivered_again_is_acknowledged_without_a_call() {
         let d = queue.deliver(WORKER).expect("delivered");
         let copy = d.clone();
         assert_eq!(
-            process(&job, d, &limits, &mut None).await.expect("process"),
+            process(&job, d, &limits, &mut None, Route::Primary)
+                .await
+                .expect("process"),
             Settled::Committed
         );
-        let again = process(&job, copy, &limits, &mut None).await.expect("process");
+        let again = process(&job, copy, &limits, &mut None, Route::Primary)
+            .await
+            .expect("process");
         assert!(matches!(again, Settled::AlreadySettled | Settled::Stale), "{again:?}");
         assert_eq!(sim.stats()["requests"].as_u64(), Some(1), "one call");
         assert_eq!(queue.paid().len(), 1);
@@ -367,7 +374,7 @@ fn input_errors_and_poison_are_decided_without_a_call() {
             d = queue.take_over("poison", &format!("w{n}")).expect("again");
         }
         assert_eq!(d.deliveries, 6);
-        let settled = process(&job, d, &limits, &mut None).await.expect("process");
+        let settled = process(&job, d, &limits, &mut None, Route::Primary).await.expect("process");
         assert_eq!(settled, Settled::Reviewed);
         let entry = queue.review_entry("poison").expect("in review");
         assert!(entry.reason.contains("poison"), "{}", entry.reason);
@@ -904,7 +911,9 @@ fn a_check_delivered_too_often_is_reviewed_with_the_first_answer() {
         for n in 2..=6 {
             d = queue.take_over("p1", &format!("w{n}")).expect("again");
         }
-        let settled = process(&job, d, &limits, &mut None).await.expect("process");
+        let settled = process(&job, d, &limits, &mut None, Route::Primary)
+            .await
+            .expect("process");
         assert_eq!(settled, Settled::Reviewed);
         let e = queue.review_entry("p1").expect("in review");
         assert_eq!(e.reason, "poison");

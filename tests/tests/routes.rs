@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use harness::{LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, status_json, worker_cmd, write_records};
+use harness::{
+    LlmSim, RedisServer, Running, TempDir, enqueue, producer, spec_with, status_json, worker_cmd, write_records,
+};
 
 /// A job of `n` records whose calls may go flex or standard.
 fn routed_job(redis: &RedisServer, name: &str, n: u64, deadline: &str, rpm: &str) -> TempDir {
@@ -19,7 +21,10 @@ fn routed_job(redis: &RedisServer, name: &str, n: u64, deadline: &str, rpm: &str
     let spec = spec_with(
         &dir,
         &[
-            ("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{deadline}\" ")),
+            (
+                "partitions = 4 ",
+                &format!("partitions = 4\ndeadline = \"{deadline}\" "),
+            ),
             (
                 "structured_output = \"auto\"",
                 "structured_output = \"auto\"\ntiers = [\"flex\", \"standard\"]",
@@ -40,7 +45,17 @@ fn flex_refusing() -> LlmSim {
 
 /// Every paid call of the job (`export --what ledger`), and the calls per record.
 fn ledger(redis: &RedisServer, job: &str) -> (Vec<serde_json::Value>, BTreeMap<String, u64>) {
-    let out = producer(&["export", "--job", job, "--what", "ledger", "--out", "-", "--redis", &redis.url()]);
+    let out = producer(&[
+        "export",
+        "--job",
+        job,
+        "--what",
+        "ledger",
+        "--out",
+        "-",
+        "--redis",
+        &redis.url(),
+    ]);
     assert!(out.status.success(), "{}", harness::stderr(&out));
     let calls: Vec<serde_json::Value> = harness::stdout(&out)
         .lines()
@@ -48,7 +63,9 @@ fn ledger(redis: &RedisServer, job: &str) -> (Vec<serde_json::Value>, BTreeMap<S
         .collect();
     let mut per_record = BTreeMap::new();
     for c in &calls {
-        *per_record.entry(c["record_id"].as_str().unwrap().to_owned()).or_default() += 1;
+        *per_record
+            .entry(c["record_id"].as_str().unwrap().to_owned())
+            .or_default() += 1;
     }
     (calls, per_record)
 }
@@ -74,13 +91,20 @@ fn with_room_before_the_deadline_every_record_goes_flex_through_refusals_at_the_
     let (requests, refused) = tier_seen(&sim, "flex");
     assert!(refused >= 10, "llm-sim refused {refused} of {requests}");
     assert_eq!(requests - refused, n);
-    assert_eq!(tier_seen(&sim, "default"), (0, 0), "nothing went standard with an hour to spare");
+    assert_eq!(
+        tier_seen(&sim, "default"),
+        (0, 0),
+        "nothing went standard with an hour to spare"
+    );
     // The status: every record through flex, at half the standard price.
     let routes = &s["routes"];
     assert_eq!(routes["records"], serde_json::json!({"flex": n}), "{routes}");
     assert_eq!(routes["spend"]["flex"]["calls"], n, "{routes}");
     let ratio = routes["cost_ratio_vs_standard"].as_f64().unwrap();
-    assert!((ratio - 0.5).abs() < 1e-4, "flex costs the batch price, half (to the nano-dollar): {ratio}");
+    assert!(
+        (ratio - 0.5).abs() < 1e-4,
+        "flex costs the batch price, half (to the nano-dollar): {ratio}"
+    );
     assert_eq!(s["deadline"]["holds"], true, "{s}");
     // The ledger: one paid call per record (a refusal is not billed), each
     // with its tier, model and prices.
@@ -88,7 +112,11 @@ fn with_room_before_the_deadline_every_record_goes_flex_through_refusals_at_the_
     assert_eq!(calls.len() as u64, n);
     assert!(per_record.values().all(|&c| c == 1), "{per_record:?}");
     for c in &calls {
-        assert_eq!((c["tier"].as_str(), c["model"].as_str()), (Some("flex"), Some("gpt-4o-mini")), "{c}");
+        assert_eq!(
+            (c["tier"].as_str(), c["model"].as_str()),
+            (Some("flex"), Some("gpt-4o-mini")),
+            "{c}"
+        );
     }
     let report = producer(&["report", "--job", "roomy", "--redis", &redis.url()]);
     let text = harness::stdout(&report);
@@ -111,7 +139,11 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     // Flex alone would take ~30 s more, past the margin; all standard ~18 s.
     let moved = producer(&["deadline", "--job", "tight", "30s", "--redis", &redis.url()]);
     assert!(moved.status.success(), "{}", harness::stderr(&moved));
-    assert!(harness::stdout(&moved).contains("re-plan"), "{}", harness::stdout(&moved));
+    assert!(
+        harness::stdout(&moved).contains("re-plan"),
+        "{}",
+        harness::stdout(&moved)
+    );
     let (_, s) = status_json(&redis, "tight");
     let deadline_ms = s["deadline"]["at_ms"].as_u64().unwrap();
     let (exit, log) = worker.finish(Duration::from_secs(120));
@@ -126,11 +158,18 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     assert!(log.contains("the plan changed"), "{log}");
 
     let (_, s) = status_json(&redis, "tight");
-    assert_eq!((s["done"].as_u64(), s["complete"].as_bool()), (Some(n), Some(true)), "{s}");
+    assert_eq!(
+        (s["done"].as_u64(), s["complete"].as_bool()),
+        (Some(n), Some(true)),
+        "{s}"
+    );
     assert_eq!(standard_before, 0, "with an hour left every call was flex");
     let (standard, _) = tier_seen(&sim, "default");
     let (flex, refused) = tier_seen(&sim, "flex");
-    assert!(standard > 0 && flex - refused > 0, "standard {standard}, flex {flex} ({refused} refused)");
+    assert!(
+        standard > 0 && flex - refused > 0,
+        "standard {standard}, flex {flex} ({refused} refused)"
+    );
     assert_eq!(standard + flex - refused, n, "one answer per record");
     let routes = &s["routes"];
     let records = &routes["records"];
@@ -155,15 +194,32 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     });
     assert_eq!(tiers.get("standard").copied(), Some(standard), "{tiers:?}");
     let text = harness::stdout(&producer(&["status", "--job", "tight", "--redis", &redis.url()]));
-    assert!(text.contains("deadline") && text.contains("holds") && text.contains("vs standard"), "{text}");
+    assert!(
+        text.contains("deadline") && text.contains("holds") && text.contains("vs standard"),
+        "{text}"
+    );
 
     // A deadline already passed is refused, with the command to type.
-    let passed = producer(&["deadline", "--job", "tight", "2020-01-01T00:00:00Z", "--redis", &redis.url()]);
+    let passed = producer(&[
+        "deadline",
+        "--job",
+        "tight",
+        "2020-01-01T00:00:00Z",
+        "--redis",
+        &redis.url(),
+    ]);
     assert_eq!(passed.status.code(), Some(2), "{}", harness::stderr(&passed));
     let err = harness::stderr(&passed);
-    assert!(err.contains("has passed") && err.contains("producer deadline --job tight 30m"), "{err}");
+    assert!(
+        err.contains("has passed") && err.contains("producer deadline --job tight 30m"),
+        "{err}"
+    );
     let nonsense = producer(&["deadline", "--job", "tight", "soon", "--redis", &redis.url()]);
-    assert!(harness::stderr(&nonsense).contains("neither a duration"), "{}", harness::stderr(&nonsense));
+    assert!(
+        harness::stderr(&nonsense).contains("neither a duration"),
+        "{}",
+        harness::stderr(&nonsense)
+    );
 }
 
 /// A job with a fallback provider (`[[provider.fallbacks]]`, a second
@@ -201,11 +257,24 @@ fn while_the_primary_is_down_the_fallback_answers_and_every_record_is_paid_once(
     let took = started.elapsed();
 
     let (_, s) = status_json(&redis, "fb");
-    assert_eq!((s["done"].as_u64(), s["review"].as_u64(), s["complete"].as_bool()), (Some(n), Some(0), Some(true)), "{s}");
-    let (by_primary, by_backup) = (primary.stats()["served"].as_u64().unwrap(), backup.stats()["served"].as_u64().unwrap());
-    assert!(by_backup >= 100, "the fallback answered {by_backup}, the primary {by_primary}");
+    assert_eq!(
+        (s["done"].as_u64(), s["review"].as_u64(), s["complete"].as_bool()),
+        (Some(n), Some(0), Some(true)),
+        "{s}"
+    );
+    let (by_primary, by_backup) = (
+        primary.stats()["served"].as_u64().unwrap(),
+        backup.stats()["served"].as_u64().unwrap(),
+    );
+    assert!(
+        by_backup >= 100,
+        "the fallback answered {by_backup}, the primary {by_primary}"
+    );
     assert_eq!(by_primary + by_backup, n, "one answer per record");
-    assert!(took < Duration::from_secs(30), "the job waited out the primary's outage: {took:?}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the job waited out the primary's outage: {took:?}"
+    );
     let records = &s["routes"]["records"];
     assert_eq!(records["backup"].as_u64(), Some(by_backup), "{s}");
     assert_eq!(records["standard"].as_u64(), Some(by_primary), "{s}");
@@ -233,8 +302,103 @@ fn results_attempts(redis: &RedisServer, job: &str) -> Vec<u64> {
     let mut c = redis.conn();
     let mut out = Vec::new();
     for p in 0..4 {
-        let results: Vec<String> = redis::cmd("HVALS").arg(common::keys::results(job, p)).query(&mut c).unwrap();
-        out.extend(results.iter().map(|r| serde_json::from_str::<serde_json::Value>(r).unwrap()["attempts"].as_u64().unwrap()));
+        let results: Vec<String> = redis::cmd("HVALS")
+            .arg(common::keys::results(job, p))
+            .query(&mut c)
+            .unwrap();
+        out.extend(results.iter().map(|r| {
+            serde_json::from_str::<serde_json::Value>(r).unwrap()["attempts"]
+                .as_u64()
+                .unwrap()
+        }));
     }
     out
+}
+
+/// The batch tier (`"batch"` among the tiers): with days to the deadline,
+/// records go into batch shards; the deadline tightened to a minute no
+/// longer leaves the batch's window, so the running batches are cancelled,
+/// the lines they answered settle at the batch price, and the rest go
+/// online (flex, then standard as needed) and end in time. No record is
+/// both answered in a batch and sent online: one paid call per record.
+#[test]
+fn a_deadline_that_no_longer_leaves_the_batch_window_cancels_the_shards_mid_way_and_sends_the_rest_online() {
+    let redis = RedisServer::start();
+    // Each batch answers its lines evenly over 40 s.
+    let sim = LlmSim::start(&["--batch-secs", "40", "--flex-unavailable", "0.2", "--seed", "3"]);
+    let dir = TempDir::new("batch-tier");
+    let data = dir.join("d.jsonl");
+    let n = 200;
+    write_records(&data, 0, n);
+    let spec = spec_with(
+        &dir,
+        &[
+            ("partitions = 4 ", "partitions = 4\ndeadline = \"3d\" "),
+            (
+                "structured_output = \"auto\"",
+                "structured_output = \"auto\"\ntiers = [\"batch\", \"flex\", \"standard\"]",
+            ),
+            (
+                "[retry]",
+                "[batch]\nshard_records = 50\npoll_secs = 1\npack_wait_secs = 1\n\n[retry]",
+            ),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", "max_delay_ms = 50"),
+        ],
+    );
+    enqueue(&redis, &data, "bt", &spec);
+    let worker = Running::spawn(worker_cmd(&redis, "bt", &sim, &["--drain"]));
+    // The shards are submitted and their batches have answered some lines.
+    harness::wait_for("batches under way", Duration::from_secs(60), || {
+        let s = status_json(&redis, "bt").1;
+        let submitted = s["shards"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty() && a.iter().all(|sh| sh["state"] == "submitted"));
+        submitted && sim.stats()["served"].as_u64().unwrap_or(0) >= 30
+    });
+    let (_, s) = status_json(&redis, "bt");
+    assert_eq!(
+        (s["done"].as_u64(), s["batched"].as_u64()),
+        (Some(0), Some(n)),
+        "every record in a shard: {s}"
+    );
+    assert_eq!(tier_seen(&sim, "flex"), (0, 0), "nothing online while the batches run");
+    let moved = producer(&["deadline", "--job", "bt", "60s", "--redis", &redis.url()]);
+    assert!(moved.status.success(), "{}", harness::stderr(&moved));
+    let deadline_ms = status_json(&redis, "bt").1["deadline"]["at_ms"].as_u64().unwrap();
+    let (exit, log) = worker.finish(Duration::from_secs(120));
+    let ended_ms = common::route::now_ms();
+    assert!(exit.success(), "{log}");
+    assert!(
+        ended_ms <= deadline_ms,
+        "ended {} ms past the deadline",
+        ended_ms - deadline_ms
+    );
+    assert!(
+        log.contains("the deadline no longer leaves the batch's completion window"),
+        "{log}"
+    );
+
+    let (_, s) = status_json(&redis, "bt");
+    assert_eq!(
+        (s["done"].as_u64(), s["complete"].as_bool()),
+        (Some(n), Some(true)),
+        "{s}"
+    );
+    let records = &s["routes"]["records"];
+    let per = |t: &str| records[t].as_u64().unwrap_or(0);
+    assert!(per("batch") >= 30, "the batches' answered lines settled: {records}");
+    assert!(per("flex") + per("standard") > 0, "the rest went online: {records}");
+    assert_eq!(per("batch") + per("flex") + per("standard"), n, "{records}");
+    // Every shard's batch was cancelled mid-way, its answered lines kept.
+    let shards = s["shards"].to_string();
+    assert!(shards.contains("cancelled"), "{shards}");
+    let (calls, per_record) = ledger(&redis, "bt");
+    assert_eq!(calls.len() as u64, n, "never paid twice");
+    assert!(per_record.values().all(|&c| c == 1), "{per_record:?}");
+    let batch_calls = calls.iter().filter(|c| c["tier"] == "batch").count() as u64;
+    assert_eq!(batch_calls, per("batch"));
+    for a in results_attempts(&redis, "bt") {
+        assert_eq!(a, 1);
+    }
 }

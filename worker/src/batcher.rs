@@ -34,8 +34,8 @@ use serde_json::value::RawValue;
 use crate::batch_api::{ApiError, BatchApi};
 use crate::clock::now_ms;
 use crate::fleet::Fleet;
-use crate::plan::Route;
 use crate::job::{JobCtx, Settled};
+use crate::plan::Route;
 use crate::process::{BatchAnswer, prepare, settle_batch_line, settle_unsent};
 use crate::provider::{CallError, CallResult, ErrorKind, classify};
 use crate::service::Service;
@@ -81,7 +81,7 @@ fn api(what: &'static str) -> impl FnOnce(ApiError) -> StepError {
 impl Batcher {
     /// The job's batcher, when its spec says `provider.mode = "batch"`.
     pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Option<Batcher> {
-        if job.spec.provider.mode != common::spec::ProviderMode::Batch {
+        if job.spec.provider.mode != common::spec::ProviderMode::Batch && !job.plan.has_batch() {
             return None;
         }
         let api = match job.provider.batch_api() {
@@ -102,6 +102,12 @@ impl Batcher {
         &self.fleet.config.consumer
     }
 
+    /// Whether new shards are packed: always in batch mode; with the batch
+    /// tier, while the plan says the deadline leaves the batch's window.
+    fn packs(&self) -> bool {
+        self.job.spec.provider.mode == common::spec::ProviderMode::Batch || self.job.plan.batch_now()
+    }
+
     fn lease_until(&self) -> u64 {
         now_ms() + self.fleet.visibility.as_millis() as u64
     }
@@ -112,7 +118,7 @@ impl Batcher {
         let (f, job) = (self.fleet.clone(), self.job.clone());
         let mut busy = false;
         for p in 0..job.spec.job.partitions {
-            if !f.is_halted(&job.name) && !f.is_cancelled(&job.name) {
+            if !f.is_halted(&job.name) && !f.is_cancelled(&job.name) && self.packs() {
                 busy |= self.outcome(self.pack_if_due(p).await).await;
             }
             let shards = match f.store.shards(&job.name, p).await {
@@ -285,6 +291,25 @@ impl Batcher {
         Ok(n)
     }
 
+    /// Every task the shard holds goes back to the stream, for the online
+    /// claimer: the batch tier's deadline no longer leaves the batch's
+    /// window, and no batch was created for it.
+    async fn release_held(&self, p: u32, shard: &Shard) -> Result<(), StoreError> {
+        let (f, job) = (&self.fleet, &self.job);
+        let rids: Vec<String> = f
+            .store
+            .shard_tasks(&job.name, p, &shard.id)
+            .await?
+            .into_iter()
+            .map(|t| t.rid)
+            .collect();
+        tracing::info!(job = %job.name, shard = %shard.id, records = rids.len(),
+            "the deadline no longer leaves the batch's completion window: the shard's records go online");
+        f.store.shard_release(&job.name, p, &shard.id, &rids).await?;
+        f.wake_claimer.notify_one();
+        Ok(())
+    }
+
     /// Marks the shard reconciled once it holds no task.
     async fn close(&self, p: u32, read: &str, mut shard: Shard) -> Step {
         let (f, job) = (&self.fleet, &self.job);
@@ -311,13 +336,17 @@ impl Batcher {
             self.cancel_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
+        if !self.packs() {
+            self.release_held(p, &shard).await?;
+            return self.close(p, &read, shard).await;
+        }
         let tasks = f.store.shard_tasks(&job.name, p, &shard.id).await?;
         let limit = job.spec.batch.shard_bytes();
         let (mut file, mut lines, mut tokens) = (Vec::new(), 0u64, 0u64);
         let (mut unsent, mut over) = (Vec::new(), Vec::new());
         for task in tasks {
             let d = self.delivery(p, &shard.id, task);
-            let prep = match prepare(job, &d, &f.limits, Route::Primary) {
+            let prep = match prepare(job, &d, &f.limits, Route::Batch) {
                 Ok(prep) if !d.task.answered.iter().any(|a| a == prep.fingerprint()) => prep,
                 _ => {
                     unsent.push(d);
@@ -396,6 +425,10 @@ impl Batcher {
             self.cancel_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
+        if !self.packs() {
+            self.release_held(p, &shard).await?;
+            return self.close(p, &read, shard).await;
+        }
         if f.is_halted(&job.name) {
             return Ok(false);
         }
@@ -461,7 +494,11 @@ impl Batcher {
         let (f, job) = (&self.fleet, &self.job);
         let poll = job.spec.batch.poll();
         let cancelling = shard.provider_status.as_deref() == Some("cancelling");
-        let cancel = f.is_cancelled(&job.name) && !cancelling;
+        // With the batch tier, a deadline that no longer leaves the batch's
+        // window sends its records online: the batch is cancelled, its
+        // finished lines kept.
+        let too_late = !self.packs();
+        let cancel = (f.is_cancelled(&job.name) || too_late) && !cancelling;
         if !cancel && now_ms() < shard.polled_ms + poll.as_millis() as u64 {
             return Ok(false);
         }
@@ -477,8 +514,10 @@ impl Batcher {
             .is_some_and(|at| now_ms() / 1000 > at + 3 * poll.as_secs());
         shard.provider_status = Some(status.clone());
         if running && (cancel || past_window) {
-            let why = if cancel {
+            let why = if f.is_cancelled(&job.name) {
                 "the job was cancelled"
+            } else if too_late {
+                "the deadline no longer leaves the batch's completion window: its records go online"
             } else {
                 "still running past its completion window"
             };

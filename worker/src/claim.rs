@@ -125,7 +125,8 @@ impl Claimer {
             if self.probe_turn(job, round).await {
                 self.claim_route(job, (Route::Primary, 1, true), first, round).await;
             }
-            self.claim_route(job, (Route::Fallback, room, false), first, round).await;
+            self.claim_route(job, (Route::Fallback, room, false), first, round)
+                .await;
             return;
         }
         // While the provider is down: no real work, one probe at a time
@@ -137,7 +138,8 @@ impl Claimer {
         self.claim_route(job, (Route::Primary, room, down), first, round).await;
         if !down && job.fallback.is_some() && job.plan.overflow() {
             let room = job.breaker.room();
-            self.claim_route(job, (Route::Fallback, room, false), first, round).await;
+            self.claim_route(job, (Route::Fallback, room, false), first, round)
+                .await;
         }
     }
 
@@ -337,5 +339,7 @@ impl Service for Claimer {
 /// batcher packs them into shards), not while its sink cannot keep up
 /// (Redis does not grow without bound).
 fn claims_online(job: &JobCtx) -> bool {
-    job.spec.provider.mode != common::spec::ProviderMode::Batch && !job.sink_full.load(Ordering::Relaxed)
+    job.spec.provider.mode != common::spec::ProviderMode::Batch
+        && !job.sink_full.load(Ordering::Relaxed)
+        && job.plan.claims_online()
 }

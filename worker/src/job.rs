@@ -123,6 +123,7 @@ impl JobCtx {
     pub fn prices_for(&self, route: crate::plan::Route, tier: Option<common::route::Tier>) -> common::spec::Prices {
         match (route, &self.fallback) {
             (crate::plan::Route::Fallback, Some(f)) => f.spec.prices.clone(),
+            (crate::plan::Route::Batch, _) => self.spec.prices.batch(),
             _ => self.spec.prices.of_tier(tier.unwrap_or(common::route::Tier::Standard)),
         }
     }
@@ -131,8 +132,10 @@ impl JobCtx {
     /// tier's, or `standard` for a job with a fallback (None: a job with
     /// one route names none).
     pub fn route_name(&self, route: crate::plan::Route, tier: Option<common::route::Tier>) -> Option<String> {
+        let routed = self.plan.routed() || self.fallback.is_some();
         match (route, &self.fallback, tier) {
             (crate::plan::Route::Fallback, Some(f), _) => Some(f.name.clone()),
+            (crate::plan::Route::Batch, _, _) => routed.then(|| "batch".to_owned()),
             (_, _, Some(t)) => Some(t.name().to_owned()),
             (_, Some(_), None) => Some(common::route::Tier::Standard.name().to_owned()),
             (_, None, None) => None,

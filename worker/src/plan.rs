@@ -37,11 +37,13 @@ const ACCEPTANCE_WEIGHT: f64 = 0.02;
 /// The cause of a flex refusal (see `crate::provider::classify`).
 pub const FLEX_REFUSED: &str = "flex_unavailable";
 
-/// Which provider a call goes to: the job's, or its fallback.
+/// Which way a call goes: online to the job's provider, or to its
+/// fallback; or as a line of a provider batch (the Batch API).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Route {
     Primary,
     Fallback,
+    Batch,
 }
 
 /// One job's plan, as this worker holds it.
@@ -53,6 +55,16 @@ pub struct Planner {
     share: AtomicU64,
     /// The share of flex calls the provider took (f64 bits; starts at 1).
     acceptance: AtomicU64,
+    /// Even all standard misses the deadline: a fallback takes calls too.
+    overflow: std::sync::atomic::AtomicBool,
+    /// `"batch"` among the tiers: records go through the Batch API while
+    /// the deadline leaves its completion window (ms) and the margin.
+    batch_window_ms: Option<u64>,
+    /// The deadline leaves the batch's window: shards, not online calls.
+    batch_now: std::sync::atomic::AtomicBool,
+    /// The fleet's figures were read once (until then a job with the batch
+    /// tier claims nothing online: it may all be for shards).
+    planned: std::sync::atomic::AtomicBool,
     /// (Unix ms, records settled), oldest first.
     settled: Mutex<VecDeque<(u64, u64)>>,
     /// The last figures read (for `status`-like logs and the tests).
@@ -65,6 +77,13 @@ impl Planner {
             tiers: spec.provider.routed().then(|| spec.provider.tiers()),
             share: AtomicU64::new(0f64.to_bits()),
             acceptance: AtomicU64::new(1f64.to_bits()),
+            overflow: std::sync::atomic::AtomicBool::new(false),
+            batch_window_ms: spec
+                .provider
+                .batch_tier()
+                .then(|| window_ms(spec.batch.completion_window())),
+            batch_now: std::sync::atomic::AtomicBool::new(false),
+            planned: std::sync::atomic::AtomicBool::new(false),
             settled: Mutex::new(VecDeque::new()),
             last: Mutex::new(None),
         }
@@ -80,10 +99,27 @@ impl Planner {
         f64::from_bits(self.share.load(Ordering::Relaxed))
     }
 
+    /// Whether the job may send records through the Batch API.
+    pub fn has_batch(&self) -> bool {
+        self.batch_window_ms.is_some()
+    }
+
+    /// Whether records go into batch shards now (the deadline leaves the
+    /// batch's completion window), not online.
+    pub fn batch_now(&self) -> bool {
+        self.batch_now.load(Ordering::Relaxed)
+    }
+
+    /// Whether the online claimer may take the job's records now: not
+    /// while they go into shards, nor before the first plan says where.
+    pub fn claims_online(&self) -> bool {
+        !self.has_batch() || (self.planned.load(Ordering::Relaxed) && !self.batch_now())
+    }
+
     /// Whether the deadline needs more than the provider's limits give
     /// (every call standard and still behind): a fallback takes calls too.
     pub fn overflow(&self) -> bool {
-        self.share() >= 1.0
+        self.overflow.load(Ordering::Relaxed)
     }
 
     /// The share of flex calls the provider took lately.
@@ -136,9 +172,40 @@ impl Planner {
             standard_share: self.share(),
         };
         self.share.store(standard_share(&facts).to_bits(), Ordering::Relaxed);
+        // The rate measured while the fallback helped counts its records
+        // too: once on, the fallback stays until the provider alone would
+        // end in half the time left.
+        let on = self.overflow();
+        let slower = |by: f64| PlanFacts {
+            rate: facts.rate.map(|r| r * by),
+            ..facts
+        };
+        let overflow = if on {
+            common::route::all_standard_too_slow(&slower(0.5))
+        } else {
+            common::route::all_standard_too_slow(&facts)
+        };
+        self.overflow.store(overflow, Ordering::Relaxed);
+        if let Some(window) = self.batch_window_ms {
+            let fits = facts.deadline_ms.is_none_or(|d| {
+                let left = d.saturating_sub(now_ms);
+                left > window + common::route::margin_ms(left)
+            });
+            self.batch_now.store(fits, Ordering::Relaxed);
+        }
+        self.planned.store(true, Ordering::Relaxed);
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(facts);
         facts
     }
+}
+
+/// `24h` (`[batch] completion_window`) in ms.
+fn window_ms(window: &str) -> u64 {
+    window
+        .strip_suffix('h')
+        .and_then(|h| h.parse::<u64>().ok())
+        .unwrap_or(24)
+        * 3_600_000
 }
 
 /// The cause of the record's last call (its last attempt's outcome).
@@ -157,9 +224,9 @@ pub struct PlanService {
 }
 
 impl PlanService {
-    /// None: the job names no tiers to choose between.
+    /// None: the job has neither tiers nor a fallback to choose between.
     pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Option<PlanService> {
-        job.plan.routed().then(|| PlanService {
+        (job.plan.routed() || job.fallback.is_some()).then(|| PlanService {
             fleet: fleet.clone(),
             job: job.clone(),
         })
@@ -175,9 +242,22 @@ impl Service for PlanService {
         let job = &self.job;
         match self.fleet.store.plan_counts(&job.name, job.spec.job.partitions).await {
             Ok(counts) => {
-                let before = job.plan.share();
+                let (before, overflow) = (job.plan.share(), job.plan.overflow());
                 let facts = job.plan.replan(counts, now_ms());
                 let share = job.plan.share();
+                if job.fallback.is_some() && job.plan.overflow() != overflow {
+                    tracing::info!(
+                        job = %job.name,
+                        remaining = facts.remaining,
+                        rate = facts.rate.map(|r| format!("{r:.1}/s")).unwrap_or_default(),
+                        "{}",
+                        if overflow {
+                            "the provider alone meets the deadline again: the fallback takes no more calls"
+                        } else {
+                            "even all standard misses the deadline: the fallback takes calls too"
+                        }
+                    );
+                }
                 if (share - before).abs() >= 0.05 {
                     tracing::info!(
                         job = %job.name,
@@ -222,7 +302,11 @@ mod tests {
         let only = Planner::new(&spec(&["flex"]));
         assert_eq!(only.tier_for(&task_refused(true)), Some(Tier::Flex));
         let p = Planner::new(&spec(&["flex", "standard"]));
-        assert_eq!(p.tier_for(&task_refused(true)), Some(Tier::Flex), "no hurry: flex again");
+        assert_eq!(
+            p.tier_for(&task_refused(true)),
+            Some(Tier::Flex),
+            "no hurry: flex again"
+        );
         p.share.store(0.3f64.to_bits(), Ordering::Relaxed);
         assert_eq!(p.tier_for(&task_refused(true)), Some(Tier::Standard));
         let standard = (0..2000)

@@ -201,17 +201,23 @@ fn prepare_passthrough(
         job.forms.current()
     };
     // A request that names its tier keeps it; otherwise the plan's.
-    let named = request.and_then(|r| r.get("service_tier")).and_then(serde_json::Value::as_str);
+    let named = request
+        .and_then(|r| r.get("service_tier"))
+        .and_then(serde_json::Value::as_str);
     let planned = (route == Route::Primary).then(|| job.plan.tier_for(&d.task)).flatten();
     let tier = match named {
         Some(t) => Some(if t == "flex" { Tier::Flex } else { Tier::Standard }),
         None => planned,
     };
     let service_tier = planned.map(Tier::service_tier);
-    let (body, max_tokens, formatted) = match job.provider_for(route).passthrough_body(request, field, retry, response_format, service_tier) {
-        Ok(made) => made,
-        Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
-    };
+    let (body, max_tokens, formatted) =
+        match job
+            .provider_for(route)
+            .passthrough_body(request, field, retry, response_format, service_tier)
+        {
+            Ok(made) => made,
+            Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
+        };
     let form = if formatted {
         form
     } else {
@@ -309,11 +315,21 @@ async fn run_attempt(
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let mut if_cut_off = paid_call(job, &d, limits, prep.before.attempts + 1, prep.estimate, (prep.tier, prep.route));
+    let mut if_cut_off = paid_call(
+        job,
+        &d,
+        limits,
+        prep.before.attempts + 1,
+        prep.estimate,
+        (prep.tier, prep.route),
+    );
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
-    let called = job.provider_for(prep.route).call(&d.task.rid, &limits.worker, &prep.body).await;
+    let called = job
+        .provider_for(prep.route)
+        .call(&d.task.rid, &limits.worker, &prep.body)
+        .await;
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &called.result);
     call_span.end();
@@ -395,7 +411,7 @@ pub async fn settle_batch_line(
     line: String,
 ) -> Result<Settled, StoreError> {
     let span = attempt_span(job, d, limits);
-    let settled = match prepare(job, d, limits, Route::Primary) {
+    let settled = match prepare(job, d, limits, Route::Batch) {
         Ok(prep) => {
             let got = Got {
                 result: answer.result,
@@ -422,7 +438,7 @@ pub async fn settle_batch_line(
 /// answered (decided as online, without a call).
 pub async fn settle_unsent(job: &JobCtx, d: &Delivery, limits: &Limits) -> Result<Settled, StoreError> {
     let span = Span::none();
-    match prepare(job, d, limits, Route::Primary) {
+    match prepare(job, d, limits, Route::Batch) {
         Err(unsent) => {
             let (before, outcome) = *unsent;
             without_call(job, d, &before, outcome, None, limits, &span).await
@@ -479,7 +495,15 @@ async fn conclude(
     let counts_as_attempt = reply.outcome.is_attempt();
     let before = &prep.before;
     let attempt = before.attempts + u32::from(counts_as_attempt);
-    let paid = paid_of(job, d, limits, (attempt, prep), &reply, line.as_deref(), waiting.as_ref());
+    let paid = paid_of(
+        job,
+        d,
+        limits,
+        (attempt, prep),
+        &reply,
+        line.as_deref(),
+        waiting.as_ref(),
+    );
     let calls = d.task.calls + 1;
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
@@ -675,7 +699,10 @@ async fn note_provider(
     }
     // A flex refusal is the provider's answer (it is up, its cheap tier is
     // busy): the plan learns from it; the outage streak does not.
-    let flex_refused = reply.error.as_ref().is_some_and(|e| e.cause == crate::plan::FLEX_REFUSED);
+    let flex_refused = reply
+        .error
+        .as_ref()
+        .is_some_and(|e| e.cause == crate::plan::FLEX_REFUSED);
     if prep.tier == Some(Tier::Flex) {
         job.plan.saw_flex(flex_refused);
     }

@@ -742,7 +742,9 @@ mod tests {
         let p = Provider::new(&spec, Some("http://127.0.0.1:9/v1"), "sk-test".into()).unwrap();
         let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x"}});
         let plain = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
-        let (body, max_tokens, formatted) = p.passthrough_body(Some(&plain), "body", None, Some(&schema), None).unwrap();
+        let (body, max_tokens, formatted) = p
+            .passthrough_body(Some(&plain), "body", None, Some(&schema), None)
+            .unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(formatted);
         assert_eq!(sent["response_format"], schema);
@@ -755,7 +757,9 @@ mod tests {
         own["response_format"] = serde_json::json!({"type": "json_object"});
         own["max_tokens"] = 7.into();
         let retry = Some(("{\"a\":1}", "fix: sentiment is required"));
-        let (body, max_tokens, formatted) = p.passthrough_body(Some(&own), "body", retry, Some(&schema), None).unwrap();
+        let (body, max_tokens, formatted) = p
+            .passthrough_body(Some(&own), "body", retry, Some(&schema), None)
+            .unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(!formatted, "the request's own format is kept");
         assert_eq!(sent["response_format"]["type"], "json_object");

@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::store::IdleEntry;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
-use crate::plan::Route;
 use crate::job::JobCtx;
+use crate::plan::Route;
 use crate::service::Service;
 
 pub struct Rescuer {

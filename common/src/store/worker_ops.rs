@@ -139,7 +139,12 @@ fn stats_fields(d: &Delivery, how: &Finish) -> Vec<String> {
     if let Finish::Commit(r) = how {
         out.push(format!("a:{}", r.attempts));
         // The route of the call that gave the result (a job with tiers).
-        let tier = r.history.iter().rev().find_map(HistoryItem::as_attempt).and_then(|a| a.tier.as_deref());
+        let tier = r
+            .history
+            .iter()
+            .rev()
+            .find_map(HistoryItem::as_attempt)
+            .and_then(|a| a.tier.as_deref());
         if let Some(tier) = tier {
             out.push(stat_field("rt", tier));
         }
