@@ -2409,7 +2409,7 @@ mod tests {
         assert_problem(&batch("retries = \"later\""), "retries");
         assert_problem(
             &batch("").replacen("[prices]", "[budget]\nmax_cost_usd = 5.0\n\n[prices]", 1),
-            "not enforced in provider.mode = \"batch\"",
+            "not enforced through the Batch API",
         );
         // [batch] without batch mode is a mistake, not a silent no-op.
         assert_problem(

@@ -93,12 +93,16 @@ pub struct Plan {
     pub all_flex_cost_usd: f64,
     /// Whether the limits let the plan end before the deadline.
     pub deadline_met: bool,
+    /// `"batch"` among the tiers and the deadline leaves the batch's
+    /// completion window: every record through the Batch API.
+    pub all_batch: bool,
 }
 
 /// The plan for `records` records of `cost` (standard) and `flex_cost`
 /// each, at `records_per_sec` if every call went flex.
-fn plan(spec: &JobSpec, records: f64, (cost, flex_cost): (f64, f64), acceptance: f64, calls_per_sec: f64) -> Plan {
+fn plan(spec: &JobSpec, records: f64, costs: (f64, f64, f64), acceptance: f64, calls_per_sec: f64) -> Plan {
     use common::route::{PlanFacts, standard_share};
+    let (cost, flex_cost, batch_cost) = costs;
     let left_ms = spec
         .job
         .deadline
@@ -115,6 +119,27 @@ fn plan(spec: &JobSpec, records: f64, (cost, flex_cost): (f64, f64), acceptance:
         flex_acceptance: acceptance,
         standard_share: 0.0,
     };
+    let window_ms = spec
+        .batch
+        .completion_window()
+        .strip_suffix('h')
+        .and_then(|h| h.parse::<u64>().ok())
+        .unwrap_or(24)
+        * 3_600_000;
+    let all_batch =
+        spec.provider.batch_tier() && left_ms.is_none_or(|left| left > window_ms + common::route::margin_ms(left));
+    if all_batch {
+        return Plan {
+            deadline: spec.job.deadline.clone(),
+            flex_acceptance: acceptance,
+            standard_share: 0.0,
+            cost_usd: records * batch_cost,
+            all_standard_cost_usd: records * cost,
+            all_flex_cost_usd: records * flex_cost,
+            deadline_met: true,
+            all_batch,
+        };
+    }
     let p = standard_share(&facts);
     let rate = calls_per_sec * (p + (1.0 - p) * acceptance);
     let deadline_met = left_ms.is_none_or(|left| {
@@ -129,6 +154,7 @@ fn plan(spec: &JobSpec, records: f64, (cost, flex_cost): (f64, f64), acceptance:
         all_standard_cost_usd: records * cost,
         all_flex_cost_usd: records * flex_cost,
         deadline_met,
+        all_batch,
     }
 }
 
@@ -200,8 +226,9 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     let (mut calls, mut prompt, mut completion, mut cost, mut latency) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let prices = &spec.prices;
-    let flex_prices = prices.flex();
-    let (mut flex_cost, mut flex_calls, mut flex_refused) = (Vec::new(), 0u64, 0u64);
+    let (flex_prices, batch_prices) = (prices.flex(), prices.batch());
+    let (mut flex_cost, mut batch_cost) = (Vec::new(), Vec::new());
+    let (mut flex_calls, mut flex_refused) = (0u64, 0u64);
     let mut see = |history: &[HistoryItem]| {
         let attempts: Vec<_> = history.iter().filter_map(HistoryItem::as_attempt).collect();
         if attempts.is_empty() {
@@ -213,6 +240,7 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
         completion.push(usage.iter().map(|u| u.completion as f64).sum());
         cost.push(usage.iter().map(|u| u.cost(prices)).sum());
         flex_cost.push(usage.iter().map(|u| u.cost(&flex_prices)).sum());
+        batch_cost.push(usage.iter().map(|u| u.cost(&batch_prices)).sum());
         for a in attempts.iter().filter(|a| a.tier.as_deref() == Some("flex")) {
             flex_calls += 1;
             flex_refused += u64::from(a.outcome == "flex_unavailable");
@@ -247,21 +275,16 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     } else {
         (0.0, 0.0, 0.0)
     };
-    let routed = spec.provider.tiers.iter().any(|t| t == "flex");
+    let routed = spec.provider.tiers.iter().any(|t| t == "flex" || t == "batch");
     let plan = routed.then(|| {
         let acceptance = match flex_calls {
             0 => 1.0,
             n => (n - flex_refused) as f64 / n as f64,
         };
-        let flex_mean = PerRecord::of(flex_cost).mean;
+        let (flex_mean, batch_mean) = (PerRecord::of(flex_cost).mean, PerRecord::of(batch_cost).mean);
         // Calls a second the limits allow, over calls a record takes.
-        plan(
-            spec,
-            n,
-            (cost.mean, flex_mean),
-            acceptance,
-            rate / 60.0 / calls.mean.max(1e-9),
-        )
+        let per_sec = rate / 60.0 / calls.mean.max(1e-9);
+        plan(spec, n, (cost.mean, flex_mean, batch_mean), acceptance, per_sec)
     });
     let warning = manifest.sample.as_ref().and_then(|s| {
         if s.from_job.is_some() {
@@ -333,7 +356,12 @@ pub fn print(e: &Estimate) {
     } else {
         crate::outln!("  duration     unbounded by the spec's limits (set [limits] to estimate it)");
     }
-    if let Some(p) = &e.plan {
+    if let Some(p) = e.plan.as_ref().filter(|p| p.all_batch) {
+        crate::outln!(
+            "  plan         every record through the Batch API (deadline {}: its completion window fits)",
+            p.deadline.as_deref().unwrap_or("none")
+        );
+    } else if let Some(p) = &e.plan {
         crate::outln!(
             "  plan         {:.0}% of calls standard, the rest flex ({:.0}% of flex calls taken in the sample); deadline {}: {}",
             100.0 * p.standard_share,
@@ -376,21 +404,31 @@ mod tests {
         };
         // 10,000 records at 0.001 USD standard, 0.0005 flex; 20 calls a
         // second; flex takes 60%: 12 records a second all flex (~14 min).
-        let roomy = plan(&with("1h"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        let roomy = plan(&with("1h"), 10_000.0, (0.001, 0.0005, 0.0005), 0.6, 20.0);
         assert_eq!(roomy.standard_share, 0.0);
         assert!((roomy.cost_usd - 5.0).abs() < 1e-9 && roomy.deadline_met, "{roomy:?}");
         assert!((roomy.all_standard_cost_usd - 10.0).abs() < 1e-9);
         // 11 minutes: flex alone is too slow, all standard (8.3 min) is not.
-        let tight = plan(&with("11m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        let tight = plan(&with("11m"), 10_000.0, (0.001, 0.0005, 0.0005), 0.6, 20.0);
         assert!(tight.standard_share > 0.0 && tight.standard_share < 1.0, "{tight:?}");
         assert!(
             tight.cost_usd > 5.0 && tight.cost_usd < 10.0 && tight.deadline_met,
             "{tight:?}"
         );
         // 5 minutes: not even all standard.
-        let impossible = plan(&with("5m"), 10_000.0, (0.001, 0.0005), 0.6, 20.0);
+        let impossible = plan(&with("5m"), 10_000.0, (0.001, 0.0005, 0.0005), 0.6, 20.0);
         assert_eq!(impossible.standard_share, 1.0);
         assert!(!impossible.deadline_met);
+        // With the batch tier and days to spare: every record through the Batch API.
+        let mut batch = with("3d");
+        batch.provider.tiers = vec!["batch".into(), "flex".into(), "standard".into()];
+        let through_batch = plan(&batch, 10_000.0, (0.001, 0.0005, 0.0004), 0.6, 20.0);
+        assert!(
+            through_batch.all_batch && (through_batch.cost_usd - 4.0).abs() < 1e-9,
+            "{through_batch:?}"
+        );
+        batch.job.deadline = Some("11m".into());
+        assert!(!plan(&batch, 10_000.0, (0.001, 0.0005, 0.0004), 0.6, 20.0).all_batch);
     }
 
     #[test]

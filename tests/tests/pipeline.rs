@@ -76,7 +76,7 @@ async fn drain(queue: &MemoryQueue, job: &JobCtx, limits: &Limits, steps: usize)
         };
         let rid = d.task.rid.clone();
         let mut report = None;
-        let settled = process(job, d, limits, &mut report)
+        let settled = process(job, d, limits, &mut report, Route::Primary)
             .await
             .expect("the memory queue never fails");
         let halted = matches!(settled, Settled::Halted(_));

@@ -121,6 +121,34 @@ fn with_room_before_the_deadline_every_record_goes_flex_through_refusals_at_the_
     let report = producer(&["report", "--job", "roomy", "--redis", &redis.url()]);
     let text = harness::stdout(&report);
     assert!(text.contains("by route") && text.contains("flex"), "{text}");
+    // The estimate's plan for a dataset ten times the size: flex, at about half.
+    let estimate = producer(&[
+        "estimate",
+        "--job",
+        "roomy",
+        "--records",
+        "1200",
+        "--json",
+        "--redis",
+        &redis.url(),
+    ]);
+    assert!(estimate.status.success(), "{}", harness::stderr(&estimate));
+    let plan = serde_json::from_str::<serde_json::Value>(&harness::stdout(&estimate)).unwrap()["plan"].clone();
+    let acceptance = plan["flex_acceptance"].as_f64().unwrap();
+    assert!(acceptance > 0.4 && acceptance < 0.95, "the sample's refusals: {plan}");
+    assert_eq!(plan["standard_share"], 0.0, "{plan}");
+    let ratio = plan["cost_usd"].as_f64().unwrap() / plan["all_standard_cost_usd"].as_f64().unwrap();
+    assert!((ratio - 0.5).abs() < 0.01, "{plan}");
+    let text = harness::stdout(&producer(&[
+        "estimate",
+        "--job",
+        "roomy",
+        "--records",
+        "1200",
+        "--redis",
+        &redis.url(),
+    ]));
+    assert!(text.contains("plan cost") && text.contains("of all-standard"), "{text}");
 }
 
 #[test]

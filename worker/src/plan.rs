@@ -67,8 +67,6 @@ pub struct Planner {
     planned: std::sync::atomic::AtomicBool,
     /// (Unix ms, records settled), oldest first.
     settled: Mutex<VecDeque<(u64, u64)>>,
-    /// The last figures read (for `status`-like logs and the tests).
-    last: Mutex<Option<PlanFacts>>,
 }
 
 impl Planner {
@@ -85,7 +83,6 @@ impl Planner {
             batch_now: std::sync::atomic::AtomicBool::new(false),
             planned: std::sync::atomic::AtomicBool::new(false),
             settled: Mutex::new(VecDeque::new()),
-            last: Mutex::new(None),
         }
     }
 
@@ -194,7 +191,6 @@ impl Planner {
             self.batch_now.store(fits, Ordering::Relaxed);
         }
         self.planned.store(true, Ordering::Relaxed);
-        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(facts);
         facts
     }
 }
