@@ -229,11 +229,12 @@ impl PaidCall {
 
     /// The ledger's value (the key holds the record id, call and nonce):
     /// `[attempt, delivery, worker, cause, fate, prompt, cached, completion,
-    /// estimated, prices, nano-USD, at_ms, tier, model]` (an entry of a
-    /// version before routes has the first 12).
+    /// estimated, prices, nano-USD, at_ms, tier, model]`; a call on the
+    /// standard route keeps the first 12 (the job's model: what every
+    /// version reads).
     pub fn encode(&self) -> String {
         let u = &self.usage;
-        serde_json::json!([
+        let mut v = serde_json::json!([
             self.attempt,
             self.delivery,
             self.worker,
@@ -245,11 +246,14 @@ impl PaidCall {
             u8::from(u.estimated),
             self.prices,
             self.cost_nusd,
-            self.at_ms,
-            self.tier,
-            self.model
-        ])
-        .to_string()
+            self.at_ms
+        ]);
+        if self.tier != Tier::Standard.name()
+            && let Some(v) = v.as_array_mut()
+        {
+            v.extend([serde_json::json!(self.tier), serde_json::json!(self.model)]);
+        }
+        v.to_string()
     }
 
     pub fn decode(key: &str, value: &str) -> Result<PaidCall, String> {
@@ -636,6 +640,14 @@ mod tests {
             standard.spend_args(),
             "first 1000 0 500 3000000 0",
             "the standard route adds nothing"
+        );
+        let standard = standard.to_model("gpt-4o-mini");
+        assert_eq!(
+            serde_json::from_str::<Vec<serde_json::Value>>(&standard.encode())
+                .unwrap()
+                .len(),
+            12,
+            "as every version writes it: the job's model"
         );
         let dear = Prices {
             input_per_mtok: 3.0,

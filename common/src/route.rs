@@ -172,11 +172,15 @@ pub fn standard_share(f: &PlanFacts) -> f64 {
     if room_ms == 0 {
         return 1.0;
     }
-    let Some(rate) = f.rate.filter(|r| *r > 0.0) else {
-        // Nothing measured yet: flex until the first figures come.
-        return f.standard_share;
-    };
     let a = f.flex_acceptance.clamp(0.0, 1.0);
+    let rate = match f.rate {
+        // Nothing measured yet: the share in force until the first figures come.
+        None => return f.standard_share,
+        // Nothing settled over the window: if flex is refusing, standard
+        // is where records settle (at least the share flex refuses).
+        Some(r) if r <= 0.0 || !r.is_finite() => return f.standard_share.max(1.0 - a),
+        Some(r) => r,
+    };
     let per_slot = |p: f64| p + (1.0 - p) * a;
     let slots = rate / per_slot(f.standard_share).max(0.01);
     let needed = f.remaining as f64 / (room_ms as f64 / 1000.0);
@@ -264,6 +268,12 @@ mod tests {
             ..facts(100, 1000, 0.0, 0.6, 0.25)
         };
         assert_eq!(standard_share(&unmeasured), 0.25);
+        // Measured, and nothing settled while flex refused nearly everything: standard.
+        let stuck = PlanFacts {
+            rate: Some(0.0),
+            ..facts(3600, 1000, 0.0, 0.05, 0.0)
+        };
+        assert!((standard_share(&stuck) - 0.95).abs() < 1e-9);
     }
 
     #[test]

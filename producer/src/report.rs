@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use common::ledger::{Spend, Totals};
-use common::spec::{JobSpec, Prices};
+use common::spec::JobSpec;
 use common::store::RedisStore;
 use common::task::HistoryItem;
 use serde::Serialize;
@@ -13,15 +13,23 @@ use serde::Serialize;
 /// Calls, tokens and cost of a set of records (or the job's, from the ledger).
 pub type Usage = Totals;
 
-/// The calls of a record's history (those a provider batch answered at
-/// batch prices, those on the flex tier at flex prices).
-fn of_history(history: &[HistoryItem], prices: &Prices) -> Usage {
+/// The calls of a record's history, each at its route's prices (a
+/// provider batch's at batch prices, the flex tier's at flex prices, a
+/// fallback's at its own).
+fn of_history(history: &[HistoryItem], spec: &JobSpec) -> Usage {
     let mut u = Usage::default();
+    let prices = &spec.prices;
     let (batch, flex) = (prices.batch(), prices.flex());
     for a in history.iter().filter_map(HistoryItem::as_attempt) {
-        let at = match (&a.batch, a.tier.as_deref()) {
-            (Some(_), _) => &batch,
-            (None, Some("flex")) => &flex,
+        let fallback = spec
+            .provider
+            .fallbacks
+            .iter()
+            .find(|f| Some(f.name.as_str()) == a.tier.as_deref());
+        let at = match (&a.batch, a.tier.as_deref(), fallback) {
+            (Some(_), ..) => &batch,
+            (None, _, Some(f)) => f.prices.as_ref().unwrap_or(prices),
+            (None, Some("flex"), None) => &flex,
             _ => prices,
         };
         u.add_call(a.usage.as_ref(), at);
@@ -151,7 +159,6 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
         ..Report::default()
     };
     r.paid_answers_lost = store.lost_answers(job).await?;
-    let prices = &spec.prices;
     let mut worked = Worked::default();
     let mut see = |history: &[HistoryItem], outcome_at: &str| worked.see(history, outcome_at);
     crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |res| {
@@ -160,7 +167,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
         }
         r.count_history(&res.history);
         *r.attempts_histogram.entry(u64::from(res.attempts)).or_default() += 1;
-        let usage = of_history(&res.history, prices);
+        let usage = of_history(&res.history, spec);
         r.done += 1;
         if res.human {
             r.human_accepted += 1;
@@ -179,7 +186,7 @@ pub async fn report(store: &RedisStore, job: &str, spec: &JobSpec) -> anyhow::Re
                 r.count_history(&e.history);
                 *r.attempts_histogram.entry(u64::from(e.attempts)).or_default() += 1;
                 *r.review_by_reason.entry(e.reason.clone()).or_default() += 1;
-                r.ended_in_review.merge(&of_history(&e.history, prices));
+                r.ended_in_review.merge(&of_history(&e.history, spec));
             })
             .await?;
     }
@@ -427,6 +434,8 @@ pub fn print_accuracy(a: &common::audit::Accuracy) {
 
 #[cfg(test)]
 mod tests {
+    use common::spec::Prices;
+
     use super::*;
 
     #[test]

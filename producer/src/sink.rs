@@ -253,6 +253,14 @@ pub async fn each_paid_call(
     partitions: u32,
     mut f: impl FnMut(PaidCall),
 ) -> anyhow::Result<()> {
+    // A call on the standard route was sent to the job's own model.
+    let model = spec.map(|s| s.provider.model.clone()).unwrap_or_default();
+    let mut f = move |mut c: PaidCall| {
+        if c.model.is_empty() && c.tier == common::route::Tier::Standard.name() {
+            c.model.clone_from(&model);
+        }
+        f(c)
+    };
     let sink = spec.filter(|s| s.sink.kind != SinkKind::None);
     let mut seen = HashSet::new();
     for p in 0..partitions {

@@ -325,6 +325,47 @@ fn while_the_primary_is_down_the_fallback_answers_and_every_record_is_paid_once(
     }
 }
 
+/// A provider down from the job's first call (never proven, so one call
+/// at a time to it): the fallback still takes all the work at its own
+/// pace, and the job does not halt when the outage outlasts its budget.
+#[test]
+fn a_provider_down_from_the_start_leaves_the_whole_job_to_the_fallback_past_the_outage_budget() {
+    let redis = RedisServer::start();
+    let primary = LlmSim::start(&["--outage", "unavailable:0:120"]);
+    let backup = LlmSim::start(&[]);
+    let dir = TempDir::new("fallback-start");
+    let data = dir.join("d.jsonl");
+    let n = 150;
+    write_records(&data, 0, n);
+    let fallback = format!(
+        "\n[[provider.fallbacks]]\nname = \"backup\"\nbase_url = \"{}\"\nmodel = \"gpt-4o-mini\"\n\n[limits]",
+        backup.base_url()
+    );
+    let spec = spec_with(
+        &dir,
+        &[
+            ("\n[limits]", &fallback),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", "max_delay_ms = 200\noutage_budget_secs = 2"),
+        ],
+    );
+    enqueue(&redis, &data, "fbs", &spec);
+    let (exit, log) =
+        Running::spawn(worker_cmd(&redis, "fbs", &primary, &["--drain"])).finish(Duration::from_secs(120));
+    assert!(exit.success(), "{log}");
+    let (_, s) = status_json(&redis, "fbs");
+    assert_eq!((s["done"].as_u64(), s["halted"].as_str()), (Some(n), None), "{s}");
+    assert_eq!(primary.stats()["served"], 0);
+    assert_eq!(backup.stats()["served"].as_u64(), Some(n), "one answer per record");
+    assert_eq!(s["routes"]["records"]["backup"].as_u64(), Some(n), "{s}");
+    // More than one call at a time went to the fallback.
+    assert!(
+        backup.stats()["max_in_flight"].as_u64().unwrap() > 1,
+        "{}",
+        backup.stats()
+    );
+}
+
 /// Attempts of every committed result of a job.
 fn results_attempts(redis: &RedisServer, job: &str) -> Vec<u64> {
     let mut c = redis.conn();

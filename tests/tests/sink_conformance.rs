@@ -281,7 +281,42 @@ async fn a_bad_destination_is_refused_at_open(s: &Subject) {
     }
 }
 
+/// A paid call off the standard route keeps its route and model in the
+/// sink, and reads back as it was.
+async fn a_paid_call_keeps_its_route_and_model(s: &Subject) {
+    let mut sink = s.open("routes").await;
+    let flex = call("rf", 1).on_tier(
+        common::route::Tier::Flex,
+        &Prices {
+            input_per_mtok: 1.0,
+            output_per_mtok: 4.0,
+            ..Prices::default()
+        },
+    );
+    let flex = flex.to_model("gpt-4o-mini");
+    let (mut entries, mut b) = batch(1, &[], &[]);
+    entries.push(SinkEntry {
+        entry_id: "1-0".into(),
+        rid: "rf".into(),
+        result: false,
+        call: Some(flex.key()),
+    });
+    b.paid.push(flex.clone());
+    write(&mut sink, "routes", 0, &entries, &b).await;
+    let mut back = Vec::new();
+    sink.ledger("routes", |c| back.push(c)).await.unwrap();
+    assert_eq!(back.len(), 1, "{}", sink.kind());
+    assert_eq!(
+        (back[0].tier.as_str(), back[0].model.as_str()),
+        ("flex", "gpt-4o-mini"),
+        "{}",
+        sink.kind()
+    );
+    assert_eq!(back[0].cost_nusd, flex.cost_nusd, "{}", sink.kind());
+}
+
 async fn conformance(s: &Subject) {
+    a_paid_call_keeps_its_route_and_model(s).await;
     stored_again_adds_nothing(s).await;
     a_crash_loses_nothing_and_duplicates_nothing(s).await;
     sealing_now_makes_a_batch_durable(s).await;
@@ -304,6 +339,15 @@ async fn postgres_keeps_the_sink_contract() {
         )),
     };
     conformance(&s).await;
+
+    // A ledger table of a version before routes gains `tier` and `model`
+    // when a sink opens it, its rows read back as standard calls.
+    pg.query("ALTER TABLE conform_ledger DROP COLUMN tier, DROP COLUMN model");
+    let sink = s.open("upgraded").await;
+    let mut back = Vec::new();
+    sink.ledger("routes", |c| back.push(c)).await.unwrap();
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].tier, "standard", "a row written before routes");
 
     // PostgreSQL alone can refuse a row (a constraint someone added): the
     // row comes back with the database's message, the rest is stored.

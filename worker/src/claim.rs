@@ -115,18 +115,24 @@ impl Claimer {
     /// to the provider); it also takes what the provider's limits leave
     /// when the plan says the deadline needs more than they give.
     async fn claim_job(&mut self, job: &Arc<JobCtx>, first: &mut Option<OwnedSemaphorePermit>, round: &mut Round) {
+        // The fallback's room is the worker's free slots: the provider's
+        // breaker (one call at a time until it answered) says nothing of it.
+        let fallback = (Route::Fallback, usize::MAX, false);
+        let down = job.outage.is_down();
+        if down && job.fallback.is_some() {
+            if job.breaker.room() > 0 && self.probe_turn(job, round).await {
+                self.claim_route(job, (Route::Primary, 1, true), first, round).await;
+            }
+            self.claim_route(job, fallback, first, round).await;
+            return;
+        }
         // Until the provider answered once, one call at a time.
         let room = job.breaker.room();
         if room == 0 {
             return;
         }
-        let down = job.outage.is_down();
-        if down && job.fallback.is_some() {
-            if self.probe_turn(job, round).await {
-                self.claim_route(job, (Route::Primary, 1, true), first, round).await;
-            }
-            self.claim_route(job, (Route::Fallback, room, false), first, round)
-                .await;
+        if let Some(wait) = self.budget_wait(&job.name, Route::Primary) {
+            round.limited = sooner(round.limited, wait);
             return;
         }
         // While the provider is down: no real work, one probe at a time
@@ -137,9 +143,7 @@ impl Claimer {
         let room = if down { 1 } else { room };
         self.claim_route(job, (Route::Primary, room, down), first, round).await;
         if !down && job.fallback.is_some() && job.plan.overflow() {
-            let room = job.breaker.room();
-            self.claim_route(job, (Route::Fallback, room, false), first, round)
-                .await;
+            self.claim_route(job, fallback, first, round).await;
         }
     }
 
@@ -162,6 +166,14 @@ impl Claimer {
         }
         let claimed_before = round.claimed;
         let free = self.claimable(first.is_some()).min(room);
+        if free == 0 {
+            // No slot left this round (another route took them): the limiter
+            // would still give one grant, and a task would have no slot.
+            if probing {
+                self.probe_unsent(job).await;
+            }
+            return;
+        }
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
         // Budget before claim: a throttled fleet leaves tasks in the stream.
         let (mut grants, wait, bound) = f.grants(job, want, route).await;
@@ -178,9 +190,13 @@ impl Claimer {
         }
         let n = job.spec.job.partitions;
         for p in (0..n).map(|i| (i + self.rounds) % n) {
+            let breaker_room = match route {
+                Route::Fallback => usize::MAX,
+                _ => job.breaker.room(),
+            };
             let want = grants
                 .len()
-                .min(job.breaker.room())
+                .min(breaker_room)
                 .min(room - (round.claimed - claimed_before));
             if want == 0 || self.drained.is_cancelled() {
                 break;

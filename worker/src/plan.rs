@@ -153,11 +153,14 @@ impl Planner {
         let rate = {
             let mut seen = self.settled.lock().unwrap_or_else(|e| e.into_inner());
             seen.push_back((now_ms, counts.settled));
-            while seen.front().is_some_and(|(at, _)| now_ms - at > RATE_WINDOW_MS) {
+            while seen
+                .front()
+                .is_some_and(|(at, _)| now_ms.saturating_sub(*at) > RATE_WINDOW_MS)
+            {
                 seen.pop_front();
             }
             let (from_ms, from) = *seen.front().expect("one was just pushed");
-            let span = now_ms - from_ms;
+            let span = now_ms.saturating_sub(from_ms);
             (span >= RATE_MIN_SPAN_MS).then(|| counts.settled.saturating_sub(from) as f64 * 1000.0 / span as f64)
         };
         let facts = PlanFacts {

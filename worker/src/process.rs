@@ -158,6 +158,17 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits, route: Route) -> Res
         service_tier: tier.map(Tier::service_tier),
     };
     let body = job.provider_for(route).body(&request);
+    // The fingerprint leaves the tier out: the same request on another tier
+    // buys the same answer, and is not sent again.
+    let fp = if tier.is_some() {
+        let untiered = Request {
+            service_tier: None,
+            ..request
+        };
+        crate::provider::fingerprint(&job.provider_for(route).body(&untiered))
+    } else {
+        crate::provider::fingerprint(&body)
+    };
     let estimate = Usage::estimate(
         estimate_tokens(&job.system) + estimate_tokens(&user) + previous.map_or(0, estimate_tokens),
         u64::from(job.spec.provider.max_tokens),
@@ -170,7 +181,7 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits, route: Route) -> Res
     };
     let at_most = crate::budget::at_most(&job.spec, &messages, job.forms.format_bytes(form));
     Ok(Prepared {
-        fp: crate::provider::fingerprint(&body),
+        fp,
         before,
         user,
         sent_feedback,
@@ -209,15 +220,23 @@ fn prepare_passthrough(
         Some(t) => Some(if t == "flex" { Tier::Flex } else { Tier::Standard }),
         None => planned,
     };
-    let service_tier = planned.map(Tier::service_tier);
-    let (body, max_tokens, formatted) =
-        match job
-            .provider_for(route)
-            .passthrough_body(request, field, retry, response_format, service_tier)
-        {
-            Ok(made) => made,
-            Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
-        };
+    let provider = job.provider_for(route);
+    let made = |tier: Option<&str>| {
+        let to = (tier, route == Route::Fallback);
+        provider.passthrough_body(request, field, retry, response_format, to)
+    };
+    let (body, max_tokens, formatted) = match made(planned.map(Tier::service_tier)) {
+        Ok(made) => made,
+        Err(reason) => return Err(Box::new((before, Outcome::InputError { reason }))),
+    };
+    // The fingerprint leaves the plan's tier out (see [`prepare`]).
+    let fp = match (named, planned) {
+        (None, Some(_)) => made(None).map_or_else(
+            |_| crate::provider::fingerprint(&body),
+            |(b, ..)| crate::provider::fingerprint(&b),
+        ),
+        _ => crate::provider::fingerprint(&body),
+    };
     let form = if formatted {
         form
     } else {
@@ -231,7 +250,7 @@ fn prepare_passthrough(
     at_most.completion = max_tokens;
     at_most.total = at_most.prompt + max_tokens;
     Ok(Prepared {
-        fp: crate::provider::fingerprint(&body),
+        fp,
         before,
         user,
         sent_feedback,
@@ -473,7 +492,7 @@ async fn conclude(
         // A passed-through request's result is the provider's whole response.
         reply.output = body.as_deref().and_then(|b| serde_json::from_str(b).ok());
     }
-    judge_errors(job, &mut reply, prep.form).await;
+    judge_errors(job, &mut reply, (prep.form, prep.route)).await;
     let key = business_key(&prep.before.input, &job.spec.job.id_field);
     job.drift_watch(&limits.metrics).observe(&key, &reply.outcome).await;
     if reply.usage.is_none() && (timed_out || answered) {
@@ -508,7 +527,17 @@ async fn conclude(
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
         calls,
-        provider: job.outage.provider_state(failing_since, answered_ms, now_ms()),
+        provider: match prep.route {
+            // The fallback answers for itself: the provider's outage is not its state.
+            Route::Fallback => common::decision::ProviderState::Up {
+                failing_ms: if failing_since > 0 {
+                    now_ms().saturating_sub(failing_since)
+                } else {
+                    0
+                },
+            },
+            _ => job.outage.provider_state(failing_since, answered_ms, now_ms()),
+        },
     };
     let decision = decide(
         standing,
@@ -714,7 +743,9 @@ async fn note_provider(
                 .failed(&*job.queue, &job.name, &d.task.rid, err, took, &limits.worker)
                 .await;
             noted.map(|(answered_ms, halt)| {
-                if let Some(reason) = halt {
+                // With a fallback the job does not halt for the provider's
+                // outage: the fallback does the work meanwhile.
+                if let Some(reason) = halt.filter(|_| job.fallback.is_none()) {
                     reply.outcome = Outcome::FleetHalt { cause: reason };
                 }
                 answered_ms
@@ -751,12 +782,14 @@ fn failing_since(d: &Delivery, outcome: &Outcome, took: std::time::Duration) -> 
 /// (see [`crate::breaker`]): it stays about the record, or makes the record
 /// wait, or halts the job with the provider's message. Any answer proves the
 /// provider (told to Redis once).
-async fn judge_errors(job: &JobCtx, reply: &mut Reply, form: common::spec::StructuredOutput) {
+async fn judge_errors(job: &JobCtx, reply: &mut Reply, (form, route): (common::spec::StructuredOutput, Route)) {
     use crate::breaker::Verdict;
     let mut form_refused = None;
     // A request refused for its shape: with `auto`, the next structured-output
-    // form; otherwise not a passing error (the breaker decides).
+    // form; otherwise not a passing error (the breaker decides). The form is
+    // the provider's: a fallback's refusal teaches it nothing.
     if let Some(err) = &reply.error
+        && route != Route::Fallback
         && matches!(err.status, Some(400 | 422 | 500))
         && err.message.as_deref().is_some_and(crate::form::refuses_request)
     {
@@ -783,6 +816,9 @@ async fn judge_errors(job: &JobCtx, reply: &mut Reply, form: common::spec::Struc
     }
     match &reply.outcome {
         // The provider answers (valid or not, the model is at fault, not the setup).
+        // (A fallback's answer proves nothing of the provider.)
+        Outcome::Valid | Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. }
+            if route == Route::Fallback => {}
         Outcome::Valid | Outcome::Invalid(_) | Outcome::Truncated | Outcome::Refused { .. } => {
             if job.breaker.on_answer()
                 && let Err(e) = job.queue.mark_proven().await
@@ -810,7 +846,10 @@ async fn judge_errors(job: &JobCtx, reply: &mut Reply, form: common::spec::Struc
                     reply.outcome = Outcome::FleetHalt {
                         cause: format!(
                             "systematic provider error: {cause} on {n} calls in a row from {}: {message}{hint}",
-                            job.outage.base_url()
+                            match (route, &job.fallback) {
+                                (Route::Fallback, Some(f)) => common::secret::redact_url(&f.spec.provider.base_url),
+                                _ => job.outage.base_url().to_owned(),
+                            }
                         ),
                     };
                 }

@@ -219,7 +219,8 @@ impl Provider {
     /// names none, `stream` off, and after an invalid answer that answer
     /// (as the assistant) and the validator's feedback appended to its
     /// messages; `response_format` (the job's structured output) where it
-    /// sets none; `service_tier` (the plan's) where it names none. Returns
+    /// sets none; `service_tier` (the plan's) where it names none; to a
+    /// fallback (`on_fallback`), the fallback's `model` and no tier. Returns
     /// the body, the completion tokens it allows and whether
     /// `response_format` went in; an error names what the record's request lacks.
     pub fn passthrough_body(
@@ -228,7 +229,7 @@ impl Provider {
         field: &str,
         retry: Option<(&str, &str)>,
         response_format: Option<&Value>,
-        service_tier: Option<&str>,
+        (service_tier, on_fallback): (Option<&str>, bool),
     ) -> Result<(Box<RawValue>, u64, bool), String> {
         let Some(Value::Object(request)) = request else {
             return Err(format!("request_missing:{field}"));
@@ -240,6 +241,11 @@ impl Provider {
             .is_some_and(|a| !a.is_empty());
         if !has_messages {
             return Err(format!("request_without_messages:{field}"));
+        }
+        if on_fallback {
+            // The record's model is the provider's name for it, not the fallback's.
+            body.insert("model".into(), Value::from(self.model.as_str()));
+            body.remove("service_tier");
         }
         body.entry("model").or_insert_with(|| Value::from(self.model.as_str()));
         if body.get("stream").is_some() {
@@ -743,7 +749,7 @@ mod tests {
         let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x"}});
         let plain = serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
         let (body, max_tokens, formatted) = p
-            .passthrough_body(Some(&plain), "body", None, Some(&schema), None)
+            .passthrough_body(Some(&plain), "body", None, Some(&schema), (None, false))
             .unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(formatted);
@@ -758,7 +764,7 @@ mod tests {
         own["max_tokens"] = 7.into();
         let retry = Some(("{\"a\":1}", "fix: sentiment is required"));
         let (body, max_tokens, formatted) = p
-            .passthrough_body(Some(&own), "body", retry, Some(&schema), None)
+            .passthrough_body(Some(&own), "body", retry, Some(&schema), (None, false))
             .unwrap();
         let sent: Value = serde_json::from_str(body.get()).unwrap();
         assert!(!formatted, "the request's own format is kept");
@@ -767,7 +773,9 @@ mod tests {
         assert_eq!(sent["messages"].as_array().unwrap().len(), 3, "{sent}");
         assert_eq!(sent["messages"][2]["content"], "fix: sentiment is required");
         let none = serde_json::json!({"messages": []});
-        let refused = p.passthrough_body(Some(&none), "body", None, None, None).unwrap_err();
+        let refused = p
+            .passthrough_body(Some(&none), "body", None, None, (None, false))
+            .unwrap_err();
         assert_eq!(refused, "request_without_messages:body");
     }
 }

@@ -117,6 +117,8 @@ const LEDGER_COLUMNS: &[(&str, &str)] = &[
     ("prices", "text"),
     ("cost_nusd", "bigint"),
     ("at", "timestamp with time zone"),
+    ("tier", "text"),
+    ("model", "text"),
 ];
 
 const RAW_COLUMNS: &[(&str, &str)] = &[
@@ -213,7 +215,9 @@ pub fn ddl(table: &str) -> String {
          \x20   estimated         boolean NOT NULL,  -- no usage reported (timed out, cut off...): estimated\n\
          \x20   prices            text NOT NULL,     -- the version of the prices it was costed at\n\
          \x20   cost_nusd         bigint NOT NULL,   -- nano-USD: sum(cost_nusd) / 1e9 is USD, exactly\n\
-         \x20   at                timestamptz NOT NULL\n\
+         \x20   at                timestamptz NOT NULL,\n\
+         \x20   tier              text NOT NULL DEFAULT 'standard',  -- its route: standard, flex, batch, a fallback's name\n\
+         \x20   model             text NOT NULL DEFAULT ''           -- the model it was sent to ('': the job's own)\n\
          );\n\
          CREATE INDEX IF NOT EXISTS {index}_ledger_job ON {table}_ledger (job);\n\
          CREATE TABLE IF NOT EXISTS {table}_raw (\n\
@@ -426,15 +430,17 @@ impl Tables<'_> {
         let fates: Vec<&str> = paid.iter().map(|c| c.fate.name()).collect();
         let estimated: Vec<bool> = paid.iter().map(|c| c.usage.estimated).collect();
         let prices: Vec<&str> = paid.iter().map(|c| c.prices.as_str()).collect();
+        let tiers: Vec<&str> = paid.iter().map(|c| c.tier.as_str()).collect();
+        let models: Vec<&str> = paid.iter().map(|c| c.model.as_str()).collect();
         self.tx.execute(
             &format!(
                 "INSERT INTO {l} (call_key, job, record_id, call_number, attempt, delivery, worker, cause, fate, \
-                 prompt_tokens, cached_tokens, completion_tokens, estimated, prices, cost_nusd, at) \
+                 prompt_tokens, cached_tokens, completion_tokens, estimated, prices, cost_nusd, at, tier, model) \
                  SELECT u.a, $1, u.b, u.c, u.d, u.e, u.f, u.g, u.h, u.i, u.j, u.k, u.l, u.m, u.n, \
-                 to_timestamp(u.o / 1000.0) \
+                 to_timestamp(u.o / 1000.0), u.p, u.q \
                  FROM UNNEST($2::text[], $3::text[], $4::int4[], $5::int4[], $6::int4[], $7::text[], $8::text[], \
-                 $9::text[], $10::int8[], $11::int8[], $12::int8[], $13::bool[], $14::text[], $15::int8[], $16::int8[]) \
-                 AS u(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o) \
+                 $9::text[], $10::int8[], $11::int8[], $12::int8[], $13::bool[], $14::text[], $15::int8[], $16::int8[], $17::text[], $18::text[]) \
+                 AS u(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q) \
                  ON CONFLICT (call_key) DO NOTHING",
                 l = self.ledger
             ),
@@ -455,6 +461,8 @@ impl Tables<'_> {
                 &prices,
                 &int(|c| c.cost_nusd),
                 &int(|c| c.at_ms),
+                &tiers,
+                &models,
             ],
         )
         .await
@@ -578,7 +586,17 @@ impl PgSink {
             (&self.ledger, LEDGER_COLUMNS),
             (&self.raw, RAW_COLUMNS),
         ] {
-            let found = self.columns(table).await?;
+            let mut found = self.columns(table).await?;
+            if *table == self.ledger && !found.is_empty() && !found.contains_key("tier") {
+                // A ledger of a version before routes: each call's route and
+                // model added (its rows were standard calls to the job's model).
+                let alter = format!(
+                    "ALTER TABLE {table} ADD COLUMN IF NOT EXISTS tier text NOT NULL DEFAULT 'standard', \
+                     ADD COLUMN IF NOT EXISTS model text NOT NULL DEFAULT ''"
+                );
+                self.client.batch_execute(&alter).await.map_err(|e| self.err(&e))?;
+                found = self.columns(table).await?;
+            }
             if found.is_empty() {
                 let mut sql = ddl(&self.results);
                 if *table == self.results {
@@ -1019,8 +1037,8 @@ impl PgSink {
             .query_raw(
                 &format!(
                     "SELECT call_key, attempt, delivery, worker, cause, fate, prompt_tokens, cached_tokens, \
-                     completion_tokens, estimated, prices, cost_nusd, (extract(epoch FROM at) * 1000)::int8 \
-                     FROM {} WHERE job = $1",
+                     completion_tokens, estimated, prices, cost_nusd, (extract(epoch FROM at) * 1000)::int8, \
+                     tier, model FROM {} WHERE job = $1",
                     self.ledger
                 ),
                 [job],
@@ -1045,6 +1063,8 @@ impl PgSink {
                 row.get::<_, String>(10),
                 row.get::<_, i64>(11),
                 row.get::<_, i64>(12),
+                row.get::<_, String>(13),
+                row.get::<_, String>(14),
             ]);
             f(PaidCall::decode(&key, &encoded.to_string())
                 .map_err(|e| SinkError::Schema(format!("table {}: {e}", self.ledger)))?);
