@@ -223,6 +223,18 @@ pub fn human_duration(ms: u64) -> String {
     }
 }
 
+/// Days since 1970-01-01 of a civil date (proleptic Gregorian; `month`
+/// 1-12): the inverse of [`rfc3339`]'s days-to-civil.
+pub fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// Formats Unix seconds as RFC 3339 UTC (days-to-civil, proleptic Gregorian).
 pub fn rfc3339(secs: u64) -> String {
     let days = (secs / 86_400) as i64;

@@ -116,14 +116,7 @@ fn parse_instant(text: &str) -> Result<u64, String> {
     if !(1..=12).contains(&mo) || !(1..=31).contains(&day) || h > 23 || mi > 59 || s > 60 {
         return Err(bad());
     }
-    // Days from civil (proleptic Gregorian), the inverse of `manifest::rfc3339`.
-    let y = if mo <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (mo + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = crate::manifest::days_from_civil(y, mo, day);
     let secs = days * 86_400 + h * 3600 + mi * 60 + s - offset_secs;
     u64::try_from(secs).map_err(|_| bad())
 }

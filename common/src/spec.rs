@@ -518,9 +518,10 @@ pub struct Provider {
     /// Batch API (see `[batch]`).
     #[serde(default, skip_serializing_if = "is_online")]
     pub mode: ProviderMode,
-    /// The price tiers calls may take (`"flex"`, `"standard"`); empty: the
-    /// provider's default, and no `service_tier` is sent. With both, the
-    /// planner sends what the deadline allows on flex (see [`crate::route`]).
+    /// The routes records may take (`"batch"`, `"flex"`, `"standard"`);
+    /// empty: the provider's default, and no `service_tier` is sent. The
+    /// planner sends batch shards while the deadline leaves the batch's
+    /// window, and online what the deadline allows on flex (see [`crate::route`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tiers: Vec<String>,
     /// Other providers or models under the same output contract (the same

@@ -278,14 +278,7 @@ fn parse_rfc3339(s: &str) -> Option<u64> {
     }
     let n = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
     let (y, mo, d, h, mi, se) = (n(0..4)?, n(5..7)?, n(8..10)?, n(11..13)?, n(14..16)?, n(17..19)?);
-    // days-from-civil (proleptic Gregorian), the inverse of manifest::rfc3339.
-    let y = if mo <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (mo + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = common::manifest::days_from_civil(y, mo, d);
     u64::try_from(days * 86_400 + h * 3600 + mi * 60 + se).ok()
 }
 
