@@ -98,6 +98,60 @@ pub struct Plan {
     pub all_batch: bool,
 }
 
+/// What the sample says of the routes: each record's cost at flex and at
+/// batch prices, and the share of flex calls the provider took.
+struct RouteSample {
+    flex_prices: common::spec::Prices,
+    batch_prices: common::spec::Prices,
+    flex_cost: Vec<f64>,
+    batch_cost: Vec<f64>,
+    flex_calls: u64,
+    flex_refused: u64,
+}
+
+impl RouteSample {
+    fn new(prices: &common::spec::Prices) -> RouteSample {
+        RouteSample {
+            flex_prices: prices.flex(),
+            batch_prices: prices.batch(),
+            flex_cost: Vec::new(),
+            batch_cost: Vec::new(),
+            flex_calls: 0,
+            flex_refused: 0,
+        }
+    }
+
+    /// One record's calls and their usage.
+    fn see(&mut self, attempts: &[&common::task::Attempt], usage: &[common::task::Usage]) {
+        self.flex_cost
+            .push(usage.iter().map(|u| u.cost(&self.flex_prices)).sum());
+        self.batch_cost
+            .push(usage.iter().map(|u| u.cost(&self.batch_prices)).sum());
+        for a in attempts.iter().filter(|a| a.tier.as_deref() == Some("flex")) {
+            self.flex_calls += 1;
+            self.flex_refused += u64::from(a.outcome == "flex_unavailable");
+        }
+    }
+
+    /// The plan for `records` of `cost` each at standard prices, at
+    /// `calls_per_sec` (None: the job names neither flex nor batch).
+    fn plan(self, spec: &JobSpec, records: f64, cost: f64, calls_per_sec: f64) -> Option<Plan> {
+        if !spec.provider.tiers.iter().any(|t| t == "flex" || t == "batch") {
+            return None;
+        }
+        let acceptance = match self.flex_calls {
+            0 => 1.0,
+            n => (n - self.flex_refused) as f64 / n as f64,
+        };
+        let costs = (
+            cost,
+            PerRecord::of(self.flex_cost).mean,
+            PerRecord::of(self.batch_cost).mean,
+        );
+        Some(plan(spec, records, costs, acceptance, calls_per_sec))
+    }
+}
+
 /// The plan for `records` records of `cost` (standard) and `flex_cost`
 /// each, at `records_per_sec` if every call went flex.
 fn plan(spec: &JobSpec, records: f64, costs: (f64, f64, f64), acceptance: f64, calls_per_sec: f64) -> Plan {
@@ -226,9 +280,7 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     let (mut calls, mut prompt, mut completion, mut cost, mut latency) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let prices = &spec.prices;
-    let (flex_prices, batch_prices) = (prices.flex(), prices.batch());
-    let (mut flex_cost, mut batch_cost) = (Vec::new(), Vec::new());
-    let (mut flex_calls, mut flex_refused) = (0u64, 0u64);
+    let mut routes = RouteSample::new(prices);
     let mut see = |history: &[HistoryItem]| {
         let attempts: Vec<_> = history.iter().filter_map(HistoryItem::as_attempt).collect();
         if attempts.is_empty() {
@@ -239,12 +291,7 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
         prompt.push(usage.iter().map(|u| u.prompt as f64).sum());
         completion.push(usage.iter().map(|u| u.completion as f64).sum());
         cost.push(usage.iter().map(|u| u.cost(prices)).sum());
-        flex_cost.push(usage.iter().map(|u| u.cost(&flex_prices)).sum());
-        batch_cost.push(usage.iter().map(|u| u.cost(&batch_prices)).sum());
-        for a in attempts.iter().filter(|a| a.tier.as_deref() == Some("flex")) {
-            flex_calls += 1;
-            flex_refused += u64::from(a.outcome == "flex_unavailable");
-        }
+        routes.see(&attempts, &usage);
         latency.extend(attempts.iter().map(|a| a.elapsed_ms as f64 / 1000.0));
     };
     crate::sink::each_result(store, job, Some(spec), spec.job.partitions, |r| see(&r.history)).await?;
@@ -275,17 +322,8 @@ pub async fn estimate(store: &RedisStore, job: &str, spec: &JobSpec, records: Op
     } else {
         (0.0, 0.0, 0.0)
     };
-    let routed = spec.provider.tiers.iter().any(|t| t == "flex" || t == "batch");
-    let plan = routed.then(|| {
-        let acceptance = match flex_calls {
-            0 => 1.0,
-            n => (n - flex_refused) as f64 / n as f64,
-        };
-        let (flex_mean, batch_mean) = (PerRecord::of(flex_cost).mean, PerRecord::of(batch_cost).mean);
-        // Calls a second the limits allow, over calls a record takes.
-        let per_sec = rate / 60.0 / calls.mean.max(1e-9);
-        plan(spec, n, (cost.mean, flex_mean, batch_mean), acceptance, per_sec)
-    });
+    // Calls a second the limits allow, over calls a record takes.
+    let plan = routes.plan(spec, n, cost.mean, rate / 60.0 / calls.mean.max(1e-9));
     let warning = manifest.sample.as_ref().and_then(|s| {
         if s.from_job.is_some() {
             Some("the sample is another job's records (--from-job), not drawn at random: the projection leans to them".to_owned())

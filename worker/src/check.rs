@@ -247,16 +247,13 @@ async fn call<'a>(
         service_tier: None,
     });
     let calls = d.task.calls + 1;
-    let estimate = Usage::estimate(
-        estimate_tokens(&job.system) + estimate_tokens(prompt),
-        u64::from(job.spec.provider.max_tokens),
-    );
+    let tokens = estimate_tokens(&job.system) + estimate_tokens(prompt);
+    let estimate = Usage::estimate(tokens, u64::from(job.spec.provider.max_tokens));
     let reservation = match reserve(job, d, limits, at_most, prices).await? {
         Ok(r) => r,
         Err(settled) => return Ok(Err(settled)),
     };
     let paid_at = |usage: Usage| {
-        let at = now_ms();
         let mut call = PaidCall::new(
             &d.task,
             d.task.attempt,
@@ -265,11 +262,10 @@ async fn call<'a>(
             &limits.worker,
             usage,
             prices,
-            at,
-        )
-        .to_model(checker.model());
+            now_ms(),
+        );
         call.cause = Cause::Check;
-        call
+        call.to_model(checker.model())
     };
     let mut cut_off = paid_at(estimate);
     cut_off.fate = Fate::Abandoned;

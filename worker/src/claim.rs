@@ -157,18 +157,13 @@ impl Claimer {
         round: &mut Round,
     ) {
         let f = self.fleet.clone();
-        if let Some(wait) = self.budget_wait(&job.name, route) {
-            round.limited = sooner(round.limited, wait);
-            if probing {
-                self.probe_unsent(job).await;
-            }
-            return;
-        }
         let claimed_before = round.claimed;
+        // No slot left (another route took them: a grant would come, and a
+        // task with no slot), or the rate's buckets said when to come back.
         let free = self.claimable(first.is_some()).min(room);
-        if free == 0 {
-            // No slot left this round (another route took them): the limiter
-            // would still give one grant, and a task would have no slot.
+        let budget_wait = self.budget_wait(&job.name, route);
+        if free == 0 || budget_wait.is_some() {
+            round.limited = budget_wait.map_or(round.limited, |wait| sooner(round.limited, wait));
             if probing {
                 self.probe_unsent(job).await;
             }

@@ -160,15 +160,13 @@ pub fn prepare(job: &JobCtx, d: &Delivery, limits: &Limits, route: Route) -> Res
     let body = job.provider_for(route).body(&request);
     // The fingerprint leaves the tier out: the same request on another tier
     // buys the same answer, and is not sent again.
-    let fp = if tier.is_some() {
-        let untiered = Request {
+    let untiered = tier.map(|_| {
+        job.provider_for(route).body(&Request {
             service_tier: None,
             ..request
-        };
-        crate::provider::fingerprint(&job.provider_for(route).body(&untiered))
-    } else {
-        crate::provider::fingerprint(&body)
-    };
+        })
+    });
+    let fp = crate::provider::fingerprint(untiered.as_ref().unwrap_or(&body));
     let estimate = Usage::estimate(
         estimate_tokens(&job.system) + estimate_tokens(&user) + previous.map_or(0, estimate_tokens),
         u64::from(job.spec.provider.max_tokens),
@@ -310,16 +308,8 @@ async fn run_attempt(
     };
     if d.task.answered.contains(&prep.fp) {
         // The same request already got its answer: sending it again buys the same one.
-        return without_call(
-            job,
-            &d,
-            &prep.before,
-            Outcome::NoNewAttempt,
-            Some(&prep.user),
-            limits,
-            span,
-        )
-        .await;
+        let outcome = Outcome::NoNewAttempt;
+        return without_call(job, &d, &prep.before, outcome, Some(&prep.user), limits, span).await;
     }
     // The record's own caps, then the job's, against the call at its most.
     if let Some(why) = crate::budget::over_record_cap(&job.spec, &d.task, &prep.at_most, &job.spec.prices) {
@@ -334,21 +324,12 @@ async fn run_attempt(
     };
     let call_span = span.child("model_call", SpanKind::Client);
     limits.metrics.in_flight.inc();
-    let mut if_cut_off = paid_call(
-        job,
-        &d,
-        limits,
-        prep.before.attempts + 1,
-        prep.estimate,
-        (prep.tier, prep.route),
-    );
+    let mut if_cut_off = paid_call(job, &d, limits, (prep.before.attempts + 1, prep.estimate), &prep);
     if_cut_off.fate = Fate::Abandoned;
     // Held until the outcome is stored (the end of this function).
     let waiting = limits.calls.start(&job.name, d.partition, if_cut_off);
-    let called = job
-        .provider_for(prep.route)
-        .call(&d.task.rid, &limits.worker, &prep.body)
-        .await;
+    let provider = job.provider_for(prep.route);
+    let called = provider.call(&d.task.rid, &limits.worker, &prep.body).await;
     limits.metrics.in_flight.dec();
     trace_call(&call_span, job, &called.result);
     call_span.end();
@@ -393,9 +374,8 @@ pub(crate) fn paid_call(
     job: &JobCtx,
     d: &Delivery,
     limits: &Limits,
-    attempt: u32,
-    usage: Usage,
-    (tier, route): (Option<Tier>, Route),
+    (attempt, usage): (u32, Usage),
+    prep: &Prepared,
 ) -> PaidCall {
     let call = PaidCall::new(
         &d.task,
@@ -407,12 +387,12 @@ pub(crate) fn paid_call(
         &job.spec.prices,
         now_ms(),
     );
-    match (route, &job.fallback) {
+    match (prep.route, &job.fallback) {
         (Route::Fallback, Some(f)) => call
             .on_route(&f.name, &f.spec.prices, &job.spec.prices)
             .to_model(&f.spec.provider.model),
         _ => call
-            .on_tier(tier.unwrap_or(Tier::Standard), &job.spec.prices)
+            .on_tier(prep.tier.unwrap_or(Tier::Standard), &job.spec.prices)
             .to_model(&job.spec.provider.model),
     }
 }
@@ -485,21 +465,7 @@ async fn conclude(
     let Got {
         result, elapsed, body, ..
     } = got;
-    let answered = matches!(result, CallResult::Message { .. });
-    let timed_out = used_of(&result).timed_out;
-    let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
-    if job.spec.prompt.passthrough() && reply.output.is_some() {
-        // A passed-through request's result is the provider's whole response.
-        reply.output = body.as_deref().and_then(|b| serde_json::from_str(b).ok());
-    }
-    judge_errors(job, &mut reply, (prep.form, prep.route)).await;
-    let key = business_key(&prep.before.input, &job.spec.job.id_field);
-    job.drift_watch(&limits.metrics).observe(&key, &reply.outcome).await;
-    if reply.usage.is_none() && (timed_out || answered) {
-        // The server may have generated (and billed) it after we gave up,
-        // or answered without saying what it used.
-        reply.usage = Some(prep.estimate);
-    }
+    let (mut reply, answered) = reply_of(job, (limits, span), prep, result, body.as_deref()).await;
     let (waiting, line) = settle_via(job, &reply, via, job.prices_for(prep.route, prep.tier)).await;
 
     // An online call tells the fleet whether the provider answers (an
@@ -527,17 +493,7 @@ async fn conclude(
     let standing = Standing {
         attempt: attempt.saturating_sub(d.task.base).max(1),
         calls,
-        provider: match prep.route {
-            // The fallback answers for itself: the provider's outage is not its state.
-            Route::Fallback => common::decision::ProviderState::Up {
-                failing_ms: if failing_since > 0 {
-                    now_ms().saturating_sub(failing_since)
-                } else {
-                    0
-                },
-            },
-            _ => job.outage.provider_state(failing_since, answered_ms, now_ms()),
-        },
+        provider: provider_state(job, prep.route, failing_since, answered_ms),
     };
     let decision = decide(
         standing,
@@ -585,6 +541,49 @@ async fn conclude(
     .await
 }
 
+/// A call's result as the record's reply: judged (breaker, structured-output
+/// form), watched for drift, with the usage it may be billed for. Also
+/// whether the provider answered.
+async fn reply_of(
+    job: &JobCtx,
+    (limits, span): (&Limits, &Span),
+    prep: &Prepared,
+    result: CallResult,
+    body: Option<&str>,
+) -> (Reply, bool) {
+    let answered = matches!(result, CallResult::Message { .. });
+    let timed_out = used_of(&result).timed_out;
+    let mut reply = result.into_reply(&job.spec, &prep.before.input, span);
+    if job.spec.prompt.passthrough() && reply.output.is_some() {
+        // A passed-through request's result is the provider's whole response.
+        reply.output = body.and_then(|b| serde_json::from_str(b).ok());
+    }
+    judge_errors(job, &mut reply, (prep.form, prep.route)).await;
+    let key = business_key(&prep.before.input, &job.spec.job.id_field);
+    job.drift_watch(&limits.metrics).observe(&key, &reply.outcome).await;
+    if reply.usage.is_none() && (timed_out || answered) {
+        // The server may have generated (and billed) it after we gave up,
+        // or answered without saying what it used.
+        reply.usage = Some(prep.estimate);
+    }
+    (reply, answered)
+}
+
+/// The provider's state as the record's decision sees it: the fleet's
+/// outage view, or for a fallback's call its own (it answers for itself).
+fn provider_state(job: &JobCtx, route: Route, failing_since: u64, answered_ms: u64) -> common::decision::ProviderState {
+    match route {
+        Route::Fallback => common::decision::ProviderState::Up {
+            failing_ms: if failing_since > 0 {
+                now_ms().saturating_sub(failing_since)
+            } else {
+                0
+            },
+        },
+        _ => job.outage.provider_state(failing_since, answered_ms, now_ms()),
+    }
+}
+
 /// The paid call an answer (or a timed-out call) may be billed for, priced
 /// as it was made, for the ledger with its outcome: once (none when a drain
 /// recorded it as cut off meanwhile).
@@ -598,7 +597,7 @@ fn paid_of(
     waiting: Option<&CallInFlight<'_>>,
 ) -> Option<PaidCall> {
     let call = reply.usage.map(|u| {
-        let call = paid_call(job, d, limits, attempt, u, (prep.tier, prep.route));
+        let call = paid_call(job, d, limits, (attempt, u), prep);
         match line {
             Some(line) => call.batched(&job.spec.prices.batch(), &job.spec.prices, line),
             None => call,
