@@ -18,7 +18,8 @@
 //! - [`budget`]: spend control: the job's cap shared in Redis, a record's own caps.
 //! - [`breaker`]: halts a job on systematic provider errors (a wrong key or model).
 //! - [`outage`]: a provider failing every call: one probe at a time, a halt past the budget.
-//! - [`plan`]: a job with tiers: which tier (flex, standard) each call takes before its deadline.
+//! - [`plan`]: a job with tiers or a fallback: which tier and which provider each call takes
+//!   before its deadline; [`replan`]: the service that re-plans it from the fleet's counts.
 //! - [`form`]: structured-output negotiation (`auto`: the first form a server accepts).
 //! - [`provider`]: the OpenAI-compatible client (HTTP, request forms, classification).
 //! - [`judge`]: what an answer comes to for the record ([`judge::Reply`]: validated).
@@ -53,6 +54,7 @@ pub mod promote;
 pub mod provider;
 pub mod queue;
 pub mod reclaim;
+pub mod replan;
 pub mod run;
 pub mod scaler;
 pub mod service;

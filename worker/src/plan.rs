@@ -1,7 +1,7 @@
 //! The planner of a job with tiers (`provider.tiers`): which tier each call
 //! takes. Every worker plans for itself from the same fleet-wide figures
 //! (the deadline, the records left, the records settled per second, read
-//! every [`PERIOD`] by [`PlanService`]) and what its own flex calls saw (the
+//! every [`PERIOD`] by [`crate::replan::PlanService`]) and what its own flex calls saw (the
 //! share the provider took); the rule is [`common::route::standard_share`].
 //!
 //! A record flex refused goes standard when the plan sends any share there
@@ -9,7 +9,6 @@
 //! the world's, and tries flex again.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -18,11 +17,6 @@ use common::route::{PlanFacts, Tier, standard_share};
 use common::spec::JobSpec;
 use common::store::PlanCounts;
 use common::task::{HistoryItem, Task};
-
-use crate::clock::now_ms;
-use crate::fleet::Fleet;
-use crate::job::JobCtx;
-use crate::service::Service;
 
 /// How often the fleet's figures are read.
 pub const PERIOD: Duration = Duration::from_secs(2);
@@ -214,65 +208,6 @@ fn last_outcome(task: &Task) -> Option<&str> {
         .rev()
         .find_map(HistoryItem::as_attempt)
         .map(|a| a.outcome.as_str())
-}
-
-/// Re-plans one routed job every [`PERIOD`] from the fleet's counts.
-pub struct PlanService {
-    fleet: Arc<Fleet>,
-    job: Arc<JobCtx>,
-}
-
-impl PlanService {
-    /// None: the job has neither tiers nor a fallback to choose between.
-    pub fn for_job(fleet: &Arc<Fleet>, job: &Arc<JobCtx>) -> Option<PlanService> {
-        (job.plan.routed() || job.fallback.is_some()).then(|| PlanService {
-            fleet: fleet.clone(),
-            job: job.clone(),
-        })
-    }
-}
-
-impl Service for PlanService {
-    fn name(&self) -> &'static str {
-        "planner"
-    }
-
-    async fn run_once(&mut self) -> Option<Duration> {
-        let job = &self.job;
-        match self.fleet.store.plan_counts(&job.name, job.spec.job.partitions).await {
-            Ok(counts) => {
-                let (before, overflow) = (job.plan.share(), job.plan.overflow());
-                let facts = job.plan.replan(counts, now_ms());
-                let share = job.plan.share();
-                if job.fallback.is_some() && job.plan.overflow() != overflow {
-                    tracing::info!(
-                        job = %job.name,
-                        remaining = facts.remaining,
-                        rate = facts.rate.map(|r| format!("{r:.1}/s")).unwrap_or_default(),
-                        "{}",
-                        if overflow {
-                            "the provider alone meets the deadline again: the fallback takes no more calls"
-                        } else {
-                            "even all standard misses the deadline: the fallback takes calls too"
-                        }
-                    );
-                }
-                if (share - before).abs() >= 0.05 {
-                    tracing::info!(
-                        job = %job.name,
-                        standard_share = format!("{share:.2}"),
-                        remaining = facts.remaining,
-                        rate = facts.rate.map(|r| format!("{r:.1}/s")).unwrap_or_default(),
-                        flex_acceptance = format!("{:.2}", facts.flex_acceptance),
-                        left_s = facts.deadline_ms.map(|d| d.saturating_sub(facts.now_ms) / 1000),
-                        "the plan changed: this share of calls goes standard"
-                    );
-                }
-            }
-            Err(e) => self.fleet.store_error(&e).await,
-        }
-        Some(PERIOD)
-    }
 }
 
 #[cfg(test)]

@@ -195,7 +195,7 @@ fn spawn_services(
         if let Some(batcher) = crate::batcher::Batcher::for_job(fleet, job) {
             loops.spawn(service::run(batcher, stop.clone()));
         }
-        if let Some(planner) = crate::plan::PlanService::for_job(fleet, job) {
+        if let Some(planner) = crate::replan::PlanService::for_job(fleet, job) {
             loops.spawn(service::run(planner, stop.clone()));
         }
     }
