@@ -1030,6 +1030,12 @@ impl JobSpec {
                     "is sent online only: remove provider.mode = \"batch\"",
                 );
             }
+            if self.provider.batch_tier() {
+                p.add(
+                    "prompt.request_field",
+                    "is sent online only: remove \"batch\" from provider.tiers",
+                );
+            }
             if !self.check.is_none() {
                 p.add(
                     "prompt.request_field",
@@ -2213,6 +2219,11 @@ mod tests {
         );
         assert_problem(&tiers("[\"flexx\"]"), "provider.tiers: `flexx` is no tier");
         assert_problem(&tiers("[\"flex\", \"flex\"]"), "provider.tiers: `flex` is listed twice");
+        let passthrough = tiers("[\"batch\", \"standard\"]").replace("[prompt]", "[prompt]\nrequest_field = \"body\"");
+        assert_problem(
+            &passthrough,
+            "prompt.request_field: is sent online only: remove \"batch\" from provider.tiers",
+        );
         let deadline = |d: &str| edited("partitions = 4 ", &format!("partitions = 4\ndeadline = \"{d}\" "));
         assert_eq!(
             JobSpec::parse(&deadline("6h"), "job.toml")

@@ -108,6 +108,12 @@ impl Batcher {
         self.job.spec.provider.mode == common::spec::ProviderMode::Batch || self.job.plan.batch_now()
     }
 
+    /// With the batch tier: the plan says the deadline no longer leaves the
+    /// batch's window (the shards' records go online).
+    fn too_late(&self) -> bool {
+        self.job.spec.provider.mode != common::spec::ProviderMode::Batch && self.job.plan.batch_over()
+    }
+
     fn lease_until(&self) -> u64 {
         now_ms() + self.fleet.visibility.as_millis() as u64
     }
@@ -336,7 +342,7 @@ impl Batcher {
             self.cancel_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
-        if !self.packs() {
+        if self.too_late() {
             self.release_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
@@ -425,7 +431,7 @@ impl Batcher {
             self.cancel_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
-        if !self.packs() {
+        if self.too_late() {
             self.release_held(p, &shard).await?;
             return self.close(p, &read, shard).await;
         }
@@ -497,7 +503,7 @@ impl Batcher {
         // With the batch tier, a deadline that no longer leaves the batch's
         // window sends its records online: the batch is cancelled, its
         // finished lines kept.
-        let too_late = !self.packs();
+        let too_late = self.too_late();
         let cancel = (f.is_cancelled(&job.name) || too_late) && !cancelling;
         if !cancel && now_ms() < shard.polled_ms + poll.as_millis() as u64 {
             return Ok(false);

@@ -101,6 +101,13 @@ impl Planner {
         self.batch_now.load(Ordering::Relaxed)
     }
 
+    /// Whether the plan, once read, says the deadline no longer leaves the
+    /// batch's window (false before the first plan: a worker just started
+    /// cancels no batch).
+    pub fn batch_over(&self) -> bool {
+        self.has_batch() && self.planned.load(Ordering::Relaxed) && !self.batch_now()
+    }
+
     /// Whether the online claimer may take the job's records now: not
     /// while they go into shards, nor before the first plan says where.
     pub fn claims_online(&self) -> bool {
@@ -247,6 +254,35 @@ mod tests {
             .filter(|_| p.tier_for(&task_refused(false)) == Some(Tier::Standard))
             .count();
         assert!((450..750).contains(&standard), "{standard} of 2000 at 0.3");
+    }
+
+    #[test]
+    fn the_batch_tier_holds_online_claims_until_planned_and_ends_only_on_a_plan() {
+        let p = Planner::new(&spec(&["batch", "flex", "standard"]));
+        assert!(p.has_batch());
+        // A worker just started: nothing online, no batch cancelled.
+        assert!(!p.claims_online() && !p.batch_now() && !p.batch_over());
+        let t0 = 1_800_000_000_000;
+        let counts = |left_ms: u64| PlanCounts {
+            deadline_ms: Some(t0 + left_ms),
+            expected: Some(100),
+            settled: 0,
+        };
+        p.replan(counts(3 * 86_400_000), t0);
+        assert!(
+            p.batch_now() && !p.batch_over() && !p.claims_online(),
+            "three days: shards"
+        );
+        p.replan(counts(25 * 3_600_000), t0);
+        assert!(
+            !p.batch_now() && p.batch_over() && p.claims_online(),
+            "25 h: the window and the margin do not fit"
+        );
+        let online = Planner::new(&spec(&["flex", "standard"]));
+        assert!(
+            online.claims_online() && !online.batch_over(),
+            "no batch tier: online from the start"
+        );
     }
 
     #[test]

@@ -215,6 +215,7 @@ fn prepare_passthrough(
         .and_then(serde_json::Value::as_str);
     let planned = (route == Route::Primary).then(|| job.plan.tier_for(&d.task)).flatten();
     let tier = match named {
+        _ if route != Route::Primary => None,
         Some(t) => Some(if t == "flex" { Tier::Flex } else { Tier::Standard }),
         None => planned,
     };
