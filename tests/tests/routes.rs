@@ -158,7 +158,13 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     let n = 400;
     // 20 calls a second: flex alone settles ~12 records a second.
     let _dir = routed_job(&redis, "tight", n, "1h", "1200");
-    let worker = Running::spawn(worker_cmd(&redis, "tight", &sim, &["--drain"]));
+    let metrics = format!("127.0.0.1:{}", harness::free_port());
+    let worker = Running::spawn(worker_cmd(
+        &redis,
+        "tight",
+        &sim,
+        &["--drain", "--metrics-addr", &metrics],
+    ));
     let started = Instant::now();
     harness::wait_for("the first records", Duration::from_secs(30), || {
         status_json(&redis, "tight").1["done"].as_u64().unwrap_or(0) >= 40
@@ -174,6 +180,19 @@ fn a_tightened_deadline_moves_calls_to_standard_and_the_job_ends_in_time_paying_
     );
     let (_, s) = status_json(&redis, "tight");
     let deadline_ms = s["deadline"]["at_ms"].as_u64().unwrap();
+    // The dashboard sees the plan move: a share of the calls standard.
+    let gauge = |figure: &str| {
+        let text = harness::http_get(&format!("http://{metrics}"), "/metrics").1;
+        let line = format!("batchfleet_plan{{figure=\"{figure}\",job=\"tight\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(line.as_str())?.parse::<f64>().ok())
+    };
+    harness::wait_for("the plan's standard share on /metrics", Duration::from_secs(20), || {
+        gauge("standard_share").is_some_and(|share| share > 0.0)
+    });
+    let left = gauge("deadline_left_seconds").unwrap();
+    assert!(left > 0.0 && left <= 30.0, "{left}");
+    assert!(gauge("flex_acceptance").is_some_and(|a| a > 0.3 && a < 0.95));
     let (exit, log) = worker.finish(Duration::from_secs(120));
     let ended_ms = common::route::now_ms();
     assert!(exit.success(), "{log}");

@@ -24,6 +24,19 @@ impl PlanService {
             job: job.clone(),
         })
     }
+
+    /// The plan's figures as metrics (`batchfleet_plan{job,figure}`).
+    fn show(&self, facts: &common::route::PlanFacts) {
+        let (job, gauge) = (&self.job, &self.fleet.metrics.plan);
+        let set = |figure: &str, v: f64| gauge.with_label_values(&[job.name.as_str(), figure]).set(v);
+        set("standard_share", job.plan.share());
+        set("flex_acceptance", facts.flex_acceptance);
+        set("batch", f64::from(u8::from(job.plan.batch_now())));
+        set("fallback", f64::from(u8::from(job.plan.overflow())));
+        if let Some(at) = facts.deadline_ms {
+            set("deadline_left_seconds", (at as f64 - facts.now_ms as f64) / 1000.0);
+        }
+    }
 }
 
 impl Service for PlanService {
@@ -38,6 +51,7 @@ impl Service for PlanService {
                 let (before, overflow) = (job.plan.share(), job.plan.overflow());
                 let facts = job.plan.replan(counts, now_ms());
                 let share = job.plan.share();
+                self.show(&facts);
                 if job.fallback.is_some() && job.plan.overflow() != overflow {
                     tracing::info!(
                         job = %job.name,

@@ -57,6 +57,8 @@ pub struct Metrics {
     /// Each field's (and rule's) failure rate in this worker's drift
     /// window and before it, and the drift alarms that halted the job.
     pub drift_failure_ratio: GaugeVec,
+    /// The planner's figures of a job with tiers or a fallback (see [`crate::plan`]).
+    pub plan: GaugeVec,
     pub drift_alarms: IntCounterVec,
     /// Outcomes and paid calls in Redis not yet in the sink (sink stream entries).
     sink_lag: IntGaugeVec,
@@ -237,6 +239,14 @@ impl Metrics {
                 "Share of this worker's recent validated answers (over=window: the drift window; over=before: \
                  every earlier one) that failed on the field or rule (field=rule:<name>).",
                 &["job", "field", "over"],
+            ),
+            plan: d.real_gauge(
+                "plan",
+                "The planner's figures of a job with tiers or a fallback, as this worker holds them: \
+                 standard_share (share of online calls sent standard), flex_acceptance (share of flex calls \
+                 the provider took), batch (1: records go into batch shards), fallback (1: the fallback takes \
+                 calls beyond the provider's limits), deadline_left_seconds.",
+                &["job", "figure"],
             ),
             drift_alarms: d.counter(
                 "drift_alarms_total",
