@@ -280,24 +280,9 @@ fn while_the_primary_is_down_the_fallback_answers_and_every_record_is_paid_once(
     let redis = RedisServer::start();
     let primary = LlmSim::start(&["--outage", "unavailable:40:30"]);
     let backup = LlmSim::start(&[]);
-    let dir = TempDir::new("fallback");
-    let data = dir.join("d.jsonl");
     let n = 300;
-    write_records(&data, 0, n);
-    let fallback = format!(
-        "\n[[provider.fallbacks]]\nname = \"backup\"\nbase_url = \"{}\"\nmodel = \"gpt-4o\"\n\
-         [provider.fallbacks.prices]\ninput_per_mtok = 2.5\noutput_per_mtok = 10.0\n\n[limits]",
-        backup.base_url()
-    );
-    let spec = spec_with(
-        &dir,
-        &[
-            ("\n[limits]", &fallback),
-            ("base_delay_ms = 500", "base_delay_ms = 10"),
-            ("max_delay_ms = 30000", "max_delay_ms = 200"),
-        ],
-    );
-    enqueue(&redis, &data, "fb", &spec);
+    let prices = "model = \"gpt-4o\"\n[provider.fallbacks.prices]\ninput_per_mtok = 2.5\noutput_per_mtok = 10.0";
+    let _dir = fallback_job(&redis, ("fb", n), &backup, (prices, ""));
     let started = Instant::now();
     let (exit, log) = Running::spawn(worker_cmd(&redis, "fb", &primary, &["--drain"])).finish(Duration::from_secs(120));
     assert!(exit.success(), "{log}");
@@ -352,23 +337,13 @@ fn a_provider_down_from_the_start_leaves_the_whole_job_to_the_fallback_past_the_
     let redis = RedisServer::start();
     let primary = LlmSim::start(&["--outage", "unavailable:0:120"]);
     let backup = LlmSim::start(&[]);
-    let dir = TempDir::new("fallback-start");
-    let data = dir.join("d.jsonl");
     let n = 150;
-    write_records(&data, 0, n);
-    let fallback = format!(
-        "\n[[provider.fallbacks]]\nname = \"backup\"\nbase_url = \"{}\"\nmodel = \"gpt-4o-mini\"\n\n[limits]",
-        backup.base_url()
+    let _dir = fallback_job(
+        &redis,
+        ("fbs", n),
+        &backup,
+        ("model = \"gpt-4o-mini\"", "\noutage_budget_secs = 2"),
     );
-    let spec = spec_with(
-        &dir,
-        &[
-            ("\n[limits]", &fallback),
-            ("base_delay_ms = 500", "base_delay_ms = 10"),
-            ("max_delay_ms = 30000", "max_delay_ms = 200\noutage_budget_secs = 2"),
-        ],
-    );
-    enqueue(&redis, &data, "fbs", &spec);
     let (exit, log) =
         Running::spawn(worker_cmd(&redis, "fbs", &primary, &["--drain"])).finish(Duration::from_secs(120));
     assert!(exit.success(), "{log}");
@@ -383,6 +358,34 @@ fn a_provider_down_from_the_start_leaves_the_whole_job_to_the_fallback_past_the_
         "{}",
         backup.stats()
     );
+}
+
+/// A job `name` of `n` records with `backup` as its fallback
+/// (`fallback`: its model and prices; `retry`: more `[retry]` keys), retries
+/// quick.
+fn fallback_job(
+    redis: &RedisServer,
+    (name, n): (&str, u64),
+    backup: &LlmSim,
+    (fallback, retry): (&str, &str),
+) -> TempDir {
+    let dir = TempDir::new(name);
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, n);
+    let section = format!(
+        "\n[[provider.fallbacks]]\nname = \"backup\"\nbase_url = \"{}\"\n{fallback}\n\n[limits]",
+        backup.base_url()
+    );
+    let spec = spec_with(
+        &dir,
+        &[
+            ("\n[limits]", &section),
+            ("base_delay_ms = 500", "base_delay_ms = 10"),
+            ("max_delay_ms = 30000", &format!("max_delay_ms = 200{retry}")),
+        ],
+    );
+    enqueue(redis, &data, name, &spec);
+    dir
 }
 
 /// Attempts of every committed result of a job.
