@@ -2192,6 +2192,37 @@ mod tests {
         EXAMPLE.replacen(replace, with, 1)
     }
 
+    /// Adds `from`'s keys to `into`, table by table.
+    fn merge(into: &mut toml::Table, from: toml::Table) {
+        for (k, v) in from {
+            match (into.get_mut(&k), v) {
+                (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge(a, b),
+                (_, v) => {
+                    into.insert(k, v);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_readmes_spec_example_is_valid_in_the_example_spec() {
+        let readme = include_str!("../../README.md");
+        let blocks: Vec<&str> = readme
+            .split("```toml\n")
+            .skip(1)
+            .filter_map(|b| b.split("```").next())
+            .collect();
+        assert!(!blocks.is_empty(), "the README shows a spec");
+        for block in blocks {
+            let mut spec: toml::Table = toml::from_str(EXAMPLE).unwrap();
+            merge(&mut spec, toml::from_str(block).unwrap());
+            let text = toml::to_string(&spec).unwrap();
+            let parsed = JobSpec::parse(&text, "README.md").unwrap_or_else(|e| panic!("{e}\n{block}"));
+            assert_eq!(parsed.provider.fallbacks.len(), 1);
+            assert!(parsed.provider.batch_tier() && parsed.job.deadline.is_some());
+        }
+    }
+
     #[test]
     fn tiers_deadlines_and_fallbacks_are_checked_with_their_path() {
         let tiers = |t: &str| {
