@@ -144,6 +144,12 @@ pub fn margin_ms(left_ms: u64) -> u64 {
     (left_ms / 10).max(5_000)
 }
 
+/// Whether `left_ms` to the deadline (None: no deadline) still holds a
+/// batch's completion window and the margin: records may go through the Batch API.
+pub fn leaves_batch_window(left_ms: Option<u64>, window_ms: u64) -> bool {
+    left_ms.is_none_or(|left| left > window_ms + margin_ms(left))
+}
+
 /// The share of calls (0.0-1.0) to send at the standard price so the job
 /// ends before its deadline, the rest on flex.
 ///

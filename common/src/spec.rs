@@ -130,6 +130,15 @@ impl BatchSection {
         self.completion_window.as_deref().unwrap_or("24h")
     }
 
+    /// The completion window in ms (`24h`; checked to be hours).
+    pub fn completion_window_ms(&self) -> u64 {
+        let hours = self
+            .completion_window()
+            .strip_suffix('h')
+            .and_then(|h| h.parse::<u64>().ok());
+        hours.unwrap_or(24) * 3_600_000
+    }
+
     pub fn poll(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.poll_secs.unwrap_or(60))
     }

@@ -173,15 +173,8 @@ fn plan(spec: &JobSpec, records: f64, costs: (f64, f64, f64), acceptance: f64, c
         flex_acceptance: acceptance,
         standard_share: 0.0,
     };
-    let window_ms = spec
-        .batch
-        .completion_window()
-        .strip_suffix('h')
-        .and_then(|h| h.parse::<u64>().ok())
-        .unwrap_or(24)
-        * 3_600_000;
-    let all_batch =
-        spec.provider.batch_tier() && left_ms.is_none_or(|left| left > window_ms + common::route::margin_ms(left));
+    let window_ms = spec.batch.completion_window_ms();
+    let all_batch = spec.provider.batch_tier() && common::route::leaves_batch_window(left_ms, window_ms);
     if all_batch {
         return Plan {
             deadline: spec.job.deadline.clone(),

@@ -70,10 +70,7 @@ impl Planner {
             share: AtomicU64::new(0f64.to_bits()),
             acceptance: AtomicU64::new(1f64.to_bits()),
             overflow: std::sync::atomic::AtomicBool::new(false),
-            batch_window_ms: spec
-                .provider
-                .batch_tier()
-                .then(|| window_ms(spec.batch.completion_window())),
+            batch_window_ms: spec.provider.batch_tier().then(|| spec.batch.completion_window_ms()),
             batch_now: std::sync::atomic::AtomicBool::new(false),
             planned: std::sync::atomic::AtomicBool::new(false),
             settled: Mutex::new(VecDeque::new()),
@@ -188,24 +185,13 @@ impl Planner {
         };
         self.overflow.store(overflow, Ordering::Relaxed);
         if let Some(window) = self.batch_window_ms {
-            let fits = facts.deadline_ms.is_none_or(|d| {
-                let left = d.saturating_sub(now_ms);
-                left > window + common::route::margin_ms(left)
-            });
+            let left = facts.deadline_ms.map(|d| d.saturating_sub(now_ms));
+            let fits = common::route::leaves_batch_window(left, window);
             self.batch_now.store(fits, Ordering::Relaxed);
         }
         self.planned.store(true, Ordering::Relaxed);
         facts
     }
-}
-
-/// `24h` (`[batch] completion_window`) in ms.
-fn window_ms(window: &str) -> u64 {
-    window
-        .strip_suffix('h')
-        .and_then(|h| h.parse::<u64>().ok())
-        .unwrap_or(24)
-        * 3_600_000
 }
 
 /// The cause of the record's last call (its last attempt's outcome).
