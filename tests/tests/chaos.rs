@@ -198,6 +198,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let mut redis_restarts: Vec<Duration> = vec![];
     let mut late_workers: Vec<String> = vec![];
     let mut killed_workers: Vec<String> = vec![];
+    let mut outage_secs: Vec<f64> = vec![];
     let deadline = Instant::now() + Duration::from_secs(60 + records / 10);
     // Exit code 0 of `status --require-complete` (it fails while Redis
     // restarts): every record settled, and every done one in the table.
@@ -298,11 +299,22 @@ fn nothing_lost_nothing_twice_whatever_dies() {
                 *injected.entry("postgres kill -9").or_default() += 1;
             }
             5 => {
-                // The provider goes down for 5 s (it keeps what it served,
-                // so it is not killed): the job waits, nothing goes to review.
+                // The provider goes down (it keeps what it served, so it is
+                // not killed): the job waits, nothing goes to review. It
+                // stays down at least 5 s and until it has refused calls: a
+                // fleet just back from a Redis or PostgreSQL restart may not
+                // be calling yet.
                 let mode = outages[(round / 7) % outages.len()];
-                sim.outage(Some(mode), Some(5.0));
+                let down = Instant::now();
+                sim.outage(Some(mode), None);
                 std::thread::sleep(Duration::from_secs(5));
+                wait_for("the outage to meet calls", Duration::from_secs(40), || {
+                    sim.stats()["outage"]["refused"]
+                        .as_object()
+                        .is_some_and(|r| !r.is_empty())
+                });
+                sim.outage(None, None);
+                outage_secs.push(down.elapsed().as_secs_f64());
                 *injected.entry("provider outage").or_default() += 1;
             }
             _ => {
@@ -517,6 +529,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         "recoveries_within_target": format!("{within_target} of {}", recoveries.len()),
         "redis_restart_ms": redis_restarts.iter().map(|d| d.as_millis() as u64).collect::<Vec<_>>(),
         "paused_workers": late_workers,
+        "provider_outage_secs": outage_secs,
         "deliveries_found_already_settled": already_settled,
         "sim": sim.stats(),
         "status": {

@@ -199,20 +199,25 @@ async fn advance(api: &Arc<Api>, mut row: BatchRow) -> anyhow::Result<()> {
         row.ending = Some("expired".into());
         cancel_job(&api.store, &row).await?;
     }
+    if row.enqueued && row.status() == "cancelling" && !api.store.cancelled(&row.job).await? {
+        // The cancel was stored but its job's records were not dropped.
+        cancel_job(&api.store, &row).await?;
+    }
     let done = if row.enqueued {
         counts(api, &mut row).await?
     } else {
         true
     };
     if done || row.status() == "finalizing" {
+        // A cancel stored since this poll read the batch is how it ends.
+        adopt_cancel(api, &mut row).await?;
         finalize(api, &mut row, now).await?;
     }
     save(api, row).await
 }
 
-/// Stores a batch this poll moved, keeping a cancel that came meanwhile
-/// (the cancel's own request wrote it).
-async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
+/// Takes the ending a cancel stored since `row` was read.
+async fn adopt_cancel(api: &Api, row: &mut BatchRow) -> anyhow::Result<()> {
     if let Some(stored) = kept::batch(&api.store, row.id()).await?
         && stored.ending.is_some()
         && row.ending.is_none()
@@ -223,6 +228,13 @@ async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
             row.batch["status"] = stored.batch["status"].clone();
         }
     }
+    Ok(())
+}
+
+/// Stores a batch this poll moved, keeping a cancel that came meanwhile
+/// (the cancel's own request wrote it).
+async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
+    adopt_cancel(api, &mut row).await?;
     kept::put_batch(&api.store, &row).await?;
     Ok(())
 }

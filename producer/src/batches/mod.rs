@@ -546,7 +546,7 @@ async fn create_batch(State(api): State<Shared>, headers: HeaderMap, body: Strin
     }
     let row = BatchRow::new(id, who, checked, req.metadata, now_secs());
     match store::put_batch(&api.store, &row).await {
-        Ok(()) => axum::Json(row.batch).into_response(),
+        Ok(_) => axum::Json(row.batch).into_response(),
         Err(e) => internal(e),
     }
 }
@@ -663,10 +663,15 @@ async fn cancel_batch(State(api): State<Shared>, headers: HeaderMap, Path(id): P
     }
     row.ending = Some("cancelled".into());
     row.set_status("cancelling", now_secs());
-    if let Err(e) = lifecycle::cancel_job(&api.store, &row).await {
-        return internal(e);
-    }
+    // The cancel is stored before the job's records are dropped: a poll that
+    // then finds nothing left to run reads it and ends the batch cancelled.
     match store::put_batch(&api.store, &row).await {
+        Ok(true) => {}
+        // It ended meanwhile: it stays as it ended.
+        Ok(false) => return get_batch(State(api), headers, Path(id)).await,
+        Err(e) => return internal(e),
+    }
+    match lifecycle::cancel_job(&api.store, &row).await {
         Ok(()) => axum::Json(row.batch).into_response(),
         Err(e) => internal(e),
     }

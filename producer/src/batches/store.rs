@@ -128,20 +128,33 @@ pub async fn forget_file(store: &RedisStore, id: &str) -> Result<(), StoreError>
     Ok(())
 }
 
-/// Stores a batch's record, and whether it is open, together.
-pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<(), StoreError> {
+/// Stores a batch's record, and whether it is open, together, unless the
+/// stored one has ended: an ended batch stays as it ended, whichever of the
+/// poll and a cancel writes last. False when it had ended.
+pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<bool, StoreError> {
+    const PUT: &str = r#"
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local ok, row = pcall(cjson.decode, cur)
+  if ok and type(row) == 'table' and type(row.batch) == 'table' then
+    local s = row.batch.status
+    if s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled' then return 0 end
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[1]) else redis.call('SADD', KEYS[2], ARGV[1]) end
+return 1
+"#;
     let mut conn = store.connection();
-    let mut pipe = redis::pipe();
-    pipe.atomic()
-        .hset(BATCHES, b.id(), serde_json::to_string(b).unwrap_or_default())
-        .ignore();
-    if b.is_terminal() {
-        pipe.srem(OPEN, b.id()).ignore();
-    } else {
-        pipe.sadd(OPEN, b.id()).ignore();
-    }
-    pipe.query_async::<()>(&mut conn).await?;
-    Ok(())
+    let stored: i64 = redis::Script::new(PUT)
+        .key(BATCHES)
+        .key(OPEN)
+        .arg(b.id())
+        .arg(serde_json::to_string(b).unwrap_or_default())
+        .arg(if b.is_terminal() { "1" } else { "0" })
+        .invoke_async(&mut conn)
+        .await?;
+    Ok(stored == 1)
 }
 
 /// The batches not ended yet.
@@ -218,4 +231,45 @@ pub async fn claim_idempotency(
     }
     let held: Option<String> = redis::cmd("GET").arg(&name).query_async(&mut conn).await?;
     Ok(held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: &str) -> BatchRow {
+        BatchRow {
+            owner: "alice".into(),
+            job: "oai-b1".into(),
+            template: None,
+            ending: None,
+            enqueued: true,
+            batch: json!({"id": "batch_b1", "status": status}),
+        }
+    }
+
+    /// The poll and a cancel both write a batch; whichever writes last, an
+    /// ended batch stays as it ended, and the open set follows.
+    #[tokio::test]
+    async fn an_ended_batch_is_never_written_over() {
+        let redis = harness::RedisServer::start();
+        let store = RedisStore::connect(&redis.url()).await.unwrap();
+        assert!(put_batch(&store, &row("in_progress")).await.unwrap());
+        let mut cancelling = row("cancelling");
+        cancelling.ending = Some("cancelled".into());
+        assert!(
+            put_batch(&store, &cancelling).await.unwrap(),
+            "a running batch takes the cancel"
+        );
+        assert_eq!(open_batches(&store).await.unwrap().len(), 1);
+        assert!(put_batch(&store, &row("completed")).await.unwrap());
+        assert!(open_batches(&store).await.unwrap().is_empty());
+        assert!(!put_batch(&store, &cancelling).await.unwrap(), "a cancel after the end");
+        let stored = batch(&store, "batch_b1").await.unwrap().unwrap();
+        assert_eq!(stored.status(), "completed");
+        assert!(
+            open_batches(&store).await.unwrap().is_empty(),
+            "the ended batch reopened"
+        );
+    }
 }
