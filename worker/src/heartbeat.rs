@@ -17,6 +17,9 @@ use crate::service::Service;
 const RATE_WINDOW: Duration = Duration::from_secs(60);
 /// How often expired entries are looked for.
 const FORGET_EVERY: Duration = Duration::from_secs(60);
+/// How often Redis's clock is read again; between readings a beat's time is
+/// the last reading plus the time passed on this machine's steady clock.
+const CLOCK_EVERY: Duration = Duration::from_secs(60);
 
 pub struct Beater {
     fleet: Arc<Fleet>,
@@ -25,6 +28,8 @@ pub struct Beater {
     /// (when, records settled by then), over the last [`RATE_WINDOW`].
     window: VecDeque<(Instant, u64)>,
     forgot: Option<Instant>,
+    /// Redis's clock (Unix ms) as last read, and when.
+    clock: Option<(Instant, u64)>,
 }
 
 impl Beater {
@@ -35,6 +40,7 @@ impl Beater {
             host: host_name(),
             window: VecDeque::new(),
             forgot: None,
+            clock: None,
         }
     }
 
@@ -87,9 +93,24 @@ impl Beater {
             in_flight: 0,
             ..self.heartbeat()
         };
-        if let Err(e) = self.fleet.store.beat(&beat).await {
+        if let Err(e) = self.write(beat).await {
             tracing::debug!(error = %e, "the last heartbeat was not written");
         }
+    }
+
+    /// Writes `beat`, seen now by Redis's clock: read once every
+    /// [`CLOCK_EVERY`] (every beat reading it was half an idle worker's
+    /// Redis commands), else the last reading moved on by the time passed.
+    async fn write(&mut self, beat: Heartbeat) -> Result<(), common::store::StoreError> {
+        let seen_ms = match self.clock {
+            Some((at, ms)) if at.elapsed() < CLOCK_EVERY => ms + at.elapsed().as_millis() as u64,
+            _ => {
+                let ms = self.fleet.store.server_ms().await?;
+                self.clock = Some((Instant::now(), ms));
+                ms
+            }
+        };
+        self.fleet.store.beat(&Heartbeat { seen_ms, ..beat }).await
     }
 }
 
@@ -100,7 +121,7 @@ impl Service for Beater {
 
     async fn run_once(&mut self) -> Option<Duration> {
         let beat = self.heartbeat();
-        if let Err(e) = self.fleet.store.beat(&beat).await {
+        if let Err(e) = self.write(beat).await {
             self.fleet.store_error(&e).await;
         }
         if self.forgot.is_none_or(|t| t.elapsed() >= FORGET_EVERY) {

@@ -59,7 +59,7 @@ struct Args {
     breaker_errors: u64,
     /// The longest an idle worker waits before looking for work again without
     /// a wake-up (new work wakes idle workers at once: this is a safety net).
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = 60_000)]
     idle_poll_ms: u64,
     /// How often the worker says who it is and what it does (`producer
     /// workers`, the console's Workers page); it is taken for dead after

@@ -36,22 +36,27 @@ impl Watcher {
         let mut halted = BTreeMap::new();
         let mut cancelled = BTreeSet::new();
         for job in &f.jobs {
-            match f.store.halted(&job.name).await {
-                Ok(Some(reason)) => {
-                    job.drift_watch(&f.limits.metrics).halted();
-                    halted.insert(job.name.clone(), reason);
+            match f.store.job_flags(&job.name).await {
+                Ok(flags) => {
+                    if let Some(reason) = flags.halted {
+                        job.drift_watch(&f.limits.metrics).halted();
+                        halted.insert(job.name.clone(), reason);
+                    }
+                    job.drift_watch(&f.limits.metrics).resume_mark(flags.resume_mark);
+                    if flags.cancelled {
+                        cancelled.insert(job.name.clone());
+                    }
                 }
-                Ok(None) => {}
                 Err(e) => {
+                    // A job keeps the flags it had.
                     f.store_error(&e).await;
                     if let Some(reason) = before.get(&job.name) {
                         halted.insert(job.name.clone(), reason.clone());
                     }
+                    if f.is_cancelled(&job.name) {
+                        cancelled.insert(job.name.clone());
+                    }
                 }
-            }
-            match f.store.resume_mark(&job.name).await {
-                Ok(mark) => job.drift_watch(&f.limits.metrics).resume_mark(mark),
-                Err(e) => f.store_error(&e).await,
             }
             // The provider's outage, as the fleet knows it: taken for down
             // (only probes go out), or back (claim again at once).
@@ -72,18 +77,6 @@ impl Watcher {
                 && let Ok(Some(form)) = f.store.accepted_form(&job.forms.endpoint).await
             {
                 job.forms.learned(&form);
-            }
-            match f.store.cancelled(&job.name).await {
-                Ok(true) => {
-                    cancelled.insert(job.name.clone());
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    f.store_error(&e).await;
-                    if f.is_cancelled(&job.name) {
-                        cancelled.insert(job.name.clone());
-                    }
-                }
             }
         }
         let stopped = |f: &Fleet| -> Vec<bool> {

@@ -33,7 +33,7 @@ pub use route_ops::PlanCounts;
 pub use shard_ops::Packed;
 pub use sink_ops::Sunk;
 pub use wake_ops::Wake;
-pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, QueueStats, Remaining, WorkLeft};
+pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, JobFlags, QueueStats, Remaining, WorkLeft};
 
 pub use crate::keys::{BadJobName, valid_job_name};
 

@@ -37,6 +37,7 @@ fn probes(tag: &str) -> Vec<(&'static str, Cmd)> {
         ("info", c("INFO", &["memory"])),
         ("set", c("SET", &[&string, "probe", "EX", "60"])),
         ("get", c("GET", &[&string])),
+        ("mget", c("MGET", &[&string])),
         ("exists", c("EXISTS", &[&string])),
         ("expire", c("EXPIRE", &[&string, "60"])),
         ("persist", c("PERSIST", &[&string])),

@@ -133,13 +133,9 @@ impl RedisStore {
         Ok(secs * 1000 + micros / 1000)
     }
 
-    /// Writes a worker's heartbeat (its field of `bf:workers`), seen now by
-    /// Redis's clock.
+    /// Writes a worker's heartbeat (its field of `bf:workers`); its
+    /// `seen_ms` is Redis's clock (the writer keeps a reading of it).
     pub async fn beat(&self, beat: &crate::heartbeat::Heartbeat) -> Result<(), StoreError> {
-        let beat = crate::heartbeat::Heartbeat {
-            seen_ms: self.server_ms().await?,
-            ..beat.clone()
-        };
         let _: () = self.conn.clone().hset(keys::workers(), &beat.id, beat.encode()).await?;
         Ok(())
     }

@@ -170,6 +170,16 @@ pub enum Finished {
 }
 
 /// Where the work of a job stands, from Redis.
+/// A job's flags as a worker's watcher reads them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JobFlags {
+    /// Why the job is halted, if it is.
+    pub halted: Option<String>,
+    /// The resume mark ('' before any resume): see [`keys::resumed`].
+    pub resume_mark: String,
+    pub cancelled: bool,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Remaining {
     /// Entries in the streams (new and pending).
@@ -807,6 +817,22 @@ impl RedisStore {
             oldest_pending_ms,
             delayed: w.delayed,
             review: c.hlen(keys::review(job, partition)).await?,
+        })
+    }
+
+    /// A job's halt, resume mark and cancel in one read (what a worker's
+    /// watcher reads every round).
+    pub async fn job_flags(&self, job: &str) -> Result<JobFlags, StoreError> {
+        let (halted, resumed, cancel): (Option<String>, Option<String>, Option<String>) = redis::cmd("MGET")
+            .arg(keys::halt(job))
+            .arg(keys::resumed(job))
+            .arg(keys::cancel(job))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(JobFlags {
+            halted,
+            resume_mark: resumed.unwrap_or_default(),
+            cancelled: cancel.is_some(),
         })
     }
 

@@ -14,6 +14,15 @@
 -- Returns: {the number of tasks put back on the stream, when the next retry
 -- still waiting is due (Unix ms; -1 when none waits)}.
 local stream, states, delayed = KEYS[1], KEYS[2], KEYS[3]
+-- The earliest first: with none waiting or none due (an idle or waiting
+-- fleet's every call), one command is all it costs.
+local first = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')[2]
+if not first then
+  return {0, -1}
+end
+if tonumber(first) > tonumber(ARGV[1]) then
+  return {0, tonumber(first)}
+end
 local due = redis.call('ZRANGEBYSCORE', delayed, '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
 local moved = 0
 for _, member in ipairs(due) do
