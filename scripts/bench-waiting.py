@@ -10,8 +10,9 @@ Two workers (release build) finish 5 records against llm-sim, then:
 - outage, long: the same outage as if it had begun an hour ago (its start in
   Redis moved back: probes every 30 s).
 Each phase: Redis commands (those scripts run inside included) over WINDOW
-seconds (default 30) from `INFO` deltas, per worker per second, and the
-probes llm-sim saw. Ends with one JSON line. 127.0.0.1 only; all stopped.
+seconds (default 30; idle over IDLE_WINDOW, default 60, the idle poll's
+whole period) from `INFO` deltas, per worker per second, and the probes
+llm-sim saw. Ends with one JSON line. 127.0.0.1 only; all stopped.
 """
 import json
 import os
@@ -24,6 +25,7 @@ from benchlib import (BIN, ROOT, redis_cli, redis_commands, sim_stats, start_red
                       write_records)
 
 WINDOW = float(os.environ.get("WINDOW", "30"))
+IDLE_WINDOW = float(os.environ.get("IDLE_WINDOW", "60"))
 WORKERS = 2
 
 
@@ -42,15 +44,15 @@ def outage_field(url, field):
     return redis_cli(url, "hget", "bf:{wait}:outage", field).strip()
 
 
-def measure(url, addr, what):
-    """Commands per worker per second and calls llm-sim saw, over WINDOW."""
+def measure(url, addr, what, window=WINDOW):
+    """Commands per worker per second and calls llm-sim saw, over `window` s."""
     calls = lambda: sum(sim_stats(addr)["by_status"].values())
     c0, s0, t0 = redis_commands(url), calls(), time.monotonic()
-    time.sleep(WINDOW)
+    time.sleep(window)
     # Less the INFO calls of this measure (2) and the stats reads (none reach Redis).
     c1, s1, t1 = redis_commands(url) - 1, calls(), time.monotonic()
     rate = (c1 - c0) / (t1 - t0) / WORKERS
-    print(f"  {what}: {rate:.2f} Redis commands a second per worker, {s1 - s0} provider calls in {WINDOW:.0f} s",
+    print(f"  {what}: {rate:.2f} Redis commands a second per worker, {s1 - s0} provider calls in {window:.0f} s",
           flush=True)
     return rate, s1 - s0
 
@@ -78,7 +80,7 @@ def main():
                 assert time.monotonic() < deadline, "the first records were not done"
                 time.sleep(0.2)
             time.sleep(10)  # the job's last writes (sink, ledger) done: idle as it stays
-            idle = measure(url, addr, "idle")
+            idle = measure(url, addr, "idle", IDLE_WINDOW)
             admin_fail(addr, "503:overloaded:the engine is overloaded")
             enqueue(url, more, spec, "--restart")
             deadline = time.monotonic() + 60
@@ -93,7 +95,7 @@ def main():
             long = measure(url, addr, "outage, an hour old")
         finally:
             stop_all(workers, sim, redis)
-    print(json.dumps({"workers": WORKERS, "window_s": WINDOW,
+    print(json.dumps({"workers": WORKERS, "window_s": WINDOW, "idle_window_s": IDLE_WINDOW,
                       "idle_cmds_per_worker_s": round(idle[0], 2),
                       "outage_young_cmds_per_worker_s": round(young[0], 2), "outage_young_calls": young[1],
                       "outage_long_cmds_per_worker_s": round(long[0], 2), "outage_long_calls": long[1]}))
