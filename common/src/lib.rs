@@ -32,6 +32,7 @@ pub mod check;
 pub mod decision;
 pub mod drift;
 pub mod heartbeat;
+pub mod ids;
 pub mod json;
 pub mod keys;
 pub mod ledger;

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use common::ids::id_bytes;
 use common::store::{RecordSet, RedisStore, StoreError};
 use common::task::RecordState;
 use serde::Serialize;
@@ -101,39 +102,6 @@ impl Partition {
     }
 }
 
-/// A record id's 32 bytes, when it is 64 lowercase hex digits (the text of
-/// every id batchfleet makes).
-fn id_bytes(hex: &[u8]) -> Option<[u8; 32]> {
-    const fn digit(c: u8) -> u8 {
-        match c {
-            b'0'..=b'9' => c - b'0',
-            b'a'..=b'f' => c - b'a' + 10,
-            _ => 0xff,
-        }
-    }
-    const DIGITS: [u8; 256] = {
-        let mut t = [0u8; 256];
-        let mut c = 0;
-        while c < 256 {
-            t[c] = digit(c as u8);
-            c += 1;
-        }
-        t
-    };
-    if hex.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
-        let (hi, lo) = (DIGITS[usize::from(pair[0])], DIGITS[usize::from(pair[1])]);
-        if (hi | lo) > 0xf {
-            return None;
-        }
-        *o = hi << 4 | lo;
-    }
-    Some(out)
-}
-
 /// Hashes a record id's bytes by their first eight: ids are sha256 digests,
 /// already uniform (SipHash over all 32 was the reconciliation's largest
 /// cost). An id made to collide only slows its own partition's check.
@@ -171,7 +139,7 @@ pub struct Tally {
     pub dropped: u64,
     pub dropped_by_reason: std::collections::BTreeMap<String, u64>,
     /// The done records' ids, when asked for.
-    pub done_ids: Option<Vec<String>>,
+    pub done_ids: Option<common::ids::RecordIds>,
 }
 
 impl Tally {
@@ -184,7 +152,7 @@ impl Tally {
             Some(RecordState::Done) => {
                 self.done += 1;
                 if let Some(ids) = &mut self.done_ids {
-                    ids.push(rid.to_owned());
+                    ids.push(rid);
                 }
             }
             Some(RecordState::Review) => self.review += 1,
@@ -407,22 +375,6 @@ fn describe(s: &Seen) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_64_lowercase_hex_digits_are_held_as_bytes() {
-        let id = "00ff10a9b8c7d6e5f4031221304f5e6d7c8b9aa0b1c2d3e4f5061728394a5b6c";
-        assert_eq!(id_bytes(id.as_bytes()).map(hex::encode).as_deref(), Some(id));
-        for other in [
-            &id[..62],
-            &format!("{id}00"),
-            &id.to_uppercase(),
-            &id.replacen('a', "g", 1),
-            &id.replacen('0', " ", 1),
-            "",
-        ] {
-            assert_eq!(id_bytes(other.as_bytes()), None, "{other:?}");
-        }
-    }
 
     #[test]
     fn ids_and_other_texts_are_counted_apart() {

@@ -6,6 +6,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use common::ids::RecordIds;
 use common::ledger::PaidCall;
 use common::sink::{AnySink, PgSink, ResultSink, Target, files};
 use common::spec::{JobSpec, SinkKind};
@@ -114,7 +115,7 @@ pub async fn sink_status(
     store: &RedisStore,
     job: &str,
     spec: &JobSpec,
-    verify: Option<Vec<String>>,
+    verify: Option<RecordIds>,
 ) -> anyhow::Result<Option<SinkStatus>> {
     let (kind, table) = match spec.sink.kind {
         SinkKind::None => return Ok(None),
@@ -132,7 +133,7 @@ pub async fn sink_status(
         verified: None,
     };
     if let Some(mut done) = verify {
-        done.sort_unstable();
+        done.sort();
         let sink = open(
             spec,
             job,
@@ -150,9 +151,7 @@ pub async fn sink_status(
             ..SinkVerified::default()
         };
         let mut ids = held.result_ids;
-        let before = ids.len();
-        ids.dedup();
-        v.duplicates = (before - ids.len()) as u64;
+        v.duplicates = ids.dedup() as u64;
         v.ledger = LedgerCheck::new(store, job, partitions, held.ledger_calls, held.ledger_duplicates).await?;
         compare(&done, &ids, &mut v);
         v.exact = v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty() && v.ledger.complete;
@@ -169,36 +168,28 @@ fn files_dir(spec: &JobSpec, job: &str) -> anyhow::Result<std::path::PathBuf> {
     )?)
 }
 
-/// The done records against the sink's ids, both sorted (the table by byte
-/// order, the segments' ids deduplicated): one merge finds the differences.
-fn compare(done: &[String], rows: &[String], v: &mut SinkVerified) {
-    {
-        let (mut i, mut j) = (0, 0);
-        while i < done.len() || j < rows.len() {
-            match (done.get(i), rows.get(j)) {
-                (Some(d), Some(r)) if d == r => {
-                    i += 1;
-                    j += 1;
-                }
-                (Some(d), r) if r.is_none_or(|r| d < r) => {
-                    v.missing += 1;
-                    if v.missing_ids.len() < 20 {
-                        v.missing_ids.push(d.clone());
-                    }
-                    i += 1;
-                }
-                (_, Some(r)) => {
-                    v.unknown += 1;
-                    if v.unknown_ids.len() < 20 {
-                        v.unknown_ids.push(r.clone());
-                    }
-                    j += 1;
-                }
-                _ => break,
+/// The done records against the sink's ids, both sorted (the segments'
+/// ids deduplicated): one merge finds the differences.
+fn compare(done: &RecordIds, rows: &RecordIds, v: &mut SinkVerified) {
+    let (mut missing, mut unknown) = (0, 0);
+    done.diff(
+        rows,
+        |id| {
+            missing += 1;
+            if v.missing_ids.len() < 20 {
+                v.missing_ids.push(id);
             }
-        }
-        v.exact = v.missing == 0 && v.unknown == 0;
-    }
+        },
+        |id| {
+            unknown += 1;
+            if v.unknown_ids.len() < 20 {
+                v.unknown_ids.push(id);
+            }
+        },
+    );
+    v.missing = missing;
+    v.unknown = unknown;
+    v.exact = missing == 0 && unknown == 0;
 }
 
 /// Every done result of a job, each once: those still in Redis, then those

@@ -89,7 +89,7 @@ pub struct JobStatus {
     pub sink: Option<crate::sink::SinkStatus>,
     /// The done records' ids, when asked for (to check the sink against).
     #[serde(skip)]
-    pub done_ids: Vec<String>,
+    pub done_ids: common::ids::RecordIds,
     /// The `--redis` part of a command suggested in the text (see
     /// [`common::secret::redis_flag`]).
     #[serde(skip)]
@@ -181,7 +181,7 @@ pub async fn status(store: &RedisStore, job: &str, with_ids: bool, keep_done: bo
     s.budget = budget.cap_usd.is_some().then_some(budget);
     // The states are counted in the reconciliation's own pass over them.
     let mut t = Tally {
-        done_ids: keep_done.then(Vec::new),
+        done_ids: keep_done.then(common::ids::RecordIds::default),
         ..Default::default()
     };
     let r = reconcile_counting(store, job, partitions, sink, Some(&mut t)).await?;

@@ -106,7 +106,7 @@ pub struct Holdings {
     /// Every record id with a result, sorted (a record there twice is
     /// listed twice; a table's primary key rules that out).
     #[serde(skip)]
-    pub result_ids: Vec<String>,
+    pub result_ids: crate::ids::RecordIds,
     /// Unresolved failures by state (`review`, `dropped`, `cancelled`,
     /// `rejected`): a record's last failure, unless it has a result.
     pub open_failures: BTreeMap<String, u64>,

@@ -16,6 +16,7 @@ use tokio_postgres::types::Json;
 
 use super::{Durable, FailureRow, Holdings, ResultRow, ResultSink, RevisionRow, SinkBatch, SinkEntry, SinkError};
 use super::{Unacked, with_revisions};
+use crate::ids::RecordIds;
 use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::secret::Scrubber;
@@ -834,20 +835,37 @@ impl PgSink {
         Ok(())
     }
 
-    /// Every record id of the job in the results table, sorted.
-    pub async fn result_ids(&self, job: &str) -> Result<Vec<String>, SinkError> {
-        let rows = self
-            .client
-            .query(
-                &format!(
-                    "SELECT record_id FROM {} WHERE job = $1 ORDER BY record_id",
-                    self.results
-                ),
-                &[&job],
-            )
-            .await
-            .map_err(|e| self.err(&e))?;
-        Ok(rows.iter().map(|r| r.get(0)).collect())
+    /// Every record id of the job in the results table, sorted; read
+    /// 50,000 at a time in the primary key's order (a million rows at once
+    /// would be held as rows first).
+    pub async fn result_ids(&self, job: &str) -> Result<RecordIds, SinkError> {
+        self.result_ids_by(job, 50_000).await
+    }
+
+    /// [`result_ids`](Self::result_ids), `page` rows a query.
+    pub async fn result_ids_by(&self, job: &str, page: i64) -> Result<RecordIds, SinkError> {
+        let sql = format!(
+            "SELECT record_id FROM {} WHERE job = $1 AND record_id > $2 ORDER BY record_id LIMIT $3",
+            self.results
+        );
+        let mut ids = RecordIds::default();
+        let mut after = String::new();
+        loop {
+            let rows = self
+                .client
+                .query(&sql, &[&job, &after, &page])
+                .await
+                .map_err(|e| self.err(&e))?;
+            for r in &rows {
+                ids.push(r.get(0));
+            }
+            match rows.last() {
+                Some(last) if rows.len() as i64 == page => after = last.get(0),
+                _ => break,
+            }
+        }
+        ids.sort();
+        Ok(ids)
     }
 
     /// Every result of the job in the results table, as it was committed,
