@@ -169,7 +169,6 @@ pub enum Finished {
     Stale,
 }
 
-/// Where the work of a job stands, from Redis.
 /// A job's flags as a worker's watcher reads them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct JobFlags {
@@ -180,6 +179,7 @@ pub struct JobFlags {
     pub cancelled: bool,
 }
 
+/// Where the work of a job stands, from Redis.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Remaining {
     /// Entries in the streams (new and pending).
