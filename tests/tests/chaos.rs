@@ -308,7 +308,10 @@ fn nothing_lost_nothing_twice_whatever_dies() {
                 let down = Instant::now();
                 sim.outage(Some(mode), None);
                 std::thread::sleep(Duration::from_secs(5));
-                wait_for("the outage to meet calls", Duration::from_secs(40), || {
+                // As long as the test may run: a fleet held back (its sink
+                // down, its backlog full) sends nothing until it may.
+                let left = deadline.saturating_duration_since(Instant::now());
+                wait_for("the outage to meet calls", left, || {
                     sim.stats()["outage"]["refused"]
                         .as_object()
                         .is_some_and(|r| !r.is_empty())

@@ -234,9 +234,20 @@ async fn adopt_cancel(api: &Api, row: &mut BatchRow) -> anyhow::Result<()> {
 /// Stores a batch this poll moved, keeping a cancel that came meanwhile
 /// (the cancel's own request wrote it).
 async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
-    adopt_cancel(api, &mut row).await?;
-    kept::put_batch(&api.store, &row).await?;
-    Ok(())
+    store_row(api, &mut row).await
+}
+
+/// Stores `row`; a cancel stored since it was read is taken into it first
+/// (the store refuses to write over one, atomically), and an ended batch
+/// stays as it ended.
+async fn store_row(api: &Api, row: &mut BatchRow) -> anyhow::Result<()> {
+    for _ in 0..5 {
+        adopt_cancel(api, row).await?;
+        if kept::put_batch(&api.store, row).await? != kept::Put::Ending {
+            return Ok(());
+        }
+    }
+    anyhow::bail!("batch {} kept changing while it was stored", row.id())
 }
 
 /// How often a batch in progress gets the full pass over its records
@@ -338,7 +349,7 @@ async fn validate_and_enqueue(api: &Api, mut row: BatchRow) -> anyhow::Result<()
         Err(errors) => {
             row.batch["errors"] = json!({"object": "list", "data": errors});
             row.set_status("failed", now);
-            kept::put_batch(&api.store, &row).await?;
+            store_row(api, &mut row).await?;
             return Ok(());
         }
     };
@@ -372,8 +383,8 @@ async fn validate_and_enqueue(api: &Api, mut row: BatchRow) -> anyhow::Result<()
     } else {
         row.set_status("in_progress", now_secs());
     }
-    kept::put_batch(&api.store, &row).await?;
-    Ok(())
+    // A cancel stored since the read is kept (the next poll drops the records).
+    store_row(api, &mut row).await
 }
 
 /// Writes the output and error files from what the job holds, then ends the
@@ -381,7 +392,10 @@ async fn validate_and_enqueue(api: &Api, mut row: BatchRow) -> anyhow::Result<()
 async fn finalize(api: &Api, row: &mut BatchRow, now: u64) -> anyhow::Result<()> {
     if row.status() != "finalizing" && row.ending.is_none() {
         row.set_status("finalizing", now);
-        kept::put_batch(&api.store, row).await?;
+        if kept::put_batch(&api.store, row).await? == kept::Put::Ending {
+            // A cancel came first: the batch ends as it says.
+            adopt_cancel(api, row).await?;
+        }
     }
     let (output, errors) = write_files(api, row).await?;
     let id = row.id().to_owned();

@@ -666,9 +666,9 @@ async fn cancel_batch(State(api): State<Shared>, headers: HeaderMap, Path(id): P
     // The cancel is stored before the job's records are dropped: a poll that
     // then finds nothing left to run reads it and ends the batch cancelled.
     match store::put_batch(&api.store, &row).await {
-        Ok(true) => {}
-        // It ended meanwhile: it stays as it ended.
-        Ok(false) => return get_batch(State(api), headers, Path(id)).await,
+        Ok(store::Put::Stored) => {}
+        // It ended meanwhile: it stays as it ended (or another cancel came first).
+        Ok(_) => return get_batch(State(api), headers, Path(id)).await,
         Err(e) => return internal(e),
     }
     match lifecycle::cancel_job(&api.store, &row).await {

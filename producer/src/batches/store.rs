@@ -128,10 +128,22 @@ pub async fn forget_file(store: &RedisStore, id: &str) -> Result<(), StoreError>
     Ok(())
 }
 
+/// What [`put_batch`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Put {
+    Stored,
+    /// Not stored: the stored batch has ended, and stays as it ended.
+    Ended,
+    /// Not stored: the stored batch holds an ending (a cancel) this one
+    /// lacks; read it again, take its ending, and store that.
+    Ending,
+}
+
 /// Stores a batch's record, and whether it is open, together, unless the
-/// stored one has ended: an ended batch stays as it ended, whichever of the
-/// poll and a cancel writes last. False when it had ended.
-pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<bool, StoreError> {
+/// stored one has ended or holds an ending `b` lacks: whichever of the poll
+/// and a cancel writes last, an ended batch stays as it ended and a stored
+/// cancel is never written over.
+pub async fn put_batch(store: &RedisStore, b: &BatchRow) -> Result<Put, StoreError> {
     const PUT: &str = r#"
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
@@ -139,6 +151,7 @@ if cur then
   if ok and type(row) == 'table' and type(row.batch) == 'table' then
     local s = row.batch.status
     if s == 'completed' or s == 'failed' or s == 'expired' or s == 'cancelled' then return 0 end
+    if type(row.ending) == 'string' and ARGV[4] == '0' then return 2 end
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -152,9 +165,14 @@ return 1
         .arg(b.id())
         .arg(serde_json::to_string(b).unwrap_or_default())
         .arg(if b.is_terminal() { "1" } else { "0" })
+        .arg(if b.ending.is_some() { "1" } else { "0" })
         .invoke_async(&mut conn)
         .await?;
-    Ok(stored == 1)
+    Ok(match stored {
+        1 => Put::Stored,
+        2 => Put::Ending,
+        _ => Put::Ended,
+    })
 }
 
 /// The batches not ended yet.
@@ -254,19 +272,29 @@ mod tests {
     async fn an_ended_batch_is_never_written_over() {
         let redis = harness::RedisServer::start();
         let store = RedisStore::connect(&redis.url()).await.unwrap();
-        assert!(put_batch(&store, &row("in_progress")).await.unwrap());
+        assert_eq!(put_batch(&store, &row("in_progress")).await.unwrap(), Put::Stored);
         let mut cancelling = row("cancelling");
         cancelling.ending = Some("cancelled".into());
-        assert!(
+        assert_eq!(
             put_batch(&store, &cancelling).await.unwrap(),
+            Put::Stored,
             "a running batch takes the cancel"
         );
         assert_eq!(open_batches(&store).await.unwrap().len(), 1);
-        assert!(put_batch(&store, &row("completed")).await.unwrap());
+        // A poll that read the batch before the cancel does not write over it.
+        assert_eq!(put_batch(&store, &row("in_progress")).await.unwrap(), Put::Ending);
+        assert_eq!(put_batch(&store, &row("completed")).await.unwrap(), Put::Ending);
+        let mut ended = row("cancelled");
+        ended.ending = Some("cancelled".into());
+        assert_eq!(put_batch(&store, &ended).await.unwrap(), Put::Stored);
         assert!(open_batches(&store).await.unwrap().is_empty());
-        assert!(!put_batch(&store, &cancelling).await.unwrap(), "a cancel after the end");
+        assert_eq!(
+            put_batch(&store, &cancelling).await.unwrap(),
+            Put::Ended,
+            "a cancel after the end"
+        );
         let stored = batch(&store, "batch_b1").await.unwrap().unwrap();
-        assert_eq!(stored.status(), "completed");
+        assert_eq!(stored.status(), "cancelled");
         assert!(
             open_batches(&store).await.unwrap().is_empty(),
             "the ended batch reopened"
