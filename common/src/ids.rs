@@ -119,6 +119,16 @@ impl RecordIds {
     }
 }
 
+impl<'a> FromIterator<&'a str> for RecordIds {
+    /// The ids, sorted.
+    fn from_iter<I: IntoIterator<Item = &'a str>>(ids: I) -> RecordIds {
+        let mut all = RecordIds::default();
+        ids.into_iter().for_each(|id| all.push(id));
+        all.sort();
+        all
+    }
+}
+
 fn merge<T: Ord>(a: &[T], b: &[T], mut only_a: impl FnMut(&T), mut only_b: impl FnMut(&T)) {
     let (mut i, mut j) = (0, 0);
     loop {

@@ -136,12 +136,7 @@ impl ResultSink for MemorySink {
             *open_failures.entry(f.state.clone()).or_default() += 1;
         }
         Ok(Holdings {
-            result_ids: {
-                let mut ids = crate::ids::RecordIds::default();
-                rows.results.keys().for_each(|id| ids.push(id));
-                ids.sort();
-                ids
-            },
+            result_ids: rows.results.keys().map(String::as_str).collect(),
             open_failures,
             ledger_calls: rows.ledger.len() as u64,
             ..Holdings::default()
