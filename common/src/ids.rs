@@ -1,7 +1,17 @@
-//! Many record ids held in little memory: 32 bytes for the 64 lowercase hex
-//! digits every id batchfleet makes is (a `String` of one takes about 90),
-//! the text for anything else. `status --require-complete` holds the done
-//! records' ids and the sink's this way to compare them.
+//! Many record ids held in little memory, however many there are: 32 bytes
+//! for the 64 lowercase hex digits every id batchfleet makes (a `String` of
+//! one takes about 90), the text for anything else; split by their first
+//! byte into 256 buckets, held in memory up to a budget and in an unlinked
+//! temporary file beyond it. `status --require-complete` compares the done
+//! records' ids with the sink's this way a bucket at a time: at ten million
+//! records it holds a few megabytes, not a gigabyte.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A record id's 32 bytes, when it is 64 lowercase hex digits (the text of
 /// every id batchfleet makes).
@@ -36,97 +46,266 @@ pub fn id_bytes(hex: &[u8]) -> Option<[u8; 32]> {
     Some(out)
 }
 
-/// A multiset of record ids. [`sort`](Self::sort) before comparing or
-/// looking one up: both halves are then in the order of the ids' text (the
-/// bytes of lowercase hex sort as its text does).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+const BUCKETS: usize = 256;
+
+/// What a set holds in memory before it spills to disk (every bucket's
+/// entries together; their vectors may hold up to twice that).
+pub const DEFAULT_BUDGET: usize = 8 << 20;
+
+/// A key's first byte says what it is: an id's 32 bytes, an id's text, or
+/// bytes pushed as they are (shown as hex).
+const HEX: u8 = 0;
+const TEXT: u8 = 1;
+const BYTES: u8 = 2;
+
+/// A multiset of record ids (or of any byte keys, [`push_bytes`](Self::push_bytes)),
+/// in memory up to a budget and on disk beyond it. Read back a bucket at a
+/// time: [`compare`](Self::compare), [`distinct`](Self::distinct).
+#[derive(Debug, Clone)]
 pub struct RecordIds {
-    hex: Vec<[u8; 32]>,
-    other: Vec<String>,
+    /// Each bucket's entries: a key's length (4 bytes, little-endian), then
+    /// the key (its kind's byte, then its bytes).
+    buckets: Vec<Vec<u8>>,
+    held: usize,
+    budget: usize,
+    len: usize,
+    spill: Option<Spill>,
+}
+
+/// The spilled runs: each written whole, its buckets one after another.
+#[derive(Debug, Clone)]
+struct Spill {
+    file: Arc<(File, AtomicU64)>,
+    /// Each run's buckets' bounds in the file (`BUCKETS + 1` offsets).
+    runs: Vec<Vec<u64>>,
+}
+
+impl Default for RecordIds {
+    fn default() -> RecordIds {
+        RecordIds::with_budget(DEFAULT_BUDGET)
+    }
 }
 
 impl RecordIds {
-    pub fn with_capacity(n: usize) -> RecordIds {
+    /// A set that spills to disk past `budget` bytes in memory.
+    pub fn with_budget(budget: usize) -> RecordIds {
         RecordIds {
-            hex: Vec::with_capacity(n),
-            other: Vec::new(),
+            buckets: vec![Vec::new(); BUCKETS],
+            held: 0,
+            budget,
+            len: 0,
+            spill: None,
         }
     }
 
     pub fn push(&mut self, id: &str) {
         match id_bytes(id.as_bytes()) {
-            Some(b) => self.hex.push(b),
-            None => self.other.push(id.to_owned()),
+            Some(b) => self.put(HEX, b[0], &b),
+            None => self.put(TEXT, fnv1a(id.as_bytes()), id.as_bytes()),
         }
     }
 
+    /// A key of any bytes (a digest, say), bucketed by its first byte.
+    pub fn push_bytes(&mut self, key: &[u8]) {
+        self.put(BYTES, key.first().copied().unwrap_or(0), key);
+    }
+
+    fn put(&mut self, kind: u8, bucket: u8, key: &[u8]) {
+        let b = &mut self.buckets[usize::from(bucket)];
+        let n = u32::try_from(key.len() + 1).unwrap_or(u32::MAX);
+        b.extend_from_slice(&n.to_le_bytes());
+        b.push(kind);
+        b.extend_from_slice(key);
+        self.held += key.len() + 5;
+        self.len += 1;
+        if self.held > self.budget {
+            self.spill_run();
+        }
+    }
+
+    /// Writes every bucket's entries to the spill file as one run. A disk
+    /// that refuses keeps them in memory (said once, on stderr).
+    fn spill_run(&mut self) {
+        if self.spill.is_none() {
+            match Spill::create() {
+                Ok(s) => self.spill = Some(s),
+                Err(e) => return self.keep_in_memory(&e),
+            }
+        }
+        let Some(s) = &mut self.spill else { return };
+        match s.write_run(&self.buckets) {
+            Ok(()) => {
+                self.buckets.iter_mut().for_each(Vec::clear);
+                self.held = 0;
+            }
+            Err(e) => self.keep_in_memory(&e),
+        }
+    }
+
+    fn keep_in_memory(&mut self, e: &io::Error) {
+        crate::errln!(
+            "warning: cannot spill record ids to {} ({e}): holding them in memory \
+             (set TMPDIR to a writable directory)",
+            std::env::temp_dir().display()
+        );
+        self.budget = usize::MAX;
+    }
+
+    /// How many were pushed (repeats included).
     pub fn len(&self) -> usize {
-        self.hex.len() + self.other.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.len == 0
     }
 
-    pub fn sort(&mut self) {
-        self.hex.sort_unstable();
-        self.other.sort_unstable();
+    /// Whether some were written to disk.
+    pub fn spilled(&self) -> bool {
+        self.spill.is_some()
     }
 
-    /// Removes repeats (sorted first); returns how many there were.
-    pub fn dedup(&mut self) -> usize {
-        let before = self.len();
-        self.hex.dedup();
-        self.other.dedup();
-        before - self.len()
-    }
-
-    /// Whether `id` is held (sorted first).
-    pub fn contains(&self, id: &str) -> bool {
-        match id_bytes(id.as_bytes()) {
-            Some(b) => self.hex.binary_search(&b).is_ok(),
-            None => self.other.binary_search_by(|o| o.as_str().cmp(id)).is_ok(),
+    /// Bucket `i`'s entries: those spilled, then those in memory.
+    fn bucket(&self, i: usize) -> io::Result<Vec<u8>> {
+        let mut out = Vec::new();
+        for (s, bounds) in self.spill.iter().flat_map(|s| s.runs.iter().map(move |r| (s, r))) {
+            let at = out.len();
+            out.resize(at + (bounds[i + 1] - bounds[i]) as usize, 0);
+            s.file.0.read_exact_at(&mut out[at..], bounds[i])?;
         }
+        out.extend_from_slice(&self.buckets[i]);
+        Ok(out)
     }
 
-    /// Every id as text, in the text's order (sorted first).
-    pub fn to_strings(&self) -> Vec<String> {
-        let mut all: Vec<String> = self
-            .hex
-            .iter()
-            .map(hex::encode)
-            .chain(self.other.iter().cloned())
-            .collect();
+    /// Each bucket's keys, sorted (repeats kept), in the buckets' order.
+    fn each_bucket(&self, mut f: impl FnMut(Vec<&[u8]>)) -> io::Result<()> {
+        for i in 0..BUCKETS {
+            let entries = self.bucket(i)?;
+            f(sorted_keys(&entries));
+        }
+        Ok(())
+    }
+
+    /// How many differ, and how many repeat one already counted.
+    pub fn distinct(&self) -> io::Result<(u64, u64)> {
+        let (mut distinct, mut repeats) = (0, 0);
+        self.each_bucket(|mut keys| {
+            repeats += dedup(&mut keys);
+            distinct += keys.len() as u64;
+        })?;
+        Ok((distinct, repeats))
+    }
+
+    /// Every id as text, in the text's order (for a set known to be small).
+    pub fn to_strings(&self) -> io::Result<Vec<String>> {
+        let mut all = Vec::with_capacity(self.len);
+        self.each_bucket(|keys| all.extend(keys.into_iter().map(text)))?;
         all.sort_unstable();
-        all
+        Ok(all)
     }
 
-    /// One merge of two sorted sets: `only_here` gets each id of `self` that
-    /// `other` lacks, `only_there` each of `other`'s that `self` lacks.
-    pub fn diff(&self, other: &RecordIds, mut only_here: impl FnMut(String), mut only_there: impl FnMut(String)) {
-        merge(
-            &self.hex,
-            &other.hex,
-            |b| only_here(hex::encode(b)),
-            |b| only_there(hex::encode(b)),
-        );
-        merge(
-            &self.other,
-            &other.other,
-            |s| only_here(s.clone()),
-            |s| only_there(s.clone()),
-        );
+    /// One pass over both sets, a bucket at a time: `only_here` gets each id
+    /// of `self` that `other` lacks, `only_there` each of `other`'s that
+    /// `self` lacks (each once). Returns how many repeats each side held.
+    pub fn compare(
+        &self,
+        other: &RecordIds,
+        mut only_here: impl FnMut(String),
+        mut only_there: impl FnMut(String),
+    ) -> io::Result<(u64, u64)> {
+        let mut repeats = (0, 0);
+        for i in 0..BUCKETS {
+            let (here, there) = (self.bucket(i)?, other.bucket(i)?);
+            let (mut a, mut b) = (sorted_keys(&here), sorted_keys(&there));
+            repeats.0 += dedup(&mut a);
+            repeats.1 += dedup(&mut b);
+            merge(&a, &b, |k| only_here(text(k)), |k| only_there(text(k)));
+        }
+        Ok(repeats)
     }
 }
 
 impl<'a> FromIterator<&'a str> for RecordIds {
-    /// The ids, sorted.
     fn from_iter<I: IntoIterator<Item = &'a str>>(ids: I) -> RecordIds {
         let mut all = RecordIds::default();
         ids.into_iter().for_each(|id| all.push(id));
-        all.sort();
         all
     }
+}
+
+impl Spill {
+    /// A file in the temporary directory, unlinked at once: nothing is left
+    /// behind when the process ends, however it ends.
+    fn create() -> io::Result<Spill> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let path: PathBuf = std::env::temp_dir().join(format!(
+            "batchfleet-ids-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)?;
+        std::fs::remove_file(&path)?;
+        Ok(Spill {
+            file: Arc::new((file, AtomicU64::new(0))),
+            runs: Vec::new(),
+        })
+    }
+
+    /// Appends one run: every bucket's entries, one after another.
+    fn write_run(&mut self, buckets: &[Vec<u8>]) -> io::Result<()> {
+        let size: u64 = buckets.iter().map(|b| b.len() as u64).sum();
+        let mut at = self.file.1.fetch_add(size, Ordering::SeqCst);
+        let mut bounds = Vec::with_capacity(BUCKETS + 1);
+        for b in buckets {
+            bounds.push(at);
+            self.file.0.write_all_at(b, at)?;
+            at += b.len() as u64;
+        }
+        bounds.push(at);
+        self.runs.push(bounds);
+        Ok(())
+    }
+}
+
+/// The keys of a bucket's entries, sorted.
+fn sorted_keys(entries: &[u8]) -> Vec<&[u8]> {
+    let mut keys = Vec::new();
+    let mut rest = entries;
+    while let Some((n, tail)) = rest.split_first_chunk::<4>() {
+        let (key, tail) = tail.split_at(u32::from_le_bytes(*n) as usize);
+        keys.push(key);
+        rest = tail;
+    }
+    keys.sort_unstable();
+    keys
+}
+
+/// Removes repeats from sorted keys; returns how many there were.
+fn dedup(keys: &mut Vec<&[u8]>) -> u64 {
+    let before = keys.len();
+    keys.dedup();
+    (before - keys.len()) as u64
+}
+
+/// A key as the text it was pushed as.
+fn text(key: &[u8]) -> String {
+    match key.split_first() {
+        Some((&TEXT, t)) => String::from_utf8_lossy(t).into_owned(),
+        Some((_, b)) => hex::encode(b),
+        None => String::new(),
+    }
+}
+
+/// A byte of FNV-1a: spreads ids that are not hex over the buckets.
+fn fnv1a(bytes: &[u8]) -> u8 {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    (h >> 56) as u8
 }
 
 fn merge<T: Ord>(a: &[T], b: &[T], mut only_a: impl FnMut(&T), mut only_b: impl FnMut(&T)) {
@@ -154,8 +333,9 @@ fn merge<T: Ord>(a: &[T], b: &[T], mut only_a: impl FnMut(&T), mut only_b: impl 
 mod tests {
     use super::*;
 
-    fn hex_id(n: u8) -> String {
-        format!("{:064x}", u128::from(n) << 100)
+    fn hex_id(n: u32) -> String {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(n.to_le_bytes()))
     }
 
     #[test]
@@ -177,32 +357,93 @@ mod tests {
     #[test]
     fn ids_of_both_kinds_come_back_as_the_same_text_in_its_order() {
         let id = "00ff".repeat(16);
-        let mut ids = RecordIds::default();
-        for id in [id.as_str(), "r2", "r1"] {
-            ids.push(id);
+        let ids: RecordIds = [id.as_str(), "r2", "r1", ""].into_iter().collect();
+        assert_eq!(ids.len(), 4);
+        assert_eq!(ids.to_strings().unwrap(), ["".into(), id, "r1".into(), "r2".into()]);
+    }
+
+    /// The same ids on both sides, some only on one, repeats on both: what
+    /// each side lacks and the repeats, whatever the budget.
+    fn sides(budget: usize, n: u32) -> (RecordIds, RecordIds) {
+        let (mut done, mut sink) = (RecordIds::with_budget(budget), RecordIds::with_budget(budget));
+        for i in 0..n {
+            let id = if i % 7 == 0 { format!("row-{i}") } else { hex_id(i) };
+            if i % 101 != 3 {
+                done.push(&id);
+            }
+            if i % 97 != 5 {
+                sink.push(&id);
+            }
+            if i % 89 == 1 {
+                sink.push(&id);
+            }
         }
-        ids.sort();
-        assert_eq!(ids.to_strings(), [id.clone(), "r1".into(), "r2".into()]);
-        assert!(ids.contains(&id) && ids.contains("r1") && !ids.contains("r3") && !ids.contains(&hex_id(1)));
+        sink.push_bytes(&[]);
+        (done, sink)
     }
 
     #[test]
-    fn repeats_are_counted_and_one_merge_finds_what_each_side_lacks() {
-        let mut done = RecordIds::default();
-        for id in [hex_id(1), hex_id(2), hex_id(3), "x".into(), "y".into()] {
-            done.push(&id);
-        }
-        let mut sink = RecordIds::default();
-        for id in [hex_id(3), hex_id(2), hex_id(3), hex_id(4), "y".into(), "z".into()] {
-            sink.push(&id);
-        }
-        done.sort();
-        sink.sort();
-        assert_eq!(sink.dedup(), 1);
-        assert_eq!(sink.len(), 5);
+    fn one_pass_a_bucket_at_a_time_finds_what_each_side_lacks_and_the_repeats() {
+        let n = 20_000;
         let (mut missing, mut unknown) = (vec![], vec![]);
-        done.diff(&sink, |id| missing.push(id), |id| unknown.push(id));
-        assert_eq!(missing, [hex_id(1), "x".into()]);
-        assert_eq!(unknown, [hex_id(4), "z".into()]);
+        let (done, sink) = sides(DEFAULT_BUDGET, n);
+        assert!(!done.spilled());
+        let repeats = done
+            .compare(&sink, |id| missing.push(id), |id| unknown.push(id))
+            .unwrap();
+        let want = |keep: fn(u32) -> bool| {
+            let mut v: Vec<String> = (0..n)
+                .filter(|&i| keep(i))
+                .map(|i| if i % 7 == 0 { format!("row-{i}") } else { hex_id(i) })
+                .collect();
+            v.sort();
+            v
+        };
+        missing.sort();
+        unknown.sort();
+        assert_eq!(missing, want(|i| i % 97 == 5 && i % 101 != 3 && i % 89 != 1));
+        assert_eq!(
+            unknown,
+            [vec![String::new()], want(|i| i % 101 == 3 && i % 97 != 5)].concat()
+        );
+        assert_eq!(
+            repeats,
+            (0, (0..n).filter(|i| i % 89 == 1 && i % 97 != 5).count() as u64)
+        );
+        assert!(!missing.is_empty() && unknown.len() > 1 && repeats.1 > 0);
+
+        // Spilled to disk many times over, the same answers.
+        let (small_done, small_sink) = sides(4 << 10, n);
+        assert!(small_done.spilled() && small_sink.spilled());
+        let (mut m2, mut u2) = (vec![], vec![]);
+        assert_eq!(
+            small_done
+                .compare(&small_sink, |id| m2.push(id), |id| u2.push(id))
+                .unwrap(),
+            repeats
+        );
+        m2.sort();
+        u2.sort();
+        assert_eq!((m2, u2), (missing, unknown));
+        assert_eq!(small_sink.to_strings().unwrap(), sink.to_strings().unwrap());
+        assert_eq!(small_sink.distinct().unwrap(), sink.distinct().unwrap());
+        assert_eq!(sink.len(), small_sink.len());
+    }
+
+    #[test]
+    fn distinct_counts_each_key_once() {
+        let mut keys = RecordIds::with_budget(64);
+        for i in 0u32..1000 {
+            keys.push_bytes(&(i % 400).to_be_bytes());
+        }
+        assert!(keys.spilled());
+        assert_eq!(keys.distinct().unwrap(), (400, 600));
+        // A clone spilling on its own writes where the first does not read.
+        let mut other = keys.clone();
+        for i in 1000u32..2000 {
+            other.push_bytes(&i.to_be_bytes());
+        }
+        assert_eq!(keys.distinct().unwrap(), (400, 600));
+        assert_eq!(other.distinct().unwrap(), (1400, 600));
     }
 }

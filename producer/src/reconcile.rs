@@ -4,8 +4,10 @@
 //! `duplicates` (a record in two places, or twice in one), `unknown` (a task,
 //! retry, result, review entry or cancelled task for a record the job does not know).
 //!
-//! One partition is held in memory at a time. While workers run, records move
-//! between places; a suspect is only reported if a second pass finds it again.
+//! One partition at a time, and of it only the records somewhere other than
+//! the state hash (those in flight) are held in memory; the states stream
+//! past them. While workers run, records move between places; a suspect is
+//! only reported if a second pass finds it again.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -98,6 +100,13 @@ impl Partition {
         match id_bytes(rid.as_bytes()) {
             Some(b) => self.ids.entry(b).or_default(),
             None => self.other.entry(rid).or_default(),
+        }
+    }
+
+    fn get_mut(&mut self, rid: &str) -> Option<&mut Seen> {
+        match id_bytes(rid.as_bytes()) {
+            Some(b) => self.ids.get_mut(&b),
+            None => self.other.get_mut(rid),
         }
     }
 }
@@ -208,18 +217,7 @@ async fn reconcile_partition(
     sink: bool,
     tally: Option<&mut Tally>,
 ) -> Result<Reconciliation, StoreError> {
-    let seen = read_partition(store, job, p, tally).await?;
-    let mut found: Vec<(String, Seen, Finding)> = Vec::new();
-    for (b, s) in seen.ids {
-        if let Some(f) = finding(&s, sink) {
-            found.push((hex::encode(b), s, f));
-        }
-    }
-    for (rid, s) in seen.other {
-        if let Some(f) = finding(&s, sink) {
-            found.push((rid, s, f));
-        }
-    }
+    let found = suspects(store, job, p, sink, tally).await?;
     // Only the few records found wrong are described, their state read again.
     let mut out = Reconciliation::default();
     for (rid, s, f) in found {
@@ -252,26 +250,56 @@ async fn reconcile_partition(
     Ok(out)
 }
 
-/// Where each record of a partition is: its state (counted into `tally`),
-/// and every place that holds it (stream, retries, shards, results, review,
-/// cancelled), one scan each.
-async fn read_partition(
+/// The records of a partition that look wrong. Every place that holds
+/// records (stream, retries, shards, results, review, cancelled) is read
+/// first, into memory: the records in flight, and (with a sink) the results
+/// not yet in it. Then the states are streamed past them (counted into
+/// `tally`): a record in no place is judged on its state alone and not held,
+/// so ten million finished records cost no memory here.
+async fn suspects(
     store: &RedisStore,
     job: &str,
     p: u32,
+    sink: bool,
     mut tally: Option<&mut Tally>,
-) -> Result<Partition, StoreError> {
-    let mut seen = Partition::default();
-    let states = store.record_count(job, p).await?;
-    seen.ids.reserve(usize::try_from(states).unwrap_or(0));
+) -> Result<Vec<(String, Seen, Finding)>, StoreError> {
+    let mut seen = read_places(store, job, p).await?;
+    let mut found = Vec::new();
     store
         .record_states(job, p, |rid, state| {
             if let Some(t) = tally.as_deref_mut() {
                 t.add(&rid, &state);
             }
-            seen.at(rid).state = Known::of(&state);
+            let known = Known::of(&state);
+            if let Some(s) = seen.get_mut(&rid) {
+                s.state = known;
+                return;
+            }
+            let s = Seen {
+                state: known,
+                ..Seen::default()
+            };
+            if let Some(f) = finding(&s, sink) {
+                found.push((rid, s, f));
+            }
         })
         .await?;
+    for (b, s) in seen.ids {
+        if let Some(f) = finding(&s, sink) {
+            found.push((hex::encode(b), s, f));
+        }
+    }
+    for (rid, s) in seen.other {
+        if let Some(f) = finding(&s, sink) {
+            found.push((rid, s, f));
+        }
+    }
+    Ok(found)
+}
+
+/// Every place that holds a record of a partition, one scan each.
+async fn read_places(store: &RedisStore, job: &str, p: u32) -> Result<Partition, StoreError> {
+    let mut seen = Partition::default();
     store
         .scan_stream_rids(job, p, |rid| {
             let s = seen.at(rid);

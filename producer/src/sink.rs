@@ -132,8 +132,7 @@ pub async fn sink_status(
         backlog: store.sink_backlog(job, partitions).await?.unwrap_or(0),
         verified: None,
     };
-    if let Some(mut done) = verify {
-        done.sort();
+    if let Some(done) = verify {
         let sink = open(
             spec,
             job,
@@ -150,10 +149,8 @@ pub async fn sink_status(
             unlisted: held.unlisted,
             ..SinkVerified::default()
         };
-        let mut ids = held.result_ids;
-        v.duplicates = ids.dedup() as u64;
         v.ledger = LedgerCheck::new(store, job, partitions, held.ledger_calls, held.ledger_duplicates).await?;
-        compare(&done, &ids, &mut v);
+        compare(&done, &held.result_ids, &mut v)?;
         v.exact = v.exact && v.duplicates == 0 && v.damaged.is_empty() && v.unlisted.is_empty() && v.ledger.complete;
         s.verified = Some(v);
     }
@@ -168,28 +165,37 @@ fn files_dir(spec: &JobSpec, job: &str) -> anyhow::Result<std::path::PathBuf> {
     )?)
 }
 
-/// The done records against the sink's ids, both sorted (the segments'
-/// ids deduplicated): one merge finds the differences.
-fn compare(done: &RecordIds, rows: &RecordIds, v: &mut SinkVerified) {
+/// The done records against the sink's ids, a bucket of ids at a time:
+/// what each lacks, and the sink's repeats.
+fn compare(done: &RecordIds, rows: &RecordIds, v: &mut SinkVerified) -> anyhow::Result<()> {
     let (mut missing, mut unknown) = (0, 0);
-    done.diff(
-        rows,
-        |id| {
-            missing += 1;
-            if v.missing_ids.len() < 20 {
-                v.missing_ids.push(id);
-            }
-        },
-        |id| {
-            unknown += 1;
-            if v.unknown_ids.len() < 20 {
-                v.unknown_ids.push(id);
-            }
-        },
-    );
+    let (_, repeats) = done
+        .compare(
+            rows,
+            |id| {
+                missing += 1;
+                if v.missing_ids.len() < 20 {
+                    v.missing_ids.push(id);
+                }
+            },
+            |id| {
+                unknown += 1;
+                if v.unknown_ids.len() < 20 {
+                    v.unknown_ids.push(id);
+                }
+            },
+        )
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot read back the record ids spilled in {}: {e} (set TMPDIR to a writable directory)",
+                std::env::temp_dir().display()
+            )
+        })?;
+    v.duplicates = repeats;
     v.missing = missing;
     v.unknown = unknown;
     v.exact = missing == 0 && unknown == 0;
+    Ok(())
 }
 
 /// Every done result of a job, each once: those still in Redis, then those

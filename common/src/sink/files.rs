@@ -41,6 +41,7 @@ use sha2::{Digest, Sha256};
 
 use super::{Durable, FailureRow, Holdings, ResultRow, ResultSink, RevisionRow, SinkBatch, SinkEntry, SinkError};
 use super::{SunkResult, blocking};
+use crate::ids::RecordIds;
 use crate::ledger::PaidCall;
 use crate::manifest::Manifest;
 use crate::spec::{JobSpec, SegmentLimits};
@@ -961,13 +962,18 @@ pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
         }
     }
     c.unlisted.sort();
-    // Failures in order (partition, then segment number: a record's lines
-    // are in its partition, oldest first): the last line of a record wins.
+    // A record's failures are in its partition, oldest first: read in the
+    // manifest's order (partition, then segment number), the last line of a
+    // record wins. Failures are read before results, and a record with a
+    // result is no open failure: the results' ids are never looked up.
     let mut last: HashMap<String, String> = HashMap::new();
     // Each paid call by 16 bytes of its key's sha256 (not the key's text):
-    // enough to tell them apart, a sixth of the memory.
-    let mut calls: Vec<u128> = Vec::new();
-    for s in &manifest.segments {
+    // enough to tell them apart, a sixth of the memory, spilled to disk
+    // past a few megabytes as the results' ids are.
+    let mut calls = RecordIds::default();
+    let mut segments: Vec<_> = manifest.segments.iter().collect();
+    segments.sort_by_key(|s| s.kind != "failures");
+    for s in segments {
         let path = root.join(&s.file);
         let mut sha = Sha256::new();
         let mut lines = 0u64;
@@ -977,6 +983,7 @@ pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
             lines += 1;
             if s.kind == "results" {
                 if let Ok(id) = serde_json::from_str::<IdOnly>(line) {
+                    last.remove(&id.record_id);
                     c.result_ids.push(&id.record_id);
                 }
             } else if s.kind == "failures"
@@ -986,24 +993,24 @@ pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
             } else if s.kind == "ledger"
                 && let Ok(id) = serde_json::from_str::<IdOnly>(line)
             {
-                let digest = Sha256::digest(id.key().as_bytes());
-                calls.push(u128::from_le_bytes(digest[..16].try_into().unwrap_or_default()));
+                calls.push_bytes(&Sha256::digest(id.key().as_bytes())[..16]);
             }
         });
         if read.is_err() || lines != s.records || hex::encode(sha.finalize()) != s.sha256 {
             c.damaged.push(s.file.clone());
         }
     }
-    c.result_ids.sort();
-    calls.sort_unstable();
-    let lines = calls.len() as u64;
-    calls.dedup();
-    c.ledger_calls = calls.len() as u64;
-    c.ledger_duplicates = lines - c.ledger_calls;
-    for (rid, state) in last {
-        if !c.result_ids.contains(&rid) {
-            *c.open_failures.entry(state).or_default() += 1;
-        }
+    c.damaged
+        .sort_by_key(|f| manifest.segments.iter().position(|s| s.file == *f));
+    (c.ledger_calls, c.ledger_duplicates) = calls.distinct().map_err(|e| {
+        disk(
+            "cannot read back the ledger's keys spilled in",
+            &std::env::temp_dir(),
+            e,
+        )
+    })?;
+    for state in last.into_values() {
+        *c.open_failures.entry(state).or_default() += 1;
     }
     Ok(c)
 }
@@ -1157,7 +1164,7 @@ mod tests {
         assert_eq!((pending.written, pending.entries.len(), pending.sunk.len()), (3, 4, 4));
         sink.acknowledged(0).unwrap();
         let c = check(dir.path(), "j").unwrap();
-        assert_eq!(c.result_ids.to_strings(), ["a", "b", "c"]);
+        assert_eq!(c.result_ids.to_strings().unwrap(), ["a", "b", "c"]);
         assert!(c.damaged.is_empty() && c.unlisted.is_empty(), "{c:?}");
         let mut read = Vec::new();
         results(dir.path(), "j", |r| read.push((r.record_id, r.key))).unwrap();
@@ -1166,7 +1173,7 @@ mod tests {
         append(&mut sink, &["c", "d"]);
         sink.finish(0).unwrap();
         assert_eq!(
-            check(dir.path(), "j").unwrap().result_ids.to_strings(),
+            check(dir.path(), "j").unwrap().result_ids.to_strings().unwrap(),
             ["a", "b", "c", "d"]
         );
     }
@@ -1253,7 +1260,7 @@ mod tests {
         );
         two.acknowledged(0).unwrap();
         let c = check(dir.path(), "j").unwrap();
-        assert_eq!(c.result_ids.to_strings(), ["a"]);
+        assert_eq!(c.result_ids.to_strings().unwrap(), ["a"]);
         // The next segment number follows the finished one.
         append(&mut two, &["b"]);
         two.finish(0).unwrap();
@@ -1276,7 +1283,7 @@ mod tests {
         let mut two = FileSink::open(dir.path(), "j", limits()).unwrap();
         two.take(0).unwrap();
         assert!(seg.exists());
-        assert_eq!(check(dir.path(), "j").unwrap().result_ids.to_strings(), ["a"]);
+        assert_eq!(check(dir.path(), "j").unwrap().result_ids.to_strings().unwrap(), ["a"]);
     }
 
     #[test]
@@ -1331,7 +1338,7 @@ mod tests {
         assert!(read["bb"].revisions.is_empty());
         let c = check(dir.path(), "j").unwrap();
         assert_eq!(
-            c.result_ids.to_strings(),
+            c.result_ids.to_strings().unwrap(),
             ["aa", "bb"],
             "a revision is no second result"
         );

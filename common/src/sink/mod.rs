@@ -103,8 +103,9 @@ impl Unacked {
 /// What a sink holds of a job, read back for reconciliation.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Holdings {
-    /// Every record id with a result, sorted (a record there twice is
-    /// listed twice; a table's primary key rules that out).
+    /// Every record id with a result (a record there twice is listed
+    /// twice; a table's primary key rules that out), spilled to disk past a
+    /// few megabytes.
     #[serde(skip)]
     pub result_ids: crate::ids::RecordIds,
     /// Unresolved failures by state (`review`, `dropped`, `cancelled`,

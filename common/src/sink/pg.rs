@@ -835,7 +835,7 @@ impl PgSink {
         Ok(())
     }
 
-    /// Every record id of the job in the results table, sorted; read
+    /// Every record id of the job in the results table; read
     /// 50,000 at a time in the primary key's order (a million rows at once
     /// would be held as rows first).
     pub async fn result_ids(&self, job: &str) -> Result<RecordIds, SinkError> {
@@ -864,7 +864,6 @@ impl PgSink {
                 _ => break,
             }
         }
-        ids.sort();
         Ok(ids)
     }
 
