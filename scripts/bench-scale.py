@@ -22,6 +22,7 @@ from benchlib import BIN, ROOT, redis_info, start_redis, start_sim, stop_all, wr
 
 N = int(os.environ.get("N", "1000000"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
+BASE_BIN = os.environ.get("BASE_BIN")
 
 
 def used_memory(url):
@@ -35,6 +36,18 @@ def hwm_kib(pid):
             return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
     except (OSError, StopIteration):
         return 0
+
+
+def run_status(bindir, url, env, tmp):
+    """`producer status --require-complete --json` of the job: its
+    document, seconds and peak RSS (MiB)."""
+    rss_file = os.path.join(tmp, "status-rss")
+    s0 = time.time()
+    out = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file, os.path.join(bindir, "producer"), "status",
+                          "--job", "scale", "--redis", url, "--require-complete", "--json"],
+                         env=env, capture_output=True, text=True)
+    secs = time.time() - s0
+    return json.loads(out.stdout), secs, round(int(open(rss_file).read().split()[-1]) / 1024, 1)
 
 
 def sunk(url, partitions):
@@ -98,13 +111,15 @@ def main():
         stop_all(workers)
         procs.clear()
         end = used_memory(url) - base
-        rss_file = os.path.join(tmp, "status-rss")
-        s0 = time.time()
-        out = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file, os.path.join(BIN, "producer"), "status",
-                              "--job", "scale", "--redis", url, "--require-complete", "--json"],
-                             env=env, capture_output=True, text=True)
-        status_s = time.time() - s0
-        status = json.loads(out.stdout)
+        status, status_s, status_mib = run_status(BIN, url, env, tmp)
+        # With BASE_BIN (a baseline build's bin directory): its status on the
+        # same finished job, alternating with this build's, twice each.
+        paired = []
+        for _ in range(2 if BASE_BIN else 0):
+            for label, bindir in (("base", BASE_BIN), ("this", BIN)):
+                s_out, secs, mib = run_status(bindir, url, env, tmp)
+                paired.append({"build": label, "secs": round(secs, 1), "peak_rss_mib": mib,
+                               "complete": s_out.get("complete")})
         verified = (status.get("sink") or {}).get("verified") or {}
         result = {
             "records": N,
@@ -115,7 +130,8 @@ def main():
             "producer_peak_rss_mib": round(producer_kib / 1024, 1),
             "worker_peak_rss_mib": [round(k / 1024, 1) for k in worker_kib],
             "status_secs": round(status_s, 1),
-            "status_peak_rss_mib": round(int(open(rss_file).read().split()[-1]) / 1024, 1),
+            "status_peak_rss_mib": status_mib,
+            "status_paired": paired,
             "status_complete": status.get("complete"),
             "sink_rows": verified.get("rows"),
             "missing": status.get("missing"),
@@ -133,6 +149,8 @@ def main():
           f"| {r['producer_peak_rss_mib']} / {', '.join(map(str, r['worker_peak_rss_mib']))} MiB "
           f"| {r['status_secs']} s, {r['status_peak_rss_mib']} MiB | {r['sink_rows']:,} | {r['missing']} "
           f"| {r['duplicate']} |")
+    for p in r["status_paired"]:
+        print(f"status ({p['build']}): {p['secs']} s, {p['peak_rss_mib']} MiB, complete {p['complete']}")
     print(json.dumps({k: r[k] for k in ("records", "redis_peak_bytes", "redis_end_bytes", "enqueue_rec_s",
                                         "drain_rec_s", "missing", "duplicate")}))
 

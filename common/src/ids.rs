@@ -49,8 +49,8 @@ pub fn id_bytes(hex: &[u8]) -> Option<[u8; 32]> {
 const BUCKETS: usize = 256;
 
 /// What a set holds in memory before it spills to disk (every bucket's
-/// entries together; their vectors may hold up to twice that).
-pub const DEFAULT_BUDGET: usize = 8 << 20;
+/// entries together).
+pub const DEFAULT_BUDGET: usize = 4 << 20;
 
 /// A key's first byte says what it is: an id's 32 bytes, an id's text, or
 /// bytes pushed as they are (shown as hex).
@@ -135,7 +135,14 @@ impl RecordIds {
         let Some(s) = &mut self.spill else { return };
         match s.write_run(&self.buckets) {
             Ok(()) => {
-                self.buckets.iter_mut().for_each(Vec::clear);
+                // Each bucket keeps room for its share of the next run and an
+                // eighth more (ids are uniform: few outgrow it), not the room
+                // its vector doubled to.
+                let room = self.budget / BUCKETS * 9 / 8;
+                for b in &mut self.buckets {
+                    b.clear();
+                    b.shrink_to(room);
+                }
                 self.held = 0;
             }
             Err(e) => self.keep_in_memory(&e),
