@@ -5,8 +5,9 @@
 //! retry, result, review entry or cancelled task for a record the job does not know).
 //!
 //! One partition at a time, and of it only the records somewhere other than
-//! the state hash (those in flight) are held in memory; the states stream
-//! past them. While workers run, records move between places; a suspect is
+//! the state hash are held in memory (those in flight, and the results still
+//! in Redis: with a sink only those not yet in it); the states stream past
+//! them. While workers run, records move between places; a suspect is
 //! only reported if a second pass finds it again.
 
 use std::collections::HashMap;
@@ -244,9 +245,12 @@ async fn reconcile_partition(
             state,
         });
     }
-    out.missing.sort();
-    out.duplicates.sort();
-    out.unknown.sort();
+    // A scan may return a field twice (a hash resized meanwhile): each
+    // record is reported once.
+    for list in [&mut out.missing, &mut out.duplicates, &mut out.unknown] {
+        list.sort();
+        list.dedup();
+    }
     Ok(out)
 }
 
@@ -255,7 +259,8 @@ async fn reconcile_partition(
 /// first, into memory: the records in flight, and (with a sink) the results
 /// not yet in it. Then the states are streamed past them (counted into
 /// `tally`): a record in no place is judged on its state alone and not held,
-/// so ten million finished records cost no memory here.
+/// so ten million finished records whose results are in a sink cost no
+/// memory here.
 async fn suspects(
     store: &RedisStore,
     job: &str,

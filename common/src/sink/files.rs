@@ -971,9 +971,10 @@ pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
     // enough to tell them apart, a sixth of the memory, spilled to disk
     // past a few megabytes as the results' ids are.
     let mut calls = RecordIds::default();
-    let mut segments: Vec<_> = manifest.segments.iter().collect();
-    segments.sort_by_key(|s| s.kind != "failures");
-    for s in segments {
+    let mut segments: Vec<_> = manifest.segments.iter().enumerate().collect();
+    segments.sort_by_key(|(_, s)| s.kind != "failures");
+    let mut damaged = Vec::new();
+    for (at, s) in segments {
         let path = root.join(&s.file);
         let mut sha = Sha256::new();
         let mut lines = 0u64;
@@ -997,11 +998,12 @@ pub fn check(dir: &Path, job: &str) -> Result<Holdings, SinkError> {
             }
         });
         if read.is_err() || lines != s.records || hex::encode(sha.finalize()) != s.sha256 {
-            c.damaged.push(s.file.clone());
+            damaged.push((at, s.file.clone()));
         }
     }
-    c.damaged
-        .sort_by_key(|f| manifest.segments.iter().position(|s| s.file == *f));
+    // In the manifest's order.
+    damaged.sort_unstable();
+    c.damaged = damaged.into_iter().map(|(_, f)| f).collect();
     (c.ledger_calls, c.ledger_duplicates) = calls.distinct().map_err(|e| {
         disk(
             "cannot read back the ledger's keys spilled in",
