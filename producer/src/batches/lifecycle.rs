@@ -213,7 +213,7 @@ async fn advance(api: &Arc<Api>, mut row: BatchRow) -> anyhow::Result<()> {
         adopt_cancel(api, &mut row).await?;
         finalize(api, &mut row, now).await?;
     }
-    save(api, row).await
+    store_row(api, &mut row).await
 }
 
 /// Takes the ending a cancel stored since `row` was read.
@@ -231,21 +231,15 @@ async fn adopt_cancel(api: &Api, row: &mut BatchRow) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Stores a batch this poll moved, keeping a cancel that came meanwhile
-/// (the cancel's own request wrote it).
-async fn save(api: &Api, mut row: BatchRow) -> anyhow::Result<()> {
-    store_row(api, &mut row).await
-}
-
-/// Stores `row`; a cancel stored since it was read is taken into it first
-/// (the store refuses to write over one, atomically), and an ended batch
-/// stays as it ended.
+/// Stores a batch this poll moved. The store refuses, atomically, to write
+/// over a cancel stored since `row` was read: the cancel is then taken into
+/// it and it is stored again. An ended batch stays as it ended.
 async fn store_row(api: &Api, row: &mut BatchRow) -> anyhow::Result<()> {
     for _ in 0..5 {
-        adopt_cancel(api, row).await?;
         if kept::put_batch(&api.store, row).await? != kept::Put::Ending {
             return Ok(());
         }
+        adopt_cancel(api, row).await?;
     }
     anyhow::bail!("batch {} kept changing while it was stored", row.id())
 }
