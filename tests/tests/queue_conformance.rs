@@ -168,6 +168,32 @@ async fn first_writer_wins_and_a_late_or_repeated_outcome_changes_nothing(bed: &
     assert!(!q.check(&d).await.unwrap().1, "{name}: no longer live");
 }
 
+/// A retry due at once (a probe that failed while the provider is down) is
+/// back on the stream as a new entry, its task the new one, deliverable
+/// again at once: no trip through the delayed set and the promoter.
+async fn a_retry_due_at_once_is_back_on_the_stream(bed: &Bed) {
+    let (q, name) = (bed.queue(), bed.name());
+    bed.enqueue("now").await;
+    let d = bed.deliver("w1").await;
+    let retry = Finish::Retry {
+        due_ms: 0,
+        task: d.task.next(1, 1, vec![], vec![]),
+    };
+    assert_eq!(
+        q.finish(&d, &retry, None, false).await.unwrap(),
+        Finished::Moved,
+        "{name}"
+    );
+    assert_eq!(bed.state("now").await, Some(RecordState::Queued), "{name}");
+    assert!(
+        !q.check(&d).await.unwrap().1,
+        "{name}: the first delivery is acknowledged"
+    );
+    let again = bed.deliver("w2").await;
+    assert_eq!((again.task.rid.as_str(), again.task.calls), ("now", 1), "{name}");
+    assert_ne!(again.entry_id, d.entry_id, "{name}: a new entry");
+}
+
 async fn a_delivery_taken_over_is_stale_but_its_paid_call_counts_once(bed: &Bed) {
     let (q, name) = (bed.queue(), bed.name());
     bed.enqueue("b").await;
@@ -334,6 +360,11 @@ async fn the_breaker_counts_each_signature_fleet_wide(bed: &Bed) {
 #[tokio::test]
 async fn first_writer_wins() {
     both!(first_writer_wins_and_a_late_or_repeated_outcome_changes_nothing);
+}
+
+#[tokio::test]
+async fn retry_at_once() {
+    both!(a_retry_due_at_once_is_back_on_the_stream);
 }
 
 #[tokio::test]

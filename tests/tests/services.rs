@@ -138,7 +138,7 @@ async fn a_dead_consumers_task_is_taken_over_exactly_once_and_a_busy_ones_is_not
 
     let a = fleet(&redis, &sim, "a").await;
     let b = fleet(&redis, &sim, "b").await;
-    let (ra, rb) = (Rescuer::new(a.clone()), Rescuer::new(b.clone()));
+    let (mut ra, mut rb) = (Rescuer::new(a.clone()), Rescuer::new(b.clone()));
     // Before the claimer read its own pending entries, the rescuer waits.
     assert_eq!(ra.rescue_round().await, 0);
     a.own_pending_read.store(true, Ordering::Relaxed);
@@ -163,6 +163,48 @@ async fn a_dead_consumers_task_is_taken_over_exactly_once_and_a_busy_ones_is_not
     assert_eq!(a.reclaim_backlog.load(Ordering::Relaxed), 0);
 }
 
+/// `XPENDING` calls Redis has run so far.
+fn xpending_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_xpending:calls="))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A partition with nothing pending is looked at once (one summary), then
+/// not again for a visibility timeout: nothing delivered after that look
+/// can be overdue sooner. One with tasks pending is looked at every round
+/// (the summary, then the overdue ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rescuer_looks_at_a_partition_with_nothing_pending_once_a_visibility_timeout() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 2);
+    let f = fleet(&redis, &sim, "a").await;
+    f.own_pending_read.store(true, Ordering::Relaxed);
+    let mut rescuer = Rescuer::new(f.clone());
+    let before = xpending_calls(&redis);
+    assert_eq!(rescuer.rescue_round().await, 0);
+    assert_eq!(xpending_calls(&redis) - before, 1, "one summary of the one partition");
+    assert_eq!(rescuer.rescue_round().await, 0);
+    assert_eq!(xpending_calls(&redis) - before, 1, "not looked at again");
+
+    // Another rescuer (another worker) finds a task pending, not overdue:
+    // it looks every round, and takes nothing.
+    read_as(&redis, "busy", 1);
+    let mut other = Rescuer::new(f.clone());
+    let before = xpending_calls(&redis);
+    assert_eq!(other.rescue_round().await, 0);
+    assert_eq!(other.rescue_round().await, 0);
+    assert_eq!(
+        xpending_calls(&redis) - before,
+        4,
+        "the summary and the overdue scan, twice"
+    );
+    assert_eq!(f.reclaim_backlog.load(Ordering::Relaxed), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rescuer_without_a_free_slot_holds_new_claims_back() {
     let redis = RedisServer::start();
@@ -176,7 +218,7 @@ async fn a_rescuer_without_a_free_slot_holds_new_claims_back() {
     assert!(f.own_pending_read.load(Ordering::Relaxed));
     // Every slot is taken.
     let held = f.permits.clone().acquire_many_owned(4).await.unwrap();
-    let rescuer = Rescuer::new(f.clone());
+    let mut rescuer = Rescuer::new(f.clone());
     assert_eq!(rescuer.rescue_round().await, 0);
     assert_eq!(
         f.reclaim_backlog.load(Ordering::Relaxed),

@@ -716,6 +716,67 @@ fn an_idle_and_a_halted_fleet_cost_redis_at_most_two_commands_a_second_per_worke
     drop(workers);
 }
 
+/// Waiting out an outage costs what idle costs (#32: "idle is free"): two
+/// workers whose provider has been down for an hour (its start moved back
+/// in Redis, so a probe goes out every 30 s) cost Redis at most 2 commands
+/// a second per worker (`INFO` deltas over 30 s), and only probes reach
+/// the provider.
+#[test]
+fn a_fleet_waiting_out_a_long_outage_costs_redis_at_most_two_commands_a_second_per_worker() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--latency-ms", "20"]);
+    let dir = TempDir::new("waiting-cost");
+    let spec = dir.join("job.toml");
+    std::fs::write(&spec, include_str!("../../examples/job.toml")).unwrap();
+    let first = dir.join("a.jsonl");
+    write_records(&first, 0, 5);
+    enqueue(&redis, &first, "waiting", &spec);
+    let workers: Vec<Running> = (0..2)
+        .map(|i| Running::spawn(worker_cmd(&redis, "waiting", &sim, &["--consumer", &format!("wo{i}")])))
+        .collect();
+    wait_for("the first records", Duration::from_secs(30), || {
+        redis.hlen_sum("waiting", keys::results) == 5
+    });
+    sim.fail_all(Some("503:overloaded:the engine is overloaded"));
+    let more = dir.join("b.jsonl");
+    write_records(&more, 100, 40);
+    let out = harness::enqueue_cmd(&redis, &more, "waiting", &spec)
+        .arg("--restart")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let outage = keys::outage("waiting");
+    wait_for("the provider taken for down", Duration::from_secs(60), || {
+        redis
+            .conn()
+            .hget::<_, _, Option<String>>(&outage, "down")
+            .unwrap()
+            .as_deref()
+            == Some("1")
+    });
+    let down_ms: u64 = redis.conn().hget(&outage, "down_ms").unwrap();
+    let _: () = redis.conn().hset(&outage, "down_ms", down_ms - 3_600_000).unwrap();
+    // The next failed probes set the long spacing.
+    std::thread::sleep(Duration::from_secs(35));
+    let calls = || sim.stats()["requests"].as_u64().unwrap();
+    let (before, calls_before) = (commands_processed(&redis), calls());
+    std::thread::sleep(Duration::from_secs(30));
+    let n = commands_processed(&redis) - before - 1;
+    let probes = calls() - calls_before;
+    let rate = n as f64 / 30.0 / workers.len() as f64;
+    eprintln!("an hour-old outage: {rate:.2} Redis commands a second per worker, {probes} probes in 30 s");
+    assert!(
+        rate <= 2.0,
+        "waiting out an outage: {rate:.2} Redis commands a second per worker ({n} in 30 s)"
+    );
+    assert!(
+        probes <= 2,
+        "{probes} calls in 30 s of an hour-old outage: only probes go out"
+    );
+    assert!(redis.hlen_sum("waiting", keys::results) < 45, "the job waits");
+    drop(workers);
+}
+
 /// A worker serving every job takes up each job enqueued after it started
 /// (it finishes what it holds, then starts again with the new job among
 /// its own), and keeps serving its metrics on the port it was given, their

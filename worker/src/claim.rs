@@ -34,6 +34,10 @@ pub struct Claimer {
     drained: tokio_util::sync::CancellationToken,
     /// When `--drain` last asked Redis whether the jobs are complete.
     drain_checked: Option<std::time::Instant>,
+    /// This round is the idle poll's (no wake-up came since an empty
+    /// round): a job is claimed from only when a partition may hold
+    /// undelivered tasks (no grant asked and given back for nothing).
+    polling: bool,
     /// Per job, when its rate buckets can give grants again (asking sooner
     /// gets nothing: a settlement's wake-up does not make the claimer ask).
     budget_at: std::collections::HashMap<(String, Route), tokio::time::Instant>,
@@ -66,6 +70,7 @@ impl Claimer {
             rounds: 0,
             drained,
             drain_checked: None,
+            polling: false,
             budget_at: Default::default(),
         }
     }
@@ -91,8 +96,13 @@ impl Claimer {
         // Each round starts at the next partition: the first one read gets
         // most of the free slots, and no partition may wait for the others to drain.
         self.rounds = self.rounds.wrapping_add(1);
+        let polling = std::mem::take(&mut self.polling);
         for job in &f.jobs {
-            if !f.is_halted(&job.name) && !f.is_cancelled(&job.name) && claims_online(job) {
+            if !f.is_halted(&job.name)
+                && !f.is_cancelled(&job.name)
+                && claims_online(job)
+                && (!polling || self.may_have_work(job).await)
+            {
                 self.claim_job(job, &mut first, &mut round).await;
             }
         }
@@ -264,6 +274,22 @@ impl Claimer {
         }
     }
 
+    /// Whether a partition of `job` may hold undelivered tasks (asked on an
+    /// idle poll's round only; a Redis error answers yes).
+    async fn may_have_work(&self, job: &JobCtx) -> bool {
+        for p in 0..job.spec.job.partitions {
+            match self.fleet.store.may_have_undelivered(&job.name, p).await {
+                Ok(false) => {}
+                Ok(true) => return true,
+                Err(e) => {
+                    self.fleet.store_error(&e).await;
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
     /// Whether `--drain` may ask Redis again (at most every [`DRAIN_CHECK`]:
     /// a throttled worker with nothing in flight comes here every round).
     fn drain_check_due(&mut self) -> bool {
@@ -337,9 +363,10 @@ impl Service for Claimer {
         let wait = round
             .probe_wait
             .map_or(wait, |p| p.clamp(Duration::from_millis(5), wait));
+        let idle = round.limited.is_none() && round.probe_wait.is_none() && !f.config.drain;
         // Idle: a stop ends the wait at once (nothing claimed to finish).
         tokio::select! {
-            _ = tokio::time::timeout(wait, f.wake_claimer.notified()) => {}
+            woken = tokio::time::timeout(wait, f.wake_claimer.notified()) => self.polling = idle && woken.is_err(),
             _ = self.drained.cancelled() => return None,
         }
         Some(Duration::ZERO)

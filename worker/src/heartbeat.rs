@@ -1,7 +1,11 @@
 //! The worker's heartbeat: every `--heartbeat-ms` it writes who it is and
 //! what it is doing into `bf:workers` (see `common::heartbeat`), with its
 //! rate over the last minute; a last beat when it leaves says it stopped.
-//! Once a minute it also removes the entries of workers long dead.
+//! A quiet worker (nothing in flight, nothing settled for a minute) beats
+//! [`QUIET_BEATS`] times less often and says so in its beat (readers take
+//! it for dead after three of its own intervals); its first busy beat comes
+//! within one interval. Once a minute it also removes the entries of
+//! workers long dead.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -20,6 +24,8 @@ const FORGET_EVERY: Duration = Duration::from_secs(60);
 /// How often Redis's clock is read again; between readings a beat's time is
 /// the last reading plus the time passed on this machine's steady clock.
 const CLOCK_EVERY: Duration = Duration::from_secs(60);
+/// How many times less often a quiet worker beats (#32: "idle is free").
+pub const QUIET_BEATS: u32 = 3;
 
 pub struct Beater {
     fleet: Arc<Fleet>,
@@ -30,6 +36,8 @@ pub struct Beater {
     forgot: Option<Instant>,
     /// Redis's clock (Unix ms) as last read, and when.
     clock: Option<(Instant, u64)>,
+    /// When the last beat was written, and whether it was a quiet one.
+    written: Option<(Instant, bool)>,
 }
 
 impl Beater {
@@ -41,6 +49,7 @@ impl Beater {
             window: VecDeque::new(),
             forgot: None,
             clock: None,
+            written: None,
         }
     }
 
@@ -86,6 +95,23 @@ impl Beater {
         }
     }
 
+    /// The beat to write now, if one is due: every interval while busy, a
+    /// quiet one (saying its longer interval) every [`QUIET_BEATS`]
+    /// intervals, the first beat after a change of either kind at once.
+    fn due(&mut self) -> Option<Heartbeat> {
+        let mut beat = self.heartbeat();
+        let quiet = beat.in_flight == 0 && beat.rate_per_sec == 0.0 && !beat.draining;
+        let every = self.fleet.config.heartbeat;
+        if quiet {
+            beat.every_ms *= u64::from(QUIET_BEATS);
+        }
+        let wait = every * QUIET_BEATS - every / 2;
+        match self.written {
+            Some((at, true)) if quiet && at.elapsed() < wait => None,
+            _ => Some(beat),
+        }
+    }
+
     /// The last beat: the worker stopped.
     pub async fn goodbye(&mut self) {
         let beat = Heartbeat {
@@ -120,9 +146,12 @@ impl Service for Beater {
     }
 
     async fn run_once(&mut self) -> Option<Duration> {
-        let beat = self.heartbeat();
-        if let Err(e) = self.write(beat).await {
-            self.fleet.store_error(&e).await;
+        if let Some(beat) = self.due() {
+            let quiet = beat.every_ms > self.fleet.config.heartbeat.as_millis() as u64;
+            match self.write(beat).await {
+                Ok(()) => self.written = Some((Instant::now(), quiet)),
+                Err(e) => self.fleet.store_error(&e).await,
+            }
         }
         if self.forgot.is_none_or(|t| t.elapsed() >= FORGET_EVERY) {
             self.forgot = Some(Instant::now());

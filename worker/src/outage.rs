@@ -35,8 +35,9 @@ pub struct OutageWatch {
     /// The record whose call is the probe this worker is sending.
     probe: Mutex<Option<String>>,
     /// While down: when to ask the fleet for the probe's lease again: when
-    /// Redis last said the next probe may start, at most the longest wait
-    /// between probes from then (a wake-up does not ask sooner).
+    /// Redis last said the next probe may start (a wake-up does not ask
+    /// sooner; the worker whose probe fails learns the next time at once,
+    /// the others when a probe's lease or wait ends).
     next_probe: Mutex<Option<Instant>>,
 }
 
@@ -214,13 +215,18 @@ impl OutageWatch {
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe), or says how long until
     /// the next probe may start (known from Redis's last answer, Redis is
-    /// not asked again before then).
+    /// not asked again before then). While this worker's own probe is out
+    /// Redis is not asked at all (it would name the probe's own lease): the
+    /// probe's end wakes the claimer, which asks then.
     pub async fn take_probe(
         &self,
         store: &RedisStore,
         job: &str,
         lease: Duration,
     ) -> Result<Result<(), Duration>, StoreError> {
+        if self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Ok(Err(lease));
+        }
         let now = Instant::now();
         if let Some(at) = *self.next_probe.lock().unwrap_or_else(|e| e.into_inner())
             && at > now
@@ -228,10 +234,7 @@ impl OutageWatch {
             return Ok(Err(at - now));
         }
         let taken = store.outage_probe(job, lease).await?;
-        // Asked again at least as often as probes may come (a lease given
-        // back lets the next start a second later).
-        *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) =
-            taken.err().map(|wait| now + wait.min(self.rules.probe_every_max));
+        *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = taken.err().map(|wait| now + wait);
         Ok(taken)
     }
 
@@ -252,11 +255,14 @@ impl OutageWatch {
 
     /// The probe's call for `rid` came back, or its task ended without one:
     /// true when `rid` was still the probe (a task that ends so made no
-    /// call, and its lease is given back).
+    /// call, and its lease is given back). The fleet is asked again for
+    /// the next probe's time at the next claim round: the one Redis named
+    /// while this probe was out was its own lease's end.
     pub fn probe_ended(&self, rid: &str) -> bool {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
         if probe.as_deref() == Some(rid) {
             *probe = None;
+            *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
             return true;
         }
         false
@@ -296,9 +302,18 @@ mod tests {
     fn the_probe_mark_is_the_record_s_until_its_task_ends() {
         let w = OutageWatch::new(1, "http://h/v1");
         w.set_probe("r1");
+        // Asked while its own probe was out, Redis named the lease's end.
+        let lease_end = Instant::now() + Duration::from_secs(40);
+        *w.next_probe.lock().unwrap() = Some(lease_end);
         assert!(w.is_probe("r1") && !w.is_probe("r2"));
         assert!(!w.probe_ended("r2"));
+        assert_eq!(*w.next_probe.lock().unwrap(), Some(lease_end), "not its probe");
         assert!(w.probe_ended("r1"));
         assert!(!w.is_probe("r1"));
+        assert_eq!(
+            *w.next_probe.lock().unwrap(),
+            None,
+            "its probe came back: the fleet is asked for the next one's time at once"
+        );
     }
 }

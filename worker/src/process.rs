@@ -992,11 +992,15 @@ async fn apply(
                 feedback.unwrap_or_default(),
                 history,
             );
-            let due_ms = now_ms() + delay_ms;
+            // Due at once (a failed probe while the provider is down): back
+            // on the stream, not through the delayed set.
+            let due_ms = if delay_ms == 0 { 0 } else { now_ms() + delay_ms };
             let settled = settle
                 .store(Finish::Retry { due_ms, task }, Settled::Retried, called)
                 .await;
-            limits.retry_scheduled.notify_one();
+            if due_ms > 0 {
+                limits.retry_scheduled.notify_one();
+            }
             settled
         }
         Decision::Review { reason } => {

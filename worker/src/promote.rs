@@ -13,8 +13,10 @@ use crate::service::Service;
 
 /// Due retries moved per script call.
 pub const PAGE: usize = 500;
-/// The longest the promoter sleeps with no retry due sooner.
-pub const LONGEST_SLEEP: Duration = Duration::from_secs(30);
+/// The longest the promoter sleeps with no retry due sooner: it only
+/// bounds how late a retry is promoted that another worker scheduled after
+/// this one looked and then died (its own promoter would have woken).
+pub const LONGEST_SLEEP: Duration = Duration::from_secs(60);
 
 pub struct Promoter {
     fleet: Arc<Fleet>,

@@ -1,11 +1,17 @@
 //! The rescuer: takes over tasks a dead or stuck worker left pending past
 //! the visibility timeout (`XPENDING ... IDLE` over the whole pending list,
 //! then `XCLAIM`, which re-checks the idle time atomically: two workers never
-//! both take one), as far as free permits and the fleet's budget allow.
+//! both take one), as far as free permits and the fleet's budget allow. A
+//! partition with nothing pending at all is looked at again only a whole
+//! visibility timeout later: no task delivered after that look can be
+//! overdue sooner (an idle fleet's commands, #32).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use common::store::IdleEntry;
 
@@ -16,19 +22,25 @@ use crate::service::Service;
 
 pub struct Rescuer {
     fleet: Arc<Fleet>,
+    /// Partitions (job, partition) found with nothing pending, and when to
+    /// look at them again.
+    quiet: HashMap<(String, u32), Instant>,
 }
 
 impl Rescuer {
     pub fn new(fleet: Arc<Fleet>) -> Rescuer {
-        Rescuer { fleet }
+        Rescuer {
+            fleet,
+            quiet: HashMap::new(),
+        }
     }
 
     /// One look over every partition of every job that is not halted.
     /// Returns how many tasks were taken over and started. What could not be
     /// taken now (no free slot, no budget, another worker was faster) is left
     /// in the fleet's reclaim backlog, which holds new claims back.
-    pub async fn rescue_round(&self) -> usize {
-        let f = &self.fleet;
+    pub async fn rescue_round(&mut self) -> usize {
+        let f = &self.fleet.clone();
         if !f.own_pending_read.load(Ordering::Relaxed) {
             return 0;
         }
@@ -40,6 +52,9 @@ impl Rescuer {
                 continue;
             }
             for p in 0..job.spec.job.partitions {
+                if !self.pending_here(&job.name, p).await {
+                    continue;
+                }
                 // Take budget only for tasks that are really there to take over.
                 let idle = match f
                     .store
@@ -62,6 +77,31 @@ impl Rescuer {
             f.wake_claimer.notify_one();
         }
         started
+    }
+
+    /// Whether partition `p` of `job` may hold a task to take over: false
+    /// while a look found nothing pending there less than a visibility
+    /// timeout ago, and when this look finds nothing pending.
+    async fn pending_here(&mut self, job: &str, p: u32) -> bool {
+        let key = (job.to_owned(), p);
+        let now = Instant::now();
+        if self.quiet.get(&key).is_some_and(|until| *until > now) {
+            return false;
+        }
+        match self.fleet.store.pending_count(job, p).await {
+            Ok(0) => {
+                self.quiet.insert(key, now + self.fleet.visibility);
+                false
+            }
+            Ok(_) => {
+                self.quiet.remove(&key);
+                true
+            }
+            Err(e) => {
+                self.fleet.store_error(&e).await;
+                false
+            }
+        }
     }
 
     /// Takes over as many of `idle` as free slots and the fleet budget allow,

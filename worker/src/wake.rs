@@ -11,9 +11,10 @@ use common::store::RedisStore;
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::service::Service;
 
-/// How long one blocking read waits (then it simply reads again): well
-/// inside the connection's 30 s response timeout.
-const BLOCK: Duration = Duration::from_secs(10);
+/// How long one blocking read waits (then it simply reads again): inside
+/// the connection's 30 s response timeout; a read that times out is an
+/// idle worker's command, so it waits as long as it safely can.
+const BLOCK: Duration = Duration::from_secs(25);
 
 pub struct Listener {
     fleet: Arc<Fleet>,

@@ -1,8 +1,8 @@
 //! The watcher: reads every job's halt and cancel flags and its provider's
-//! outage from Redis (every [`PERIOD`], and at once when the fleet is told a
-//! flag changed), so the claimer skips halted and cancelled jobs and only
-//! probes a provider taken for down; and renews this worker's lease on its
-//! consumer name.
+//! outage from Redis (at once when the fleet is told one changed, and every
+//! [`FLAGS_PERIOD`] should a wake-up be lost), so the claimer skips halted
+//! and cancelled jobs and only probes a provider taken for down; and renews
+//! this worker's lease on its consumer name (every [`PERIOD`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -15,22 +15,41 @@ use crate::service::Service;
 /// watcher renews it every [`PERIOD`]).
 pub const CONSUMER_LEASE: Duration = Duration::from_secs(30);
 
-/// How often the flags are read.
+/// How often the lease is renewed.
 pub const PERIOD: Duration = Duration::from_secs(10);
+
+/// How often the flags are read with no wake-up: every change of a flag or
+/// an outage wakes the fleet (`bf:wake`), so this read only catches one
+/// lost (a reconnect); an idle fleet's Redis commands are mostly such
+/// rounds (#32: "idle is free").
+pub const FLAGS_PERIOD: Duration = Duration::from_secs(30);
 
 pub struct Watcher {
     fleet: Arc<Fleet>,
+    /// When the flags were last read (None: never, or a wake-up asks).
+    flags_read: Option<tokio::time::Instant>,
 }
 
 impl Watcher {
     pub fn new(fleet: Arc<Fleet>) -> Watcher {
-        Watcher { fleet }
+        Watcher {
+            fleet,
+            flags_read: None,
+        }
+    }
+
+    /// Reads the flags and renews the lease, once. Returns true when the
+    /// next round should come within a second (see [`Watcher::read_flags`]).
+    pub async fn watch_round(&self) -> bool {
+        let soon = self.read_flags().await;
+        self.renew_lease().await;
+        soon
     }
 
     /// Reads the flags once. On a Redis error a job keeps the flags it had.
     /// Returns true when the next round should come within a second (a halt
     /// seen here is not yet old enough to be forgotten).
-    pub async fn watch_round(&self) -> bool {
+    async fn read_flags(&self) -> bool {
         let f = &self.fleet;
         let before = f.halted();
         let mut halted = BTreeMap::new();
@@ -92,6 +111,14 @@ impl Watcher {
             // A halt or cancel was lifted: claim again at once.
             f.wake_claimer.notify_one();
         }
+        soon
+    }
+
+    /// Renews this worker's lease on its consumer name (stops the worker
+    /// when another took it), and writes what answers were kept back while
+    /// Redis was away.
+    async fn renew_lease(&self) {
+        let f = &self.fleet;
         f.flush_lost_answers().await;
         match f
             .store
@@ -105,7 +132,6 @@ impl Watcher {
             }
             Err(e) => f.store_error(&e).await,
         }
-        soon
     }
 }
 
@@ -114,16 +140,29 @@ impl Service for Watcher {
         "watch"
     }
 
-    /// A round, then a wait of [`PERIOD`] that a wake-up (a halt, cancel or
-    /// resume anywhere in the fleet) cuts short.
+    /// A round (the flags when due or asked for, the lease), then a wait of
+    /// [`PERIOD`] that a wake-up (a halt, cancel, resume or outage anywhere
+    /// in the fleet) cuts short, and which asks for the flags.
     async fn run_once(&mut self) -> Option<Duration> {
         let errors = self.fleet.store_errors_seen();
-        let soon = self.watch_round().await;
+        let now = tokio::time::Instant::now();
+        let mut soon = false;
+        if self.flags_read.is_none_or(|at| now.duration_since(at) >= FLAGS_PERIOD) {
+            soon = self.read_flags().await;
+            self.flags_read = (!soon).then_some(now);
+        }
+        self.renew_lease().await;
         if self.fleet.store_errors_seen() > errors {
+            self.flags_read = None;
             return Some(STORE_ERROR_PAUSE);
         }
         let wait = if soon { Duration::from_secs(1) } else { PERIOD };
-        let _ = tokio::time::timeout(wait, self.fleet.wake_watcher.notified()).await;
+        if tokio::time::timeout(wait, self.fleet.wake_watcher.notified())
+            .await
+            .is_ok()
+        {
+            self.flags_read = None;
+        }
         Some(Duration::ZERO)
     }
 }

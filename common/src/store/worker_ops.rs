@@ -20,7 +20,9 @@ pub struct IdleEntry {
 #[derive(Debug, Clone)]
 pub enum Finish {
     Commit(ResultRecord),
-    /// Back to the delayed set, due at `due_ms` (Unix ms).
+    /// Back to the delayed set, due at `due_ms` (Unix ms); 0: at once,
+    /// back on the stream as a new entry (a probe that failed while the
+    /// provider is down: no trip through the delayed set and the promoter).
     Retry {
         due_ms: u64,
         task: Task,
@@ -761,6 +763,37 @@ impl RedisStore {
             delayed,
             shards,
         })
+    }
+
+    /// Whether partition `p` of `job` may hold tasks not yet delivered to
+    /// any worker: false only when `XINFO GROUPS` says its group's lag is
+    /// 0 (one command; a lag the server cannot tell, or a missing group or
+    /// stream, answers true: the caller then reads as usual).
+    pub async fn may_have_undelivered(&self, job: &str, p: u32) -> Result<bool, StoreError> {
+        let reply: Result<Value, redis::RedisError> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(keys::stream(job, p))
+            .query_async(&mut self.conn.clone())
+            .await;
+        let reply = match reply {
+            Ok(v) => v,
+            Err(e) if e.code() == Some("ERR") => return Ok(true),
+            Err(e) => return Err(e.into()),
+        };
+        for group in as_array(&reply) {
+            let fields: Vec<(String, &Value)> = match group {
+                Value::Map(m) => m.iter().filter_map(|(k, v)| Some((as_string(k)?, v))).collect(),
+                other => as_array(other)
+                    .chunks_exact(2)
+                    .filter_map(|kv| Some((as_string(&kv[0])?, &kv[1])))
+                    .collect(),
+            };
+            let field = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
+            if field("name").and_then(as_string).as_deref() == Some(keys::GROUP) {
+                return Ok(field("lag").and_then(as_u64) != Some(0));
+            }
+        }
+        Ok(true)
     }
 
     /// A producer is still enqueueing the job (see [`RedisStore::mark_enqueuing`]).

@@ -293,6 +293,10 @@ impl State {
                 self.add_entry(task.clone());
                 RecordState::Queued
             }
+            Finish::Retry { due_ms: 0, task } if queued => {
+                self.add_entry(task.clone());
+                RecordState::Queued
+            }
             Finish::Retry { due_ms, task } if queued => {
                 self.delayed.push((*due_ms, task.clone()));
                 RecordState::Delayed

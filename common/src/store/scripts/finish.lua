@@ -47,7 +47,8 @@
 --         stream as a new entry, not called: a halted worker hands its tasks back),
 --   value: commit: the encoded result; retry, cancel, release: the encoded
 --          task; review: the encoded entry; drop: the reason (passed through unread),
---   retry: due time, Unix ms (unused otherwise),
+--   retry: due time, Unix ms (0: at once, back on the stream as a new entry
+--          without a trip through the delayed set; unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
 --   adds to the spend (`bucket prompt cached completion nano-USD estimated`,
@@ -152,7 +153,11 @@ for i = 2, #ARGV, 11 do
       end
     elseif mode == 'retry' then
       -- Only a record in flight schedules a retry: one already waiting keeps its one.
-      if state == 'queued' then
+      if state == 'queued' and ARGV[i + 4] == '0' then
+        redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
+        redis.call('HSET', states, rid, 'queued')
+        moved = 1
+      elseif state == 'queued' then
         redis.call('ZADD', KEYS[4], ARGV[i + 4], value)
         redis.call('HSET', states, rid, 'delayed')
         moved = 1
