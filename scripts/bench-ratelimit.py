@@ -74,9 +74,10 @@ def run(tmp, workers, tpm, headers=None):
     tokens = (b["prompt_tokens"] + b["completion_tokens"]) - (a["prompt_tokens"] + a["completion_tokens"])
     util = tokens / (tpm * minutes) if tpm else ok / (RPM * minutes)
     calls = max(1, ok + r429)
-    acquire, settle = scripts.get("limit_acquire.lua", (0, 0)), scripts.get("limit_settle.lua", (0, 0))
+    acquire, settle = scripts.get("limit_acquire.lua", (0, 0, 0)), scripts.get("limit_settle.lua", (0, 0, 0))
     cost = {"cpu_us": (cpu1 - cpu0) * 1e6 / calls, "commands": (cmd1 - cmd0) / calls,
-            "acquire": (acquire[0] / calls, acquire[1] / calls), "settle": (settle[0] / calls, settle[1] / calls)}
+            "acquire": (acquire[0] / calls, acquire[1] / calls, acquire[2]),
+            "settle": (settle[0] / calls, settle[1] / calls, settle[2])}
     return ok, r429, util, r429 / calls, cost
 
 
@@ -106,11 +107,14 @@ def main():
         print(f"| {workers} | {bound} | {ok:,} | {r429} | {util:.1%} | {rate:.2%} |")
     print()
     print("| workers | binding limit | Redis CPU per model call | Redis commands per model call "
-          "| `limit_acquire.lua` per model call | `limit_settle.lua` per model call |")
-    print("|---|---|---|---|---|---|")
+          "| `limit_acquire.lua` per model call | `limit_settle.lua` per model call "
+          "| limiter per model call at the scripts' median times |")
+    print("|---|---|---|---|---|---|---|")
     for workers, bound, c in costs:
+        (an, at, am), (sn, st, sm) = c["acquire"], c["settle"]
         print(f"| {workers} | {bound} | {c['cpu_us']:.0f} us | {c['commands']:.1f} "
-              f"| {c['acquire'][0]:.2f} calls, {c['acquire'][1]:.1f} us | {c['settle'][0]:.2f} calls, {c['settle'][1]:.1f} us |")
+              f"| {an:.2f} calls, {at:.1f} us (median {am} us a call) "
+              f"| {sn:.2f} calls, {st:.1f} us (median {sm} us a call) | {an * am + sn * sm:.0f} us |")
     # The limiter's own cost (its two scripts' calls and command time) must
     # not grow with the fleet: 1 and 8 workers of the same binding limit.
     limiter = {(w, b): (c["acquire"][0] + c["settle"][0], c["acquire"][1] + c["settle"][1]) for w, b, c in costs}

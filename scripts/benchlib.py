@@ -66,22 +66,23 @@ def log_every_command(url):
 
 
 def script_times(url):
-    """{script file name: (calls, microseconds of command time)} from
-    SLOWLOG since log_every_command, a script known by the SHA1 of its
-    source under common/src/store/scripts (how the store loads it)."""
+    """{script file name: (calls, microseconds of command time, median
+    microseconds a call)} from SLOWLOG since log_every_command, a script
+    known by the SHA1 of its source under common/src/store/scripts (how the
+    store loads it). SLOWLOG's times are wall time: on a shared machine a
+    call Redis was descheduled in counts its whole wait, which the median
+    leaves out and the total does not."""
     folder = os.path.join(ROOT, "common", "src", "store", "scripts")
     names = {}
     for f in os.listdir(folder):
         with open(os.path.join(folder, f), "rb") as src:
             names[hashlib.sha1(src.read()).hexdigest()] = f
     out = redis_cli(url, "--json", "slowlog", "get", "1000000")
-    times = {}
+    each = {}
     for _id, _at, micros, cmd, *_ in json.loads(out):
         if cmd and cmd[0].lower() == "evalsha" and len(cmd) > 1:
-            name = names.get(cmd[1], cmd[1][:12])
-            calls, total = times.get(name, (0, 0))
-            times[name] = (calls + 1, total + micros)
-    return times
+            each.setdefault(names.get(cmd[1], cmd[1][:12]), []).append(micros)
+    return {name: (len(t), sum(t), sorted(t)[len(t) // 2]) for name, t in each.items()}
 
 
 def proc_cpu(pid):

@@ -163,13 +163,80 @@ async fn a_dead_consumers_task_is_taken_over_exactly_once_and_a_busy_ones_is_not
     assert_eq!(a.reclaim_backlog.load(Ordering::Relaxed), 0);
 }
 
-/// `XPENDING` calls Redis has run so far.
-fn xpending_calls(redis: &RedisServer) -> u64 {
+/// How many times Redis has run `command` (lower case) so far, script-inner calls included.
+fn calls_of(redis: &RedisServer, command: &str) -> u64 {
     let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
     info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_xpending:calls="))
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
         .and_then(|v| v.split(',').next()?.parse().ok())
         .unwrap_or(0)
+}
+
+fn xpending_calls(redis: &RedisServer) -> u64 {
+    calls_of(redis, "xpending")
+}
+
+/// An idle poll (a claimer's wait that ended with no wake-up) asks whether
+/// a partition may hold undelivered tasks (`XINFO GROUPS`, its lag) before
+/// it asks the limiter for a grant: with none, no script runs. The lag
+/// says so once tasks are enqueued, and not once they are delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_poll_asks_no_grant_unless_a_partition_may_hold_work() {
+    use worker::service::Service;
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 2);
+    let f = fleet(&redis, &sim, "a").await;
+    assert!(
+        f.store.may_have_undelivered("nothing-here", 0).await.unwrap(),
+        "no stream: the claimer reads as usual"
+    );
+    assert!(f.store.may_have_undelivered(JOB, 0).await.unwrap(), "two enqueued");
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    claim_all(&mut claimer, 2).await;
+    assert!(!f.store.may_have_undelivered(JOB, 0).await.unwrap(), "both delivered");
+    settle(&f).await;
+    // Rounds that claim nothing; their waits (the idle poll, 20 ms here)
+    // end with no wake-up once the tasks' own wake-ups are spent.
+    for _ in 0..3 {
+        claimer.run_once().await;
+    }
+    let (scripts, lags) = (calls_of(&redis, "evalsha"), calls_of(&redis, "xinfo|groups"));
+    claimer.run_once().await;
+    assert_eq!(calls_of(&redis, "evalsha"), scripts, "no grant asked for nothing");
+    assert_eq!(
+        calls_of(&redis, "xinfo|groups"),
+        lags + 1,
+        "the lag of the one partition"
+    );
+}
+
+/// The watcher reads the flags on a wake-up and otherwise every
+/// `FLAGS_PERIOD` (30 s), not every round: a round without one renews the
+/// lease only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watcher_reads_the_flags_on_a_wake_up_not_every_round() {
+    use worker::service::Service;
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 1);
+    let f = fleet(&redis, &sim, "a").await;
+    let mut watcher = Watcher::new(f.clone());
+    let flags = || calls_of(&redis, "mget");
+    let before = flags();
+    // Reads them, then waits its period (10 s) for a wake-up that does not come.
+    watcher.run_once().await;
+    assert_eq!(flags(), before + 1, "the first round reads the flags");
+    // A round with none due: the lease only; a wake-up cuts its wait short.
+    f.wake_watcher.notify_one();
+    watcher.run_once().await;
+    assert_eq!(flags(), before + 1, "not read again within 30 s without a wake-up");
+    // The wake-up asked for them: read at the next round.
+    let _: () = redis.conn().set(keys::halt(JOB), "http_401").unwrap();
+    f.wake_watcher.notify_one();
+    watcher.run_once().await;
+    assert_eq!(flags(), before + 2, "read after the wake-up");
+    assert!(f.is_halted(JOB));
 }
 
 /// A partition with nothing pending is looked at once (one summary), then

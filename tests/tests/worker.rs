@@ -706,6 +706,12 @@ fn an_idle_and_a_halted_fleet_cost_redis_at_most_two_commands_a_second_per_worke
         );
     };
     per_worker_second("idle", 60);
+    // A quiet worker beats three times less often and says so (it is dead
+    // after three of its own intervals, not of the busy one).
+    let beat: String = redis.conn().hget(keys::workers(), "q0").unwrap();
+    let beat: Value = serde_json::from_str(&beat).unwrap();
+    assert_eq!(beat["every_ms"], 15_000, "{beat}");
+    assert_eq!(beat["in_flight"], 0, "{beat}");
     // Halted as the fleet halts a job (a key refused, the quota gone).
     let _: () = redis::cmd("SET")
         .arg(keys::halt("quiet"))

@@ -63,7 +63,8 @@ struct Args {
     idle_poll_ms: u64,
     /// How often the worker says who it is and what it does (`producer
     /// workers`, the console's Workers page); it is taken for dead after
-    /// three missed beats.
+    /// three missed beats. A quiet worker (nothing in flight or settled for
+    /// a minute) beats three times less often, and says so.
     #[arg(long, default_value_t = 5_000)]
     heartbeat_ms: u64,
     /// Override every job's provider.base_url (e.g. a local simulator).
