@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-sink bench-console bench-batch bench-outage bench-waiting bench-routes deps lint clean
+.PHONY: demo test chaos console-shots build bench bench-enqueue bench-tracing bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-sink bench-console bench-batch bench-outage bench-waiting bench-routes bench-queues deps lint clean
 
 ## demo: build, then enqueue the example dataset into a throwaway Redis and print the job
 ## (MODE=batch: the same job through the provider's Batch API, at batch prices)
@@ -43,7 +43,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## bench: every benchmark; figures go to BENCHMARKS.md by hand
-bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-tracing bench-sink bench-console bench-batch bench-outage bench-waiting bench-routes
+bench: bench-enqueue bench-worker bench-ratelimit bench-litellm bench-scale bench-status bench-tracing bench-sink bench-console bench-batch bench-outage bench-waiting bench-routes bench-queues
 
 ## bench-enqueue: 1,000,000 records vs a raw redis-cli --pipe baseline in the same run
 bench-enqueue: deps
@@ -108,6 +108,11 @@ bench-outage: deps
 bench-waiting: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-waiting.py
+
+## bench-queues: one worker's records/s and Redis CPU a record against BullMQ's no-op worker on the same Redis, alternating (npm installs BullMQ under .bench/)
+bench-queues: deps
+	$(CARGO) build --release --workspace --bins
+	python3 scripts/bench-queues.py
 
 ## bench-routes: the same job all standard vs routed by the planner (flex refusing 40% in bursts, a deadline), and with the primary down (a fallback)
 bench-routes: deps
