@@ -235,6 +235,11 @@ impl Fleet {
         // Only a provider taken for down has probes (and keeps other tasks
         // waiting); the fallback's calls are no probes.
         let probe = (route == Route::Primary && job.outage.is_down()).then(|| d.task.rid.clone());
+        if probe.is_none() {
+            // Claimed as a probe, but the provider came back meanwhile: no
+            // probe mark is left behind.
+            job.outage.probe_ended(&d.task.rid);
+        }
         job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
         self.tracker.spawn(async move {
             // A grant given ahead of the buckets: its call waits for its time.

@@ -39,6 +39,10 @@ pub struct OutageWatch {
     /// sooner; the worker whose probe fails learns the next time at once,
     /// the others when a probe's lease or wait ends).
     next_probe: Mutex<Option<Instant>>,
+    /// Counts this worker's probes that ended: an answer Redis gave while
+    /// one was out, or that raced its end, named that probe's own lease
+    /// and is not kept in `next_probe`.
+    probes_ended: AtomicU64,
 }
 
 impl OutageWatch {
@@ -57,6 +61,7 @@ impl OutageWatch {
             answer_noted: Mutex::new(None),
             probe: Mutex::new(None),
             next_probe: Mutex::new(None),
+            probes_ended: AtomicU64::new(0),
         }
     }
 
@@ -163,7 +168,12 @@ impl OutageWatch {
             worker,
             probe: self.probe_ended(rid),
         };
+        let probe = call.probe;
         let noted = queue.provider_failed(&call, &self.rules).await?;
+        if probe {
+            // Redis now holds the next probe's time: ask for it afresh.
+            self.probe_done();
+        }
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
         if noted.state == Provider::Up {
             return Ok((noted.answered_ms, None));
@@ -215,27 +225,38 @@ impl OutageWatch {
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe), or says how long until
     /// the next probe may start (known from Redis's last answer, Redis is
-    /// not asked again before then). While this worker's own probe is out
-    /// Redis is not asked at all (it would name the probe's own lease): the
-    /// probe's end wakes the claimer, which asks then.
+    /// not asked again before then). An answer given while this worker's
+    /// own probe was out, or as it ended, names that probe's lease: it
+    /// holds for this round only (the probe's end wakes the claimer, which
+    /// asks again).
     pub async fn take_probe(
         &self,
         store: &RedisStore,
         job: &str,
         lease: Duration,
     ) -> Result<Result<(), Duration>, StoreError> {
-        if self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-            return Ok(Err(lease));
-        }
         let now = Instant::now();
         if let Some(at) = *self.next_probe.lock().unwrap_or_else(|e| e.into_inner())
             && at > now
         {
             return Ok(Err(at - now));
         }
+        let ended = self.probes_ended.load(Ordering::SeqCst);
+        let out = self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some();
         let taken = store.outage_probe(job, lease).await?;
-        *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = taken.err().map(|wait| now + wait);
+        let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+        if !out && self.probes_ended.load(Ordering::SeqCst) == ended {
+            *next = taken.err().map(|wait| now + wait);
+        }
         Ok(taken)
+    }
+
+    /// This worker's probe ended: the next probe's time is asked afresh
+    /// (under `next_probe`'s lock: an answer racing this is not kept).
+    fn probe_done(&self) {
+        let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+        self.probes_ended.fetch_add(1, Ordering::SeqCst);
+        *next = None;
     }
 
     /// The probe's lease found no task to send: given back.
@@ -262,7 +283,8 @@ impl OutageWatch {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
         if probe.as_deref() == Some(rid) {
             *probe = None;
-            *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            drop(probe);
+            self.probe_done();
             return true;
         }
         false

@@ -992,8 +992,9 @@ async fn apply(
                 feedback.unwrap_or_default(),
                 history,
             );
-            // Due at once (a failed probe while the provider is down): back
-            // on the stream, not through the delayed set.
+            // Due at once (a failed probe while the provider is down, a
+            // refused response format, a backoff of 0): back on the stream
+            // (the fleet woken), not through the delayed set.
             let due_ms = if delay_ms == 0 { 0 } else { now_ms() + delay_ms };
             let settled = settle
                 .store(Finish::Retry { due_ms, task }, Settled::Retried, called)

@@ -21,8 +21,9 @@ pub struct IdleEntry {
 pub enum Finish {
     Commit(ResultRecord),
     /// Back to the delayed set, due at `due_ms` (Unix ms); 0: at once,
-    /// back on the stream as a new entry (a probe that failed while the
-    /// provider is down: no trip through the delayed set and the promoter).
+    /// back on the stream as a new entry and the fleet woken (a probe that
+    /// failed while the provider is down, a refused response format, a
+    /// backoff of 0: no trip through the delayed set and the promoter).
     Retry {
         due_ms: u64,
         task: Task,
@@ -525,6 +526,15 @@ impl RedisStore {
                     Err(e) => Err(e.clone()),
                 };
             }
+        }
+        // A record back on its stream at once (a retry due at 0) is new work
+        // for the whole fleet, as a promoted retry is.
+        let requeued = items
+            .iter()
+            .zip(&out)
+            .any(|(f, o)| f.mode == "retry" && f.due_ms == 0 && matches!(o, Ok(Finished::Moved)));
+        if requeued {
+            self.wake(job, super::Wake::Work).await;
         }
         out
     }

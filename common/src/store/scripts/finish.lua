@@ -48,7 +48,8 @@
 --   value: commit: the encoded result; retry, cancel, release: the encoded
 --          task; review: the encoded entry; drop: the reason (passed through unread),
 --   retry: due time, Unix ms (0: at once, back on the stream as a new entry
---          without a trip through the delayed set; unused otherwise),
+--          without a trip through the delayed set, the caller wakes the
+--          fleet; unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
 --   adds to the spend (`bucket prompt cached completion nano-USD estimated`,
