@@ -172,10 +172,6 @@ fn calls_of(redis: &RedisServer, command: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn xpending_calls(redis: &RedisServer) -> u64 {
-    calls_of(redis, "xpending")
-}
-
 /// An idle poll (a claimer's wait that ended with no wake-up) asks whether
 /// a partition may hold undelivered tasks (`XINFO GROUPS`, its lag) before
 /// it asks the limiter for a grant: with none, no script runs. The lag
@@ -251,21 +247,25 @@ async fn a_rescuer_looks_at_a_partition_with_nothing_pending_once_a_visibility_t
     let f = fleet(&redis, &sim, "a").await;
     f.own_pending_read.store(true, Ordering::Relaxed);
     let mut rescuer = Rescuer::new(f.clone());
-    let before = xpending_calls(&redis);
+    let before = calls_of(&redis, "xpending");
     assert_eq!(rescuer.rescue_round().await, 0);
-    assert_eq!(xpending_calls(&redis) - before, 1, "one summary of the one partition");
+    assert_eq!(
+        calls_of(&redis, "xpending") - before,
+        1,
+        "one summary of the one partition"
+    );
     assert_eq!(rescuer.rescue_round().await, 0);
-    assert_eq!(xpending_calls(&redis) - before, 1, "not looked at again");
+    assert_eq!(calls_of(&redis, "xpending") - before, 1, "not looked at again");
 
     // Another rescuer (another worker) finds a task pending, not overdue:
     // it looks every round, and takes nothing.
     read_as(&redis, "busy", 1);
     let mut other = Rescuer::new(f.clone());
-    let before = xpending_calls(&redis);
+    let before = calls_of(&redis, "xpending");
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(
-        xpending_calls(&redis) - before,
+        calls_of(&redis, "xpending") - before,
         4,
         "the summary and the overdue scan, twice"
     );

@@ -73,20 +73,11 @@ impl RedisStore {
             Err(e) if e.code() == Some("ERR") => return Ok("0-0".into()),
             Err(e) => return Err(e.into()),
         };
-        let fields: Vec<(String, String)> = match &info {
-            Value::Map(m) => m
-                .iter()
-                .filter_map(|(k, v)| Some((as_string(k)?, as_string(v).unwrap_or_default())))
-                .collect(),
-            other => as_array(other)
-                .chunks_exact(2)
-                .filter_map(|kv| Some((as_string(&kv[0])?, as_string(&kv[1]).unwrap_or_default())))
-                .collect(),
-        };
-        Ok(fields
+        Ok(super::worker_ops::info_fields(&info)
             .into_iter()
             .find(|(k, _)| k == "last-generated-id")
-            .map_or_else(|| "0-0".into(), |(_, v)| v))
+            .and_then(|(_, v)| as_string(v))
+            .unwrap_or_else(|| "0-0".into()))
     }
 
     /// Waits up to `block_ms` for wake-ups after `after`; returns the last

@@ -791,13 +791,7 @@ impl RedisStore {
             Err(e) => return Err(e.into()),
         };
         for group in as_array(&reply) {
-            let fields: Vec<(String, &Value)> = match group {
-                Value::Map(m) => m.iter().filter_map(|(k, v)| Some((as_string(k)?, v))).collect(),
-                other => as_array(other)
-                    .chunks_exact(2)
-                    .filter_map(|kv| Some((as_string(&kv[0])?, &kv[1])))
-                    .collect(),
-            };
+            let fields = info_fields(group);
             let field = |name: &str| fields.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
             if field("name").and_then(as_string).as_deref() == Some(keys::GROUP) {
                 return Ok(field("lag").and_then(as_u64) != Some(0));
@@ -1001,6 +995,18 @@ pub(super) fn as_array(v: &Value) -> &[Value] {
     match v {
         Value::Array(a) => a,
         _ => &[],
+    }
+}
+
+/// An `XINFO` reply's fields, as RESP3 (a map) or RESP2 (a flat array of
+/// name, value) gives them.
+pub(super) fn info_fields(v: &Value) -> Vec<(String, &Value)> {
+    match v {
+        Value::Map(m) => m.iter().filter_map(|(k, v)| Some((as_string(k)?, v))).collect(),
+        other => as_array(other)
+            .chunks_exact(2)
+            .filter_map(|kv| Some((as_string(&kv[0])?, &kv[1])))
+            .collect(),
     }
 }
 
