@@ -2,9 +2,15 @@
 //! whatever queued up while the previous call ran goes in the next call,
 //! together. A lone caller is served at once (no timer, no added latency);
 //! under load one Redis script call serves many records.
+//!
+//! A batcher may also linger ([`GroupCommit::lingering`]): a batch of
+//! requests none of which is urgent waits up to a while for more before
+//! its call, so a steady trickle shares calls too. Its callers wait that
+//! much longer for their answers; an urgent request ends the wait.
 
 use std::future::Future;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -20,8 +26,20 @@ pub struct GroupCommit<Req, Resp> {
 impl<Req: Send + 'static, Resp: Send + 'static> GroupCommit<Req, Resp> {
     /// `run` answers a batch with one response per request, in order; a
     /// request it answers nothing for gets `None` from [`GroupCommit::call`].
-    pub fn new<F, Fut>(max: usize, mut run: F) -> Self
+    pub fn new<F, Fut>(max: usize, run: F) -> Self
     where
+        F: FnMut(Vec<Req>) -> Fut + Send + 'static,
+        Fut: Future<Output = Vec<Resp>> + Send + 'static,
+    {
+        Self::lingering(max, Duration::ZERO, |_| true, run)
+    }
+
+    /// As [`GroupCommit::new`], but a batch with no `urgent` request in it
+    /// waits up to `linger` from its first request for more (until it is
+    /// full, or an urgent one comes) before its call.
+    pub fn lingering<U, F, Fut>(max: usize, linger: Duration, urgent: U, mut run: F) -> Self
+    where
+        U: Fn(&Req) -> bool + Send + 'static,
         F: FnMut(Vec<Req>) -> Fut + Send + 'static,
         Fut: Future<Output = Vec<Resp>> + Send + 'static,
     {
@@ -30,12 +48,22 @@ impl<Req: Send + 'static, Resp: Send + 'static> GroupCommit<Req, Resp> {
         let start = move || {
             tokio::spawn(async move {
                 while let Some(first) = rx.recv().await {
+                    let until = tokio::time::Instant::now() + linger;
+                    let mut now = urgent(&first.0);
                     let mut batch = vec![first];
                     while batch.len() < max {
-                        match rx.try_recv() {
-                            Ok(next) => batch.push(next),
-                            Err(_) => break,
-                        }
+                        let next = match rx.try_recv() {
+                            Ok(next) => next,
+                            Err(_) if now || linger.is_zero() => break,
+                            // Waiting for more: a closed channel or the
+                            // linger's end sends what there is.
+                            Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
+                                Ok(Some(next)) => next,
+                                _ => break,
+                            },
+                        };
+                        now |= urgent(&next.0);
+                        batch.push(next);
                     }
                     let (reqs, replies): (Vec<Req>, Vec<oneshot::Sender<Resp>>) = batch.into_iter().unzip();
                     for (reply, resp) in replies.into_iter().zip(run(reqs).await) {
@@ -96,5 +124,81 @@ mod tests {
     async fn a_request_the_batch_answers_nothing_for_gets_none() {
         let g = GroupCommit::new(4, |_reqs: Vec<u8>| async { Vec::<u8>::new() });
         assert_eq!(g.call(1).await, None);
+    }
+
+    /// A batcher lingering 100 ms whose batch runs are counted (each
+    /// answers every request with the number of its call); urgent: odd.
+    fn lingering() -> (Arc<GroupCommit<u32, usize>>, Arc<AtomicUsize>) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let g = GroupCommit::lingering(
+            8,
+            std::time::Duration::from_millis(100),
+            |r: &u32| r % 2 == 1,
+            move |reqs: Vec<u32>| {
+                let n = seen.fetch_add(1, Ordering::SeqCst) + 1;
+                async move { reqs.iter().map(|_| n).collect() }
+            },
+        );
+        (Arc::new(g), calls)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lingering_batch_gathers_a_trickle_into_one_call_and_answers_within_its_linger() {
+        let (g, calls) = lingering();
+        let started = tokio::time::Instant::now();
+        let mut tasks = Vec::new();
+        for i in 0..4u32 {
+            let g = g.clone();
+            tasks.push(tokio::spawn(async move { g.call(i * 2).await }));
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for t in tasks {
+            assert_eq!(
+                t.await.unwrap(),
+                Some(1),
+                "four requests 20 ms apart share the first call"
+            );
+        }
+        let waited = started.elapsed();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(
+            waited >= std::time::Duration::from_millis(100) && waited < std::time::Duration::from_millis(110),
+            "the batch went when its linger ended: {waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_urgent_request_sends_its_batch_at_once() {
+        let (g, calls) = lingering();
+        let started = tokio::time::Instant::now();
+        let waiting = {
+            let g = g.clone();
+            tokio::spawn(async move { g.call(2).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        assert_eq!(g.call(3).await, Some(1), "the urgent one joins the waiting batch");
+        assert_eq!(waiting.await.unwrap(), Some(1));
+        assert!(started.elapsed() < std::time::Duration::from_millis(20));
+        assert_eq!(g.call(5).await, Some(2), "an urgent one alone goes at once");
+        assert!(started.elapsed() < std::time::Duration::from_millis(20));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_batch_does_not_wait_out_the_linger() {
+        let (g, calls) = lingering();
+        let started = tokio::time::Instant::now();
+        let tasks: Vec<_> = (0..8u32)
+            .map(|i| {
+                let g = g.clone();
+                tokio::spawn(async move { g.call(i * 2).await })
+            })
+            .collect();
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), Some(1));
+        }
+        assert!(started.elapsed() < std::time::Duration::from_millis(100));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 }

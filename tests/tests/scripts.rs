@@ -390,7 +390,7 @@ async fn promote_moves_only_due_retries_of_records_still_waiting() {
             .wait_wake(&woken, 1)
             .await
             .unwrap()
-            .is_some_and(|(_, flags)| !flags),
+            .is_some_and(|w| !w.flags && w.slots.is_empty()),
         "a promoted retry wakes the idle fleet"
     );
     assert_eq!(state(&store, "a").await, Some(RecordState::Queued));

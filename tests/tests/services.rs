@@ -359,3 +359,67 @@ async fn settle_some(f: &Fleet, n: usize) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A grant's settlement that changes nothing at once (an answered call)
+/// waits a moment for others and shares their script call; a 429 goes at
+/// once and takes the waiting ones with it. Once a freed slot's wake-up
+/// says the fleet's slots hold some worker back, every settlement goes at
+/// once (a slot is what that worker waits for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_once() {
+    use worker::limiter::{RateHeaders, Used};
+    use worker::service::Service;
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 1);
+    let f = fleet(&redis, &sim, "a").await;
+    let limiter = f.all_limiters().next().unwrap().clone();
+    let in_flight = || -> u64 { redis.conn().zcard(keys::limit_inflight(limiter.id())).unwrap() };
+    let mut grants = limiter.try_acquire(4).await.unwrap().grants;
+    assert_eq!((grants.len(), in_flight()), (4, 4));
+    let answered = Used {
+        prompt_tokens: Some(20),
+        completion_tokens: Some(5),
+        ..Used::default()
+    };
+    let scripts = calls_of(&redis, "evalsha");
+    let first = {
+        let (l, g) = (limiter.clone(), grants.pop().unwrap());
+        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(in_flight(), 4, "an answered call's settlement waits for others");
+    let refused = Used {
+        rate_limited: true,
+        ..Used::default()
+    };
+    let g = grants.pop().unwrap();
+    limiter.settle(g, &refused, &RateHeaders::default()).await.unwrap();
+    first.await.unwrap().unwrap();
+    assert_eq!(in_flight(), 2, "the 429's settlement went at once with the waiting one");
+    assert_eq!(calls_of(&redis, "evalsha"), scripts + 1, "in one script call");
+
+    // Another worker waited for a slot and a settlement freed one: its wake-up.
+    let cursor = f.store.wake_cursor().await.unwrap();
+    let own = common::store::RedisStore::connect(&redis.url()).await.unwrap();
+    let mut listener = worker::wake::Listener::new(f.clone(), own, cursor);
+    f.store.wake(limiter.id(), common::store::Wake::Slot).await;
+    listener.run_once().await;
+    let scripts = calls_of(&redis, "evalsha");
+    let settling = {
+        let (l, g) = (limiter.clone(), grants.pop().unwrap());
+        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
+    };
+    // Well before the 250 ms a settlement may wait.
+    let soon = tokio::time::Instant::now() + Duration::from_millis(150);
+    while in_flight() > 1 && tokio::time::Instant::now() < soon {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        in_flight(),
+        1,
+        "with slots holding the fleet back, an answered call's slot is freed at once"
+    );
+    settling.await.unwrap().unwrap();
+    assert_eq!(calls_of(&redis, "evalsha"), scripts + 1);
+}

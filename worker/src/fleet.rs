@@ -178,6 +178,12 @@ impl Fleet {
         &self.limiters[&job.name]
     }
 
+    /// Every limiter of this worker: the jobs' own and their fallbacks'.
+    pub fn all_limiters(&self) -> impl Iterator<Item = &Arc<Limiter>> {
+        let fallbacks = self.jobs.iter().filter_map(|j| j.fallback.as_ref().map(|f| &f.limiter));
+        self.limiters.values().chain(fallbacks)
+    }
+
     /// The limiter of a route's provider (the fallback's own, or the job's).
     pub fn limiter_for<'a>(&'a self, job: &'a JobCtx, route: Route) -> &'a Arc<Limiter> {
         match (route, &job.fallback) {
@@ -270,8 +276,15 @@ impl Fleet {
             {
                 me.store_error(&e).await;
             }
+            // Its slot is free here; a call may also have proven the
+            // provider (the breaker's one call at a time).
+            me.wake_claimer.notify_one();
+            if let Some(settled) = settled {
+                me.count_settled(&job.name, &settled).await;
+            }
             if let Some(grant) = grant {
                 let limiter = me.limiter_for(&job, route);
+                // A settlement may wait a moment for others (see `Limiter::settle`).
                 let settled_budget = match &report {
                     Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
                     None => limiter.release(grant).await,
@@ -279,12 +292,8 @@ impl Fleet {
                 if let Err(e) = settled_budget {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
                 }
-            }
-            // Its slot is free, here and in the fleet's budget; a call may
-            // also have proven the provider (the breaker's one call at a time).
-            me.wake_claimer.notify_one();
-            if let Some(settled) = settled {
-                me.count_settled(&job.name, &settled).await;
+                // And in the fleet's budget.
+                me.wake_claimer.notify_one();
             }
         });
     }

@@ -32,6 +32,13 @@ const MAX_PAUSE_MS: u64 = 60_000;
 /// Settlements stored together while the last call is on its way (at most
 /// this many a call; each still applied as if alone, see `limit_settle.lua`).
 const SETTLE_BATCH: usize = 128;
+/// How long a settlement that changes nothing at once may wait for others
+/// (a grant's tokens come back that much later; its slot is not held up
+/// where slots are what limits, see [`Limiter::settle`]).
+const SETTLE_LINGER: Duration = Duration::from_millis(250);
+/// How long after the fleet's slots last held a grant back its
+/// settlements still go at once.
+const SLOTS_BOUND_FOR: Duration = Duration::from_secs(10);
 
 /// One reservation: a request, its tokens and a concurrency slot, from
 /// `at` on (its call waits until then).
@@ -66,7 +73,19 @@ pub struct Limiter {
     /// Running estimate of a request's prompt tokens (before the task is known).
     prompt_estimate: AtomicU64,
     stats: LimiterStats,
-    settler: GroupCommit<(String, Settlement), Result<bool, StoreError>>,
+    settler: GroupCommit<Settling, Result<bool, StoreError>>,
+    /// When the fleet's concurrency slots last held a grant back (ms since `born`).
+    slots_bound_at: AtomicU64,
+    born: tokio::time::Instant,
+}
+
+/// A grant's settlement on its way to the store, and whether it must go at
+/// once: a 429, a timeout or a pause changes what the fleet may send now,
+/// and a freed slot is what a fleet held back by its slots waits for.
+struct Settling {
+    grant: String,
+    settlement: Settlement,
+    urgent: bool,
 }
 
 /// This worker's view of the shared budget, for metrics and the run summary.
@@ -140,15 +159,21 @@ impl Limiter {
         let max_tokens = u64::from(spec.provider.max_tokens);
         let system = estimate_tokens(&common::spec::system_prompt(spec));
         let (settle_store, settle_id) = (store.clone(), id.clone());
-        let settler = GroupCommit::new(SETTLE_BATCH, move |grants: Vec<(String, Settlement)>| {
-            let (store, id) = (settle_store.clone(), settle_id.clone());
-            async move {
-                match store.limit_settle_many(&id, &grants).await {
-                    Ok(held) => held.into_iter().map(Ok).collect(),
-                    Err(e) => grants.iter().map(|_| Err(e.clone())).collect(),
+        let settler = GroupCommit::lingering(
+            SETTLE_BATCH,
+            SETTLE_LINGER,
+            |s: &Settling| s.urgent,
+            move |batch: Vec<Settling>| {
+                let (store, id) = (settle_store.clone(), settle_id.clone());
+                let grants: Vec<(String, Settlement)> = batch.into_iter().map(|s| (s.grant, s.settlement)).collect();
+                async move {
+                    match store.limit_settle_many(&id, &grants).await {
+                        Ok(held) => held.into_iter().map(Ok).collect(),
+                        Err(e) => grants.iter().map(|_| Err(e.clone())).collect(),
+                    }
                 }
-            }
-        });
+            },
+        );
         Limiter {
             settler,
             store: store.clone(),
@@ -171,6 +196,8 @@ impl Limiter {
             timeout_grace: spec.provider.timeout_grace(),
             prompt_estimate: AtomicU64::new(system + 100),
             stats: LimiterStats::default(),
+            slots_bound_at: AtomicU64::new(u64::MAX),
+            born: tokio::time::Instant::now(),
         }
     }
 
@@ -198,6 +225,9 @@ impl Limiter {
         let got = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
         let n = got.grants.len() as u64;
         self.stats.grants.fetch_add(n, Ordering::Relaxed);
+        if got.bound == Bound::Concurrency {
+            self.slots_bound();
+        }
         self.stats
             .tokens_reserved
             .fetch_add(n * p.need_tokens, Ordering::Relaxed);
@@ -288,10 +318,30 @@ impl Limiter {
         self.settle_batched(g.id, s).await
     }
 
-    /// One settlement, stored with the others of the moment.
+    /// The fleet's concurrency slots held a grant back (this worker's, or
+    /// another's: a freed slot's wake-up says so): settlements free slots
+    /// at once for [`SLOTS_BOUND_FOR`].
+    pub fn slots_bound(&self) {
+        let at = self.born.elapsed().as_millis() as u64;
+        self.slots_bound_at.store(at, Ordering::Relaxed);
+    }
+
+    /// One settlement, stored with the others of the moment. One that
+    /// changes nothing the fleet must know at once (an answered call, a
+    /// grant not used) waits up to [`SETTLE_LINGER`] for others, unless
+    /// concurrency slots held the fleet back lately: a fleet under a rate
+    /// limit then settles in a few calls a second whatever its pace.
     async fn settle_batched(&self, grant: String, s: Settlement) -> Result<(), StoreError> {
+        let at = self.slots_bound_at.load(Ordering::Relaxed);
+        let slots_bound = at != u64::MAX
+            && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64;
+        let urgent = slots_bound || s.pause_ms > 0 || !matches!(s.call, CallKind::Answered | CallKind::Other);
         self.settler
-            .call((grant, s))
+            .call(Settling {
+                grant,
+                settlement: s,
+                urgent,
+            })
             .await
             .unwrap_or(Err(StoreError::ShuttingDown))
             .map(|_| ())

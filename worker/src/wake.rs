@@ -38,11 +38,18 @@ impl Service for Listener {
 
     async fn run_once(&mut self) -> Option<Duration> {
         match self.store.wait_wake(&self.cursor, BLOCK.as_millis() as u64).await {
-            Ok(Some((last, flags))) => {
-                self.cursor = last;
+            Ok(Some(woken)) => {
+                self.cursor = woken.last;
                 self.fleet.wake_claimer.notify_one();
-                if flags {
+                if woken.flags {
                     self.fleet.wake_watcher.notify_one();
+                }
+                // Slots are what holds some worker back: this one's
+                // settlements of those limiters go at once for a while.
+                for limiter in self.fleet.all_limiters() {
+                    if woken.slots.iter().any(|id| id == limiter.id()) {
+                        limiter.slots_bound();
+                    }
                 }
                 Some(Duration::ZERO)
             }

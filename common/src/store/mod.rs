@@ -32,7 +32,7 @@ pub use review_ops::{ReviewAction, ReviewLease, ReviewOutcome};
 pub use route_ops::PlanCounts;
 pub use shard_ops::Packed;
 pub use sink_ops::Sunk;
-pub use wake_ops::Wake;
+pub use wake_ops::{Wake, Woken};
 pub use worker_ops::{Finish, Finished, Finishing, IdleEntry, JobFlags, QueueStats, Remaining, WorkLeft};
 
 pub use crate::keys::{BadJobName, valid_job_name};

@@ -80,10 +80,9 @@ impl RedisStore {
             .unwrap_or_else(|| "0-0".into()))
     }
 
-    /// Waits up to `block_ms` for wake-ups after `after`; returns the last
-    /// one's id and whether any said a job's flags changed (None: none
+    /// Waits up to `block_ms` for wake-ups after `after` (None: none
     /// came). Blocks the connection: a store of its own.
-    pub async fn wait_wake(&self, after: &str, block_ms: u64) -> Result<Option<(String, bool)>, StoreError> {
+    pub async fn wait_wake(&self, after: &str, block_ms: u64) -> Result<Option<Woken>, StoreError> {
         let reply: Value = redis::cmd("XREAD")
             .arg("COUNT")
             .arg(WAKE_KEEP)
@@ -102,18 +101,42 @@ impl RedisStore {
                 .flat_map(|s| as_array(s).get(1).map(as_array).unwrap_or_default())
                 .collect(),
         };
-        let flags = entries.iter().any(|e| {
+        let Some(last) = entries.last().and_then(|e| as_array(e).first()).and_then(as_string) else {
+            return Ok(None);
+        };
+        let mut woken = Woken {
+            last,
+            flags: false,
+            slots: Vec::new(),
+        };
+        for e in &entries {
             let fields = as_array(e).get(1).map(as_array).unwrap_or_default();
-            fields.chunks_exact(2).any(|kv| {
-                as_string(&kv[0]).as_deref() == Some("k") && as_string(&kv[1]).as_deref() == Some(Wake::Flags.name())
-            })
-        });
-        Ok(entries
-            .last()
-            .and_then(|e| as_array(e).first())
-            .and_then(as_string)
-            .map(|last| (last, flags)))
+            let field = |name: &str| {
+                fields
+                    .chunks_exact(2)
+                    .find(|kv| as_string(&kv[0]).as_deref() == Some(name))
+                    .and_then(|kv| as_string(&kv[1]))
+            };
+            match field("k").as_deref() {
+                Some(k) if k == Wake::Flags.name() => woken.flags = true,
+                Some(k) if k == Wake::Slot.name() => woken.slots.extend(field("j")),
+                _ => {}
+            }
+        }
+        Ok(Some(woken))
     }
+}
+
+/// What a [`RedisStore::wait_wake`] saw.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Woken {
+    /// The last wake-up's id: the next wait starts after it.
+    pub last: String,
+    /// Some job's flags changed (a halt, cancel or resume).
+    pub flags: bool,
+    /// The limiters (ids) of which a worker waited for a concurrency slot
+    /// and one came free.
+    pub slots: Vec<String>,
 }
 
 impl RedisStore {
