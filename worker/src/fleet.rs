@@ -203,9 +203,7 @@ impl Fleet {
         self.tracker.spawn(async move {
             let got = limiter.try_acquire(want).await;
             if let Err(Ok(got)) = tx.send(got) {
-                for g in got.grants {
-                    let _ = limiter.release(g).await;
-                }
+                futures_util::future::join_all(got.grants.into_iter().map(|g| limiter.release(g))).await;
             }
         });
         let got = match rx.await {
@@ -412,13 +410,11 @@ impl HeldGrants {
         self.grants.pop()
     }
 
-    /// Gives back the grants not used.
-    pub async fn release(mut self, fleet: &Fleet) {
-        for g in std::mem::take(&mut self.grants) {
-            if let Err(e) = self.limiter.release(g).await {
-                fleet.store_error(&e).await;
-            }
-        }
+    /// Gives back the grants not used: on the tracker, all at once (they
+    /// share a settlement call, which may wait a moment for others: the
+    /// round that took them does not).
+    pub fn release(self) {
+        drop(self);
     }
 }
 
@@ -430,10 +426,9 @@ impl Drop for HeldGrants {
         }
         let limiter = self.limiter.clone();
         self.tracker.spawn(async move {
-            for g in grants {
-                if let Err(e) = limiter.release(g).await {
-                    tracing::warn!(error = %e, "could not give back a rate-limit grant (it expires by itself)");
-                }
+            let given = futures_util::future::join_all(grants.into_iter().map(|g| limiter.release(g))).await;
+            if let Some(Err(e)) = given.into_iter().find(Result::is_err) {
+                tracing::warn!(error = %e, "could not give back rate-limit grants (they expire by themselves)");
             }
         });
     }
