@@ -234,7 +234,7 @@ impl Claimer {
                 f.spawn(job.clone(), d, permit, (grant, route));
             }
         }
-        grants.release();
+        grants.release(&f).await;
         if probing && round.claimed == claimed_before {
             self.probe_unsent(job).await;
         }

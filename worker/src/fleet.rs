@@ -203,7 +203,7 @@ impl Fleet {
         self.tracker.spawn(async move {
             let got = limiter.try_acquire(want).await;
             if let Err(Ok(got)) = tx.send(got) {
-                futures_util::future::join_all(got.grants.into_iter().map(|g| limiter.release(g))).await;
+                let _ = limiter.release_now(got.grants).await;
             }
         });
         let got = match rx.await {
@@ -410,11 +410,14 @@ impl HeldGrants {
         self.grants.pop()
     }
 
-    /// Gives back the grants not used: on the tracker, all at once (they
-    /// share a settlement call, which may wait a moment for others: the
-    /// round that took them does not).
-    pub fn release(self) {
-        drop(self);
+    /// Gives back the grants not used, at once and together (one call).
+    pub async fn release(mut self, fleet: &Fleet) {
+        let grants = std::mem::take(&mut self.grants);
+        if !grants.is_empty()
+            && let Err(e) = self.limiter.release_now(grants).await
+        {
+            fleet.store_error(&e).await;
+        }
     }
 }
 
@@ -426,8 +429,7 @@ impl Drop for HeldGrants {
         }
         let limiter = self.limiter.clone();
         self.tracker.spawn(async move {
-            let given = futures_util::future::join_all(grants.into_iter().map(|g| limiter.release(g))).await;
-            if let Some(Err(e)) = given.into_iter().find(Result::is_err) {
+            if let Err(e) = limiter.release_now(grants).await {
                 tracing::warn!(error = %e, "could not give back rate-limit grants (they expire by themselves)");
             }
         });

@@ -250,8 +250,20 @@ impl Limiter {
         })
     }
 
-    /// Returns an unused grant whole.
+    /// Returns an unused grant whole (its settlement may wait a moment for others).
     pub async fn release(&self, g: Grant) -> Result<(), StoreError> {
+        self.give_back(g, false).await
+    }
+
+    /// Returns unused grants whole, at once, in one settlement call: a
+    /// claim round waits for it (its grants are back before the next round,
+    /// and it leaves nothing behind it on the tracker).
+    pub async fn release_now(&self, grants: Vec<Grant>) -> Result<(), StoreError> {
+        let given = futures_util::future::join_all(grants.into_iter().map(|g| self.give_back(g, true))).await;
+        given.into_iter().collect()
+    }
+
+    async fn give_back(&self, g: Grant, now: bool) -> Result<(), StoreError> {
         self.stats.tokens_returned.fetch_add(g.tokens, Ordering::Relaxed);
         let s = Settlement {
             tokens_back: g.tokens as i64,
@@ -259,7 +271,7 @@ impl Limiter {
             output_back: g.output as i64,
             ..Settlement::default()
         };
-        self.settle_batched(g.id, s).await
+        self.settle_batched(g.id, s, now).await
     }
 
     /// Settles a grant after its call: the difference between reserved and
@@ -315,7 +327,7 @@ impl Limiter {
         self.stats
             .tokens_returned
             .fetch_add(s.tokens_back.max(0) as u64, Ordering::Relaxed);
-        self.settle_batched(g.id, s).await
+        self.settle_batched(g.id, s, false).await
     }
 
     /// The fleet's concurrency slots held a grant back (this worker's, or
@@ -329,13 +341,14 @@ impl Limiter {
     /// One settlement, stored with the others of the moment. One that
     /// changes nothing the fleet must know at once (an answered call, a
     /// grant not used) waits up to [`SETTLE_LINGER`] for others, unless
-    /// concurrency slots held the fleet back lately: a fleet under a rate
-    /// limit then settles in a few calls a second whatever its pace.
-    async fn settle_batched(&self, grant: String, s: Settlement) -> Result<(), StoreError> {
+    /// concurrency slots held the fleet back lately, or `now`: a fleet
+    /// under a rate limit then settles in a few calls a second whatever its
+    /// pace.
+    async fn settle_batched(&self, grant: String, s: Settlement, now: bool) -> Result<(), StoreError> {
         let at = self.slots_bound_at.load(Ordering::Relaxed);
         let slots_bound = at != u64::MAX
             && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64;
-        let urgent = slots_bound || s.pause_ms > 0 || !matches!(s.call, CallKind::Answered | CallKind::Other);
+        let urgent = now || slots_bound || s.pause_ms > 0 || !matches!(s.call, CallKind::Answered | CallKind::Other);
         self.settler
             .call(Settling {
                 grant,

@@ -144,7 +144,7 @@ impl Rescuer {
             }
             Err(e) => f.store_error(&e).await,
         }
-        grants.release();
+        grants.release(f).await;
         started
     }
 
