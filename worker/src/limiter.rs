@@ -80,8 +80,9 @@ pub struct Limiter {
 }
 
 /// A grant's settlement on its way to the store, and whether it must go at
-/// once: a 429, a timeout or a pause changes what the fleet may send now,
-/// and a freed slot is what a fleet held back by its slots waits for.
+/// once: a 429, a timeout, a pause or a nearly spent budget in the
+/// provider's headers changes what the fleet may send now, and a freed
+/// slot is what a fleet held back by its slots waits for.
 struct Settling {
     grant: String,
     settlement: Settlement,
@@ -348,7 +349,12 @@ impl Limiter {
         let at = self.slots_bound_at.load(Ordering::Relaxed);
         let slots_bound = at != u64::MAX
             && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64;
-        let urgent = now || slots_bound || s.pause_ms > 0 || !matches!(s.call, CallKind::Answered | CallKind::Other);
+        let urgent = now
+            || slots_bound
+            || s.pause_ms > 0
+            || !matches!(s.call, CallKind::Answered | CallKind::Other)
+            || nearly_spent(s.header_remaining_requests, s.header_limit_requests)
+            || nearly_spent(s.header_remaining_tokens, s.header_limit_tokens);
         self.settler
             .call(Settling {
                 grant,
@@ -372,6 +378,18 @@ impl Limiter {
             timed_out: load(&self.stats.timed_out),
             budget: self.store.limit_levels(&self.id).await?,
         })
+    }
+}
+
+/// Whether a provider's `remaining` header says less than the buckets may
+/// hold (2 s of its limit; a limit it did not send: any). Such a figure may
+/// tighten the shared buckets, and only while it is fresh: a settlement
+/// that waited would lower them by what refilled meanwhile.
+fn nearly_spent(remaining: Option<u64>, limit: Option<u64>) -> bool {
+    match (remaining, limit) {
+        (Some(left), Some(limit)) => left.saturating_mul(60_000) < limit.saturating_mul(BURST_MS),
+        (Some(_), None) => true,
+        _ => false,
     }
 }
 
@@ -487,6 +505,15 @@ mod tests {
         assert_eq!(r.remaining_tokens, None);
         assert_eq!(r.reset_requests_ms, Some(20));
         assert_eq!(r.reset_tokens_ms, None);
+    }
+
+    #[test]
+    fn a_remaining_budget_under_what_the_buckets_hold_is_nearly_spent() {
+        // 2 s of 1,200 a minute is 40.
+        assert!(nearly_spent(Some(39), Some(1200)));
+        assert!(!nearly_spent(Some(40), Some(1200)));
+        assert!(nearly_spent(Some(5000), None), "no limit to judge it by");
+        assert!(!nearly_spent(None, Some(1200)));
     }
 
     #[test]
