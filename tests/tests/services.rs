@@ -360,9 +360,19 @@ async fn settle_some(f: &Fleet, n: usize) {
     }
 }
 
+/// Polls until `in_flight` falls to `n`, for well under the 250 ms a
+/// settlement may wait for others.
+async fn freed_within_150ms(in_flight: &impl Fn() -> u64, n: u64) {
+    let soon = tokio::time::Instant::now() + Duration::from_millis(150);
+    while in_flight() > n && tokio::time::Instant::now() < soon {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A grant's settlement that changes nothing at once (an answered call)
 /// waits a moment for others and shares their script call; a 429 goes at
-/// once and takes the waiting ones with it. Once a freed slot's wake-up
+/// once and takes the waiting ones with it, and so does one whose headers
+/// say the provider's budget is nearly spent. Once a freed slot's wake-up
 /// says the fleet's slots hold some worker back, every settlement goes at
 /// once (a slot is what that worker waits for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -399,6 +409,21 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     assert_eq!(in_flight(), 2, "the 429's settlement went at once with the waiting one");
     assert_eq!(calls_of(&redis, "evalsha"), scripts + 1, "in one script call");
 
+    // The provider's headers say its budget is nearly spent (under the 2 s
+    // of its limit the buckets may hold): a figure that must be fresh.
+    let nearly_spent = RateHeaders {
+        limit_requests: Some(1200),
+        remaining_requests: Some(3),
+        ..RateHeaders::default()
+    };
+    let settling = {
+        let (l, g) = (limiter.clone(), grants.pop().unwrap());
+        tokio::spawn(async move { l.settle(g, &answered, &nearly_spent).await })
+    };
+    freed_within_150ms(&in_flight, 1).await;
+    assert_eq!(in_flight(), 1, "a nearly spent budget's settlement goes at once");
+    settling.await.unwrap().unwrap();
+
     // Another worker waited for a slot and a settlement freed one: its wake-up.
     let cursor = f.store.wake_cursor().await.unwrap();
     let own = common::store::RedisStore::connect(&redis.url()).await.unwrap();
@@ -410,14 +435,10 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
         let (l, g) = (limiter.clone(), grants.pop().unwrap());
         tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
     };
-    // Well before the 250 ms a settlement may wait.
-    let soon = tokio::time::Instant::now() + Duration::from_millis(150);
-    while in_flight() > 1 && tokio::time::Instant::now() < soon {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    freed_within_150ms(&in_flight, 0).await;
     assert_eq!(
         in_flight(),
-        1,
+        0,
         "with slots holding the fleet back, an answered call's slot is freed at once"
     );
     settling.await.unwrap().unwrap();
