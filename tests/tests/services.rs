@@ -360,6 +360,11 @@ async fn settle_some(f: &Fleet, n: usize) {
     }
 }
 
+/// The grants of `limiter` that hold a slot in Redis.
+fn grants_in_flight(redis: &RedisServer, limiter: &worker::limiter::Limiter) -> u64 {
+    redis.conn().zcard(keys::limit_inflight(limiter.id())).unwrap()
+}
+
 /// Polls until `in_flight` falls to `n`, for well under the 250 ms a
 /// settlement may wait for others.
 async fn freed_within_150ms(in_flight: &impl Fn() -> u64, n: u64) {
@@ -384,7 +389,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     let _dir = job(&redis, 1);
     let f = fleet(&redis, &sim, "a").await;
     let limiter = f.all_limiters().next().unwrap().clone();
-    let in_flight = || -> u64 { redis.conn().zcard(keys::limit_inflight(limiter.id())).unwrap() };
+    let in_flight = || grants_in_flight(&redis, &limiter);
     let mut grants = limiter.try_acquire(4).await.unwrap().grants;
     assert_eq!((grants.len(), in_flight()), (4, 4));
     let answered = Used {
@@ -456,7 +461,7 @@ async fn a_claim_round_gives_its_unused_grants_back_at_once_in_one_call() {
     let _dir = job(&redis, 2);
     let f = fleet(&redis, &sim, "a").await;
     let limiter = f.all_limiters().next().unwrap().clone();
-    let in_flight = || -> u64 { redis.conn().zcard(keys::limit_inflight(limiter.id())).unwrap() };
+    let in_flight = || grants_in_flight(&redis, &limiter);
     let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
     claim_all(&mut claimer, 2).await;
     settle_some(&f, 2).await;
