@@ -1146,8 +1146,12 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
             .unwrap()
     );
     assert!(
-        store.wait_wake(&before, 1).await.unwrap().is_some(),
-        "the waiting worker is woken"
+        store
+            .wait_wake(&before, 1)
+            .await
+            .unwrap()
+            .is_some_and(|w| w.slots == ["slot"] && !w.flags),
+        "the waiting worker is woken, told which limiter's slot came free"
     );
     let (got, _) = acquired(store.limit_acquire("slot", &p, 1, "b").await.unwrap());
     assert_eq!(got.len(), 1, "and gets the slot");
