@@ -35,8 +35,9 @@ impl<Req: Send + 'static, Resp: Send + 'static> GroupCommit<Req, Resp> {
     }
 
     /// As [`GroupCommit::new`], but a batch with no `urgent` request in it
-    /// waits up to `linger` from its first request for more (until it is
-    /// full, or an urgent one comes) before its call.
+    /// waits up to `linger` for more (until it is full, or an urgent one
+    /// comes) before its call, counted from when the batch is started (a
+    /// request queued while the previous call ran waits that call too).
     pub fn lingering<U, F, Fut>(max: usize, linger: Duration, urgent: U, mut run: F) -> Self
     where
         U: Fn(&Req) -> bool + Send + 'static,

@@ -24,16 +24,20 @@ const VISIBILITY: Duration = Duration::from_secs(60);
 
 /// A job of `n` records in one partition.
 fn job(redis: &RedisServer, n: u64) -> TempDir {
+    job_with(redis, n, &[])
+}
+
+/// A job of `n` records in one partition, its spec further changed.
+fn job_with(redis: &RedisServer, n: u64, changes: &[(&str, &str)]) -> TempDir {
     let dir = TempDir::new("services");
     // The worker runs in this test process, which cannot set variables
     // (unsafe code is forbidden): the key is read from one that is always set.
-    let spec = spec_with(
-        &dir,
-        &[
-            ("partitions = 4", "partitions = 1"),
-            ("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"PATH\""),
-        ],
-    );
+    let mut all = vec![
+        ("partitions = 4", "partitions = 1"),
+        ("api_key_env = \"OPENAI_API_KEY\"", "api_key_env = \"PATH\""),
+    ];
+    all.extend_from_slice(changes);
+    let spec = spec_with(&dir, &all);
     let data = dir.join("d.jsonl");
     write_records(&data, 0, n);
     enqueue(redis, &data, JOB, &spec);
@@ -386,7 +390,8 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     use worker::service::Service;
     let redis = RedisServer::start();
     let sim = LlmSim::start(&[]);
-    let _dir = job(&redis, 1);
+    // No concurrency cap in the spec (with one, every settlement goes at once: below).
+    let _dir = job_with(&redis, 1, &[("max_concurrent = 64", "")]);
     let f = fleet(&redis, &sim, "a").await;
     let limiter = f.all_limiters().next().unwrap().clone();
     let in_flight = || grants_in_flight(&redis, &limiter);
@@ -485,4 +490,31 @@ async fn a_claim_round_gives_its_unused_grants_back_at_once_in_one_call() {
         scripts + 2,
         "one acquire, and one settle for all of them"
     );
+}
+
+/// With a concurrency cap in the spec, slots may be what limits the fleet:
+/// an answered call's settlement frees its slot at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_concurrency_cap_an_answered_calls_slot_is_freed_at_once() {
+    use worker::limiter::{RateHeaders, Used};
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let _dir = job(&redis, 1);
+    let f = fleet(&redis, &sim, "a").await;
+    let limiter = f.all_limiters().next().unwrap().clone();
+    assert!(limiter.slots_matter(), "the example spec caps concurrency at 64");
+    let in_flight = || grants_in_flight(&redis, &limiter);
+    let mut grants = limiter.try_acquire(1).await.unwrap().grants;
+    let answered = Used {
+        prompt_tokens: Some(20),
+        completion_tokens: Some(5),
+        ..Used::default()
+    };
+    let settling = {
+        let (l, g) = (limiter.clone(), grants.pop().unwrap());
+        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
+    };
+    freed_within_150ms(&in_flight, 0).await;
+    assert_eq!(in_flight(), 0, "the slot is freed at once");
+    settling.await.unwrap().unwrap();
 }

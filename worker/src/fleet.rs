@@ -275,14 +275,17 @@ impl Fleet {
                 me.store_error(&e).await;
             }
             // Its slot is free here; a call may also have proven the
-            // provider (the breaker's one call at a time).
-            me.wake_claimer.notify_one();
-            if let Some(settled) = settled {
-                me.count_settled(&job.name, &settled).await;
+            // provider (the breaker's one call at a time). Where slots
+            // limit the fleet, the claimer is woken once the slot is free
+            // in the fleet's budget too (it would find it still taken);
+            // elsewhere the settlement may wait a moment for others (see
+            // `Limiter::settle`) and the claimer does not.
+            let limiter = me.limiter_for(&job, route);
+            let slot_first = grant.is_some() && limiter.slots_matter();
+            if !slot_first {
+                me.wake_claimer.notify_one();
             }
             if let Some(grant) = grant {
-                let limiter = me.limiter_for(&job, route);
-                // A settlement may wait a moment for others (see `Limiter::settle`).
                 let settled_budget = match &report {
                     Some(r) => limiter.settle(grant, &r.used, &r.headers).await,
                     None => limiter.release(grant).await,
@@ -290,8 +293,10 @@ impl Fleet {
                 if let Err(e) = settled_budget {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
                 }
-                // And in the fleet's budget.
                 me.wake_claimer.notify_one();
+            }
+            if let Some(settled) = settled {
+                me.count_settled(&job.name, &settled).await;
             }
         });
     }

@@ -339,18 +339,26 @@ impl Limiter {
         self.slots_bound_at.store(at, Ordering::Relaxed);
     }
 
+    /// Whether concurrency slots may be what limits the fleet: the spec
+    /// caps them (`max_concurrent`), or they held a grant back lately. Its
+    /// settlements then go at once, and a task frees its slot in the
+    /// fleet's budget before its claimer looks for more work.
+    pub fn slots_matter(&self) -> bool {
+        let at = self.slots_bound_at.load(Ordering::Relaxed);
+        self.params.max_concurrent > 0
+            || at != u64::MAX
+                && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64
+    }
+
     /// One settlement, stored with the others of the moment. One that
     /// changes nothing the fleet must know at once (an answered call, a
-    /// grant not used) waits up to [`SETTLE_LINGER`] for others, unless
-    /// concurrency slots held the fleet back lately, or `now`: a fleet
-    /// under a rate limit then settles in a few calls a second whatever its
-    /// pace.
+    /// call that failed for no reason of load, a grant not used) waits up
+    /// to [`SETTLE_LINGER`] for others, unless slots matter
+    /// ([`Limiter::slots_matter`]), or `now`: a fleet under a rate limit
+    /// then settles in a few calls a second whatever its pace.
     async fn settle_batched(&self, grant: String, s: Settlement, now: bool) -> Result<(), StoreError> {
-        let at = self.slots_bound_at.load(Ordering::Relaxed);
-        let slots_bound = at != u64::MAX
-            && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64;
         let urgent = now
-            || slots_bound
+            || self.slots_matter()
             || s.pause_ms > 0
             || !matches!(s.call, CallKind::Answered | CallKind::Other)
             || nearly_spent(s.header_remaining_requests, s.header_limit_requests)
