@@ -293,6 +293,8 @@ impl Fleet {
                 if let Err(e) = settled_budget {
                     tracing::warn!(error = %e, "could not settle a rate-limit grant (it expires by itself)");
                 }
+            }
+            if slot_first {
                 me.wake_claimer.notify_one();
             }
             if let Some(settled) = settled {

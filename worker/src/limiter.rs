@@ -253,26 +253,30 @@ impl Limiter {
 
     /// Returns an unused grant whole (its settlement may wait a moment for others).
     pub async fn release(&self, g: Grant) -> Result<(), StoreError> {
-        self.give_back(g, false).await
+        let s = self.returned(&g);
+        self.settle_batched(g.id, s).await
     }
 
-    /// Returns unused grants whole, at once, in one settlement call: a
-    /// claim round waits for it (its grants are back before the next round,
-    /// and it leaves nothing behind it on the tracker).
+    /// Returns unused grants whole, at once, in one settlement call of
+    /// their own: a claim round waits for it (its grants are back before
+    /// the next round, and it leaves nothing behind it on the tracker).
     pub async fn release_now(&self, grants: Vec<Grant>) -> Result<(), StoreError> {
-        let given = futures_util::future::join_all(grants.into_iter().map(|g| self.give_back(g, true))).await;
-        given.into_iter().collect()
+        if grants.is_empty() {
+            return Ok(());
+        }
+        let all: Vec<(String, Settlement)> = grants.iter().map(|g| (g.id.clone(), self.returned(g))).collect();
+        self.store.limit_settle_many(&self.id, &all).await.map(|_| ())
     }
 
-    async fn give_back(&self, g: Grant, now: bool) -> Result<(), StoreError> {
+    /// The settlement of a grant given back unused: everything it reserved.
+    fn returned(&self, g: &Grant) -> Settlement {
         self.stats.tokens_returned.fetch_add(g.tokens, Ordering::Relaxed);
-        let s = Settlement {
+        Settlement {
             tokens_back: g.tokens as i64,
             input_back: g.input as i64,
             output_back: g.output as i64,
             ..Settlement::default()
-        };
-        self.settle_batched(g.id, s, now).await
+        }
     }
 
     /// Settles a grant after its call: the difference between reserved and
@@ -328,7 +332,7 @@ impl Limiter {
         self.stats
             .tokens_returned
             .fetch_add(s.tokens_back.max(0) as u64, Ordering::Relaxed);
-        self.settle_batched(g.id, s, false).await
+        self.settle_batched(g.id, s).await
     }
 
     /// The fleet's concurrency slots held a grant back (this worker's, or
@@ -354,11 +358,10 @@ impl Limiter {
     /// changes nothing the fleet must know at once (an answered call, a
     /// call that failed for no reason of load, a grant not used) waits up
     /// to [`SETTLE_LINGER`] for others, unless slots matter
-    /// ([`Limiter::slots_matter`]), or `now`: a fleet under a rate limit
-    /// then settles in a few calls a second whatever its pace.
-    async fn settle_batched(&self, grant: String, s: Settlement, now: bool) -> Result<(), StoreError> {
-        let urgent = now
-            || self.slots_matter()
+    /// ([`Limiter::slots_matter`]): a fleet under a rate limit then
+    /// settles in a few calls a second whatever its pace.
+    async fn settle_batched(&self, grant: String, s: Settlement) -> Result<(), StoreError> {
+        let urgent = self.slots_matter()
             || s.pause_ms > 0
             || !matches!(s.call, CallKind::Answered | CallKind::Other)
             || nearly_spent(s.header_remaining_requests, s.header_limit_requests)
