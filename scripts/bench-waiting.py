@@ -2,7 +2,7 @@
 """`make bench-waiting`: what a fleet costs Redis while it has nothing to do
 and while its job waits out a provider outage (#32 item 6: "idle is free").
 
-Two workers (release build) finish 5 records against llm-sim, then:
+WORKERS workers (default 2; release build) finish 5 records against llm-sim, then:
 - idle: the job done, nothing to do;
 - outage, young: 40 more records enqueued, llm-sim answering 503 to every
   call; measured once the fleet took the provider for down (probes 1 s apart,
@@ -26,7 +26,7 @@ from benchlib import (BIN, ROOT, redis_cli, redis_commands, sim_stats, start_red
 
 WINDOW = float(os.environ.get("WINDOW", "30"))
 IDLE_WINDOW = float(os.environ.get("IDLE_WINDOW", "60"))
-WORKERS = 2
+WORKERS = int(os.environ.get("WORKERS", "2"))
 
 
 def admin_fail(addr, spec):

@@ -518,3 +518,96 @@ async fn with_a_concurrency_cap_an_answered_calls_slot_is_freed_at_once() {
     assert_eq!(in_flight(), 0, "the slot is freed at once");
     settling.await.unwrap().unwrap();
 }
+
+/// While the provider is taken for down one probe at a time goes out, and
+/// a failed probe costs Redis no more than it must (#32 item 6): the
+/// claimer does not ask for the probe's lease while its own probe is out,
+/// learns when the next may start from the failure's own answer (not by
+/// asking again), and the record goes back on its stream without waking
+/// the fleet (no worker takes it but the next probe, on its own time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
+    // Every call fails with a 500 after 400 ms: the probe stays out a while.
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&["--faults", "server_error=1", "--latency-ms", "400", "--steady-latency"]);
+    let _dir = job(&redis, 2);
+    let f = fleet(&redis, &sim, "a").await;
+    let (secs, _): (u64, u64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();
+    let down_ms = secs * 1000;
+    let outage = keys::outage(JOB);
+    let _: () = redis
+        .conn()
+        .hset_multiple(
+            &outage,
+            &[
+                ("down", 1),
+                ("down_ms", down_ms),
+                ("since_ms", down_ms),
+                ("probe_at", 0),
+                ("probes", 0),
+            ],
+        )
+        .unwrap();
+    let job = f.jobs[0].clone();
+    // The provider answered before it went down (its breaker is proven).
+    job.breaker.set_proven();
+    job.outage.from_redis(
+        JOB,
+        &common::store::ProviderOutage {
+            down: true,
+            since_ms: down_ms,
+            ..Default::default()
+        },
+    );
+    let wakes = || -> u64 { redis.conn().xlen(keys::wake()).unwrap() };
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    // Its first round reads its own pending tasks (none): the lease goes back.
+    assert_eq!(claimer.claim_round().await.claimed, 0);
+    let _: () = redis.conn().hset(&outage, "probe_at", 0).unwrap();
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 1, "the probe, alone");
+    let (scripts, woken) = (calls_of(&redis, "evalsha"), wakes());
+
+    // Its own probe is out: the lease is its own, Redis is not asked.
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 0);
+    assert!(round.probe_wait.is_some(), "{:?}", round.probe_wait);
+    assert_eq!(
+        calls_of(&redis, "evalsha"),
+        scripts,
+        "no lease asked while its own probe is out"
+    );
+
+    settle_some(&f, 1).await;
+    let probe_at: u64 = redis.conn().hget(&outage, "probe_at").unwrap();
+    let probes: u64 = redis.conn().hget(&outage, "probes").unwrap();
+    assert_eq!(probes, 1, "the probe failed");
+    let stream: u64 = redis.conn().xlen(keys::stream(JOB, 0)).unwrap();
+    assert_eq!(
+        stream, 2,
+        "its record is back on the stream, beside the one never claimed"
+    );
+    assert_eq!(wakes(), woken, "and wakes no one");
+
+    // The failure said when the next probe may start (2 s after it): the
+    // next round waits for that without asking.
+    let scripts = calls_of(&redis, "evalsha");
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 0);
+    let wait = round.probe_wait.expect("waits for the next probe");
+    assert!(
+        wait > Duration::from_millis(1_000) && wait <= Duration::from_millis(2_000),
+        "{wait:?} (the next probe at {probe_at}, the outage down since {down_ms})"
+    );
+    assert_eq!(
+        calls_of(&redis, "evalsha"),
+        scripts,
+        "the next probe's time was not asked for"
+    );
+    // Then it is the next probe's turn, on the same record or the other.
+    tokio::time::sleep(wait).await;
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 1, "the next probe");
+    settle_some(&f, 2).await;
+    assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
+}

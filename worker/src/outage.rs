@@ -36,8 +36,8 @@ pub struct OutageWatch {
     probe: Mutex<Option<String>>,
     /// While down: when to ask the fleet for the probe's lease again: when
     /// Redis last said the next probe may start (a wake-up does not ask
-    /// sooner; the worker whose probe fails learns the next time at once,
-    /// the others when a probe's lease or wait ends).
+    /// sooner; the worker whose probe fails learns the next time from its
+    /// failure's answer, the others when a probe's lease or wait ends).
     next_probe: Mutex<Option<Instant>>,
     /// Counts this worker's probes that ended: an answer Redis gave while
     /// one was out, or that raced its end, named that probe's own lease
@@ -171,8 +171,11 @@ impl OutageWatch {
         let probe = call.probe;
         let noted = queue.provider_failed(&call, &self.rules).await?;
         if probe {
-            // Redis now holds the next probe's time: ask for it afresh.
-            self.probe_done();
+            // Redis now holds the next probe's time, and said it: kept (an
+            // answer to an ask that raced this, naming the lease, is not).
+            let next = (noted.next_probe_ms > 0)
+                .then(|| Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms)));
+            self.probe_done(next);
         }
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
         if noted.state == Provider::Up {
@@ -224,11 +227,12 @@ impl OutageWatch {
 
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe), or says how long until
-    /// the next probe may start (known from Redis's last answer, Redis is
-    /// not asked again before then). An answer given while this worker's
-    /// own probe was out, or as it ended, names that probe's lease: it
-    /// holds for this round only (the probe's end wakes the claimer, which
-    /// asks again).
+    /// the next probe may start (known from Redis's last answer, or from
+    /// this worker's failed probe: Redis is not asked again before then,
+    /// nor while this worker's own probe is out). An answer that raced
+    /// this worker's probe's end names that probe's lease: it holds for
+    /// this round only (the probe's end wakes the claimer, which asks
+    /// again unless the failure said when).
     pub async fn take_probe(
         &self,
         store: &RedisStore,
@@ -241,22 +245,27 @@ impl OutageWatch {
         {
             return Ok(Err(at - now));
         }
+        // This worker's own probe is out: its lease is the fleet's until it
+        // ends, and its end wakes the claimer (Redis is not asked meanwhile).
+        if self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Ok(Err(lease));
+        }
         let ended = self.probes_ended.load(Ordering::SeqCst);
-        let out = self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some();
         let taken = store.outage_probe(job, lease).await?;
         let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
-        if !out && self.probes_ended.load(Ordering::SeqCst) == ended {
+        if self.probes_ended.load(Ordering::SeqCst) == ended {
             *next = taken.err().map(|wait| now + wait);
         }
         Ok(taken)
     }
 
-    /// This worker's probe ended: the next probe's time is asked afresh
-    /// (under `next_probe`'s lock: an answer racing this is not kept).
-    fn probe_done(&self) {
-        let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+    /// This worker's probe ended: the next probe's time is `next` from now
+    /// when the failure's answer said it, else asked afresh (under
+    /// `next_probe`'s lock: an answer racing this is not kept).
+    fn probe_done(&self, next: Option<Duration>) {
+        let mut at = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
         self.probes_ended.fetch_add(1, Ordering::SeqCst);
-        *next = None;
+        *at = next.map(|wait| Instant::now() + wait);
     }
 
     /// The probe's lease found no task to send: given back.
@@ -277,14 +286,14 @@ impl OutageWatch {
     /// The probe's call for `rid` came back, or its task ended without one:
     /// true when `rid` was still the probe (a task that ends so made no
     /// call, and its lease is given back). The fleet is asked again for
-    /// the next probe's time at the next claim round: the one Redis named
-    /// while this probe was out was its own lease's end.
+    /// the next probe's time at the next claim round, unless the probe's
+    /// failure says it (see [`OutageWatch::failed`]).
     pub fn probe_ended(&self, rid: &str) -> bool {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
         if probe.as_deref() == Some(rid) {
             *probe = None;
             drop(probe);
-            self.probe_done();
+            self.probe_done(None);
             return true;
         }
         false
@@ -324,7 +333,7 @@ mod tests {
     fn the_probe_mark_is_the_record_s_until_its_task_ends() {
         let w = OutageWatch::new(1, "http://h/v1");
         w.set_probe("r1");
-        // Asked while its own probe was out, Redis named the lease's end.
+        // An ask that raced the probe named its own lease's end.
         let lease_end = Instant::now() + Duration::from_secs(40);
         *w.next_probe.lock().unwrap() = Some(lease_end);
         assert!(w.is_probe("r1") && !w.is_probe("r2"));

@@ -77,6 +77,9 @@ pub struct Noted {
     pub now_ms: u64,
     /// When the fleet last noted an answer (0: never, or not since a resume).
     pub answered_ms: u64,
+    /// After a failed probe of a provider taken for down: when the next
+    /// probe may start (Unix ms, Redis's clock; 0 otherwise).
+    pub next_probe_ms: u64,
 }
 
 /// The provider, as the fleet's streak takes it.
@@ -145,7 +148,7 @@ impl RedisStore {
         call: &FailedCall<'_>,
         rules: &OutageRules,
     ) -> Result<Noted, StoreError> {
-        let (state, since_ms, now_ms, answered_ms): (u8, u64, u64, u64) = self
+        let (state, since_ms, now_ms, answered_ms, next_probe_ms): (u8, u64, u64, u64, u64) = self
             .scripts
             .outage
             .key(keys::outage(job))
@@ -176,6 +179,7 @@ impl RedisStore {
             since_ms,
             now_ms,
             answered_ms,
+            next_probe_ms,
         })
     }
 

@@ -28,6 +28,10 @@ pub enum Finish {
         due_ms: u64,
         task: Task,
     },
+    /// Back on the stream at once as a retry due at 0 is, the fleet not
+    /// woken: a probe that failed while the provider is down (no worker
+    /// takes it but the next probe, which goes on its own time).
+    Requeue(Task),
     Review(ReviewEntry),
     /// An input error: never retried.
     Drop {
@@ -56,6 +60,8 @@ pub struct Finishing {
     mode: &'static str,
     value: String,
     due_ms: u64,
+    /// Back on the stream at once: the fleet is woken once it is.
+    wake: bool,
     /// The paid call the delivery made: its ledger key, encoding and spend (see finish.lua).
     paid_key: String,
     paid: String,
@@ -89,6 +95,7 @@ impl Finishing {
         let (mode, value, due_ms) = match how {
             Finish::Commit(result) => ("commit", result.encode(), 0),
             Finish::Retry { due_ms, task } => ("retry", task.encode(), *due_ms),
+            Finish::Requeue(task) => ("retry", task.encode(), 0),
             Finish::Review(entry) => ("review", entry.encode(), 0),
             Finish::Drop { reason } => ("drop", reason.clone(), 0),
             Finish::Cancel(task) => ("cancel", task.encode(), 0),
@@ -104,6 +111,7 @@ impl Finishing {
             mode,
             value,
             due_ms,
+            wake: matches!(how, Finish::Retry { due_ms: 0, .. }),
             paid_key: String::new(),
             paid: String::new(),
             spend: String::new(),
@@ -120,7 +128,7 @@ fn stats_fields(d: &Delivery, how: &Finish) -> Vec<String> {
     use crate::task::HistoryItem;
     let history = match how {
         Finish::Commit(r) => &r.history,
-        Finish::Retry { task, .. } => &task.history,
+        Finish::Retry { task, .. } | Finish::Requeue(task) => &task.history,
         Finish::Review(e) => &e.history,
         _ => return Vec::new(),
     };
@@ -135,7 +143,7 @@ fn stats_fields(d: &Delivery, how: &Finish) -> Vec<String> {
                 .iter()
                 .map(|e| stat_field("e", &format!("{} {}", e.code.as_str(), e.field))),
         );
-        if matches!(how, Finish::Retry { .. }) {
+        if matches!(how, Finish::Retry { .. } | Finish::Requeue(_)) {
             out.push(stat_field("r", &a.outcome));
         }
     }
@@ -528,11 +536,11 @@ impl RedisStore {
             }
         }
         // A record back on its stream at once (a retry due at 0) is new work
-        // for the whole fleet, as a promoted retry is.
+        // for the whole fleet, as a promoted retry is (a failed probe's is not).
         let requeued = items
             .iter()
             .zip(&out)
-            .any(|(f, o)| f.mode == "retry" && f.due_ms == 0 && matches!(o, Ok(Finished::Moved)));
+            .any(|(f, o)| f.wake && matches!(o, Ok(Finished::Moved)));
         if requeued {
             self.wake(job, super::Wake::Work).await;
         }

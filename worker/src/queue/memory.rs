@@ -293,7 +293,7 @@ impl State {
                 self.add_entry(task.clone());
                 RecordState::Queued
             }
-            Finish::Retry { due_ms: 0, task } if queued => {
+            Finish::Retry { due_ms: 0, task } | Finish::Requeue(task) if queued => {
                 self.add_entry(task.clone());
                 RecordState::Queued
             }
@@ -301,7 +301,7 @@ impl State {
                 self.delayed.push((*due_ms, task.clone()));
                 RecordState::Delayed
             }
-            Finish::Release(_) | Finish::Retry { .. } => return false,
+            Finish::Release(_) | Finish::Retry { .. } | Finish::Requeue(_) => return false,
             _ if !movable => return false,
             Finish::Commit(result) => {
                 if self.results.contains_key(rid) {
@@ -438,29 +438,31 @@ impl JobQueue for MemoryQueue {
         let since = o.since_ms.unwrap_or(started);
         o.fails += 1;
         o.rl_only &= call.rate_limited;
-        let noted = |state| Noted {
+        let answered_ms = o.ok_ms;
+        let noted = |state, next_probe_ms| Noted {
             state,
             since_ms: since,
             now_ms: now,
-            answered_ms: o.ok_ms,
+            answered_ms,
+            next_probe_ms,
         };
         if o.down {
-            let answered = noted(Provider::Down);
             if call.probe {
                 o.probes += 1;
                 let age = Duration::from_millis(now.saturating_sub(o.down_ms));
                 o.probe_at = now + rules.probe_wait(o.probes, age).as_millis() as u64;
+                return ready(noted(Provider::Down, o.probe_at));
             }
-            return ready(answered);
+            return ready(noted(Provider::Down, 0));
         }
         let window = if o.rl_only { rules.window_429 } else { rules.window };
         if o.fails >= u64::from(rules.min_fails) && now.saturating_sub(since) >= window.as_millis() as u64 {
-            let answered = noted(Provider::DownNow);
+            let answered = noted(Provider::DownNow, 0);
             (o.down, o.probes, o.probe_at, o.down_ms) = (true, 0, now + 1000, now);
             o.outages += 1;
             return ready(answered);
         }
-        ready(noted(Provider::Up))
+        ready(noted(Provider::Up, 0))
     }
 
     fn provider_answered(&self) -> Op<'_, Option<(u64, u64)>> {

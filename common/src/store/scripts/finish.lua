@@ -67,9 +67,22 @@
 -- entry given twice counts as acknowledged by its first: -1 the second time).
 local stream, states = KEYS[1], KEYS[2]
 local group = ARGV[1]
-local has_sink = redis.call('EXISTS', KEYS[7]) == 1
-local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
-local per_minute = {c = minute .. ':c', u = minute .. ':u', d = minute .. ':d', f = minute .. ':f'}
+-- Whether the job has a sink, and the minute's stats fields: looked up
+-- once, when a new paid call or a move needs them (a retry needs neither).
+local sink_known, sink_exists, minute_fields
+local function has_sink()
+  if not sink_known then
+    sink_known, sink_exists = true, redis.call('EXISTS', KEYS[7]) == 1
+  end
+  return sink_exists
+end
+local function per_minute()
+  if not minute_fields then
+    local minute = 't' .. math.floor(tonumber(redis.call('TIME')[1]) / 60)
+    minute_fields = {c = minute .. ':c', u = minute .. ':u', d = minute .. ':d', f = minute .. ':f'}
+  end
+  return minute_fields
+end
 local out, acked = {}, {}
 local new_calls = false
 local spend, stats = {}, {}
@@ -84,7 +97,7 @@ local function paid(i)
     return
   end
   new_calls = true
-  if has_sink then
+  if has_sink() then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
   local bucket, p, k, c, n, e, rest = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
@@ -114,8 +127,8 @@ local function paid(i)
     add('nusd@' .. tier, tonumber(n))
     add('std@' .. tier, tonumber(o))
   end
-  count(per_minute.c, 1)
-  count(per_minute.u, tonumber(n))
+  count(per_minute().c, 1)
+  count(per_minute().u, tonumber(n))
 end
 -- The paid calls first, with their counters: nothing the outcomes do
 -- afterwards (an error included) can leave a call recorded but not counted.
@@ -142,21 +155,26 @@ for i = 2, #ARGV, 11 do
   end
   if live then
     local state = redis.call('HGET', states, rid)
-    if state == 'batched' then
+    local batched = state == 'batched'
+    if batched then
       state = 'queued'
     end
     moved = 0
     if mode == 'release' then
       if state == 'queued' then
         redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
-        redis.call('HSET', states, rid, 'queued')
+        if batched then
+          redis.call('HSET', states, rid, 'queued')
+        end
         moved = 1
       end
     elseif mode == 'retry' then
       -- Only a record in flight schedules a retry: one already waiting keeps its one.
       if state == 'queued' and ARGV[i + 4] == '0' then
         redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
-        redis.call('HSET', states, rid, 'queued')
+        if batched then
+          redis.call('HSET', states, rid, 'queued')
+        end
         moved = 1
       elseif state == 'queued' then
         redis.call('ZADD', KEYS[4], ARGV[i + 4], value)
@@ -187,7 +205,7 @@ for i = 2, #ARGV, 11 do
         return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))
       end
     end
-    if moved == 1 and has_sink and mode ~= 'retry' and mode ~= 'release' then
+    if moved == 1 and mode ~= 'retry' and mode ~= 'release' and has_sink() then
       redis.call('XADD', KEYS[7], '*', 'rid', rid, 'k', mode == 'commit' and 'r' or 'f')
     end
     if moved == 1 then
@@ -195,9 +213,9 @@ for i = 2, #ARGV, 11 do
         count(field, 1)
       end
       if mode == 'commit' then
-        count(per_minute.d, 1)
+        count(per_minute().d, 1)
       elseif mode == 'review' or mode == 'drop' then
-        count(per_minute.f, 1)
+        count(per_minute().f, 1)
       end
     end
     if not held then

@@ -32,8 +32,11 @@
 --          ARGV[11] the longest wait between probes while the outage is
 --          young, ms (then a twelfth of its age, at most 6 times this)
 --          ARGV[12] 1 when this call was the probe
---          Returns {state, since_ms, now, ok_ms}: state 0 up, 1 down from
---          this failure on, 2 down before it; ok_ms the last answer noted.
+--          Returns {state, since_ms, now, ok_ms, probe_at}: state 0 up,
+--          1 down from this failure on, 2 down before it; ok_ms the last
+--          answer noted; probe_at, after a failed probe while down, when the
+--          next may start (0 otherwise: the prober learns it here, without
+--          asking again).
 -- ok:      Returns {1, since_ms, now} when this answer ended an outage,
 --          else {0, 0, now}.
 -- probe:   ARGV[2] the probe's lease, ms (its call's whole timeout).
@@ -63,27 +66,32 @@ if verb == 'fail' then
   end
   fails = fails + 1
   if ARGV[4] ~= '1' then rl_only = false end
-  redis.call('HSET', h, 'since_ms', since, 'fails', fails, 'rl_only', rl_only and 1 or 0,
-    'cause', ARGV[3], 'message', ARGV[5], 'base_url', ARGV[6], 'worker', ARGV[7], 'last_ms', now)
+  local fields = {'since_ms', since, 'fails', fails, 'rl_only', rl_only and 1 or 0,
+    'cause', ARGV[3], 'message', ARGV[5], 'base_url', ARGV[6], 'worker', ARGV[7], 'last_ms', now}
+  local probe_at = 0
+  if down and ARGV[12] == '1' then
+    local probes = (tonumber(v[6]) or 0) + 1
+    local max = tonumber(ARGV[11])
+    local age = now - (tonumber(v[7]) or now)
+    local cap = math.min(math.max(math.floor(age / 12), max), 6 * max)
+    probe_at = now + math.floor(math.min(1000 * math.pow(2, math.min(probes, 20)), cap))
+    table.insert(fields, 'probes')
+    table.insert(fields, probes)
+    table.insert(fields, 'probe_at')
+    table.insert(fields, probe_at)
+  end
+  redis.call('HSET', h, unpack(fields))
   if down then
-    if ARGV[12] == '1' then
-      local probes = (tonumber(v[6]) or 0) + 1
-      local max = tonumber(ARGV[11])
-      local age = now - (tonumber(v[7]) or now)
-      local cap = math.min(math.max(math.floor(age / 12), max), 6 * max)
-      local wait = math.min(1000 * math.pow(2, math.min(probes, 20)), cap)
-      redis.call('HSET', h, 'probes', probes, 'probe_at', now + math.floor(wait))
-    end
-    return {2, since, now, ok}
+    return {2, since, now, ok, probe_at}
   end
   local window = tonumber(ARGV[9])
   if rl_only then window = tonumber(ARGV[10]) end
   if fails >= tonumber(ARGV[8]) and now - since >= window then
     redis.call('HSET', h, 'down', 1, 'down_ms', now, 'probes', 0, 'probe_at', now + 1000)
     redis.call('HINCRBY', h, 'outages', 1)
-    return {1, since, now, ok}
+    return {1, since, now, ok, 0}
   end
-  return {0, since, now, ok}
+  return {0, since, now, ok, 0}
 end
 
 if verb == 'ok' then
