@@ -723,6 +723,109 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
     assert_eq!(e.state_at_claim, Some(Some(RecordState::Queued)));
 }
 
+/// How many times Redis has run `command` (lower case), script-inner calls included.
+fn calls_of(redis: &RedisServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|v| v.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A worker's call settling several of its own deliveries reads their
+/// fences together (one `XPENDING` over their range, for that consumer),
+/// and each is still decided as if alone: one taken over by another worker
+/// is stale, one with another delivery count is stale, one given twice
+/// counts once; when the range holds more of the consumer's entries than
+/// the read returns, an entry left out is read alone, never taken for stale.
+#[tokio::test]
+async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if_alone() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let entries: Vec<TaskEntry> = (0..100).map(|i| entry(&format!("r{i:03}"), "{}")).collect();
+    store.enqueue(JOB, 200, &entries).await.unwrap();
+    let ds = claim(&store, "w1").await;
+    assert_eq!(ds.len(), 100);
+    // w1's delivery of r003 was taken over by w2.
+    let idle = [IdleEntry {
+        entry_id: ds[3].entry_id.clone(),
+        deliveries: 1,
+    }];
+    let taken = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
+    let recounted = Delivery {
+        deliveries: 2,
+        ..ds[2].clone()
+    };
+    let commit = |d: &Delivery| Finishing::new(d, &Finish::Commit(result_for(d)));
+    let items = [
+        commit(&ds[1]),
+        commit(&recounted),
+        commit(&ds[3]),
+        commit(&ds[1]),
+        commit(&ds[4]),
+    ];
+    let fences = calls_of(&redis, "xpending");
+    let done: Vec<Finished> = store
+        .finish_many(JOB, &items)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        done,
+        [
+            Finished::Moved,
+            Finished::Stale,
+            Finished::Stale,
+            Finished::Stale,
+            Finished::Moved
+        ]
+    );
+    assert_eq!(
+        calls_of(&redis, "xpending") - fences,
+        1,
+        "one read for the call's fences"
+    );
+    assert_eq!(state(&store, "r001").await, Some(RecordState::Done));
+    assert_eq!(
+        state(&store, "r002").await,
+        Some(RecordState::Queued),
+        "another delivery count"
+    );
+    assert_eq!(state(&store, "r003").await, Some(RecordState::Queued), "w2's now");
+    assert_eq!(state(&store, "r004").await, Some(RecordState::Done));
+    // The first and the last of w1's entries: 96 of its own lie between
+    // them, more than the read returns for two; the last is read alone.
+    let fences = calls_of(&redis, "xpending");
+    let items = [commit(&ds[0]), commit(&ds[99])];
+    let done: Vec<Finished> = store
+        .finish_many(JOB, &items)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(done, [Finished::Moved, Finished::Moved]);
+    assert_eq!(
+        calls_of(&redis, "xpending") - fences,
+        2,
+        "the range, then the one it left out"
+    );
+    assert_eq!(state(&store, "r099").await, Some(RecordState::Done));
+    // w2's delivery is still live.
+    assert_eq!(
+        store
+            .finish(JOB, &taken, &Finish::Commit(result_for(&taken)))
+            .await
+            .unwrap(),
+        Finished::Moved
+    );
+    assert_eq!(
+        pending(&redis),
+        100 - 5,
+        "the settled ones acknowledged, the rest still w1's"
+    );
+}
+
 #[tokio::test]
 async fn a_budget_reserves_within_its_cap_waits_for_room_and_halts_only_when_nothing_could_make_room() {
     use common::store::Reserved;

@@ -138,6 +138,41 @@ end
 for field, n in pairs(spend) do
   redis.call('HINCRBY', KEYS[9], field, n)
 end
+-- The fence of every entry of the call at once when there are several, all
+-- delivered to one consumer (a worker's own call): one XPENDING of that
+-- consumer's entries over their range. An entry it did not return is not
+-- that consumer's, unless the reply was cut at its count (the range held
+-- many more of the consumer's entries): then it is read alone.
+local fence, fenced_all = {}, false
+do
+  local consumer, lo, hi, n = nil, nil, nil, 0
+  local function before(a, b)
+    local am, as = string.match(a, '^(%d+)-(%d+)$')
+    local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+    am, bm = tonumber(am), tonumber(bm)
+    return am < bm or (am == bm and tonumber(as) < tonumber(bs))
+  end
+  for i = 2, #ARGV, 11 do
+    local entry = ARGV[i]
+    if entry ~= '' then
+      if consumer ~= nil and consumer ~= ARGV[i + 5] then
+        n = 0
+        break
+      end
+      consumer, n = ARGV[i + 5], n + 1
+      if lo == nil or before(entry, lo) then lo = entry end
+      if hi == nil or before(hi, entry) then hi = entry end
+    end
+  end
+  if n > 1 then
+    local count = 2 * n + 64
+    local got = redis.call('XPENDING', stream, group, lo, hi, count, consumer)
+    for _, e in ipairs(got) do
+      fence[e[1]] = e
+    end
+    fenced_all = #got < count
+  end
+end
 for i = 2, #ARGV, 11 do
   local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local audit = mode == 'commit_audit'
@@ -150,7 +185,10 @@ for i = 2, #ARGV, 11 do
   if held then
     live = redis.call('HDEL', KEYS[12], rid) == 1
   else
-    local owner = not acked[entry] and redis.call('XPENDING', stream, group, entry, entry, 1)[1]
+    local owner = false
+    if not acked[entry] then
+      owner = fence[entry] or (not fenced_all and redis.call('XPENDING', stream, group, entry, entry, 1)[1])
+    end
     live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
   end
   if live then

@@ -50,7 +50,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want = tonumber(ARGV[9])
 local burst, lease, ahead = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[13])
-local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws', 'qt')
+local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws', 'qt',
+  'seq', 'reserved')
 local pause = tonumber(s[6]) or 0
 if now < pause then
   return {0, pause - now, 1}
@@ -167,21 +168,25 @@ while granted < want do
   granted = granted + 1
   delays[granted] = d
 end
--- One sequence step and one ZADD for all of them.
+-- One sequence step and one ZADD for all of them (the counters written
+-- back with the rest of the hash, below).
 local ids = {}
+local fields = {'at', now}
 if granted > 0 then
-  local last = redis.call('HINCRBY', b, 'seq', granted)
+  local last = (tonumber(s[15]) or 0) + granted
   local members = {}
   for seq = last - granted + 1, last do
-    local id = ARGV[12] .. ':' .. seq .. ':' .. need[2]
+    local id = ARGV[12] .. ':' .. string.format('%d', seq) .. ':' .. need[2]
     ids[#ids + 1] = id
     members[#members + 1] = -(now + lease)
     members[#members + 1] = id
   end
   redis.call('ZADD', inflight, unpack(members))
-  redis.call('HINCRBY', b, 'reserved', granted * need[2])
+  fields[#fields + 1] = 'seq'
+  fields[#fields + 1] = string.format('%d', last)
+  fields[#fields + 1] = 'reserved'
+  fields[#fields + 1] = string.format('%d', (tonumber(s[16]) or 0) + granted * need[2])
 end
-local fields = {'at', now}
 if why == 1 then
   fields[#fields + 1] = 'qt'
   fields[#fields + 1] = now + wait

@@ -52,7 +52,7 @@
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw', 'qn', 'qt'}
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw', 'qn', 'qt', 'settled'}
 local got = redis.call('HMGET', b, unpack(names))
 -- The hash as it is now, changed here and written back once at the end
 -- (numbers turn back into text once, there).
@@ -183,6 +183,9 @@ for g = 1, #ARGV, 13 do
 end
 local waiting = 0
 if dirty['cw'] and h['cw'] == false then waiting = 1 end
+if settled > 0 then
+  set('settled', string.format('%d', (tonumber(h['settled']) or 0) + settled))
+end
 -- Written back: changed fields set, dropped ones (a learned limit that
 -- reached the spec's ceiling) deleted.
 local fields, gone = {}, {}
@@ -198,6 +201,5 @@ for _, name in ipairs(names) do
 end
 if #fields > 0 then redis.call('HSET', b, unpack(fields)) end
 if #gone > 0 then redis.call('HDEL', b, unpack(gone)) end
-if settled > 0 then redis.call('HINCRBY', b, 'settled', settled) end
 out[#out + 1] = waiting
 return out
