@@ -11,7 +11,7 @@ pick instead (#32 item 4), on one redis-server in one run, alternating.
   worker with a processor that does nothing, same concurrency.
 
 Each side's drain is timed from its worker's start to its last record
-(polled every 50 ms) and costed from `INFO` deltas over the same span:
+(polled every 50 ms on one connection) and costed from `INFO` deltas over the same span:
 Redis CPU (user + system) and commands (script-inner ones included) per
 record. The server is emptied (FLUSHALL) before each run; ROUNDS (default
 2) rounds of the pair. Reported: records/s, Redis CPU and commands per
@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import (BIN, ROOT, redis_cli, redis_commands, redis_cpu, start_redis, start_sim, write_records)
+from benchlib import (BIN, ROOT, Poll, redis_cli, redis_commands, redis_cpu, start_redis, start_sim, write_records)
 
 N = int(os.environ.get("N", "20000"))
 CONC = int(os.environ.get("CONCURRENCY", "50"))
@@ -54,11 +54,8 @@ def spec(tmp):
     return path
 
 
-def done(url):
-    port = url.rsplit(":", 1)[1]
-    out = subprocess.run(["redis-cli", "-p", port], input="".join(
-        f"HLEN bf:{{q:p{p}}}:results\n" for p in range(4)), capture_output=True, text=True).stdout
-    return sum(int(x) for x in out.split())
+def done(poll):
+    return sum(poll.ints(*(f"HLEN bf:{{q:p{p}}}:results" for p in range(4))))
 
 
 def measured(url, start, finished):
@@ -79,8 +76,10 @@ def ours(tmp, url, addr, data, job_spec):
     start = lambda: subprocess.Popen([os.path.join(BIN, "worker"), "--redis", url, "--job", "q", "--drain",
                                       "--concurrency", str(CONC), "--base-url", addr + "/v1",
                                       "--metrics-addr", "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL, stderr=log)
-    proc, cost = measured(url, start, lambda p: done(url) >= N or p.poll() is not None)
-    assert done(url) >= N, f"the worker stopped before the end, see {log.name}"
+    poll = Poll(url)
+    proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None)
+    assert done(poll) >= N, f"the worker stopped before the end, see {log.name}"
+    poll.close()
     proc.wait()
     return cost
 
