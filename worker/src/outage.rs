@@ -32,16 +32,17 @@ pub struct OutageWatch {
     since_ms: AtomicU64,
     /// When this worker last told the fleet it got an answer.
     answer_noted: Mutex<Option<Instant>>,
-    /// The record whose call is the probe this worker is sending.
-    probe: Mutex<Option<String>>,
+    /// The record whose call is the probe this worker is sending, and when
+    /// its lease was taken.
+    probe: Mutex<Option<(String, Instant)>>,
     /// While down: when to ask the fleet for the probe's lease again: when
     /// Redis last said the next probe may start (a wake-up does not ask
     /// sooner; the worker whose probe fails learns the next time from its
     /// failure's answer, the others when a probe's lease or wait ends).
     next_probe: Mutex<Option<Instant>>,
-    /// Counts this worker's probes that ended: an answer Redis gave while
-    /// one was out, or that raced its end, named that probe's own lease
-    /// and is not kept in `next_probe`.
+    /// Counts this worker's probes that ended: an answer Redis gave that
+    /// raced a probe's end named that probe's own lease and is not kept in
+    /// `next_probe`.
     probes_ended: AtomicU64,
 }
 
@@ -245,10 +246,8 @@ impl OutageWatch {
         {
             return Ok(Err(at - now));
         }
-        // This worker's own probe is out: its lease is the fleet's until it
-        // ends, and its end wakes the claimer (Redis is not asked meanwhile).
-        if self.probe.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-            return Ok(Err(lease));
+        if let Some(left) = self.own_probe_out(lease) {
+            return Ok(Err(left));
         }
         let ended = self.probes_ended.load(Ordering::SeqCst);
         let taken = store.outage_probe(job, lease).await?;
@@ -257,6 +256,16 @@ impl OutageWatch {
             *next = taken.err().map(|wait| now + wait);
         }
         Ok(taken)
+    }
+
+    /// While this worker's own probe is out, what is left of its `lease`:
+    /// the lease is the fleet's until the probe ends, and its end wakes the
+    /// claimer (Redis is not asked meanwhile, unless the lease ran out: a
+    /// probe task that never ended).
+    fn own_probe_out(&self, lease: Duration) -> Option<Duration> {
+        let probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, taken) = probe.as_ref()?;
+        lease.checked_sub(taken.elapsed())
     }
 
     /// This worker's probe ended: the next probe's time is `next` from now
@@ -275,12 +284,16 @@ impl OutageWatch {
 
     /// The call for `rid` is this worker's probe.
     pub fn set_probe(&self, rid: &str) {
-        *self.probe.lock().unwrap_or_else(|e| e.into_inner()) = Some(rid.to_owned());
+        *self.probe.lock().unwrap_or_else(|e| e.into_inner()) = Some((rid.to_owned(), Instant::now()));
     }
 
     /// Whether the call for `rid` is this worker's probe.
     pub fn is_probe(&self, rid: &str) -> bool {
-        self.probe.lock().unwrap_or_else(|e| e.into_inner()).as_deref() == Some(rid)
+        self.probe
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|(probe, _)| probe == rid)
     }
 
     /// The probe's call for `rid` came back, or its task ended without one:
@@ -290,7 +303,7 @@ impl OutageWatch {
     /// failure says it (see [`OutageWatch::failed`]).
     pub fn probe_ended(&self, rid: &str) -> bool {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
-        if probe.as_deref() == Some(rid) {
+        if probe.as_ref().is_some_and(|(probe, _)| probe == rid) {
             *probe = None;
             drop(probe);
             self.probe_done(None);
@@ -339,12 +352,28 @@ mod tests {
         assert!(w.is_probe("r1") && !w.is_probe("r2"));
         assert!(!w.probe_ended("r2"));
         assert_eq!(*w.next_probe.lock().unwrap(), Some(lease_end), "not its probe");
+        let lease = Duration::from_secs(40);
+        assert!(w.own_probe_out(lease).is_some_and(|left| left <= lease));
         assert!(w.probe_ended("r1"));
         assert!(!w.is_probe("r1"));
+        assert_eq!(w.own_probe_out(lease), None, "no probe out");
         assert_eq!(
             *w.next_probe.lock().unwrap(),
             None,
             "its probe came back: the fleet is asked for the next one's time at once"
         );
+    }
+
+    #[test]
+    fn a_probe_whose_lease_ran_out_no_longer_holds_the_claimer_back() {
+        let w = OutageWatch::new(1, "http://h/v1");
+        w.set_probe("r1");
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            w.own_probe_out(Duration::from_millis(1)),
+            None,
+            "a probe task that outlived its lease: Redis is asked again"
+        );
+        assert!(w.own_probe_out(Duration::from_secs(60)).is_some());
     }
 }
