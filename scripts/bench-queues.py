@@ -77,9 +77,11 @@ def ours(tmp, url, addr, data, job_spec):
                                       "--concurrency", str(CONC), "--base-url", addr + "/v1",
                                       "--metrics-addr", "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL, stderr=log)
     poll = Poll(url)
-    proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None)
-    assert done(poll) >= N, f"the worker stopped before the end, see {log.name}"
-    poll.close()
+    try:
+        proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None)
+        assert done(poll) >= N, f"the worker stopped before the end, see {log.name}"
+    finally:
+        poll.close()
     proc.wait()
     return cost
 

@@ -122,6 +122,19 @@ impl RedisServer {
             .expect("connect to test redis")
     }
 
+    /// How many times the server has run `command` (lower case, e.g.
+    /// `evalsha`, `xinfo|groups`) so far, script-inner calls included.
+    pub fn calls_of(&self, command: &str) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut self.conn())
+            .expect("INFO commandstats");
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|v| v.split(',').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
     /// HLEN of one of a job's partition hashes (`key`, e.g. `keys::results`),
     /// summed over its 4 partitions (the example spec's).
     pub fn hlen_sum(&self, job: &str, key: fn(&str, u32) -> String) -> u64 {

@@ -723,15 +723,6 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
     assert_eq!(e.state_at_claim, Some(Some(RecordState::Queued)));
 }
 
-/// How many times Redis has run `command` (lower case), script-inner calls included.
-fn calls_of(redis: &RedisServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|v| v.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 /// A worker's call settling several of its own deliveries reads their
 /// fences together (one `XPENDING` over their range, for that consumer),
 /// and each is still decided as if alone: one taken over by another worker
@@ -764,7 +755,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
         commit(&ds[1]),
         commit(&ds[4]),
     ];
-    let fences = calls_of(&redis, "xpending");
+    let fences = redis.calls_of("xpending");
     let done: Vec<Finished> = store
         .finish_many(JOB, &items)
         .await
@@ -781,11 +772,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
             Finished::Moved
         ]
     );
-    assert_eq!(
-        calls_of(&redis, "xpending") - fences,
-        1,
-        "one read for the call's fences"
-    );
+    assert_eq!(redis.calls_of("xpending") - fences, 1, "one read for the call's fences");
     assert_eq!(state(&store, "r001").await, Some(RecordState::Done));
     assert_eq!(
         state(&store, "r002").await,
@@ -794,9 +781,9 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
     );
     assert_eq!(state(&store, "r003").await, Some(RecordState::Queued), "w2's now");
     assert_eq!(state(&store, "r004").await, Some(RecordState::Done));
-    // The first and the last of w1's entries: 96 of its own lie between
+    // The first and the last of w1's entries: 95 still its own lie between
     // them, more than the read returns for two; the last is read alone.
-    let fences = calls_of(&redis, "xpending");
+    let fences = redis.calls_of("xpending");
     let items = [commit(&ds[0]), commit(&ds[99])];
     let done: Vec<Finished> = store
         .finish_many(JOB, &items)
@@ -806,7 +793,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
         .collect();
     assert_eq!(done, [Finished::Moved, Finished::Moved]);
     assert_eq!(
-        calls_of(&redis, "xpending") - fences,
+        redis.calls_of("xpending") - fences,
         2,
         "the range, then the one it left out"
     );

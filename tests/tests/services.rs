@@ -167,15 +167,6 @@ async fn a_dead_consumers_task_is_taken_over_exactly_once_and_a_busy_ones_is_not
     assert_eq!(a.reclaim_backlog.load(Ordering::Relaxed), 0);
 }
 
-/// How many times Redis has run `command` (lower case) so far, script-inner calls included.
-fn calls_of(redis: &RedisServer, command: &str) -> u64 {
-    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut redis.conn()).unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
-        .and_then(|v| v.split(',').next()?.parse().ok())
-        .unwrap_or(0)
-}
-
 /// An idle poll (a claimer's wait that ended with no wake-up) asks whether
 /// a partition may hold undelivered tasks (`XINFO GROUPS`, its lag) before
 /// it asks the limiter for a grant: with none, no script runs. The lag
@@ -201,14 +192,10 @@ async fn an_idle_poll_asks_no_grant_unless_a_partition_may_hold_work() {
     for _ in 0..3 {
         claimer.run_once().await;
     }
-    let (scripts, lags) = (calls_of(&redis, "evalsha"), calls_of(&redis, "xinfo|groups"));
+    let (scripts, lags) = (redis.calls_of("evalsha"), redis.calls_of("xinfo|groups"));
     claimer.run_once().await;
-    assert_eq!(calls_of(&redis, "evalsha"), scripts, "no grant asked for nothing");
-    assert_eq!(
-        calls_of(&redis, "xinfo|groups"),
-        lags + 1,
-        "the lag of the one partition"
-    );
+    assert_eq!(redis.calls_of("evalsha"), scripts, "no grant asked for nothing");
+    assert_eq!(redis.calls_of("xinfo|groups"), lags + 1, "the lag of the one partition");
 }
 
 /// The watcher reads the flags on a wake-up and otherwise every
@@ -222,7 +209,7 @@ async fn the_watcher_reads_the_flags_on_a_wake_up_not_every_round() {
     let _dir = job(&redis, 1);
     let f = fleet(&redis, &sim, "a").await;
     let mut watcher = Watcher::new(f.clone());
-    let flags = || calls_of(&redis, "mget");
+    let flags = || redis.calls_of("mget");
     let before = flags();
     // Reads them, then waits its period (10 s) for a wake-up that does not come.
     watcher.run_once().await;
@@ -251,25 +238,25 @@ async fn a_rescuer_looks_at_a_partition_with_nothing_pending_once_a_visibility_t
     let f = fleet(&redis, &sim, "a").await;
     f.own_pending_read.store(true, Ordering::Relaxed);
     let mut rescuer = Rescuer::new(f.clone());
-    let before = calls_of(&redis, "xpending");
+    let before = redis.calls_of("xpending");
     assert_eq!(rescuer.rescue_round().await, 0);
     assert_eq!(
-        calls_of(&redis, "xpending") - before,
+        redis.calls_of("xpending") - before,
         1,
         "one summary of the one partition"
     );
     assert_eq!(rescuer.rescue_round().await, 0);
-    assert_eq!(calls_of(&redis, "xpending") - before, 1, "not looked at again");
+    assert_eq!(redis.calls_of("xpending") - before, 1, "not looked at again");
 
     // Another rescuer (another worker) finds a task pending, not overdue:
     // it looks every round, and takes nothing.
     read_as(&redis, "busy", 1);
     let mut other = Rescuer::new(f.clone());
-    let before = calls_of(&redis, "xpending");
+    let before = redis.calls_of("xpending");
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(
-        calls_of(&redis, "xpending") - before,
+        redis.calls_of("xpending") - before,
         4,
         "the summary and the overdue scan, twice"
     );
@@ -402,7 +389,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
         completion_tokens: Some(5),
         ..Used::default()
     };
-    let scripts = calls_of(&redis, "evalsha");
+    let scripts = redis.calls_of("evalsha");
     let first = {
         let (l, g) = (limiter.clone(), grants.pop().unwrap());
         tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
@@ -417,7 +404,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     limiter.settle(g, &refused, &RateHeaders::default()).await.unwrap();
     first.await.unwrap().unwrap();
     assert_eq!(in_flight(), 2, "the 429's settlement went at once with the waiting one");
-    assert_eq!(calls_of(&redis, "evalsha"), scripts + 1, "in one script call");
+    assert_eq!(redis.calls_of("evalsha"), scripts + 1, "in one script call");
 
     // The provider's headers say its budget is nearly spent (under the 2 s
     // of its limit the buckets may hold): a figure that must be fresh.
@@ -440,7 +427,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     let mut listener = worker::wake::Listener::new(f.clone(), own, cursor);
     f.store.wake(limiter.id(), common::store::Wake::Slot).await;
     listener.run_once().await;
-    let scripts = calls_of(&redis, "evalsha");
+    let scripts = redis.calls_of("evalsha");
     let settling = {
         let (l, g) = (limiter.clone(), grants.pop().unwrap());
         tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
@@ -452,7 +439,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
         "with slots holding the fleet back, an answered call's slot is freed at once"
     );
     settling.await.unwrap().unwrap();
-    assert_eq!(calls_of(&redis, "evalsha"), scripts + 1);
+    assert_eq!(redis.calls_of("evalsha"), scripts + 1);
 }
 
 /// A claim round gives the grants it did not use back at once, together
@@ -478,7 +465,7 @@ async fn a_claim_round_gives_its_unused_grants_back_at_once_in_one_call() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let (granted, scripts) = (limiter.report().await.unwrap().grants, calls_of(&redis, "evalsha"));
+    let (granted, scripts) = (limiter.report().await.unwrap().grants, redis.calls_of("evalsha"));
     // Nothing left to claim: the round's grants all go back.
     assert_eq!(claimer.claim_round().await.claimed, 0);
     let taken = limiter.report().await.unwrap().grants - granted;
@@ -486,7 +473,7 @@ async fn a_claim_round_gives_its_unused_grants_back_at_once_in_one_call() {
     assert_eq!(in_flight(), 0, "the round returned with its grants back");
     assert!(f.tracker.is_empty(), "nothing of the round left on the tracker");
     assert_eq!(
-        calls_of(&redis, "evalsha"),
+        redis.calls_of("evalsha"),
         scripts + 2,
         "one acquire, and one settle for all of them"
     );
@@ -566,14 +553,14 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     let _: () = redis.conn().hset(&outage, "probe_at", 0).unwrap();
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 1, "the probe, alone");
-    let (scripts, woken) = (calls_of(&redis, "evalsha"), wakes());
+    let (scripts, woken) = (redis.calls_of("evalsha"), wakes());
 
     // Its own probe is out: the lease is its own, Redis is not asked.
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 0);
     assert!(round.probe_wait.is_some(), "{:?}", round.probe_wait);
     assert_eq!(
-        calls_of(&redis, "evalsha"),
+        redis.calls_of("evalsha"),
         scripts,
         "no lease asked while its own probe is out"
     );
@@ -591,7 +578,7 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
 
     // The failure said when the next probe may start (2 s after it): the
     // next round waits for that without asking.
-    let scripts = calls_of(&redis, "evalsha");
+    let scripts = redis.calls_of("evalsha");
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 0);
     let wait = round.probe_wait.expect("waits for the next probe");
@@ -600,7 +587,7 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
         "{wait:?} (the next probe at {probe_at}, the outage down since {down_ms})"
     );
     assert_eq!(
-        calls_of(&redis, "evalsha"),
+        redis.calls_of("evalsha"),
         scripts,
         "the next probe's time was not asked for"
     );

@@ -33,7 +33,7 @@ pub struct OutageWatch {
     /// When this worker last told the fleet it got an answer.
     answer_noted: Mutex<Option<Instant>>,
     /// The record whose call is the probe this worker is sending, and when
-    /// its lease was taken.
+    /// it was claimed (just after its lease was taken).
     probe: Mutex<Option<(String, Instant)>>,
     /// While down: when to ask the fleet for the probe's lease again: when
     /// Redis last said the next probe may start (a wake-up does not ask
@@ -167,19 +167,26 @@ impl OutageWatch {
             message,
             base_url: &self.base_url,
             worker,
-            probe: self.probe_ended(rid),
+            probe: self.is_probe(rid),
         };
-        let probe = call.probe;
         let noted = queue.provider_failed(&call, &self.rules).await?;
-        if probe {
-            // Redis now holds the next probe's time, and said it: kept (an
-            // answer to an ask that raced this, naming the lease, is not).
+        if call.probe {
+            // The probe ends once Redis holds the next probe's time, and
+            // said it: kept (the claimer asks nothing while the probe is
+            // out; should the store fail, the task's end gives the lease
+            // back instead).
             let next = (noted.next_probe_ms > 0)
                 .then(|| Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms)));
-            self.probe_done(next);
+            self.end_probe(rid, next);
         }
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
         if noted.state == Provider::Up {
+            if self.is_down() {
+                // The outage ended and this worker had not heard yet: what
+                // it decides for this record is decided with the provider up.
+                *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                self.set(job, false, since_ms, || "another worker's call was answered".to_owned());
+            }
             return Ok((noted.answered_ms, None));
         }
         let since = common::manifest::rfc3339(since_ms / 1000);
@@ -268,15 +275,6 @@ impl OutageWatch {
         lease.checked_sub(taken.elapsed())
     }
 
-    /// This worker's probe ended: the next probe's time is `next` from now
-    /// when the failure's answer said it, else asked afresh (under
-    /// `next_probe`'s lock: an answer racing this is not kept).
-    fn probe_done(&self, next: Option<Duration>) {
-        let mut at = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
-        self.probes_ended.fetch_add(1, Ordering::SeqCst);
-        *at = next.map(|wait| Instant::now() + wait);
-    }
-
     /// The probe's lease found no task to send: given back.
     pub async fn no_probe(&self, store: &RedisStore, job: &str) -> Result<(), StoreError> {
         store.outage_unprobe(job).await
@@ -302,14 +300,23 @@ impl OutageWatch {
     /// the next probe's time at the next claim round, unless the probe's
     /// failure says it (see [`OutageWatch::failed`]).
     pub fn probe_ended(&self, rid: &str) -> bool {
+        self.end_probe(rid, None)
+    }
+
+    /// [`OutageWatch::probe_ended`]: the next probe's time is `next` from
+    /// now when the probe's failure said it, else asked afresh (under
+    /// `next_probe`'s lock: an answer racing this is not kept).
+    fn end_probe(&self, rid: &str, next: Option<Duration>) -> bool {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
-        if probe.as_ref().is_some_and(|(probe, _)| probe == rid) {
-            *probe = None;
-            drop(probe);
-            self.probe_done(None);
-            return true;
+        if probe.as_ref().is_none_or(|(probe, _)| probe != rid) {
+            return false;
         }
-        false
+        *probe = None;
+        drop(probe);
+        let mut at = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+        self.probes_ended.fetch_add(1, Ordering::SeqCst);
+        *at = next.map(|wait| Instant::now() + wait);
+        true
     }
 }
 
@@ -375,5 +382,30 @@ mod tests {
             "a probe task that outlived its lease: Redis is asked again"
         );
         assert!(w.own_probe_out(Duration::from_secs(60)).is_some());
+    }
+
+    /// A worker that still takes the provider for down learns from its
+    /// next failure that the fleet does not (the outage ended and its
+    /// wake-up had not reached it): the record it settles is settled with
+    /// the provider up (a retry that wakes the fleet, not a requeue for a
+    /// probe that will never come).
+    #[tokio::test]
+    async fn a_failure_the_fleet_takes_for_up_ends_a_stale_outage_view() {
+        let queue = crate::queue::MemoryQueue::new();
+        let w = OutageWatch::new(60_000, "http://h/v1");
+        w.set("j", true, 5, String::new);
+        let err = CallError {
+            kind: ErrorKind::Transient,
+            cause: "http_503".into(),
+            status: Some(503),
+            retry_after_ms: None,
+            message: None,
+        };
+        let (_, halt) = w
+            .failed(&queue, "j", "r1", &err, Duration::from_millis(5), "w1")
+            .await
+            .unwrap();
+        assert_eq!(halt, None);
+        assert!(!w.is_down(), "one failure is no outage for the fleet");
     }
 }

@@ -994,9 +994,10 @@ async fn apply(
             );
             // Due at once (a failed probe while the provider is down, a
             // refused response format, a backoff of 0): back on the stream
-            // (the fleet woken), not through the delayed set. A failed
-            // probe's record wakes no one: only the next probe takes it,
-            // on its own time (with a fallback, the fallback may take it).
+            // (the fleet woken), not through the delayed set. While the
+            // provider is down (a failed probe) it wakes no one: only the
+            // next probe takes it, on its own time (with a fallback, the
+            // fallback may take it).
             let due_ms = if delay_ms == 0 { 0 } else { now_ms() + delay_ms };
             let how = if due_ms == 0 && job.outage.is_down() && job.fallback.is_none() {
                 Finish::Requeue(task)

@@ -29,8 +29,10 @@ pub enum Finish {
         task: Task,
     },
     /// Back on the stream at once as a retry due at 0 is, the fleet not
-    /// woken: a probe that failed while the provider is down (no worker
-    /// takes it but the next probe, which goes on its own time).
+    /// woken: a record due at once while the provider is taken for down
+    /// and the job has no fallback (a failed probe, a call that was out
+    /// when the outage began): no worker takes it but the next probe,
+    /// which goes on its own time.
     Requeue(Task),
     Review(ReviewEntry),
     /// An input error: never retried.

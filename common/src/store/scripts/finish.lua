@@ -49,7 +49,8 @@
 --          task; review: the encoded entry; drop: the reason (passed through unread),
 --   retry: due time, Unix ms (0: at once, back on the stream as a new entry
 --          without a trip through the delayed set, the caller wakes the
---          fleet; unused otherwise),
+--          fleet unless the provider is taken for down and only a probe
+--          takes it; unused otherwise),
 --   the consumer the entry was delivered to, its delivery count at that delivery,
 --   the paid call it made: its key ('' when none), its encoding, and what it
 --   adds to the spend (`bucket prompt cached completion nano-USD estimated`,
@@ -165,12 +166,12 @@ do
     end
   end
   if n > 1 then
-    local count = 2 * n + 64
-    local got = redis.call('XPENDING', stream, group, lo, hi, count, consumer)
+    local limit = 2 * n + 64
+    local got = redis.call('XPENDING', stream, group, lo, hi, limit, consumer)
     for _, e in ipairs(got) do
       fence[e[1]] = e
     end
-    fenced_all = #got < count
+    fenced_all = #got < limit
   end
 end
 for i = 2, #ARGV, 11 do

@@ -51,7 +51,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want = tonumber(ARGV[9])
 local burst, lease, ahead = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[13])
 local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws', 'qt',
-  'seq', 'reserved')
+  'seq', 'reserved', 'settled')
 local pause = tonumber(s[6]) or 0
 if now < pause then
   return {0, pause - now, 1}
@@ -129,14 +129,14 @@ if first > ahead then
   end
   return {0, at - now, 1}
 end
--- Expired grants (their worker died): their tokens count as used.
+-- Expired grants (their worker died): their tokens count as used (the
+-- `settled` counter written with the rest of the hash, below).
+local expired_tokens = 0
 local expired = redis.call('ZRANGE', inflight, '+inf', -now, 'BYSCORE', 'REV')
 if #expired > 0 then
-  local gone = 0
   for _, id in ipairs(expired) do
-    gone = gone + (tonumber(string.match(id, ':(%d+)$')) or 0)
+    expired_tokens = expired_tokens + (tonumber(string.match(id, ':(%d+)$')) or 0)
   end
-  redis.call('HINCRBY', b, 'settled', gone)
   redis.call('ZREMRANGEBYSCORE', inflight, -now, '+inf')
 end
 local maxc = tonumber(ARGV[5])
@@ -186,6 +186,10 @@ if granted > 0 then
   fields[#fields + 1] = string.format('%d', last)
   fields[#fields + 1] = 'reserved'
   fields[#fields + 1] = string.format('%d', (tonumber(s[16]) or 0) + granted * need[2])
+end
+if expired_tokens > 0 then
+  fields[#fields + 1] = 'settled'
+  fields[#fields + 1] = string.format('%d', (tonumber(s[17]) or 0) + expired_tokens)
 end
 if why == 1 then
   fields[#fields + 1] = 'qt'
