@@ -655,6 +655,16 @@ async fn sink_ack_takes_written_results_out_of_redis_once_and_keeps_the_origin_i
     );
 }
 
+/// The outcomes of `items` settled in one `finish_many`.
+async fn finished(store: &RedisStore, items: &[Finishing]) -> Vec<Finished> {
+    store
+        .finish_many(JOB, items)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
 #[tokio::test]
 async fn outcomes_finished_together_are_each_decided_as_if_alone() {
     let redis = RedisServer::start();
@@ -690,12 +700,7 @@ async fn outcomes_finished_together_are_each_decided_as_if_alone() {
             },
         ),
     ];
-    let done: Vec<Finished> = store
-        .finish_many(JOB, &items)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let done = finished(&store, &items).await;
     assert_eq!(
         done,
         [
@@ -756,12 +761,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
         commit(&ds[4]),
     ];
     let fences = redis.calls_of("xpending");
-    let done: Vec<Finished> = store
-        .finish_many(JOB, &items)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let done = finished(&store, &items).await;
     assert_eq!(
         done,
         [
@@ -785,12 +785,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
     // them, more than the read returns for two; the last is read alone.
     let fences = redis.calls_of("xpending");
     let items = [commit(&ds[0]), commit(&ds[99])];
-    let done: Vec<Finished> = store
-        .finish_many(JOB, &items)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let done = finished(&store, &items).await;
     assert_eq!(done, [Finished::Moved, Finished::Moved]);
     assert_eq!(
         redis.calls_of("xpending") - fences,

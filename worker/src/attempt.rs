@@ -8,7 +8,7 @@ use common::decision::{Decision, Outcome};
 use common::ledger::PaidCall;
 use common::otel::{Span, SpanKind};
 use common::store::{Finish, Finished, StoreError};
-use common::task::{Delivery, Trail, Usage};
+use common::task::{Delivery, Task, Trail, Usage};
 use common::template::lookup;
 use common::validate::FieldError;
 use serde_json::{Map, Value};
@@ -155,6 +155,30 @@ pub struct Settle<'a> {
 }
 
 impl Settle<'_> {
+    /// Stores a retry `delay_ms` from now. Due at once (a failed probe while
+    /// the provider is down, a refused response format, a backoff of 0): back
+    /// on the stream (the fleet woken), not through the delayed set; while
+    /// the provider is down (a failed probe) it wakes no one: only the next
+    /// probe takes it, on its own time (with a fallback, the fallback may).
+    pub async fn retry(&self, task: Task, delay_ms: u64, called: bool) -> Result<Settled, StoreError> {
+        let job = self.job;
+        let due_ms = if delay_ms == 0 {
+            0
+        } else {
+            crate::clock::now_ms() + delay_ms
+        };
+        let how = if due_ms == 0 && job.outage.is_down() && job.fallback.is_none() {
+            Finish::Requeue(task)
+        } else {
+            Finish::Retry { due_ms, task }
+        };
+        let settled = self.store(how, Settled::Retried, called).await;
+        if due_ms > 0 {
+            self.limits.retry_scheduled.notify_one();
+        }
+        settled
+    }
+
     pub async fn store(&self, how: Finish, then: Settled, called: bool) -> Result<Settled, StoreError> {
         let Settle {
             job,

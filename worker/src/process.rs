@@ -992,23 +992,7 @@ async fn apply(
                 feedback.unwrap_or_default(),
                 history,
             );
-            // Due at once (a failed probe while the provider is down, a
-            // refused response format, a backoff of 0): back on the stream
-            // (the fleet woken), not through the delayed set. While the
-            // provider is down (a failed probe) it wakes no one: only the
-            // next probe takes it, on its own time (with a fallback, the
-            // fallback may take it).
-            let due_ms = if delay_ms == 0 { 0 } else { now_ms() + delay_ms };
-            let how = if due_ms == 0 && job.outage.is_down() && job.fallback.is_none() {
-                Finish::Requeue(task)
-            } else {
-                Finish::Retry { due_ms, task }
-            };
-            let settled = settle.store(how, Settled::Retried, called).await;
-            if due_ms > 0 {
-                limits.retry_scheduled.notify_one();
-            }
-            settled
+            settle.retry(task, delay_ms, called).await
         }
         Decision::Review { reason } => {
             let review = ReviewFacts {
