@@ -351,6 +351,17 @@ async fn settle_some(f: &Fleet, n: usize) {
     }
 }
 
+/// Settles `g` on a task of its own (a settlement may wait for others).
+fn settle_in_background(
+    limiter: &Arc<worker::limiter::Limiter>,
+    g: worker::limiter::Grant,
+    used: worker::limiter::Used,
+    headers: worker::limiter::RateHeaders,
+) -> tokio::task::JoinHandle<Result<(), common::store::StoreError>> {
+    let limiter = limiter.clone();
+    tokio::spawn(async move { limiter.settle(g, &used, &headers).await })
+}
+
 /// The grants of `limiter` that hold a slot in Redis.
 fn grants_in_flight(redis: &RedisServer, limiter: &worker::limiter::Limiter) -> u64 {
     redis.conn().zcard(keys::limit_inflight(limiter.id())).unwrap()
@@ -390,10 +401,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
         ..Used::default()
     };
     let scripts = redis.calls_of("evalsha");
-    let first = {
-        let (l, g) = (limiter.clone(), grants.pop().unwrap());
-        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
-    };
+    let first = settle_in_background(&limiter, grants.pop().unwrap(), answered, RateHeaders::default());
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(in_flight(), 4, "an answered call's settlement waits for others");
     let refused = Used {
@@ -413,10 +421,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
         remaining_requests: Some(3),
         ..RateHeaders::default()
     };
-    let settling = {
-        let (l, g) = (limiter.clone(), grants.pop().unwrap());
-        tokio::spawn(async move { l.settle(g, &answered, &nearly_spent).await })
-    };
+    let settling = settle_in_background(&limiter, grants.pop().unwrap(), answered, nearly_spent);
     freed_within_150ms(&in_flight, 1).await;
     assert_eq!(in_flight(), 1, "a nearly spent budget's settlement goes at once");
     settling.await.unwrap().unwrap();
@@ -428,10 +433,7 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     f.store.wake(limiter.id(), common::store::Wake::Slot).await;
     listener.run_once().await;
     let scripts = redis.calls_of("evalsha");
-    let settling = {
-        let (l, g) = (limiter.clone(), grants.pop().unwrap());
-        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
-    };
+    let settling = settle_in_background(&limiter, grants.pop().unwrap(), answered, RateHeaders::default());
     freed_within_150ms(&in_flight, 0).await;
     assert_eq!(
         in_flight(),
@@ -497,10 +499,7 @@ async fn with_a_concurrency_cap_an_answered_calls_slot_is_freed_at_once() {
         completion_tokens: Some(5),
         ..Used::default()
     };
-    let settling = {
-        let (l, g) = (limiter.clone(), grants.pop().unwrap());
-        tokio::spawn(async move { l.settle(g, &answered, &RateHeaders::default()).await })
-    };
+    let settling = settle_in_background(&limiter, grants.pop().unwrap(), answered, RateHeaders::default());
     freed_within_150ms(&in_flight, 0).await;
     assert_eq!(in_flight(), 0, "the slot is freed at once");
     settling.await.unwrap().unwrap();

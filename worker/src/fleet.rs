@@ -419,10 +419,7 @@ impl HeldGrants {
 
     /// Gives back the grants not used, at once and together (one call).
     pub async fn release(mut self, fleet: &Fleet) {
-        let grants = std::mem::take(&mut self.grants);
-        if !grants.is_empty()
-            && let Err(e) = self.limiter.release_now(grants).await
-        {
+        if let Err(e) = self.limiter.release_now(std::mem::take(&mut self.grants)).await {
             fleet.store_error(&e).await;
         }
     }

@@ -183,9 +183,13 @@ impl OutageWatch {
         if noted.state == Provider::Up {
             if self.is_down() {
                 // The outage ended and this worker had not heard yet: what
-                // it decides for this record is decided with the provider up.
-                *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                self.set(job, false, since_ms, || "another worker's call was answered".to_owned());
+                // it decides for this record is decided with the provider
+                // up, as the watcher would have it.
+                let up = ProviderOutage {
+                    since_ms,
+                    ..ProviderOutage::default()
+                };
+                self.from_redis(job, &up);
             }
             return Ok((noted.answered_ms, None));
         }
