@@ -446,3 +446,79 @@ async fn a_ledger_left_to_expire_persists_again_when_a_call_is_recorded() {
         "a call recorded without an outcome: both persist"
     );
 }
+
+/// While the provider's rate paces the worker, outcomes that settle a
+/// record for good wait a moment for each other and share one script call
+/// (one record's call runs the counters and the ack alone); one that puts
+/// a record back on the stream goes at once and takes the waiting ones
+/// with it. A worker the rate does not hold back stores each at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_workers_outcomes_share_a_call_and_a_retry_sends_them_at_once() {
+    use std::sync::Arc;
+    use worker::limiter::Lately;
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    store.prepare_job(JOB, "", 1, false).await.unwrap();
+    let bed = Bed::Redis {
+        _server: server,
+        store: store.clone(),
+        queue: RedisQueue::new(&store, JOB),
+    };
+    for rid in ["p1", "p2", "p3", "p4"] {
+        bed.enqueue(rid).await;
+    }
+    let (d1, d2, d3) = (
+        bed.deliver("w1").await,
+        bed.deliver("w1").await,
+        bed.deliver("w1").await,
+    );
+    let d4 = bed.deliver("w1").await;
+    let paced = Arc::new(Lately::new());
+    paced.mark();
+    let queue = Arc::new(RedisQueue::paced(&store, JOB, paced));
+    let Bed::Redis { _server: server, .. } = &bed else {
+        unreachable!()
+    };
+    let scripts = server.calls_of("evalsha");
+    let drop_one = |q: &Arc<RedisQueue>, d: Delivery| {
+        let q = q.clone();
+        tokio::spawn(async move { q.finish(&d, &Finish::Drop { reason: "x".into() }, None, false).await })
+    };
+    let first = drop_one(&queue, d1);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        bed.state("p1").await,
+        Some(RecordState::Queued),
+        "a paced drop waits for others"
+    );
+    let second = drop_one(&queue, d2);
+    let retry = Finish::Retry {
+        due_ms: 0,
+        task: d3.task.next(1, 1, vec![], vec![]),
+    };
+    assert_eq!(queue.finish(&d3, &retry, None, false).await.unwrap(), Finished::Moved);
+    for waiting in [first, second] {
+        assert_eq!(waiting.await.unwrap().unwrap(), Finished::Moved);
+    }
+    assert_eq!(bed.state("p1").await, Some(RecordState::Dropped("x".into())));
+    assert_eq!(bed.state("p3").await, Some(RecordState::Queued), "back on the stream");
+    assert_eq!(
+        server.calls_of("evalsha"),
+        scripts + 1,
+        "the retry went at once, with both drops, in one call"
+    );
+
+    // Not paced: at once.
+    let unpaced = Arc::new(RedisQueue::paced(&store, JOB, Arc::new(Lately::new())));
+    let alone = drop_one(&unpaced, d4);
+    let soon = tokio::time::Instant::now() + Duration::from_millis(150);
+    while bed.state("p4").await == Some(RecordState::Queued) && tokio::time::Instant::now() < soon {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        bed.state("p4").await,
+        Some(RecordState::Dropped("x".into())),
+        "not paced: at once"
+    );
+    alone.await.unwrap().unwrap();
+}

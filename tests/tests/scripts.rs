@@ -1081,6 +1081,49 @@ async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
     );
 }
 
+/// A provider's `remaining` figure tightens the shared buckets as of the
+/// moment it was seen, however long its settlement waited for others: the
+/// level the next acquire computes (the stored one refilled from the
+/// buckets' last refill `at`) is the figure plus what the provider's limit
+/// refilled since it was seen, not plus everything since `at` (a fresh
+/// figure taken as if seen at `at`), nor minus what refilled while it
+/// waited (an old figure taken as if seen now).
+#[tokio::test]
+async fn a_remaining_figure_tightens_the_buckets_as_of_when_it_was_seen() {
+    use std::time::{Duration, Instant};
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut c = redis.conn();
+    let now_ms = |c: &mut redis::Connection| -> f64 {
+        let (s, us): (u64, u64) = redis::cmd("TIME").query(c).unwrap();
+        (s * 1000) as f64 + us as f64 / 1000.0
+    };
+    // 1,200 requests a minute: 0.02 a ms.
+    for (id, age_ms) in [("fresh", 0u64), ("waited", 500)] {
+        let buckets = keys::limit_buckets(id);
+        // The buckets last refilled a second ago, full.
+        let at = now_ms(&mut c) as u64 - 1000;
+        let _: () = c
+            .hset_multiple(&buckets, &[("r", "40".to_owned()), ("at", at.to_string())])
+            .unwrap();
+        let told = Settlement {
+            header_limit_requests: Some(1200),
+            header_remaining_requests: Some(3),
+            seen: Instant::now().checked_sub(Duration::from_millis(age_ms)),
+            call: CallKind::Answered,
+            ..Settlement::default()
+        };
+        store.limit_settle(id, &format!("{id}:1:0"), &told).await.unwrap();
+        let (r, at): (f64, f64) = (c.hget(&buckets, "r").unwrap(), c.hget(&buckets, "at").unwrap());
+        let level_now = r + (now_ms(&mut c) - at) * 0.02;
+        let expected = 3.0 + age_ms as f64 * 0.02;
+        assert!(
+            (level_now - expected).abs() < 0.5,
+            "{id}: the level now is {level_now:.2}, the figure as of now {expected:.2} (r {r}, at {at})"
+        );
+    }
+}
+
 /// A long outage is probed less often: each failed probe's wait doubles to
 /// `probe_every_max` while the outage is young, then grows with its age (a
 /// twelfth of it, at most six times the cap), as `OutageRules::probe_wait` says.

@@ -376,10 +376,10 @@ async fn freed_within_150ms(in_flight: &impl Fn() -> u64, n: u64) {
     }
 }
 
-/// A grant's settlement that changes nothing at once (an answered call)
+/// A grant's settlement that changes nothing at once (an answered call,
+/// even one whose headers say the provider's budget is nearly spent)
 /// waits a moment for others and shares their script call; a 429 goes at
-/// once and takes the waiting ones with it, and so does one whose headers
-/// say the provider's budget is nearly spent. Once a freed slot's wake-up
+/// once and takes the waiting ones with it. Once a freed slot's wake-up
 /// says the fleet's slots hold some worker back, every settlement goes at
 /// once (a slot is what that worker waits for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -415,7 +415,8 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     assert_eq!(redis.calls_of("evalsha"), scripts + 1, "in one script call");
 
     // The provider's headers say its budget is nearly spent (under the 2 s
-    // of its limit the buckets may hold): a figure that must be fresh.
+    // of its limit the buckets may hold): the figure waits with the rest,
+    // and is applied as of when it was seen (see `scripts.rs`).
     let nearly_spent = RateHeaders {
         limit_requests: Some(1200),
         remaining_requests: Some(3),
@@ -423,8 +424,13 @@ async fn answered_settlements_share_a_call_and_a_429_or_held_slots_send_them_at_
     };
     let settling = settle_in_background(&limiter, grants.pop().unwrap(), answered, nearly_spent);
     freed_within_150ms(&in_flight, 1).await;
-    assert_eq!(in_flight(), 1, "a nearly spent budget's settlement goes at once");
+    assert_eq!(
+        in_flight(),
+        2,
+        "a nearly spent budget's settlement waits for others too"
+    );
     settling.await.unwrap().unwrap();
+    assert_eq!(in_flight(), 1);
 
     // Another worker waited for a slot and a settlement freed one: its wake-up.
     let cursor = f.store.wake_cursor().await.unwrap();

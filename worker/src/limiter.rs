@@ -39,6 +39,9 @@ const SETTLE_LINGER: Duration = Duration::from_millis(250);
 /// How long after the fleet's slots last held a grant back its
 /// settlements still go at once.
 const SLOTS_BOUND_FOR: Duration = Duration::from_secs(10);
+/// How long after the rate last held this worker's grants back it is taken
+/// for throttled ([`Limiter::rate_bound`]).
+pub const RATE_BOUND_FOR: Duration = Duration::from_secs(2);
 
 /// One reservation: a request, its tokens and a concurrency slot, from
 /// `at` on (its call waits until then).
@@ -74,15 +77,51 @@ pub struct Limiter {
     prompt_estimate: AtomicU64,
     stats: LimiterStats,
     settler: GroupCommit<Settling, Result<bool, StoreError>>,
-    /// When the fleet's concurrency slots last held a grant back (ms since `born`).
-    slots_bound_at: AtomicU64,
+    /// When the fleet's concurrency slots last held a grant back.
+    slots_bound: Lately,
+    /// When the rate last held this worker's grants back (shared: the
+    /// job's queue lets its outcomes wait for each other meanwhile).
+    rate_bound: std::sync::Arc<Lately>,
+}
+
+/// When something last happened, if it did: read and marked from any task.
+#[derive(Debug)]
+pub struct Lately {
     born: tokio::time::Instant,
+    /// ms since `born`; `u64::MAX`: never.
+    at: AtomicU64,
+}
+
+impl Lately {
+    pub fn new() -> Lately {
+        Lately {
+            born: tokio::time::Instant::now(),
+            at: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    pub fn mark(&self) {
+        self.at.store(self.born.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Whether it happened within the last `d`.
+    pub fn within(&self, d: Duration) -> bool {
+        let at = self.at.load(Ordering::Relaxed);
+        at != u64::MAX && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < d.as_millis() as u64
+    }
+}
+
+impl Default for Lately {
+    fn default() -> Lately {
+        Lately::new()
+    }
 }
 
 /// A grant's settlement on its way to the store, and whether it must go at
-/// once: a 429, a timeout, a pause or a nearly spent budget in the
-/// provider's headers changes what the fleet may send now, and a freed
-/// slot is what a fleet held back by its slots waits for.
+/// once: a 429, a timeout or a pause changes what the fleet may send now,
+/// and a freed slot is what a fleet held back by its slots waits for (a
+/// provider's `remaining` figure may wait: it is applied as of when it
+/// was seen, see `limit_settle.lua`).
 struct Settling {
     grant: String,
     settlement: Settlement,
@@ -197,8 +236,8 @@ impl Limiter {
             timeout_grace: spec.provider.timeout_grace(),
             prompt_estimate: AtomicU64::new(system + 100),
             stats: LimiterStats::default(),
-            slots_bound_at: AtomicU64::new(u64::MAX),
-            born: tokio::time::Instant::now(),
+            slots_bound: Lately::new(),
+            rate_bound: std::sync::Arc::new(Lately::new()),
         }
     }
 
@@ -228,6 +267,10 @@ impl Limiter {
         self.stats.grants.fetch_add(n, Ordering::Relaxed);
         if got.bound == Bound::Concurrency {
             self.slots_bound();
+        }
+        // Held back, or given ahead of the buckets: the rate is what paces this worker.
+        if got.bound == Bound::Rate || got.grants.iter().any(|&(_, delay)| delay > 0) {
+            self.rate_bound.mark();
         }
         self.stats
             .tokens_reserved
@@ -288,6 +331,7 @@ impl Limiter {
             header_limit_tokens: headers.limit_tokens,
             header_remaining_requests: headers.remaining_requests,
             header_remaining_tokens: headers.remaining_tokens,
+            seen: Some(std::time::Instant::now()),
             ceiling_requests: self.params.requests,
             ceiling_concurrent: self.params.max_concurrent,
             ..Settlement::default()
@@ -339,8 +383,14 @@ impl Limiter {
     /// another's: a freed slot's wake-up says so): settlements free slots
     /// at once for [`SLOTS_BOUND_FOR`].
     pub fn slots_bound(&self) {
-        let at = self.born.elapsed().as_millis() as u64;
-        self.slots_bound_at.store(at, Ordering::Relaxed);
+        self.slots_bound.mark();
+    }
+
+    /// When the rate last held this worker's grants back (or gave them
+    /// ahead of the buckets): while it did lately ([`RATE_BOUND_FOR`]) the
+    /// worker makes calls at the rate's pace, not its own.
+    pub fn rate_bound(&self) -> std::sync::Arc<Lately> {
+        self.rate_bound.clone()
     }
 
     /// Whether concurrency slots may be what limits the fleet: the spec
@@ -348,10 +398,7 @@ impl Limiter {
     /// settlements then go at once, and a task frees its slot in the
     /// fleet's budget before its claimer looks for more work.
     pub fn slots_matter(&self) -> bool {
-        let at = self.slots_bound_at.load(Ordering::Relaxed);
-        self.params.max_concurrent > 0
-            || at != u64::MAX
-                && (self.born.elapsed().as_millis() as u64).saturating_sub(at) < SLOTS_BOUND_FOR.as_millis() as u64
+        self.params.max_concurrent > 0 || self.slots_bound.within(SLOTS_BOUND_FOR)
     }
 
     /// One settlement, stored with the others of the moment. One that
@@ -361,11 +408,7 @@ impl Limiter {
     /// ([`Limiter::slots_matter`]): a fleet under a rate limit then
     /// settles in a few calls a second whatever its pace.
     async fn settle_batched(&self, grant: String, s: Settlement) -> Result<(), StoreError> {
-        let urgent = self.slots_matter()
-            || s.pause_ms > 0
-            || !matches!(s.call, CallKind::Answered | CallKind::Other)
-            || nearly_spent(s.header_remaining_requests, s.header_limit_requests)
-            || nearly_spent(s.header_remaining_tokens, s.header_limit_tokens);
+        let urgent = self.slots_matter() || s.pause_ms > 0 || !matches!(s.call, CallKind::Answered | CallKind::Other);
         self.settler
             .call(Settling {
                 grant,
@@ -389,18 +432,6 @@ impl Limiter {
             timed_out: load(&self.stats.timed_out),
             budget: self.store.limit_levels(&self.id).await?,
         })
-    }
-}
-
-/// Whether a provider's `remaining` header says less than the buckets may
-/// hold (2 s of its limit; a limit it did not send: any). Such a figure may
-/// tighten the shared buckets, and only while it is fresh: a settlement
-/// that waited would lower them by what refilled meanwhile.
-fn nearly_spent(remaining: Option<u64>, limit: Option<u64>) -> bool {
-    match (remaining, limit) {
-        (Some(left), Some(limit)) => left.saturating_mul(60_000) < limit.saturating_mul(BURST_MS),
-        (Some(_), None) => true,
-        _ => false,
     }
 }
 
@@ -516,15 +547,6 @@ mod tests {
         assert_eq!(r.remaining_tokens, None);
         assert_eq!(r.reset_requests_ms, Some(20));
         assert_eq!(r.reset_tokens_ms, None);
-    }
-
-    #[test]
-    fn a_remaining_budget_under_what_the_buckets_hold_is_nearly_spent() {
-        // 2 s of 1,200 a minute is 40.
-        assert!(nearly_spent(Some(39), Some(1200)));
-        assert!(!nearly_spent(Some(40), Some(1200)));
-        assert!(nearly_spent(Some(5000), None), "no limit to judge it by");
-        assert!(!nearly_spent(None, Some(1200)));
     }
 
     #[test]

@@ -55,6 +55,10 @@ pub struct Settlement {
     pub header_limit_tokens: Option<u64>,
     pub header_remaining_requests: Option<u64>,
     pub header_remaining_tokens: Option<u64>,
+    /// When the headers' figures were seen (the answer's arrival): a
+    /// settlement that waited for others tells the script how old they are,
+    /// which takes them as of that moment (what refilled since is added).
+    pub seen: Option<std::time::Instant>,
     /// Pause the whole fleet this long (a 429, or an exhausted budget).
     pub pause_ms: u64,
     /// What the call did, for the adaptive limits.
@@ -181,7 +185,8 @@ impl RedisStore {
                 .arg(s.call.name())
                 .arg(s.hold_ms)
                 .arg(s.ceiling_requests)
-                .arg(s.ceiling_concurrent);
+                .arg(s.ceiling_concurrent)
+                .arg(s.seen.map_or(0, |t| t.elapsed().as_millis() as u64));
         }
         let mut held: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
         if held.len() != grants.len() + 1 {

@@ -73,6 +73,12 @@ pub struct Finishing {
 }
 
 impl Finishing {
+    /// Whether the outcome settles the record for good (done, review,
+    /// dropped, cancelled): nothing goes back on a stream for the fleet.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.mode, "commit" | "commit_audit" | "review" | "drop" | "cancel")
+    }
+
     /// With the paid call the delivery made, recorded in the ledger with the
     /// outcome (once, under its key, however often this is stored).
     pub fn paid(mut self, call: Option<&crate::ledger::PaidCall>) -> Finishing {

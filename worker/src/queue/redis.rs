@@ -1,16 +1,23 @@
 //! [`JobQueue`] over the Redis store: the fleet's.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use common::batch::GroupCommit;
 use common::ledger::PaidCall;
 use common::store::{FailedCall, Finish, Finished, Finishing, Noted, OutageRules, RedisStore, Reserved, StoreError};
 use common::task::{Delivery, RecordState};
 
 use super::{JobQueue, Op};
+use crate::limiter::{Lately, RATE_BOUND_FOR};
 
 /// Outcomes stored together while the last call is on its way: one script
 /// call per partition serves every task that finished meanwhile (at most
 /// this many a call).
 const FINISH_BATCH: usize = 64;
+/// How long an outcome may wait for others while the provider's rate paces
+/// the worker (see [`RedisQueue::paced`]).
+const FINISH_LINGER: Duration = Duration::from_millis(250);
 
 /// One job's queue in Redis; outcomes are batched (each still atomic and
 /// first-writer-wins on its own, see `finish.lua`).
@@ -22,11 +29,29 @@ pub struct RedisQueue {
 
 impl RedisQueue {
     pub fn new(store: &RedisStore, job: &str) -> RedisQueue {
+        Self::paced(store, job, Arc::new(Lately::new()))
+    }
+
+    /// As [`RedisQueue::new`], for a worker whose provider's rate may pace
+    /// it (`rate_bound`, see [`crate::limiter::Limiter::rate_bound`]):
+    /// while it did lately, an outcome that puts nothing back on a stream
+    /// (a commit, a review, a drop, a cancel) waits up to
+    /// [`FINISH_LINGER`] for others and shares their script call. At the
+    /// rate's pace no other call is on its way to gather them, and one
+    /// record's call runs the counters and the ack alone (about 20
+    /// commands); any other outcome, or a worker the rate does not hold
+    /// back, goes at once.
+    pub fn paced(store: &RedisStore, job: &str, rate_bound: Arc<Lately>) -> RedisQueue {
         let (s, j) = (store.clone(), job.to_owned());
-        let finisher = GroupCommit::new(FINISH_BATCH, move |items: Vec<Finishing>| {
-            let (store, job) = (s.clone(), j.clone());
-            async move { store.finish_many(&job, &items).await }
-        });
+        let finisher = GroupCommit::lingering(
+            FINISH_BATCH,
+            FINISH_LINGER,
+            move |f: &Finishing| !f.is_terminal() || !rate_bound.within(RATE_BOUND_FOR),
+            move |items: Vec<Finishing>| {
+                let (store, job) = (s.clone(), j.clone());
+                async move { store.finish_many(&job, &items).await }
+            },
+        );
         RedisQueue {
             store: store.clone(),
             job: job.to_owned(),

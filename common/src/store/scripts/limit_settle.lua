@@ -34,7 +34,7 @@
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:slots (scored by minus the expiry)
--- ARGV, 13 per grant:
+-- ARGV, 14 per grant:
 --   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
 --     the `settled` counter),
 --   reserved minus used: total, input, output tokens (may be negative),
@@ -45,14 +45,19 @@
 --     with a retry hint), `timeout` (no answer in time; the server may still
 --     be working on it), or `other`,
 --   after a timeout, keep the concurrency slot this many ms more,
---   the spec's requests/min ceiling, its concurrency ceiling (0 = none)
+--   the spec's requests/min ceiling, its concurrency ceiling (0 = none),
+--   how old the header figures are, ms (the settlement may have waited for
+--   others: a `remaining` figure is taken as of when the answer came, and
+--   set in the levels' frame, the buckets' last refill `at`, by the
+--   provider's limit; a figure settled late tightens them as much as a
+--   fresh one, and a fresh one no more)
 -- Returns, per grant: 1 if it was still held, 0 if it had expired or was
 -- settled already; then 1 if a worker waited for a concurrency slot and one
 -- came free (the caller wakes the fleet: `bf:wake` is in another slot), else 0.
 local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw', 'qn', 'qt', 'settled'}
+local names = {'t', 'i', 'o', 'r', 'hr', 'ht', 'hat', 'pause', 'ar', 'rb', 'ac', 'cb', 'dseq', 'wn', 'ws', 'pr', 'seq', 'bn', 'bt', 'cw', 'sw', 'qn', 'qt', 'settled', 'at'}
 local got = redis.call('HMGET', b, unpack(names))
 -- The hash as it is now, changed here and written back once at the end
 -- (numbers turn back into text once, there).
@@ -76,7 +81,24 @@ local function streak(n, t)
   set(t, since)
   return count
 end
-for g = 1, #ARGV, 13 do
+-- A provider's remaining budget `left`, seen at `seen`, lowers a level
+-- that says more: taken as of the buckets' last refill `at` (the levels'
+-- frame: the acquire refills them from there), by the provider's limit, a
+-- figure seen after `at` has what refilled since taken off, one seen
+-- before has it added.
+local at = tonumber(h['at'])
+local function tighten(field, left, limit, seen)
+  local v = tonumber(h[field])
+  if left < 0 or v == nil then return end
+  if at and limit > 0 then left = left - (seen - at) * limit / 60000 end
+  if left < v then set(field, left) end
+end
+-- The provider's limit: told by this answer, or seen in the last minute.
+local function provider_limit(told, field)
+  if told > 0 then return told end
+  return (tonumber(h['hat']) or 0) > now - 60000 and tonumber(h[field]) or 0
+end
+for g = 1, #ARGV, 14 do
   local id = ARGV[g]
   local held = redis.call('ZREM', inflight, id)
   if held == 1 then
@@ -91,15 +113,9 @@ for g = 1, #ARGV, 13 do
     if ht > 0 then set('ht', ht) end
     set('hat', now)
   end
-  local rr, rt = tonumber(ARGV[g + 6]), tonumber(ARGV[g + 7])
-  if rr >= 0 then
-    local v = tonumber(h['r'])
-    if v ~= nil and rr < v then set('r', rr) end
-  end
-  if rt >= 0 then
-    local v = tonumber(h['t'])
-    if v ~= nil and rt < v then set('t', rt) end
-  end
+  local seen = now - tonumber(ARGV[g + 13])
+  tighten('r', tonumber(ARGV[g + 6]), provider_limit(hr, 'hr'), seen)
+  tighten('t', tonumber(ARGV[g + 7]), provider_limit(ht, 'ht'), seen)
   local kind = ARGV[g + 9]
   -- Whether this grant's pause applies, and until when at the latest (see
   -- the hinted 429 above).
