@@ -376,6 +376,46 @@ async fn freed_within_150ms(in_flight: &impl Fn() -> u64, n: u64) {
     }
 }
 
+/// A worker the rate paces (its grants held back, or given ahead of the
+/// buckets) while it has slots to spare is marked paced, and its job's
+/// outcomes may then wait for each other (`RedisQueue::paced`); one whose
+/// slots are mostly taken is not (a lingering outcome holds its slot), nor
+/// one the rate does not hold back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_the_rate_paces_with_slots_to_spare_is_marked_paced() {
+    use worker::limiter::PACED_FOR;
+    use worker::plan::Route;
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    // 60 requests a minute: the buckets hold two, a third comes a second later.
+    let _dir = job_with(
+        &redis,
+        8,
+        &[
+            ("requests_per_minute = 10000", "requests_per_minute = 60"),
+            ("max_concurrent = 64", ""),
+        ],
+    );
+    let f = fleet(&redis, &sim, "a").await;
+    let job = f.jobs[0].clone();
+    let paced = f.limiter(&job).paced();
+    let (first, ..) = f.grants(&job, 2, Route::Primary).await;
+    assert_eq!(first.len(), 2);
+    assert!(!paced.within(PACED_FOR), "two grants the buckets held: not paced");
+    // Three of the four slots taken: the rate binds, but slots are short.
+    let taken = f.permits.clone().acquire_many_owned(3).await.unwrap();
+    let (ahead, ..) = f.grants(&job, 1, Route::Primary).await;
+    assert_eq!(ahead.len(), 1, "given ahead of the buckets");
+    assert!(!paced.within(PACED_FOR), "slots are short: not paced");
+    drop(taken);
+    let (later, _, bound) = f.grants(&job, 1, Route::Primary).await;
+    assert_eq!((later.len(), bound), (0, common::store::Bound::Rate), "held back");
+    assert!(paced.within(PACED_FOR), "paced by the rate with slots to spare");
+    for held in [first, ahead, later] {
+        held.release(&f).await;
+    }
+}
+
 /// A grant's settlement that changes nothing at once (an answered call,
 /// even one whose headers say the provider's budget is nearly spent)
 /// waits a moment for others and shares their script call; a 429 goes at

@@ -218,6 +218,16 @@ impl Fleet {
                 }
             }
         };
+        // Paced by the rate (held back, or given grants ahead of the
+        // buckets) with half the slots or more to spare: the job's outcomes
+        // may wait a moment for each other (a lingering outcome holds its
+        // slot, which must not become what limits the worker).
+        let now = tokio::time::Instant::now();
+        if (got.bound == Bound::Rate || got.grants.iter().any(|g| g.at > now))
+            && 2 * self.permits.available_permits() >= self.config.concurrency
+        {
+            self.limiter_for(job, route).paced().mark();
+        }
         let held = HeldGrants {
             limiter: self.limiter_for(job, route).clone(),
             grants: got.grants,

@@ -39,9 +39,9 @@ const SETTLE_LINGER: Duration = Duration::from_millis(250);
 /// How long after the fleet's slots last held a grant back its
 /// settlements still go at once.
 const SLOTS_BOUND_FOR: Duration = Duration::from_secs(10);
-/// How long after the rate last held this worker's grants back it is taken
-/// for throttled ([`Limiter::rate_bound`]).
-pub const RATE_BOUND_FOR: Duration = Duration::from_secs(2);
+/// How long after the rate last paced this worker it is taken for paced
+/// ([`Limiter::paced`]).
+pub const PACED_FOR: Duration = Duration::from_secs(2);
 
 /// One reservation: a request, its tokens and a concurrency slot, from
 /// `at` on (its call waits until then).
@@ -79,9 +79,9 @@ pub struct Limiter {
     settler: GroupCommit<Settling, Result<bool, StoreError>>,
     /// When the fleet's concurrency slots last held a grant back.
     slots_bound: Lately,
-    /// When the rate last held this worker's grants back (shared: the
-    /// job's queue lets its outcomes wait for each other meanwhile).
-    rate_bound: std::sync::Arc<Lately>,
+    /// When the rate last paced this worker with slots to spare (shared:
+    /// the job's queue lets its outcomes wait for each other meanwhile).
+    paced: std::sync::Arc<Lately>,
 }
 
 /// When something last happened, if it did: read and marked from any task.
@@ -237,7 +237,7 @@ impl Limiter {
             prompt_estimate: AtomicU64::new(system + 100),
             stats: LimiterStats::default(),
             slots_bound: Lately::new(),
-            rate_bound: std::sync::Arc::new(Lately::new()),
+            paced: std::sync::Arc::new(Lately::new()),
         }
     }
 
@@ -267,10 +267,6 @@ impl Limiter {
         self.stats.grants.fetch_add(n, Ordering::Relaxed);
         if got.bound == Bound::Concurrency {
             self.slots_bound();
-        }
-        // Held back, or given ahead of the buckets: the rate is what paces this worker.
-        if got.bound == Bound::Rate || got.grants.iter().any(|&(_, delay)| delay > 0) {
-            self.rate_bound.mark();
         }
         self.stats
             .tokens_reserved
@@ -386,11 +382,12 @@ impl Limiter {
         self.slots_bound.mark();
     }
 
-    /// When the rate last held this worker's grants back (or gave them
-    /// ahead of the buckets): while it did lately ([`RATE_BOUND_FOR`]) the
-    /// worker makes calls at the rate's pace, not its own.
-    pub fn rate_bound(&self) -> std::sync::Arc<Lately> {
-        self.rate_bound.clone()
+    /// When the rate last paced this worker (held its grants back, or gave
+    /// them ahead of the buckets) while it had slots to spare: marked by
+    /// [`crate::fleet::Fleet::grants`]. While it did lately ([`PACED_FOR`])
+    /// the worker makes calls at the rate's pace, not its own.
+    pub fn paced(&self) -> std::sync::Arc<Lately> {
+        self.paced.clone()
     }
 
     /// Whether concurrency slots may be what limits the fleet: the spec

@@ -709,7 +709,7 @@ async fn load_job(store: &RedisStore, name: &str, config: &Config) -> Result<(Jo
         base_url.unwrap_or(&spec.provider.base_url),
         &config.consumer,
     );
-    let queue = Arc::new(crate::queue::RedisQueue::paced(store, name, limiter.rate_bound()));
+    let queue = Arc::new(crate::queue::RedisQueue::paced(store, name, limiter.paced()));
     let mut job = JobCtx::new(name, spec, provider, queue, base_url, breaker_errors).map_err(RunError::Refused)?;
     job.checker = checker(name, &job.spec, base_url)?;
     job.fallback = fallback(store, name, &job.spec, config)?;

@@ -9,7 +9,7 @@ use common::store::{FailedCall, Finish, Finished, Finishing, Noted, OutageRules,
 use common::task::{Delivery, RecordState};
 
 use super::{JobQueue, Op};
-use crate::limiter::{Lately, RATE_BOUND_FOR};
+use crate::limiter::{Lately, PACED_FOR};
 
 /// Outcomes stored together while the last call is on its way: one script
 /// call per partition serves every task that finished meanwhile (at most
@@ -33,20 +33,20 @@ impl RedisQueue {
     }
 
     /// As [`RedisQueue::new`], for a worker whose provider's rate may pace
-    /// it (`rate_bound`, see [`crate::limiter::Limiter::rate_bound`]):
-    /// while it did lately, an outcome that puts nothing back on a stream
+    /// it (`paced`, see [`crate::limiter::Limiter::paced`]): while it did
+    /// lately, an outcome that puts nothing back on a stream
     /// (a commit, a review, a drop, a cancel) waits up to
     /// [`FINISH_LINGER`] for others and shares their script call. At the
     /// rate's pace no other call is on its way to gather them, and one
     /// record's call runs the counters and the ack alone (about 20
     /// commands); any other outcome, or a worker the rate does not hold
     /// back, goes at once.
-    pub fn paced(store: &RedisStore, job: &str, rate_bound: Arc<Lately>) -> RedisQueue {
+    pub fn paced(store: &RedisStore, job: &str, paced: Arc<Lately>) -> RedisQueue {
         let (s, j) = (store.clone(), job.to_owned());
         let finisher = GroupCommit::lingering(
             FINISH_BATCH,
             FINISH_LINGER,
-            move |f: &Finishing| !f.is_terminal() || !rate_bound.within(RATE_BOUND_FOR),
+            move |f: &Finishing| !f.is_terminal() || !paced.within(PACED_FOR),
             move |items: Vec<Finishing>| {
                 let (store, job) = (s.clone(), j.clone());
                 async move { store.finish_many(&job, &items).await }
