@@ -91,18 +91,35 @@ def log_every_command(url):
     redis_cli(url, "slowlog", "reset")
 
 
-def script_times(url):
-    """{script file name: (calls, microseconds of command time, median
-    microseconds a call)} from SLOWLOG since log_every_command, a script
-    known by the SHA1 of its source under common/src/store/scripts (how the
-    store loads it). SLOWLOG's times are wall time: on a shared machine a
-    call Redis was descheduled in counts its whole wait, which the median
-    leaves out and the total does not."""
-    folder = os.path.join(ROOT, "common", "src", "store", "scripts")
+def script_names():
+    """{SHA1: script file name} of every script under
+    common/src/store/scripts as it is now and, where git can tell, as every
+    commit had it: another build's binaries (BF_BIN) run the scripts of
+    their own commit."""
+    rel = "common/src/store/scripts"
+    folder = os.path.join(ROOT, rel)
     names = {}
     for f in os.listdir(folder):
         with open(os.path.join(folder, f), "rb") as src:
             names[hashlib.sha1(src.read()).hexdigest()] = f
+        path = f"{rel}/{f}"
+        log = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "--", path],
+                             capture_output=True, text=True)
+        for commit in log.stdout.split() if log.returncode == 0 else []:
+            old = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:{path}"], capture_output=True)
+            if old.returncode == 0:
+                names.setdefault(hashlib.sha1(old.stdout).hexdigest(), f)
+    return names
+
+
+def script_times(url):
+    """{script file name: (calls, microseconds of command time, median
+    microseconds a call)} from SLOWLOG since log_every_command, a script
+    known by the SHA1 of its source (how the store loads it; any version,
+    see script_names). SLOWLOG's times are wall time: on a shared machine a
+    call Redis was descheduled in counts its whole wait, which the median
+    leaves out and the total does not."""
+    names = script_names()
     out = redis_cli(url, "--json", "slowlog", "get", "1000000")
     each = {}
     for _id, _at, micros, cmd, *_ in json.loads(out):
