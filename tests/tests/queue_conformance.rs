@@ -447,13 +447,30 @@ async fn a_ledger_left_to_expire_persists_again_when_a_call_is_recorded() {
     );
 }
 
-/// While the provider's rate paces the worker, outcomes that settle a
-/// record for good wait a moment for each other and share one script call
-/// (one record's call runs the counters and the ack alone); one that puts
-/// a record back on the stream goes at once and takes the waiting ones
-/// with it. A worker the rate does not hold back stores each at once.
+/// A delivery's result, as a call that answered it commits it.
+fn result_for(d: &Delivery) -> common::task::ResultRecord {
+    let spec = common::spec::JobSpec::parse(include_str!("../../examples/job.toml"), "example").unwrap();
+    let answer = common::task::Answer {
+        key: d.task.rid.clone(),
+        output: serde_json::Map::new(),
+        attempts: 1,
+        calls: 1,
+        response_id: Some(format!("resp-{}", d.entry_id)),
+        repairs: vec![],
+        usage: None,
+    };
+    common::task::ResultRecord::from_model(&d.task, answer, vec![], &common::task::Stamp::now(&spec), "w")
+}
+
+/// While the provider's rate paces the worker, a call's outcomes that
+/// settle their records for good (results, with their paid calls) wait a
+/// moment for each other and share one script call (one record's call runs
+/// the counters and the ack alone); one that puts a record back on the
+/// stream goes at once and takes the waiting ones with it, and so does an
+/// outcome with no call (a drop, a cancel: loops store those one after
+/// another). A worker the rate does not hold back stores each at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_paced_workers_outcomes_share_a_call_and_a_retry_sends_them_at_once() {
+async fn a_paced_workers_results_share_a_call_and_a_retry_sends_them_at_once() {
     use std::sync::Arc;
     use worker::limiter::Lately;
     let server = RedisServer::start();
@@ -464,61 +481,67 @@ async fn a_paced_workers_outcomes_share_a_call_and_a_retry_sends_them_at_once() 
         store: store.clone(),
         queue: RedisQueue::new(&store, JOB),
     };
-    for rid in ["p1", "p2", "p3", "p4"] {
+    for rid in ["p1", "p2", "p3", "p4", "p5"] {
         bed.enqueue(rid).await;
     }
-    let (d1, d2, d3) = (
-        bed.deliver("w1").await,
-        bed.deliver("w1").await,
-        bed.deliver("w1").await,
-    );
-    let d4 = bed.deliver("w1").await;
+    let mut delivered = Vec::new();
+    for _ in 0..5 {
+        delivered.push(bed.deliver("w1").await);
+    }
     let paced = Arc::new(Lately::new());
     paced.mark();
     let queue = Arc::new(RedisQueue::paced(&store, JOB, paced));
     let Bed::Redis { _server: server, .. } = &bed else {
         unreachable!()
     };
-    let scripts = server.calls_of("evalsha");
-    let drop_one = |q: &Arc<RedisQueue>, d: Delivery| {
+    let commit = |q: &Arc<RedisQueue>, d: Delivery| {
         let q = q.clone();
-        tokio::spawn(async move { q.finish(&d, &Finish::Drop { reason: "x".into() }, None, false).await })
+        tokio::spawn(async move {
+            let (how, call) = (Finish::Commit(result_for(&d)), paid(&d));
+            q.finish(&d, &how, Some(&call), false).await
+        })
     };
-    let first = drop_one(&queue, d1);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let scripts = server.calls_of("evalsha");
+    let first = commit(&queue, delivered[0].clone());
+    tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(
         bed.state("p1").await,
         Some(RecordState::Queued),
-        "a paced drop waits for others"
+        "a paced result waits for others"
     );
-    let second = drop_one(&queue, d2);
+    let second = commit(&queue, delivered[1].clone());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let d3 = &delivered[2];
     let retry = Finish::Retry {
         due_ms: 0,
         task: d3.task.next(1, 1, vec![], vec![]),
     };
-    assert_eq!(queue.finish(&d3, &retry, None, false).await.unwrap(), Finished::Moved);
+    assert_eq!(queue.finish(d3, &retry, None, false).await.unwrap(), Finished::Moved);
     for waiting in [first, second] {
         assert_eq!(waiting.await.unwrap().unwrap(), Finished::Moved);
     }
-    assert_eq!(bed.state("p1").await, Some(RecordState::Dropped("x".into())));
+    assert_eq!(bed.state("p1").await, Some(RecordState::Done));
     assert_eq!(bed.state("p3").await, Some(RecordState::Queued), "back on the stream");
     assert_eq!(
         server.calls_of("evalsha"),
         scripts + 1,
-        "the retry went at once, with both drops, in one call"
+        "the retry went at once, with both results, in one call"
     );
+    assert_eq!(bed.paid_calls().await, 2);
 
-    // Not paced: at once.
+    // An outcome with no call goes at once, paced or not.
+    let dropped = Finish::Drop { reason: "x".into() };
+    let d4 = &delivered[3];
+    assert_eq!(queue.finish(d4, &dropped, None, false).await.unwrap(), Finished::Moved);
+    assert_eq!(server.calls_of("evalsha"), scripts + 2);
+
+    // Not paced: a result at once.
     let unpaced = Arc::new(RedisQueue::paced(&store, JOB, Arc::new(Lately::new())));
-    let alone = drop_one(&unpaced, d4);
+    let alone = commit(&unpaced, delivered[4].clone());
     let soon = tokio::time::Instant::now() + Duration::from_millis(150);
-    while bed.state("p4").await == Some(RecordState::Queued) && tokio::time::Instant::now() < soon {
+    while bed.state("p5").await == Some(RecordState::Queued) && tokio::time::Instant::now() < soon {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(
-        bed.state("p4").await,
-        Some(RecordState::Dropped("x".into())),
-        "not paced: at once"
-    );
+    assert_eq!(bed.state("p5").await, Some(RecordState::Done), "not paced: at once");
     alone.await.unwrap().unwrap();
 }

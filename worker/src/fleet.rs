@@ -219,14 +219,17 @@ impl Fleet {
             }
         };
         // Paced by the rate (held back, or given grants ahead of the
-        // buckets) with half the slots or more to spare: the job's outcomes
-        // may wait a moment for each other (a lingering outcome holds its
-        // slot, which must not become what limits the worker).
+        // buckets) with half the slots or more to spare, here and in the
+        // fleet's budget: the job's outcomes may wait a moment for each
+        // other (a lingering outcome holds its slots, which must not become
+        // what limits the worker or the fleet).
         let now = tokio::time::Instant::now();
+        let limiter = self.limiter_for(job, route);
         if (got.bound == Bound::Rate || got.grants.iter().any(|g| g.at > now))
             && 2 * self.permits.available_permits() >= self.config.concurrency
+            && !limiter.slots_matter()
         {
-            self.limiter_for(job, route).paced().mark();
+            limiter.paced().mark();
         }
         let held = HeldGrants {
             limiter: self.limiter_for(job, route).clone(),

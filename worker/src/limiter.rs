@@ -165,6 +165,8 @@ pub struct RateHeaders {
     pub remaining_tokens: Option<u64>,
     pub reset_requests_ms: Option<u64>,
     pub reset_tokens_ms: Option<u64>,
+    /// When they were read (the answer's headers' arrival).
+    pub seen: Option<std::time::Instant>,
 }
 
 /// What a call used, as far as it is known.
@@ -327,9 +329,10 @@ impl Limiter {
             header_limit_tokens: headers.limit_tokens,
             header_remaining_requests: headers.remaining_requests,
             header_remaining_tokens: headers.remaining_tokens,
-            seen: Some(std::time::Instant::now()),
+            seen: headers.seen,
             ceiling_requests: self.params.requests,
             ceiling_concurrent: self.params.max_concurrent,
+            ceiling_tokens: self.params.tokens,
             ..Settlement::default()
         };
         if used.rate_limited {
@@ -460,6 +463,7 @@ pub fn rate_headers(h: &HeaderMap) -> RateHeaders {
         remaining_tokens: num("x-ratelimit-remaining-tokens"),
         reset_requests_ms: dur("x-ratelimit-reset-requests"),
         reset_tokens_ms: dur("x-ratelimit-reset-tokens"),
+        seen: Some(std::time::Instant::now()),
     }
 }
 

@@ -55,9 +55,9 @@ pub struct Settlement {
     pub header_limit_tokens: Option<u64>,
     pub header_remaining_requests: Option<u64>,
     pub header_remaining_tokens: Option<u64>,
-    /// When the headers' figures were seen (the answer's arrival): a
+    /// When the headers' figures were seen (the headers' arrival): a
     /// settlement that waited for others tells the script how old they are,
-    /// which takes them as of that moment (what refilled since is added).
+    /// which takes them as of that moment.
     pub seen: Option<std::time::Instant>,
     /// Pause the whole fleet this long (a 429, or an exhausted budget).
     pub pause_ms: u64,
@@ -65,9 +65,12 @@ pub struct Settlement {
     pub call: CallKind,
     /// After a timeout: how much longer the concurrency slot stays taken.
     pub hold_ms: u64,
-    /// The spec's ceilings (0 = none): a learned limit never grows past them.
+    /// The spec's ceilings (0 = none): a learned limit never grows past
+    /// them, and a `remaining` figure is set in the levels at the rate the
+    /// acquire applies (they are part of it).
     pub ceiling_requests: u64,
     pub ceiling_concurrent: u64,
+    pub ceiling_tokens: u64,
 }
 
 /// What a settled grant's call did, as the adaptive limits see it.
@@ -186,7 +189,8 @@ impl RedisStore {
                 .arg(s.hold_ms)
                 .arg(s.ceiling_requests)
                 .arg(s.ceiling_concurrent)
-                .arg(s.seen.map_or(0, |t| t.elapsed().as_millis() as u64));
+                .arg(s.seen.map_or(0, |t| t.elapsed().as_millis() as u64))
+                .arg(s.ceiling_tokens);
         }
         let mut held: Vec<i64> = inv.invoke_async(&mut self.conn.clone()).await?;
         if held.len() != grants.len() + 1 {

@@ -73,10 +73,13 @@ pub struct Finishing {
 }
 
 impl Finishing {
-    /// Whether the outcome settles the record for good (done, review,
-    /// dropped, cancelled): nothing goes back on a stream for the fleet.
-    pub fn is_terminal(&self) -> bool {
-        matches!(self.mode, "commit" | "commit_audit" | "review" | "drop" | "cancel")
+    /// Whether this is an online call's outcome that settles its record for
+    /// good: a result or a review entry, with the paid call that answered
+    /// it, fenced by a stream entry (not a batch's shard). Nothing goes back
+    /// on a stream for the fleet, and it comes one a call, never from a
+    /// loop that stores outcomes one after another.
+    pub fn ends_a_call(&self) -> bool {
+        matches!(self.mode, "commit" | "commit_audit" | "review") && !self.paid_key.is_empty() && self.shard.is_none()
     }
 
     /// With the paid call the delivery made, recorded in the ledger with the

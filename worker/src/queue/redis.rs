@@ -34,19 +34,20 @@ impl RedisQueue {
 
     /// As [`RedisQueue::new`], for a worker whose provider's rate may pace
     /// it (`paced`, see [`crate::limiter::Limiter::paced`]): while it did
-    /// lately, an outcome that puts nothing back on a stream
-    /// (a commit, a review, a drop, a cancel) waits up to
-    /// [`FINISH_LINGER`] for others and shares their script call. At the
-    /// rate's pace no other call is on its way to gather them, and one
-    /// record's call runs the counters and the ack alone (about 20
-    /// commands); any other outcome, or a worker the rate does not hold
-    /// back, goes at once.
+    /// lately, a call's outcome that settles its record for good (a result
+    /// or a review entry with its paid call, [`Finishing::ends_a_call`])
+    /// waits up to [`FINISH_LINGER`] for others and shares their script
+    /// call. At the rate's pace no other call is on its way to gather
+    /// them, and one record's call runs the counters and the ack alone
+    /// (about 20 commands); any other outcome (a retry, a requeue, a
+    /// release, a cancel or a drop, which loops may store one after
+    /// another), or a worker the rate does not hold back, goes at once.
     pub fn paced(store: &RedisStore, job: &str, paced: Arc<Lately>) -> RedisQueue {
         let (s, j) = (store.clone(), job.to_owned());
         let finisher = GroupCommit::lingering(
             FINISH_BATCH,
             FINISH_LINGER,
-            move |f: &Finishing| !f.is_terminal() || !paced.within(PACED_FOR),
+            move |f: &Finishing| !f.ends_a_call() || !paced.within(PACED_FOR),
             move |items: Vec<Finishing>| {
                 let (store, job) = (s.clone(), j.clone());
                 async move { store.finish_many(&job, &items).await }

@@ -34,7 +34,7 @@
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:slots (scored by minus the expiry)
--- ARGV, 14 per grant:
+-- ARGV, 15 per grant:
 --   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
 --     the `settled` counter),
 --   reserved minus used: total, input, output tokens (may be negative),
@@ -47,10 +47,11 @@
 --   after a timeout, keep the concurrency slot this many ms more,
 --   the spec's requests/min ceiling, its concurrency ceiling (0 = none),
 --   how old the header figures are, ms (the settlement may have waited for
---   others: a `remaining` figure is taken as of when the answer came, and
---   set in the levels' frame, the buckets' last refill `at`, by the
---   provider's limit; a figure settled late tightens them as much as a
---   fresh one, and a fresh one no more)
+--   others: a `remaining` figure is taken as of when the headers came, and
+--   set in the levels' frame, the buckets' last refill `at`, at the rate
+--   the acquire applies; a figure settled late tightens them as much as a
+--   fresh one, and a fresh one no more),
+--   the spec's tokens/min ceiling (0 = none)
 -- Returns, per grant: 1 if it was still held, 0 if it had expired or was
 -- settled already; then 1 if a worker waited for a concurrency slot and one
 -- came free (the caller wakes the fleet: `bf:wake` is in another slot), else 0.
@@ -82,23 +83,31 @@ local function streak(n, t)
   return count
 end
 -- A provider's remaining budget `left`, seen at `seen`, lowers a level
--- that says more: taken as of the buckets' last refill `at` (the levels'
--- frame: the acquire refills them from there), by the provider's limit, a
--- figure seen after `at` has what refilled since taken off, one seen
--- before has it added.
+-- that says more, taken in the levels' frame: the acquire refills them
+-- from the buckets' last refill `at` at the limit it applies (`rate`), so
+-- what that rate adds between `at` and `seen` is taken off (a figure seen
+-- after `at`) or added (seen before). With no limit known the level is
+-- not used (the acquire gives grants without it): the figure as it is.
 local at = tonumber(h['at'])
-local function tighten(field, left, limit, seen)
+local function tighten(field, left, rate, seen)
   local v = tonumber(h[field])
   if left < 0 or v == nil then return end
-  if at and limit > 0 then left = left - (seen - at) * limit / 60000 end
+  if at and rate > 0 then left = left - (seen - at) * rate / 60000 end
   if left < v then set(field, left) end
 end
--- The provider's limit: told by this answer, or seen in the last minute.
-local function provider_limit(told, field)
-  if told > 0 then return told end
-  return (tonumber(h['hat']) or 0) > now - 60000 and tonumber(h[field]) or 0
+-- The rate the acquire applies: the tightest of the spec's (`spec`, 0 =
+-- none), the provider's header limit seen in the last minute (`hr`, `ht`;
+-- this answer's included) and, for requests, the one learned from 429s.
+local function rate_of(spec, field)
+  local r = spec > 0 and spec or nil
+  local function tighter(l)
+    if l and l > 0 and (r == nil or l < r) then r = l end
+  end
+  if (tonumber(h['hat']) or 0) > now - 60000 then tighter(tonumber(h[field])) end
+  if field == 'hr' then tighter(tonumber(h['ar'])) end
+  return r or 0
 end
-for g = 1, #ARGV, 14 do
+for g = 1, #ARGV, 15 do
   local id = ARGV[g]
   local held = redis.call('ZREM', inflight, id)
   if held == 1 then
@@ -114,8 +123,8 @@ for g = 1, #ARGV, 14 do
     set('hat', now)
   end
   local seen = now - tonumber(ARGV[g + 13])
-  tighten('r', tonumber(ARGV[g + 6]), provider_limit(hr, 'hr'), seen)
-  tighten('t', tonumber(ARGV[g + 7]), provider_limit(ht, 'ht'), seen)
+  tighten('r', tonumber(ARGV[g + 6]), rate_of(tonumber(ARGV[g + 11]), 'hr'), seen)
+  tighten('t', tonumber(ARGV[g + 7]), rate_of(tonumber(ARGV[g + 14]), 'ht'), seen)
   local kind = ARGV[g + 9]
   -- Whether this grant's pause applies, and until when at the latest (see
   -- the hinted 429 above).
