@@ -509,17 +509,19 @@ async fn a_paced_workers_results_share_a_call_and_a_retry_sends_them_at_once() {
         Some(RecordState::Queued),
         "a paced result waits for others"
     );
-    let second = commit(&queue, delivered[1].clone());
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let d3 = &delivered[2];
+    // The second result and a retry at once, queued in that order.
+    let (d2, d3) = (&delivered[1], &delivered[2]);
+    let (how, call) = (Finish::Commit(result_for(d2)), paid(d2));
     let retry = Finish::Retry {
         due_ms: 0,
         task: d3.task.next(1, 1, vec![], vec![]),
     };
-    assert_eq!(queue.finish(d3, &retry, None, false).await.unwrap(), Finished::Moved);
-    for waiting in [first, second] {
-        assert_eq!(waiting.await.unwrap().unwrap(), Finished::Moved);
-    }
+    let (second, retried) = tokio::join!(
+        queue.finish(d2, &how, Some(&call), false),
+        queue.finish(d3, &retry, None, false)
+    );
+    assert_eq!((second.unwrap(), retried.unwrap()), (Finished::Moved, Finished::Moved));
+    assert_eq!(first.await.unwrap().unwrap(), Finished::Moved);
     assert_eq!(bed.state("p1").await, Some(RecordState::Done));
     assert_eq!(bed.state("p3").await, Some(RecordState::Queued), "back on the stream");
     assert_eq!(

@@ -219,15 +219,15 @@ impl Fleet {
             }
         };
         // Paced by the rate (held back, or given grants ahead of the
-        // buckets) with half the slots or more to spare, here and in the
-        // fleet's budget: the job's outcomes may wait a moment for each
-        // other (a lingering outcome holds its slots, which must not become
-        // what limits the worker or the fleet).
+        // buckets) with half the slots or more to spare, and the fleet's
+        // slots holding no grant back lately: the job's outcomes may wait
+        // a moment for each other (a lingering outcome holds its slots,
+        // which must not become what limits the worker or the fleet).
         let now = tokio::time::Instant::now();
         let limiter = self.limiter_for(job, route);
         if (got.bound == Bound::Rate || got.grants.iter().any(|g| g.at > now))
             && 2 * self.permits.available_permits() >= self.config.concurrency
-            && !limiter.slots_matter()
+            && !limiter.slots_held_back()
         {
             limiter.paced().mark();
         }

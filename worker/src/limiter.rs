@@ -104,6 +104,11 @@ impl Lately {
         self.at.store(self.born.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
+    /// Forgets it: it did not happen lately after all.
+    pub fn clear(&self) {
+        self.at.store(u64::MAX, Ordering::Relaxed);
+    }
+
     /// Whether it happened within the last `d`.
     pub fn within(&self, d: Duration) -> bool {
         let at = self.at.load(Ordering::Relaxed);
@@ -383,6 +388,8 @@ impl Limiter {
     /// at once for [`SLOTS_BOUND_FOR`].
     pub fn slots_bound(&self) {
         self.slots_bound.mark();
+        // Outcomes waiting for each other would hold slots some worker waits for.
+        self.paced.clear();
     }
 
     /// When the rate last paced this worker (held its grants back, or gave
@@ -398,7 +405,13 @@ impl Limiter {
     /// settlements then go at once, and a task frees its slot in the
     /// fleet's budget before its claimer looks for more work.
     pub fn slots_matter(&self) -> bool {
-        self.params.max_concurrent > 0 || self.slots_bound.within(SLOTS_BOUND_FOR)
+        self.params.max_concurrent > 0 || self.slots_held_back()
+    }
+
+    /// Whether the fleet's concurrency slots held a grant back lately
+    /// ([`SLOTS_BOUND_FOR`]): a cap in the spec that never binds does not count.
+    pub fn slots_held_back(&self) -> bool {
+        self.slots_bound.within(SLOTS_BOUND_FOR)
     }
 
     /// One settlement, stored with the others of the moment. One that

@@ -49,8 +49,9 @@
 --   how old the header figures are, ms (the settlement may have waited for
 --   others: a `remaining` figure is taken as of when the headers came, and
 --   set in the levels' frame, the buckets' last refill `at`, at the rate
---   the acquire applies; a figure settled late tightens them as much as a
---   fresh one, and a fresh one no more),
+--   the acquire applies: a figure settled late is not taken for fresher,
+--   nor a fresh one for older; grants given between its reading and its
+--   settlement, which it does not count, leave it that much looser),
 --   the spec's tokens/min ceiling (0 = none)
 -- Returns, per grant: 1 if it was still held, 0 if it had expired or was
 -- settled already; then 1 if a worker waited for a concurrency slot and one
