@@ -10,6 +10,21 @@ pub fn example_spec() -> PathBuf {
     workspace().join("examples/job.toml")
 }
 
+/// A delivery's result as a model's answer commits it (one call, no
+/// output fields), stamped under `spec`.
+pub fn result_for(d: &common::task::Delivery, spec: &common::spec::JobSpec) -> common::task::ResultRecord {
+    let answer = common::task::Answer {
+        key: d.task.rid.clone(),
+        output: serde_json::Map::new(),
+        attempts: 1,
+        calls: 1,
+        response_id: Some(format!("resp-{}", d.entry_id)),
+        repairs: vec![],
+        usage: None,
+    };
+    common::task::ResultRecord::from_model(&d.task, answer, vec![], &common::task::Stamp::now(spec), "w")
+}
+
 /// A synthetic record line for the example spec.
 pub fn record_line(id: &str, text: &str) -> String {
     serde_json::json!({

@@ -31,7 +31,7 @@ pub use commands::{
     producer_with_env, status_json, status_json_env, status_json_url, typed, worker_cmd, worker_cmd_all,
     worker_cmd_url,
 };
-pub use dataset::{example_spec, record_line, sink_section, spec_with, write_records};
+pub use dataset::{example_spec, record_line, result_for, sink_section, spec_with, write_records};
 pub use paths::{TempDir, bin, workspace};
 pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for, worker_summary};
 pub use servers::{LlmSim, PgServer, RedisCluster, RedisServer, TEST_PG_PASSWORD, TEST_REDIS_PASSWORD, free_port};

@@ -450,16 +450,7 @@ async fn a_ledger_left_to_expire_persists_again_when_a_call_is_recorded() {
 /// A delivery's result, as a call that answered it commits it.
 fn result_for(d: &Delivery) -> common::task::ResultRecord {
     let spec = common::spec::JobSpec::parse(include_str!("../../examples/job.toml"), "example").unwrap();
-    let answer = common::task::Answer {
-        key: d.task.rid.clone(),
-        output: serde_json::Map::new(),
-        attempts: 1,
-        calls: 1,
-        response_id: Some(format!("resp-{}", d.entry_id)),
-        repairs: vec![],
-        usage: None,
-    };
-    common::task::ResultRecord::from_model(&d.task, answer, vec![], &common::task::Stamp::now(&spec), "w")
+    harness::result_for(d, &spec)
 }
 
 /// While the provider's rate paces the worker, a call's outcomes that

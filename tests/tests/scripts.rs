@@ -11,7 +11,7 @@ use common::store::{
     RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
-    Action, Answer, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
+    Action, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
 };
 use harness::RedisServer;
 use redis::Commands;
@@ -90,16 +90,7 @@ fn pending(redis: &RedisServer) -> u64 {
 }
 
 fn result_for(d: &Delivery) -> ResultRecord {
-    let answer = Answer {
-        key: d.task.rid.clone(),
-        output: serde_json::Map::new(),
-        attempts: 1,
-        calls: 1,
-        response_id: Some(format!("resp-{}", d.entry_id)),
-        repairs: vec![],
-        usage: None,
-    };
-    ResultRecord::from_model(&d.task, answer, vec![], &Stamp::now(&spec()), "w")
+    harness::result_for(d, &spec())
 }
 
 #[tokio::test]
