@@ -99,14 +99,15 @@ end
 -- The rate the acquire applies: the tightest of the spec's (`spec`, 0 =
 -- none), the provider's header limit seen in the last minute (`hr`, `ht`;
 -- this answer's included) and, for requests, the one learned from 429s.
+local function lower(r, l)
+  if l and l > 0 and (r == 0 or l < r) then return l end
+  return r
+end
 local function rate_of(spec, field)
-  local r = spec > 0 and spec or nil
-  local function tighter(l)
-    if l and l > 0 and (r == nil or l < r) then r = l end
-  end
-  if (tonumber(h['hat']) or 0) > now - 60000 then tighter(tonumber(h[field])) end
-  if field == 'hr' then tighter(tonumber(h['ar'])) end
-  return r or 0
+  local r = spec
+  if (tonumber(h['hat']) or 0) > now - 60000 then r = lower(r, tonumber(h[field])) end
+  if field == 'hr' then r = lower(r, tonumber(h['ar'])) end
+  return r
 end
 for g = 1, #ARGV, 15 do
   local id = ARGV[g]
