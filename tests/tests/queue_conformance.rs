@@ -323,6 +323,7 @@ async fn the_outage_streak_takes_the_provider_down_and_one_answer_ends_it(bed: &
         base_url: "http://127.0.0.1:1/v1",
         worker: "w1",
         probe: false,
+        lease: Duration::from_secs(40),
     };
     // 429s only: their own, longer window.
     for _ in 0..4 {

@@ -1138,6 +1138,7 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
         base_url: "http://127.0.0.1:1/v1",
         worker: "w",
         probe,
+        lease: std::time::Duration::from_secs(40),
     };
     let mut c = redis.conn();
     let field = |c: &mut redis::Connection, f: &str| -> u64 {
@@ -1169,6 +1170,64 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
             "{age_s} s down: {wait} s, not {wait_s}"
         );
     }
+}
+
+/// The worker whose probe failed holds the next probe's lease, from when it
+/// may start for the probe's whole lease: it sends it without asking, the
+/// others are told to wait until that lease ends; asked by itself, it is
+/// granted; given back (nothing to send), any worker may take it a second on.
+#[tokio::test]
+async fn a_failed_probe_s_worker_holds_the_next_probe_s_lease() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let rules = common::store::OutageRules {
+        min_fails: 1,
+        window: std::time::Duration::ZERO,
+        ..Default::default()
+    };
+    let lease = std::time::Duration::from_secs(40);
+    let call = |probe| common::store::FailedCall {
+        took: std::time::Duration::from_millis(5),
+        cause: "http_503",
+        rate_limited: false,
+        message: "down",
+        base_url: "http://127.0.0.1:1/v1",
+        worker: "w",
+        probe,
+        lease,
+    };
+    let mut c = redis.conn();
+    store.outage_failed(JOB, &call(false), &rules).await.unwrap();
+    let noted = store.outage_failed(JOB, &call(true), &rules).await.unwrap();
+    let (at, held, prober): (u64, u64, String) = redis::cmd("HMGET")
+        .arg(keys::outage(JOB))
+        .arg(&["probe_at", "held_ms", "prober"])
+        .query(&mut c)
+        .unwrap();
+    assert_eq!((at, held, prober.as_str()), (noted.next_probe_ms, at + 40_000, "w"));
+    let ask = |who: &'static str| {
+        let store = store.clone();
+        async move { store.outage_probe(JOB, lease, who).await.unwrap() }
+    };
+    let wait = ask("x").await.expect_err("not yet");
+    assert!(wait <= std::time::Duration::from_millis(at - noted.now_ms), "{wait:?}");
+    // Its time came: the lease is w's.
+    let _: () = c.hset(keys::outage(JOB), "probe_at", at - 2_000).unwrap();
+    let _: () = c.hset(keys::outage(JOB), "held_ms", held - 2_000).unwrap();
+    let wait = ask("x").await.expect_err("w's lease");
+    assert!(
+        wait > std::time::Duration::from_secs(30),
+        "until w's lease ends: {wait:?}"
+    );
+    assert_eq!(ask("w").await, Ok(()), "w asking for its own lease gets it");
+    let wait = ask("x").await.expect_err("w's probe is out");
+    assert!(wait > std::time::Duration::from_secs(30), "{wait:?}");
+    // Given back: anyone, a second on.
+    store.outage_unprobe(JOB).await.unwrap();
+    let wait = ask("x").await.expect_err("a second on");
+    assert!(wait <= std::time::Duration::from_secs(1), "{wait:?}");
+    let _: () = c.hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    assert_eq!(ask("x").await, Ok(()), "anyone's once the lease is given back");
 }
 
 /// A throttled worker takes a stretch of the budget per acquire: grants the

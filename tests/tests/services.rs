@@ -664,10 +664,34 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
         scripts,
         "the next probe's time was not asked for"
     );
-    // Then it is the next probe's turn, on the same record or the other.
+    // Then it is the next probe's turn, on the same record or the other:
+    // this worker's, whose probe failed, without asking for the lease (the
+    // failure gave it: the lease Redis holds is still the one it set).
     tokio::time::sleep(wait).await;
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 1, "the next probe");
+    let held = |c: &mut redis::Connection| -> (u64, u64, String) {
+        let (at, held, prober): (u64, u64, String) = redis::cmd("HMGET")
+            .arg(&outage)
+            .arg(&["probe_at", "held_ms", "prober"])
+            .query(c)
+            .unwrap();
+        (at, held, prober)
+    };
+    let (at, held_ms, prober) = held(&mut redis.conn());
+    assert_eq!(
+        (at, prober.as_str()),
+        (probe_at, "a"),
+        "the probe was sent on the lease its failure gave, not asked for"
+    );
+    // Another worker is told to wait until that lease ends (the probe's
+    // call and its margin past its start), not to probe beside it.
+    let other = f.store.outage_probe(JOB, Duration::from_secs(40), "b").await.unwrap();
+    let other = other.expect_err("another worker's probe is out");
+    assert!(
+        other > Duration::from_secs(5) && held_ms > probe_at + 5_000,
+        "{other:?} (the lease held until {held_ms}, the probe due at {probe_at})"
+    );
     settle_some(&f, 2).await;
     assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
 }

@@ -253,7 +253,11 @@ impl Claimer {
     /// lease now (else `round` learns how long until the next probe).
     async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> bool {
         let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
-        match job.outage.take_probe(&self.fleet.store, &job.name, lease).await {
+        match job
+            .outage
+            .take_probe(&self.fleet.store, &job.name, lease, &self.fleet.config.consumer)
+            .await
+        {
             Ok(Ok(())) => true,
             Ok(Err(wait)) => {
                 round.probe_wait = sooner(round.probe_wait, wait);

@@ -20,6 +20,15 @@ use crate::queue::JobQueue;
 /// while the provider is up (at once while it is down).
 const ANSWER_NOTE_EVERY: Duration = Duration::from_secs(1);
 
+/// Whose the next probe is, as far as this worker knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// Whoever asks Redis for the lease first, when it is free.
+    Asked,
+    /// This worker's: its probe failed and Redis gave it the next one's lease.
+    Mine,
+}
+
 /// One job's provider outage in this worker.
 pub struct OutageWatch {
     rules: OutageRules,
@@ -37,9 +46,14 @@ pub struct OutageWatch {
     probe: Mutex<Option<(String, Instant)>>,
     /// While down: when to ask the fleet for the probe's lease again: when
     /// Redis last said the next probe may start (a wake-up does not ask
-    /// sooner; the worker whose probe fails learns the next time from its
-    /// failure's answer, the others when a probe's lease or wait ends).
-    next_probe: Mutex<Option<Instant>>,
+    /// sooner; the others learn it when a probe's lease or wait ends), or,
+    /// marked `Mine`, when this worker's probe failed and the failure's
+    /// answer gave it the next probe's lease from then on: it sends that
+    /// probe without asking.
+    next_probe: Mutex<Option<(Instant, Turn)>>,
+    /// The probe's lease (its call's whole timeout and a margin), as the
+    /// claimer last asked for it: a failed probe holds the next one's for as long.
+    lease_ms: AtomicU64,
     /// Counts this worker's probes that ended: an answer Redis gave that
     /// raced a probe's end named that probe's own lease and is not kept in
     /// `next_probe`.
@@ -62,6 +76,7 @@ impl OutageWatch {
             answer_noted: Mutex::new(None),
             probe: Mutex::new(None),
             next_probe: Mutex::new(None),
+            lease_ms: AtomicU64::new(0),
             probes_ended: AtomicU64::new(0),
         }
     }
@@ -168,15 +183,21 @@ impl OutageWatch {
             base_url: &self.base_url,
             worker,
             probe: self.is_probe(rid),
+            lease: Duration::from_millis(self.lease_ms.load(Ordering::Relaxed)),
         };
         let noted = queue.provider_failed(&call, &self.rules).await?;
         if call.probe {
             // The probe ends once Redis holds the next probe's time, and
-            // said it: kept (the claimer asks nothing while the probe is
-            // out; should the store fail, the task's end gives the lease
-            // back instead).
-            let next = (noted.next_probe_ms > 0)
-                .then(|| Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms)));
+            // said it: kept, and the next probe is this worker's (the
+            // claimer asks nothing while the probe is out, nor when the
+            // next is due; should the store fail, the task's end gives the
+            // lease back instead).
+            let next = (noted.next_probe_ms > 0).then(|| {
+                (
+                    Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms)),
+                    Turn::Mine,
+                )
+            });
             self.end_probe(rid, next);
         }
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
@@ -239,32 +260,42 @@ impl OutageWatch {
 
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe), or says how long until
-    /// the next probe may start (known from Redis's last answer, or from
-    /// this worker's failed probe: Redis is not asked again before then,
-    /// nor while this worker's own probe is out). An answer that raced
-    /// this worker's probe's end names that probe's lease: it holds for
-    /// this round only (the probe's end wakes the claimer, which asks
-    /// again unless the failure said when).
+    /// it may ask again (known from Redis's last answer: Redis is not asked
+    /// again before then, nor while this worker's own probe is out). The
+    /// worker whose probe failed holds the next one's lease from its start:
+    /// it sends it then without asking, in the first half of that lease
+    /// (later it asks, as a late claimer must). An answer that raced this
+    /// worker's probe's end names that probe's lease: it holds for this
+    /// round only (the probe's end wakes the claimer, which asks again
+    /// unless the failure said when).
     pub async fn take_probe(
         &self,
         store: &RedisStore,
         job: &str,
         lease: Duration,
+        worker: &str,
     ) -> Result<Result<(), Duration>, StoreError> {
+        self.lease_ms.store(lease.as_millis() as u64, Ordering::Relaxed);
         let now = Instant::now();
-        if let Some(at) = *self.next_probe.lock().unwrap_or_else(|e| e.into_inner())
-            && at > now
         {
-            return Ok(Err(at - now));
+            let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+            match *next {
+                Some((at, _)) if at > now => return Ok(Err(at - now)),
+                Some((at, Turn::Mine)) if now < at + lease / 2 => {
+                    *next = None;
+                    return Ok(Ok(()));
+                }
+                _ => {}
+            }
         }
         if let Some(left) = self.own_probe_out(lease) {
             return Ok(Err(left));
         }
         let ended = self.probes_ended.load(Ordering::SeqCst);
-        let taken = store.outage_probe(job, lease).await?;
+        let taken = store.outage_probe(job, lease, worker).await?;
         let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
         if self.probes_ended.load(Ordering::SeqCst) == ended {
-            *next = taken.err().map(|wait| now + wait);
+            *next = taken.err().map(|wait| (now + wait, Turn::Asked));
         }
         Ok(taken)
     }
@@ -308,9 +339,10 @@ impl OutageWatch {
     }
 
     /// [`OutageWatch::probe_ended`]: the next probe's time is `next` from
-    /// now when the probe's failure said it, else asked afresh (under
-    /// `next_probe`'s lock: an answer racing this is not kept).
-    fn end_probe(&self, rid: &str, next: Option<Duration>) -> bool {
+    /// now (this worker's own turn) when the probe's failure said it, else
+    /// asked afresh (under `next_probe`'s lock: an answer racing this is
+    /// not kept).
+    fn end_probe(&self, rid: &str, next: Option<(Duration, Turn)>) -> bool {
         let mut probe = self.probe.lock().unwrap_or_else(|e| e.into_inner());
         if probe.as_ref().is_none_or(|(probe, _)| probe != rid) {
             return false;
@@ -319,7 +351,7 @@ impl OutageWatch {
         drop(probe);
         let mut at = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
         self.probes_ended.fetch_add(1, Ordering::SeqCst);
-        *at = next.map(|wait| Instant::now() + wait);
+        *at = next.map(|(wait, turn)| (Instant::now() + wait, turn));
         true
     }
 }
@@ -359,10 +391,14 @@ mod tests {
         w.set_probe("r1");
         // An ask that raced the probe named its own lease's end.
         let lease_end = Instant::now() + Duration::from_secs(40);
-        *w.next_probe.lock().unwrap() = Some(lease_end);
+        *w.next_probe.lock().unwrap() = Some((lease_end, Turn::Asked));
         assert!(w.is_probe("r1") && !w.is_probe("r2"));
         assert!(!w.probe_ended("r2"));
-        assert_eq!(*w.next_probe.lock().unwrap(), Some(lease_end), "not its probe");
+        assert_eq!(
+            *w.next_probe.lock().unwrap(),
+            Some((lease_end, Turn::Asked)),
+            "not its probe"
+        );
         let lease = Duration::from_secs(40);
         assert!(w.own_probe_out(lease).is_some_and(|left| left <= lease));
         assert!(w.probe_ended("r1"));

@@ -66,6 +66,9 @@ pub struct FailedCall<'a> {
     pub worker: &'a str,
     /// It was the probe of a provider taken for down.
     pub probe: bool,
+    /// The probe's lease: a failed probe's worker holds the next probe's
+    /// lease for this long from its start, and sends it without asking.
+    pub lease: Duration,
 }
 
 /// What a failure made of the provider's state.
@@ -78,7 +81,8 @@ pub struct Noted {
     /// When the fleet last noted an answer (0: never, or not since a resume).
     pub answered_ms: u64,
     /// After a failed probe of a provider taken for down: when the next
-    /// probe may start (Unix ms, Redis's clock; 0 otherwise).
+    /// probe may start (Unix ms, Redis's clock; 0 otherwise); it is the
+    /// failed probe's worker's to send.
     pub next_probe_ms: u64,
 }
 
@@ -164,6 +168,7 @@ impl RedisStore {
             .arg(rules.window_429.as_millis() as u64)
             .arg(rules.probe_every_max.as_millis() as u64)
             .arg(u8::from(call.probe))
+            .arg(call.lease.as_millis() as u64)
             .invoke_async(&mut self.conn.clone())
             .await?;
         let state = match state {
@@ -201,15 +206,22 @@ impl RedisStore {
     }
 
     /// Takes the lease of the probe of a provider taken for down, for
-    /// `lease`: Ok when this worker may send it (or the provider is up),
-    /// else how long until the next probe may start.
-    pub async fn outage_probe(&self, job: &str, lease: Duration) -> Result<Result<(), Duration>, StoreError> {
+    /// `lease`: Ok when `worker` may send it (or the provider is up), else
+    /// how long until it may ask again (the next probe's start, or the end
+    /// of the lease another worker's failed probe left it).
+    pub async fn outage_probe(
+        &self,
+        job: &str,
+        lease: Duration,
+        worker: &str,
+    ) -> Result<Result<(), Duration>, StoreError> {
         let (granted, at, now): (u8, u64, u64) = self
             .scripts
             .outage
             .key(keys::outage(job))
             .arg("probe")
             .arg(lease.as_millis() as u64)
+            .arg(worker)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(if granted == 1 {

@@ -16,8 +16,10 @@
 --          ok_ms (last answer noted), since_ms (start of the earliest failed
 --          call of the streak), fails, rl_only (1 while every failure of the
 --          streak was a 429), down (1 while the provider is taken for down),
---          down_ms, probe_at (when the next probe may start), probes (failed
---          probes), cause, message, base_url, worker, last_ms (the last
+--          down_ms, probe_at (when the next probe may start), held_ms and
+--          prober (the worker whose probe failed last holds the next one's
+--          lease from probe_at to held_ms: it sends it without asking),
+--          probes (failed probes), cause, message, base_url, worker, last_ms (the last
 --          failure), outages (how many so far), up_ms and last_outage_ms
 --          (when the last one ended, and how long it lasted)
 -- ARGV[1]  fail | ok | probe | unprobe
@@ -32,18 +34,24 @@
 --          ARGV[11] the longest wait between probes while the outage is
 --          young, ms (then a twelfth of its age, at most 6 times this)
 --          ARGV[12] 1 when this call was the probe
+--          ARGV[13] the probe's lease, ms: the worker whose probe failed
+--          holds the next one's lease from its start on (others are told
+--          to wait until that lease ends)
 --          Returns {state, since_ms, now, ok_ms, probe_at}: state 0 up,
 --          1 down from this failure on, 2 down before it; ok_ms the last
 --          answer noted; probe_at, after a failed probe while down, when the
---          next may start (0 otherwise: the prober learns it here, without
---          asking again).
+--          next may start (0 otherwise): the prober learns it here and sends
+--          the next probe then without asking again.
 -- ok:      Returns {1, since_ms, now} when this answer ended an outage,
 --          else {0, 0, now}.
--- probe:   ARGV[2] the probe's lease, ms (its call's whole timeout).
+-- probe:   ARGV[2] the probe's lease, ms (its call's whole timeout);
+--          ARGV[3] the worker asking.
 --          Returns {1, 0, now} when the caller may send the probe (or the
---          provider is up), else {0, probe_at, now}.
+--          provider is up), else {0, when to ask again, now}: the next
+--          probe's start, or the end of its lease when another worker
+--          holds it.
 -- unprobe: a probe that found nothing to send gives its lease back (the
---          next may start a second from now). Returns {1, 0, now}.
+--          next may start a second from now, by any worker). Returns {1, 0, now}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h = KEYS[1]
@@ -75,10 +83,9 @@ if verb == 'fail' then
     local age = now - (tonumber(v[7]) or now)
     local cap = math.min(math.max(math.floor(age / 12), max), 6 * max)
     probe_at = now + math.floor(math.min(1000 * math.pow(2, math.min(probes, 20)), cap))
-    table.insert(fields, 'probes')
-    table.insert(fields, probes)
-    table.insert(fields, 'probe_at')
-    table.insert(fields, probe_at)
+    for _, f in ipairs({'probes', probes, 'probe_at', probe_at, 'held_ms', probe_at + tonumber(ARGV[13]), 'prober', ARGV[7]}) do
+      table.insert(fields, f)
+    end
   end
   redis.call('HSET', h, unpack(fields))
   if down then
@@ -87,7 +94,7 @@ if verb == 'fail' then
   local window = tonumber(ARGV[9])
   if rl_only then window = tonumber(ARGV[10]) end
   if fails >= tonumber(ARGV[8]) and now - since >= window then
-    redis.call('HSET', h, 'down', 1, 'down_ms', now, 'probes', 0, 'probe_at', now + 1000)
+    redis.call('HSET', h, 'down', 1, 'down_ms', now, 'probes', 0, 'probe_at', now + 1000, 'held_ms', 0)
     redis.call('HINCRBY', h, 'outages', 1)
     return {1, since, now, ok, 0}
   end
@@ -98,7 +105,7 @@ if verb == 'ok' then
   local v = redis.call('HMGET', h, 'down', 'since_ms')
   if v[1] == '1' then
     local since = tonumber(v[2]) or now
-    redis.call('HDEL', h, 'down', 'probe_at', 'probes')
+    redis.call('HDEL', h, 'down', 'probe_at', 'probes', 'held_ms', 'prober')
     redis.call('HSET', h, 'ok_ms', now, 'up_ms', now, 'last_outage_ms', now - since)
     return {1, since, now}
   end
@@ -107,17 +114,19 @@ if verb == 'ok' then
 end
 
 if verb == 'probe' then
-  local v = redis.call('HMGET', h, 'down', 'probe_at')
+  local v = redis.call('HMGET', h, 'down', 'probe_at', 'held_ms', 'prober')
   if v[1] ~= '1' then return {1, 0, now} end
   local at = tonumber(v[2]) or 0
   if now < at then return {0, at, now} end
-  redis.call('HSET', h, 'probe_at', now + tonumber(ARGV[2]))
+  local held = tonumber(v[3]) or 0
+  if now < held and v[4] ~= ARGV[3] then return {0, held, now} end
+  redis.call('HSET', h, 'probe_at', now + tonumber(ARGV[2]), 'held_ms', 0)
   return {1, 0, now}
 end
 
 if verb == 'unprobe' then
   if redis.call('HGET', h, 'down') == '1' then
-    redis.call('HSET', h, 'probe_at', now + 1000)
+    redis.call('HSET', h, 'probe_at', now + 1000, 'held_ms', 0)
   end
   return {1, 0, now}
 end
