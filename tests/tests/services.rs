@@ -579,26 +579,22 @@ async fn with_a_concurrency_cap_an_answered_calls_slot_is_freed_at_once() {
     settling.await.unwrap().unwrap();
 }
 
-/// While the provider is taken for down one probe at a time goes out, and
-/// a failed probe costs Redis no more than it must (#32 item 6): the
-/// claimer does not ask for the probe's lease while its own probe is out,
-/// learns when the next may start from the failure's own answer (not by
-/// asking again), and the record goes back on its stream without waking
-/// the fleet (no worker takes it but the next probe, on its own time).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
-    // Every call fails with a 500 after 400 ms: the probe stays out a while.
-    let redis = RedisServer::start();
-    let sim = LlmSim::start(&["--faults", "server_error=1", "--latency-ms", "400", "--steady-latency"]);
-    let _dir = job(&redis, 2);
-    let f = fleet(&redis, &sim, "a").await;
+/// A worker "a" of a job of two records whose provider (every call a 500
+/// after 400 ms: a probe stays out a while) is down since now, as Redis and
+/// the worker see it; its spec changed by `changes`.
+async fn fleet_of_a_down_provider(
+    redis: &RedisServer,
+    sim: &LlmSim,
+    changes: &[(&str, &str)],
+) -> (TempDir, Arc<Fleet>, Arc<worker::job::JobCtx>, u64) {
+    let dir = job_with(redis, 2, changes);
+    let f = fleet(redis, sim, "a").await;
     let (secs, _): (u64, u64) = redis::cmd("TIME").query(&mut redis.conn()).unwrap();
     let down_ms = secs * 1000;
-    let outage = keys::outage(JOB);
     let _: () = redis
         .conn()
         .hset_multiple(
-            &outage,
+            keys::outage(JOB),
             &[
                 ("down", 1),
                 ("down_ms", down_ms),
@@ -619,6 +615,31 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
             ..Default::default()
         },
     );
+    (dir, f, job, down_ms)
+}
+
+/// How many times this worker asked the job's rate buckets for grants.
+async fn acquires(f: &Fleet, job: &worker::job::JobCtx) -> u64 {
+    f.limiter(job).report().await.unwrap().acquires
+}
+
+/// llm-sim answering every call with a 500 after 400 ms.
+fn failing_sim() -> LlmSim {
+    LlmSim::start(&["--faults", "server_error=1", "--latency-ms", "400", "--steady-latency"])
+}
+
+/// While the provider is taken for down one probe at a time goes out, and
+/// a failed probe costs Redis no more than it must (#32 item 6): the
+/// claimer does not ask for the probe's lease while its own probe is out,
+/// learns when the next may start from the failure's own answer (not by
+/// asking again), and the record goes back on its stream without waking
+/// the fleet (no worker takes it but the next probe, on its own time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
+    let redis = RedisServer::start();
+    let sim = failing_sim();
+    let (_dir, f, job, down_ms) = fleet_of_a_down_provider(&redis, &sim, &[]).await;
+    let outage = keys::outage(JOB);
     let wakes = || -> u64 { redis.conn().xlen(keys::wake()).unwrap() };
     let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
     // Its first round reads its own pending tasks (none): the lease goes back.
@@ -627,6 +648,9 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 1, "the probe, alone");
     let (scripts, woken) = (redis.calls_of("evalsha"), wakes());
+    // The probe on a lease asked for took its rate grant.
+    let granted = acquires(&f, &job).await;
+    assert!(granted >= 1);
 
     // Its own probe is out: the lease is its own, Redis is not asked.
     let round = claimer.claim_round().await;
@@ -692,6 +716,40 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
         other > Duration::from_secs(5) && held_ms > probe_at + 5_000,
         "{other:?} (the lease held until {held_ms}, the probe due at {probe_at})"
     );
+    assert_eq!(
+        acquires(&f, &job).await,
+        granted,
+        "the example's limits hold a probe a second ten times over: the probe on the lease its \
+         failed probe (a 500) left it takes no rate grant"
+    );
     settle_some(&f, 2).await;
     assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
+}
+
+/// Where the told limits do not hold a probe a second ten times over (300
+/// requests a minute), the probe on the lease a failed probe left its
+/// worker takes its rate grant all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_takes_its_grant_where_the_told_limits_do_not_spare_it() {
+    let redis = RedisServer::start();
+    let sim = failing_sim();
+    let tight = [("requests_per_minute = 10000", "requests_per_minute = 300")];
+    let (_dir, f, job, _) = fleet_of_a_down_provider(&redis, &sim, &tight).await;
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    let (mut probes, mut asked) = (0, Vec::new());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while probes < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "two probes did not go");
+        let round = claimer.claim_round().await;
+        probes += round.claimed;
+        if round.claimed == 1 {
+            asked.push(acquires(&f, &job).await);
+            settle_some(&f, probes).await;
+        } else {
+            let wait = round.probe_wait.unwrap_or(Duration::from_millis(50));
+            tokio::time::sleep(wait.min(Duration::from_secs(3))).await;
+        }
+    }
+    assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
+    assert_eq!(asked[1], asked[0] + 1, "each probe took its rate grant: {asked:?}");
 }

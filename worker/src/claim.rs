@@ -11,6 +11,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
+use crate::outage::ProbeLease;
 use crate::plan::Route;
 use crate::service::Service;
 
@@ -127,11 +128,14 @@ impl Claimer {
     async fn claim_job(&mut self, job: &Arc<JobCtx>, first: &mut Option<OwnedSemaphorePermit>, round: &mut Round) {
         // The fallback's room is the worker's free slots: the provider's
         // breaker (one call at a time until it answered) says nothing of it.
-        let fallback = (Route::Fallback, usize::MAX, false);
+        let fallback = (Route::Fallback, usize::MAX, None);
         let down = job.outage.is_down();
         if down && job.fallback.is_some() {
-            if job.breaker.room() > 0 && self.probe_turn(job, round).await {
-                self.claim_route(job, (Route::Primary, 1, true), first, round).await;
+            if job.breaker.room() > 0
+                && let Some(lease) = self.probe_turn(job, round).await
+            {
+                self.claim_route(job, (Route::Primary, 1, Some(lease)), first, round)
+                    .await;
             }
             self.claim_route(job, fallback, first, round).await;
             return;
@@ -147,27 +151,35 @@ impl Claimer {
         }
         // While the provider is down: no real work, one probe at a time
         // across the fleet (whoever holds the lease sends one task).
-        if down && !self.probe_turn(job, round).await {
-            return;
-        }
+        let probe = if down {
+            match self.probe_turn(job, round).await {
+                Some(lease) => Some(lease),
+                None => return,
+            }
+        } else {
+            None
+        };
         let room = if down { 1 } else { room };
-        self.claim_route(job, (Route::Primary, room, down), first, round).await;
+        self.claim_route(job, (Route::Primary, room, probe), first, round).await;
         if !down && job.fallback.is_some() && job.plan.overflow() {
             self.claim_route(job, fallback, first, round).await;
         }
     }
 
     /// Claims up to `room` tasks of `job` for `route`'s provider, under its
-    /// limiter's grants (`probing`: the one probe of a provider taken for down).
+    /// limiter's grants (`probe`: the one probe of a provider taken for
+    /// down, and how its lease is held: one kept from this worker's failed
+    /// probe goes without a grant where the told limits spare probes).
     async fn claim_route(
         &mut self,
         job: &Arc<JobCtx>,
-        (route, room, probing): (Route, usize, bool),
+        (route, room, probe): (Route, usize, Option<ProbeLease>),
         first: &mut Option<OwnedSemaphorePermit>,
         round: &mut Round,
     ) {
         let f = self.fleet.clone();
         let claimed_before = round.claimed;
+        let probing = probe.is_some();
         // No slot left (another route took them: a grant would come, and a
         // task with no slot), or the rate's buckets said when to come back.
         let free = self.claimable(first.is_some()).min(room);
@@ -180,13 +192,18 @@ impl Claimer {
             return;
         }
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
+        let spared = probe == Some(ProbeLease::Kept) && f.limiter_for(job, route).spares_probes();
         // Budget before claim: a throttled fleet leaves tasks in the stream.
-        let (mut grants, wait, bound) = f.grants(job, want, route).await;
+        let (mut grants, wait, bound) = if spared {
+            (f.no_grants(job, route), Duration::ZERO, Bound::None)
+        } else {
+            f.grants(job, want, route).await
+        };
         if bound == Bound::Rate {
             self.budget_at
                 .insert((job.name.clone(), route), tokio::time::Instant::now() + wait);
         }
-        if grants.is_empty() {
+        if grants.is_empty() && !spared {
             round.limited = sooner(round.limited, wait);
             if probing {
                 self.probe_unsent(job).await;
@@ -199,8 +216,7 @@ impl Claimer {
                 Route::Fallback => usize::MAX,
                 _ => job.breaker.room(),
             };
-            let want = grants
-                .len()
+            let want = (if spared { usize::MAX } else { grants.len() })
                 .min(breaker_room)
                 .min(room - (round.claimed - claimed_before));
             if want == 0 || self.drained.is_cancelled() {
@@ -249,23 +265,23 @@ impl Claimer {
             .filter(|wait| !wait.is_zero())
     }
 
-    /// While `job`'s provider is down: whether this worker holds the probe's
-    /// lease now (else `round` learns how long until the next probe).
-    async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> bool {
+    /// While `job`'s provider is down: the probe's lease when this worker
+    /// holds it now (else `round` learns how long until the next probe).
+    async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> Option<ProbeLease> {
         let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
         match job
             .outage
             .take_probe(&self.fleet.store, &job.name, lease, &self.fleet.config.consumer)
             .await
         {
-            Ok(Ok(())) => true,
+            Ok(Ok(held)) => Some(held),
             Ok(Err(wait)) => {
                 round.probe_wait = sooner(round.probe_wait, wait);
-                false
+                None
             }
             Err(e) => {
                 self.fleet.store_error(&e).await;
-                false
+                None
             }
         }
     }

@@ -239,6 +239,15 @@ impl Fleet {
         (held, got.wait, got.bound)
     }
 
+    /// No grants: for a probe the limits spare ([`Limiter::spares_probes`]).
+    pub fn no_grants(&self, job: &Arc<JobCtx>, route: Route) -> HeldGrants {
+        HeldGrants {
+            limiter: self.limiter_for(job, route).clone(),
+            grants: Vec::new(),
+            tracker: self.tracker.clone(),
+        }
+    }
+
     /// Starts one delivered task on the tracker, to call `route`'s provider;
     /// it holds `permit` (and the rate-limit `grant`) until it is settled.
     pub fn spawn(

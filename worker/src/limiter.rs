@@ -42,6 +42,9 @@ const SLOTS_BOUND_FOR: Duration = Duration::from_secs(10);
 /// How long after the rate last paced this worker it is taken for paced
 /// ([`Limiter::paced`]).
 pub const PACED_FOR: Duration = Duration::from_secs(2);
+/// How many times over the told limits must hold a provider's probes (one
+/// call a second at most, fleet-wide) for a probe to go without a grant.
+const PROBE_ROOM: u64 = 10;
 
 /// One reservation: a request, its tokens and a concurrency slot, from
 /// `at` on (its call waits until then).
@@ -414,6 +417,19 @@ impl Limiter {
         self.slots_bound.within(SLOTS_BOUND_FOR)
     }
 
+    /// Whether a provider taken for down may be probed without rate grants:
+    /// its probes (one call at a time fleet-wide, at most one a second)
+    /// fit [`PROBE_ROOM`] times over in the limits the spec tells: a
+    /// request limit is told and holds 600 calls a minute, each told token
+    /// limit holds 600 of these calls' reservations, a told concurrency cap
+    /// is 10 or more, and the fleet's slots held no grant back lately. The
+    /// limits learned from a provider's answers are not known here: without
+    /// a told request limit every probe takes its grant.
+    pub fn spares_probes(&self) -> bool {
+        let input = self.prompt_estimate.load(Ordering::Relaxed) * 5 / 4;
+        probes_fit(&self.params, input, self.max_tokens) && !self.slots_held_back()
+    }
+
     /// One settlement, stored with the others of the moment. One that
     /// changes nothing the fleet must know at once (an answered call, a
     /// call that failed for no reason of load, a grant not used) waits up
@@ -446,6 +462,18 @@ impl Limiter {
             budget: self.store.limit_levels(&self.id).await?,
         })
     }
+}
+
+/// Whether told limits `p` hold a probe a second (each reserving `input`
+/// and `output` tokens) [`PROBE_ROOM`] times over (see [`Limiter::spares_probes`]).
+fn probes_fit(p: &LimitParams, input: u64, output: u64) -> bool {
+    let calls = 60 * PROBE_ROOM;
+    let holds = |limit: u64, need: u64| limit == 0 || limit >= calls * need;
+    p.requests >= calls
+        && holds(p.tokens, input + output)
+        && holds(p.input_tokens, input)
+        && holds(p.output_tokens, output)
+        && (p.max_concurrent == 0 || p.max_concurrent >= PROBE_ROOM)
 }
 
 /// A conservative prompt estimate: about 4 bytes a token, rounded up, plus
@@ -528,6 +556,36 @@ pub fn parse_go_duration(s: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+
+    #[test]
+    fn probes_fit_only_limits_told_that_hold_them_ten_times_over() {
+        let told = |requests, tokens, input_tokens, output_tokens, max_concurrent| LimitParams {
+            requests,
+            tokens,
+            input_tokens,
+            output_tokens,
+            max_concurrent,
+            need_tokens: 0,
+            need_input: 0,
+            need_output: 0,
+            burst_ms: 0,
+            lease_ms: 0,
+            ahead_ms: 0,
+        };
+        // 600 calls a minute of 300 input and 200 output tokens.
+        let fits = |p: LimitParams| probes_fit(&p, 300, 200);
+        assert!(fits(told(600, 0, 0, 0, 0)));
+        assert!(!fits(told(599, 0, 0, 0, 0)));
+        assert!(
+            !fits(told(0, 0, 0, 0, 0)),
+            "no request limit told: the probe takes its grant"
+        );
+        assert!(fits(told(10_000, 300_000, 180_000, 120_000, 10)));
+        assert!(!fits(told(10_000, 299_999, 0, 0, 0)), "tokens");
+        assert!(!fits(told(10_000, 0, 179_999, 0, 0)), "input tokens");
+        assert!(!fits(told(10_000, 0, 0, 119_999, 0)), "output tokens");
+        assert!(!fits(told(10_000, 0, 0, 0, 9)), "a concurrency cap under 10");
+    }
 
     #[test]
     fn go_durations() {

@@ -25,8 +25,22 @@ const ANSWER_NOTE_EVERY: Duration = Duration::from_secs(1);
 enum Turn {
     /// Whoever asks Redis for the lease first, when it is free.
     Asked,
-    /// This worker's: its probe failed and Redis gave it the next one's lease.
-    Mine,
+    /// This worker's: its probe failed (with a 429 or not) and Redis gave
+    /// it the next one's lease.
+    Mine { after_429: bool },
+}
+
+/// The probe's lease this worker holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeLease {
+    /// Taken from the fleet (or kept after a probe the provider refused
+    /// with a 429: its limit may be what fails).
+    Taken,
+    /// Kept from this worker's own failed probe, which was no 429: the
+    /// provider fails whatever the pace, and one probe at a time cannot
+    /// strain its limits, so where the told limits spare it
+    /// ([`crate::limiter::Limiter::spares_probes`]) the probe takes no rate grant.
+    Kept,
 }
 
 /// One job's provider outage in this worker.
@@ -193,9 +207,12 @@ impl OutageWatch {
             // next is due; should the store fail, the task's end gives the
             // lease back instead).
             let next = (noted.next_probe_ms > 0).then(|| {
+                let wait = Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms));
                 (
-                    Duration::from_millis(noted.next_probe_ms.saturating_sub(noted.now_ms)),
-                    Turn::Mine,
+                    wait,
+                    Turn::Mine {
+                        after_429: call.rate_limited,
+                    },
                 )
             });
             self.end_probe(rid, next);
@@ -259,7 +276,8 @@ impl OutageWatch {
     }
 
     /// While the provider is down: takes the fleet's probe lease for
-    /// `lease` (Ok: this worker sends the probe), or says how long until
+    /// `lease` (Ok: this worker sends the probe, and how it holds the
+    /// lease), or says how long until
     /// it may ask again (known from Redis's last answer: Redis is not asked
     /// again before then, nor while this worker's own probe is out). The
     /// worker whose probe failed holds the next one's lease from its start:
@@ -274,20 +292,12 @@ impl OutageWatch {
         job: &str,
         lease: Duration,
         worker: &str,
-    ) -> Result<Result<(), Duration>, StoreError> {
+    ) -> Result<Result<ProbeLease, Duration>, StoreError> {
         self.lease_ms.store(lease.as_millis() as u64, Ordering::Relaxed);
-        let now = Instant::now();
-        {
-            let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
-            match *next {
-                Some((at, _)) if at > now => return Ok(Err(at - now)),
-                Some((at, Turn::Mine)) if now < at + lease / 2 => {
-                    *next = None;
-                    return Ok(Ok(()));
-                }
-                _ => {}
-            }
+        if let Some(known) = self.known_turn(lease) {
+            return Ok(known);
         }
+        let now = Instant::now();
         if let Some(left) = self.own_probe_out(lease) {
             return Ok(Err(left));
         }
@@ -297,7 +307,23 @@ impl OutageWatch {
         if self.probes_ended.load(Ordering::SeqCst) == ended {
             *next = taken.err().map(|wait| (now + wait, Turn::Asked));
         }
-        Ok(taken)
+        Ok(taken.map(|()| ProbeLease::Taken))
+    }
+
+    /// [`OutageWatch::take_probe`] as far as this worker knows without
+    /// asking: the wait Redis last gave, or the lease its own failed probe
+    /// left it, taken (in the first half of that `lease`).
+    fn known_turn(&self, lease: Duration) -> Option<Result<ProbeLease, Duration>> {
+        let now = Instant::now();
+        let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+        match *next {
+            Some((at, _)) if at > now => Some(Err(at - now)),
+            Some((at, Turn::Mine { after_429 })) if now < at + lease / 2 => {
+                *next = None;
+                Some(Ok(if after_429 { ProbeLease::Taken } else { ProbeLease::Kept }))
+            }
+            _ => None,
+        }
     }
 
     /// While this worker's own probe is out, what is left of its `lease`:
@@ -422,6 +448,29 @@ mod tests {
             "a probe task that outlived its lease: Redis is asked again"
         );
         assert!(w.own_probe_out(Duration::from_secs(60)).is_some());
+    }
+
+    /// The lease a failed probe's answer gave this worker is taken without
+    /// asking once due, in the first half of the lease (later Redis is
+    /// asked); kept after a failure that was no 429, taken as any lease
+    /// after a 429 (the probe then takes its rate grant).
+    #[test]
+    fn a_failed_probe_s_lease_is_taken_when_due_and_kept_unless_it_was_a_429() {
+        let w = OutageWatch::new(1, "http://h/v1");
+        let lease = Duration::from_secs(40);
+        let now = Instant::now();
+        let mine = |at, after_429| *w.next_probe.lock().unwrap() = Some((at, Turn::Mine { after_429 }));
+        mine(now + Duration::from_secs(3), false);
+        assert!(matches!(w.known_turn(lease), Some(Err(wait)) if wait <= Duration::from_secs(3)));
+        mine(now - Duration::from_secs(1), false);
+        assert_eq!(w.known_turn(lease), Some(Ok(ProbeLease::Kept)));
+        assert_eq!(w.known_turn(lease), None, "taken once: then Redis is asked");
+        mine(now - Duration::from_secs(1), true);
+        assert_eq!(w.known_turn(lease), Some(Ok(ProbeLease::Taken)), "after a 429");
+        mine(now - Duration::from_secs(25), false);
+        assert_eq!(w.known_turn(lease), None, "too late in its lease: Redis is asked");
+        *w.next_probe.lock().unwrap() = Some((now - Duration::from_secs(1), Turn::Asked));
+        assert_eq!(w.known_turn(lease), None, "another's turn: Redis is asked");
     }
 
     /// A worker that still takes the provider for down learns from its
