@@ -10,9 +10,9 @@ WORKERS workers (default 2; release build) finish 5 records against llm-sim, the
 - outage, long: the same outage as if it had begun an hour ago (its start in
   Redis moved back: probes every 30 s).
 Each phase: Redis commands (those scripts run inside included) over WINDOW
-seconds (default 30; idle over IDLE_WINDOW, default 60, the idle poll's
-whole period) from `INFO` deltas, per worker per second, and the probes
-llm-sim saw. Ends with one JSON line. 127.0.0.1 only; all stopped.
+seconds (default 60: the idle fleet's rounds of a minute, the idle poll's
+included; idle over IDLE_WINDOW, default 60) from `INFO` deltas, per
+worker per second, and the probes llm-sim saw. Ends with one JSON line. 127.0.0.1 only; all stopped.
 """
 import json
 import os
@@ -24,7 +24,7 @@ import urllib.request
 from benchlib import (BIN, ROOT, redis_cli, redis_commands, sim_stats, start_redis, start_sim, stop_all,
                       write_records)
 
-WINDOW = float(os.environ.get("WINDOW", "30"))
+WINDOW = float(os.environ.get("WINDOW", "60"))
 IDLE_WINDOW = float(os.environ.get("IDLE_WINDOW", "60"))
 WORKERS = int(os.environ.get("WORKERS", "2"))
 

@@ -1219,9 +1219,24 @@ async fn a_failed_probe_s_worker_holds_the_next_probe_s_lease() {
         wait > std::time::Duration::from_secs(30),
         "until w's lease ends: {wait:?}"
     );
+    // A stopping worker gives back only its own lease.
+    assert!(!store.outage_leave(JOB, "x").await.unwrap(), "x holds no lease");
+    let wait = ask("x").await.expect_err("still w's lease");
+    assert!(wait > std::time::Duration::from_secs(30), "{wait:?}");
     assert_eq!(ask("w").await, Ok(()), "w asking for its own lease gets it");
     let wait = ask("x").await.expect_err("w's probe is out");
     assert!(wait > std::time::Duration::from_secs(30), "{wait:?}");
+    // w's probe failed again, and w stops: its lease is given back, the next
+    // probe is anyone's when due.
+    let noted = store.outage_failed(JOB, &call(true), &rules).await.unwrap();
+    assert!(store.outage_leave(JOB, "w").await.unwrap());
+    let wait = ask("x").await.expect_err("not yet due");
+    assert!(
+        wait <= std::time::Duration::from_millis(noted.next_probe_ms - noted.now_ms),
+        "{wait:?}"
+    );
+    let _: () = c.hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    assert_eq!(ask("x").await, Ok(()), "anyone's when due");
     // Given back: anyone, a second on.
     store.outage_unprobe(JOB).await.unwrap();
     let wait = ask("x").await.expect_err("a second on");

@@ -724,6 +724,27 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     );
     settle_some(&f, 2).await;
     assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
+    // Its second probe failed too: the third is its own. Stopping, it gives
+    // that lease back: another worker's ask waits only for the probe's time.
+    let (next_at, held_ms, prober) = held(&mut redis.conn());
+    assert_eq!(prober, "a");
+    job.outage.leave(&f.store, JOB, "a").await.unwrap();
+    let (at, ..) = held(&mut redis.conn());
+    let left: (Option<u64>, Option<String>) = redis::cmd("HMGET")
+        .arg(&outage)
+        .arg(&["held_ms", "prober"])
+        .query(&mut redis.conn())
+        .unwrap();
+    assert_eq!(
+        (at, left),
+        (next_at, (None, None)),
+        "the lease until {held_ms} given back"
+    );
+    let other = f.store.outage_probe(JOB, Duration::from_secs(40), "b").await.unwrap();
+    assert!(
+        other.is_ok() || other.is_err_and(|wait| wait <= Duration::from_secs(5)),
+        "{other:?}: the next probe's time, not its lease's end"
+    );
 }
 
 /// Where the told limits do not hold a probe a second ten times over (300

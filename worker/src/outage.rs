@@ -336,6 +336,23 @@ impl OutageWatch {
         lease.checked_sub(taken.elapsed())
     }
 
+    /// A stopping worker gives back the next probe's lease its failed probe
+    /// left it (the others need not wait out that lease).
+    pub async fn leave(&self, store: &RedisStore, job: &str, worker: &str) -> Result<(), StoreError> {
+        let mine = {
+            let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
+            let mine = matches!(*next, Some((_, Turn::Mine { .. })));
+            if mine {
+                *next = None;
+            }
+            mine
+        };
+        if mine {
+            store.outage_leave(job, worker).await?;
+        }
+        Ok(())
+    }
+
     /// The probe's lease found no task to send: given back.
     pub async fn no_probe(&self, store: &RedisStore, job: &str) -> Result<(), StoreError> {
         store.outage_unprobe(job).await

@@ -231,6 +231,11 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
         );
     }
     fleet.flush_lost_answers().await;
+    for job in &fleet.jobs {
+        if let Err(e) = job.outage.leave(&fleet.store, &job.name, &fleet.config.consumer).await {
+            tracing::warn!(job = %job.name, error = %e, "could not give back the next probe's lease (it runs out by itself)");
+        }
+    }
     // What was committed reaches the sink before the worker leaves (within
     // the same deadline, at least SINK_GRACE; whatever is left another
     // worker writes).

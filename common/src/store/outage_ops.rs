@@ -231,6 +231,20 @@ impl RedisStore {
         })
     }
 
+    /// A stopping `worker` gives back the next probe's lease its failed
+    /// probe left it: true when it held it.
+    pub async fn outage_leave(&self, job: &str, worker: &str) -> Result<bool, StoreError> {
+        let (held, _, _): (u8, u64, u64) = self
+            .scripts
+            .outage
+            .key(keys::outage(job))
+            .arg("leave")
+            .arg(worker)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(held == 1)
+    }
+
     /// Gives back a probe's lease that found nothing to send.
     pub async fn outage_unprobe(&self, job: &str) -> Result<(), StoreError> {
         let _: (u8, u64, u64) = self

@@ -52,6 +52,9 @@
 --          holds it.
 -- unprobe: a probe that found nothing to send gives its lease back (the
 --          next may start a second from now, by any worker). Returns {1, 0, now}.
+-- leave:   ARGV[2] a stopping worker: the next probe's lease its failed
+--          probe left it is given back (the next probe starts when due, by
+--          any worker). Returns {1 when it held it, 0, now}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h = KEYS[1]
@@ -129,6 +132,14 @@ if verb == 'unprobe' then
     redis.call('HSET', h, 'probe_at', now + 1000, 'held_ms', 0)
   end
   return {1, 0, now}
+end
+
+if verb == 'leave' then
+  if redis.call('HGET', h, 'prober') == ARGV[2] then
+    redis.call('HDEL', h, 'held_ms', 'prober')
+    return {1, 0, now}
+  end
+  return {0, 0, now}
 end
 
 return redis.error_reply('outage.lua: unknown verb ' .. tostring(verb))
