@@ -19,10 +19,10 @@
 --          down_ms, probe_at (when the next probe may start), held_ms and
 --          prober (the worker whose probe failed last holds the next one's
 --          lease from probe_at to held_ms: it sends it without asking),
---          probes (failed probes), cause, message, base_url, worker, last_ms (the last
---          failure), outages (how many so far), up_ms and last_outage_ms
---          (when the last one ended, and how long it lasted)
--- ARGV[1]  fail | ok | probe | unprobe
+--          probes (failed probes), cause, message, base_url, worker,
+--          last_ms (the last failure), outages (how many so far), up_ms and
+--          last_outage_ms (when the last one ended, and how long it lasted)
+-- ARGV[1]  fail | ok | probe | unprobe | leave
 -- fail:    ARGV[2] how long ago the failed call started, ms
 --          ARGV[3] its cause (`connect`, `http_503`, `rate_limited`...)
 --          ARGV[4] 1 when it was a 429
