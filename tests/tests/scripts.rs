@@ -1147,6 +1147,11 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
     };
     store.outage_failed(JOB, &call(false), &rules).await.unwrap();
     assert_eq!(field(&mut c, "down"), 1);
+    // w holds the probe's lease (each failed probe of its own then leaves
+    // it the next one's).
+    let _: () = c.hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    let lease = std::time::Duration::from_secs(40);
+    assert_eq!(store.outage_probe(JOB, lease, "w").await.unwrap(), Ok(()));
     // Young: the third failed probe waits 5 s (2, 4, then the 5 s cap).
     let mut noted = None;
     for _ in 0..3 {
@@ -1172,10 +1177,12 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
     }
 }
 
-/// The worker whose probe failed holds the next probe's lease, from when it
-/// may start for the probe's whole lease: it sends it without asking, the
-/// others are told to wait until that lease ends; asked by itself, it is
-/// granted; given back (nothing to send), any worker may take it a second on.
+/// The worker whose probe failed while it held the lease holds the next
+/// probe's lease, from when it may start for the probe's whole lease: it
+/// sends it without asking, the others are told to wait until that lease
+/// ends; asked by itself, it is granted; a stopping worker gives it back;
+/// given back (nothing to send), any worker may take it a second on. A
+/// probe of a worker that did not hold the lease changes nothing of it.
 #[tokio::test]
 async fn a_failed_probe_s_worker_holds_the_next_probe_s_lease() {
     let redis = RedisServer::start();
@@ -1198,6 +1205,24 @@ async fn a_failed_probe_s_worker_holds_the_next_probe_s_lease() {
     };
     let mut c = redis.conn();
     store.outage_failed(JOB, &call(false), &rules).await.unwrap();
+    // A probe of a worker that does not hold the lease (it ran out, another
+    // took it) changes nothing of it: no turn for it.
+    let _: () = c.hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    assert_eq!(store.outage_probe(JOB, lease, "v").await.unwrap(), Ok(()));
+    let stray = store.outage_failed(JOB, &call(true), &rules).await.unwrap();
+    assert_eq!(stray.next_probe_ms, 0, "w held no lease");
+    let (v_at, v): (u64, String) = redis::cmd("HMGET")
+        .arg(keys::outage(JOB))
+        .arg(&["probe_at", "prober"])
+        .query(&mut c)
+        .unwrap();
+    assert!(
+        v_at > stray.now_ms + 30_000 && v == "v",
+        "v's lease stands: {v_at}, {v}"
+    );
+    // w takes the lease, and its probe fails.
+    let _: () = c.hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    assert_eq!(store.outage_probe(JOB, lease, "w").await.unwrap(), Ok(()));
     let noted = store.outage_failed(JOB, &call(true), &rules).await.unwrap();
     let (at, held, prober): (u64, u64, String) = redis::cmd("HMGET")
         .arg(keys::outage(JOB))

@@ -791,8 +791,9 @@ fn a_fleet_waiting_out_an_outage_costs_redis_at_most_two_commands_a_second_per_w
     // more past the outage's first minute).
     // Goal 2, not met while the outage is young: with two workers a probe
     // every 5 s costs each about 1.3 commands a second besides the idle
-    // fleet's 0.9 (27 commands a probe before the failed probe's worker
-    // kept the next one's lease and probed without a rate grant: 3.4).
+    // fleet's 0.9 (before the failed probe's worker kept the next one's
+    // lease and probed without a rate grant: 29 commands a probe, 3.4-3.7
+    // a second per worker).
     std::thread::sleep(Duration::from_secs(8));
     per_worker_second("a young outage", 9..=13, 2.5);
     let down_ms: u64 = redis.conn().hget(&outage, "down_ms").unwrap();

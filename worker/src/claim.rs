@@ -11,7 +11,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
-use crate::outage::ProbeLease;
+use crate::outage::{PROBE_MARGIN, ProbeGrant};
 use crate::plan::Route;
 use crate::service::Service;
 
@@ -54,9 +54,6 @@ pub struct Round {
     /// between probes) holds the lease: how long until the next may start.
     pub probe_wait: Option<Duration>,
 }
-
-/// A probe's lease covers its whole call and this much more.
-const PROBE_MARGIN: Duration = Duration::from_secs(10);
 
 fn sooner(a: Option<Duration>, b: Duration) -> Option<Duration> {
     Some(a.map_or(b, |a| a.min(b)))
@@ -132,9 +129,9 @@ impl Claimer {
         let down = job.outage.is_down();
         if down && job.fallback.is_some() {
             if job.breaker.room() > 0
-                && let Some(lease) = self.probe_turn(job, round).await
+                && let Some(grant) = self.probe_turn(job, round).await
             {
-                self.claim_route(job, (Route::Primary, 1, Some(lease)), first, round)
+                self.claim_route(job, (Route::Primary, 1, Some(grant)), first, round)
                     .await;
             }
             self.claim_route(job, fallback, first, round).await;
@@ -153,7 +150,7 @@ impl Claimer {
         // across the fleet (whoever holds the lease sends one task).
         let probe = if down {
             match self.probe_turn(job, round).await {
-                Some(lease) => Some(lease),
+                Some(grant) => Some(grant),
                 None => return,
             }
         } else {
@@ -168,12 +165,12 @@ impl Claimer {
 
     /// Claims up to `room` tasks of `job` for `route`'s provider, under its
     /// limiter's grants (`probe`: the one probe of a provider taken for
-    /// down, and how its lease is held: one kept from this worker's failed
-    /// probe goes without a grant where the told limits spare probes).
+    /// down, and whether it may go without a grant where the told limits
+    /// spare probes).
     async fn claim_route(
         &mut self,
         job: &Arc<JobCtx>,
-        (route, room, probe): (Route, usize, Option<ProbeLease>),
+        (route, room, probe): (Route, usize, Option<ProbeGrant>),
         first: &mut Option<OwnedSemaphorePermit>,
         round: &mut Round,
     ) {
@@ -192,7 +189,7 @@ impl Claimer {
             return;
         }
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
-        let spared = probe == Some(ProbeLease::Kept) && f.limiter_for(job, route).spares_probes();
+        let spared = probe == Some(ProbeGrant::Spare) && f.limiter_for(job, route).spares_probes();
         // Budget before claim: a throttled fleet leaves tasks in the stream.
         let (mut grants, wait, bound) = if spared {
             (f.no_grants(job, route), Duration::ZERO, Bound::None)
@@ -265,9 +262,10 @@ impl Claimer {
             .filter(|wait| !wait.is_zero())
     }
 
-    /// While `job`'s provider is down: the probe's lease when this worker
-    /// holds it now (else `round` learns how long until the next probe).
-    async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> Option<ProbeLease> {
+    /// While `job`'s provider is down: when this worker holds the probe's
+    /// lease now, whether the probe takes a rate grant (else `round` learns
+    /// how long until the next probe).
+    async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> Option<ProbeGrant> {
         let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
         match job
             .outage

@@ -23,24 +23,31 @@ const ANSWER_NOTE_EVERY: Duration = Duration::from_secs(1);
 /// Whose the next probe is, as far as this worker knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Turn {
-    /// Whoever asks Redis for the lease first, when it is free.
-    Asked,
+    /// The fleet's: whoever asks Redis for the lease first, when it is free.
+    Fleet,
     /// This worker's: its probe failed (with a 429 or not) and Redis gave
     /// it the next one's lease.
     Mine { after_429: bool },
 }
 
-/// The probe's lease this worker holds.
+/// A probe's lease leaves this much of it past the probe's call (its
+/// provider's timeout): a worker sends the probe its failed probe left it
+/// without asking only in the first half of that.
+pub const PROBE_MARGIN: Duration = Duration::from_secs(10);
+
+/// Whether the probe this worker may send takes a rate grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeLease {
-    /// Taken from the fleet (or kept after a probe the provider refused
-    /// with a 429: its limit may be what fails).
-    Taken,
-    /// Kept from this worker's own failed probe, which was no 429: the
-    /// provider fails whatever the pace, and one probe at a time cannot
-    /// strain its limits, so where the told limits spare it
-    /// ([`crate::limiter::Limiter::spares_probes`]) the probe takes no rate grant.
-    Kept,
+pub enum ProbeGrant {
+    /// It takes one, as any call: its lease was asked of the fleet (the
+    /// outage's first probe among them), or its worker's last probe was
+    /// refused with a 429 (the provider's limit may be what fails).
+    Take,
+    /// It may go without one where the told limits spare probes
+    /// ([`crate::limiter::Limiter::spares_probes`]): its lease is the one
+    /// its worker's own failed probe left it, and that failure was no 429
+    /// (the provider fails whatever the pace; one probe at a time cannot
+    /// strain its limits).
+    Spare,
 }
 
 /// One job's provider outage in this worker.
@@ -129,6 +136,10 @@ impl OutageWatch {
         }
         if self.down.swap(down, Ordering::Relaxed) == down {
             return;
+        }
+        if down {
+            // A turn left from an outage that ended is no one's now.
+            *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
         let since = common::manifest::rfc3339(since_ms / 1000);
         if down {
@@ -276,13 +287,14 @@ impl OutageWatch {
     }
 
     /// While the provider is down: takes the fleet's probe lease for
-    /// `lease` (Ok: this worker sends the probe, and how it holds the
-    /// lease), or says how long until
+    /// `lease` (Ok: this worker sends the probe, and whether it takes a
+    /// rate grant), or says how long until
     /// it may ask again (known from Redis's last answer: Redis is not asked
     /// again before then, nor while this worker's own probe is out). The
     /// worker whose probe failed holds the next one's lease from its start:
-    /// it sends it then without asking, in the first half of that lease
-    /// (later it asks, as a late claimer must). An answer that raced this
+    /// it sends it then without asking, within half of [`PROBE_MARGIN`]
+    /// (later it asks, as a late claimer must: its call could outlast the
+    /// lease). An answer that raced this
     /// worker's probe's end names that probe's lease: it holds for this
     /// round only (the probe's end wakes the claimer, which asks again
     /// unless the failure said when).
@@ -292,9 +304,9 @@ impl OutageWatch {
         job: &str,
         lease: Duration,
         worker: &str,
-    ) -> Result<Result<ProbeLease, Duration>, StoreError> {
+    ) -> Result<Result<ProbeGrant, Duration>, StoreError> {
         self.lease_ms.store(lease.as_millis() as u64, Ordering::Relaxed);
-        if let Some(known) = self.known_turn(lease) {
+        if let Some(known) = self.known_turn() {
             return Ok(known);
         }
         let now = Instant::now();
@@ -305,22 +317,22 @@ impl OutageWatch {
         let taken = store.outage_probe(job, lease, worker).await?;
         let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
         if self.probes_ended.load(Ordering::SeqCst) == ended {
-            *next = taken.err().map(|wait| (now + wait, Turn::Asked));
+            *next = taken.err().map(|wait| (now + wait, Turn::Fleet));
         }
-        Ok(taken.map(|()| ProbeLease::Taken))
+        Ok(taken.map(|()| ProbeGrant::Take))
     }
 
     /// [`OutageWatch::take_probe`] as far as this worker knows without
     /// asking: the wait Redis last gave, or the lease its own failed probe
-    /// left it, taken (in the first half of that `lease`).
-    fn known_turn(&self, lease: Duration) -> Option<Result<ProbeLease, Duration>> {
+    /// left it, taken (within half of [`PROBE_MARGIN`] of its start).
+    fn known_turn(&self) -> Option<Result<ProbeGrant, Duration>> {
         let now = Instant::now();
         let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
         match *next {
             Some((at, _)) if at > now => Some(Err(at - now)),
-            Some((at, Turn::Mine { after_429 })) if now < at + lease / 2 => {
+            Some((at, Turn::Mine { after_429 })) if now < at + PROBE_MARGIN / 2 => {
                 *next = None;
-                Some(Ok(if after_429 { ProbeLease::Taken } else { ProbeLease::Kept }))
+                Some(Ok(if after_429 { ProbeGrant::Take } else { ProbeGrant::Spare }))
             }
             _ => None,
         }
@@ -337,7 +349,8 @@ impl OutageWatch {
     }
 
     /// A stopping worker gives back the next probe's lease its failed probe
-    /// left it (the others need not wait out that lease).
+    /// left it: a worker that asks for it then may take it when due (those
+    /// that asked already wait out the lease they were told of).
     pub async fn leave(&self, store: &RedisStore, job: &str, worker: &str) -> Result<(), StoreError> {
         let mine = {
             let mut next = self.next_probe.lock().unwrap_or_else(|e| e.into_inner());
@@ -434,12 +447,12 @@ mod tests {
         w.set_probe("r1");
         // An ask that raced the probe named its own lease's end.
         let lease_end = Instant::now() + Duration::from_secs(40);
-        *w.next_probe.lock().unwrap() = Some((lease_end, Turn::Asked));
+        *w.next_probe.lock().unwrap() = Some((lease_end, Turn::Fleet));
         assert!(w.is_probe("r1") && !w.is_probe("r2"));
         assert!(!w.probe_ended("r2"));
         assert_eq!(
             *w.next_probe.lock().unwrap(),
-            Some((lease_end, Turn::Asked)),
+            Some((lease_end, Turn::Fleet)),
             "not its probe"
         );
         let lease = Duration::from_secs(40);
@@ -468,26 +481,29 @@ mod tests {
     }
 
     /// The lease a failed probe's answer gave this worker is taken without
-    /// asking once due, in the first half of the lease (later Redis is
-    /// asked); kept after a failure that was no 429, taken as any lease
-    /// after a 429 (the probe then takes its rate grant).
+    /// asking once due, within half of the lease's margin past the call
+    /// (later Redis is asked); its probe may spare its rate grant after a
+    /// failure that was no 429, not after a 429.
     #[test]
-    fn a_failed_probe_s_lease_is_taken_when_due_and_kept_unless_it_was_a_429() {
+    fn a_failed_probe_s_lease_is_taken_when_due_and_spares_the_grant_unless_it_was_a_429() {
         let w = OutageWatch::new(1, "http://h/v1");
-        let lease = Duration::from_secs(40);
         let now = Instant::now();
         let mine = |at, after_429| *w.next_probe.lock().unwrap() = Some((at, Turn::Mine { after_429 }));
         mine(now + Duration::from_secs(3), false);
-        assert!(matches!(w.known_turn(lease), Some(Err(wait)) if wait <= Duration::from_secs(3)));
+        assert!(matches!(w.known_turn(), Some(Err(wait)) if wait <= Duration::from_secs(3)));
         mine(now - Duration::from_secs(1), false);
-        assert_eq!(w.known_turn(lease), Some(Ok(ProbeLease::Kept)));
-        assert_eq!(w.known_turn(lease), None, "taken once: then Redis is asked");
+        assert_eq!(w.known_turn(), Some(Ok(ProbeGrant::Spare)));
+        assert_eq!(w.known_turn(), None, "taken once: then Redis is asked");
         mine(now - Duration::from_secs(1), true);
-        assert_eq!(w.known_turn(lease), Some(Ok(ProbeLease::Taken)), "after a 429");
-        mine(now - Duration::from_secs(25), false);
-        assert_eq!(w.known_turn(lease), None, "too late in its lease: Redis is asked");
-        *w.next_probe.lock().unwrap() = Some((now - Duration::from_secs(1), Turn::Asked));
-        assert_eq!(w.known_turn(lease), None, "another's turn: Redis is asked");
+        assert_eq!(w.known_turn(), Some(Ok(ProbeGrant::Take)), "after a 429");
+        mine(now - PROBE_MARGIN / 2, false);
+        assert_eq!(
+            w.known_turn(),
+            None,
+            "too late: its call could outlast the lease; Redis is asked"
+        );
+        *w.next_probe.lock().unwrap() = Some((now - Duration::from_secs(1), Turn::Fleet));
+        assert_eq!(w.known_turn(), None, "another's turn: Redis is asked");
     }
 
     /// A worker that still takes the provider for down learns from its

@@ -16,9 +16,10 @@
 --          ok_ms (last answer noted), since_ms (start of the earliest failed
 --          call of the streak), fails, rl_only (1 while every failure of the
 --          streak was a 429), down (1 while the provider is taken for down),
---          down_ms, probe_at (when the next probe may start), held_ms and
---          prober (the worker whose probe failed last holds the next one's
---          lease from probe_at to held_ms: it sends it without asking),
+--          down_ms, probe_at (when the next probe may start), prober (the
+--          worker that holds the probe's lease) and held_ms (when that
+--          worker's probe failed: the next probe's lease is its own from
+--          probe_at to held_ms, and it sends it without asking),
 --          probes (failed probes), cause, message, base_url, worker,
 --          last_ms (the last failure), outages (how many so far), up_ms and
 --          last_outage_ms (when the last one ended, and how long it lasted)
@@ -35,13 +36,15 @@
 --          young, ms (then a twelfth of its age, at most 6 times this)
 --          ARGV[12] 1 when this call was the probe
 --          ARGV[13] the probe's lease, ms: the worker whose probe failed
---          holds the next one's lease from its start on (others are told
---          to wait until that lease ends)
+--          while it held the lease holds the next one's from its start on
+--          (others are told to wait until that lease ends)
 --          Returns {state, since_ms, now, ok_ms, probe_at}: state 0 up,
 --          1 down from this failure on, 2 down before it; ok_ms the last
---          answer noted; probe_at, after a failed probe while down, when the
---          next may start (0 otherwise): the prober learns it here and sends
---          the next probe then without asking again.
+--          answer noted; probe_at, after a failed probe while down of the
+--          worker holding the lease, when the next may start (0 otherwise):
+--          the prober learns it here and sends the next probe then without
+--          asking again. A probe of a worker that no longer held the lease
+--          (it ran out) changes nothing of the lease: it is no one's turn.
 -- ok:      Returns {1, since_ms, now} when this answer ended an outage,
 --          else {0, 0, now}.
 -- probe:   ARGV[2] the probe's lease, ms (its call's whole timeout);
@@ -54,14 +57,14 @@
 --          next may start a second from now, by any worker). Returns {1, 0, now}.
 -- leave:   ARGV[2] a stopping worker: the next probe's lease its failed
 --          probe left it is given back (the next probe starts when due, by
---          any worker). Returns {1 when it held it, 0, now}.
+--          any worker that asks then). Returns {1 when it held it, 0, now}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local h = KEYS[1]
 local verb = ARGV[1]
 
 if verb == 'fail' then
-  local v = redis.call('HMGET', h, 'ok_ms', 'since_ms', 'fails', 'rl_only', 'down', 'probes', 'down_ms')
+  local v = redis.call('HMGET', h, 'ok_ms', 'since_ms', 'fails', 'rl_only', 'down', 'probes', 'down_ms', 'prober')
   local ok = tonumber(v[1]) or 0
   local since = tonumber(v[2])
   local fails = tonumber(v[3]) or 0
@@ -80,7 +83,7 @@ if verb == 'fail' then
   local fields = {'since_ms', since, 'fails', fails, 'rl_only', rl_only and 1 or 0,
     'cause', ARGV[3], 'message', ARGV[5], 'base_url', ARGV[6], 'worker', ARGV[7], 'last_ms', now}
   local probe_at = 0
-  if down and ARGV[12] == '1' then
+  if down and ARGV[12] == '1' and v[8] == ARGV[7] then
     local probes = (tonumber(v[6]) or 0) + 1
     local max = tonumber(ARGV[11])
     local age = now - (tonumber(v[7]) or now)
@@ -97,7 +100,7 @@ if verb == 'fail' then
   local window = tonumber(ARGV[9])
   if rl_only then window = tonumber(ARGV[10]) end
   if fails >= tonumber(ARGV[8]) and now - since >= window then
-    redis.call('HSET', h, 'down', 1, 'down_ms', now, 'probes', 0, 'probe_at', now + 1000, 'held_ms', 0)
+    redis.call('HSET', h, 'down', 1, 'down_ms', now, 'probes', 0, 'probe_at', now + 1000, 'held_ms', 0, 'prober', '')
     redis.call('HINCRBY', h, 'outages', 1)
     return {1, since, now, ok, 0}
   end
@@ -123,20 +126,21 @@ if verb == 'probe' then
   if now < at then return {0, at, now} end
   local held = tonumber(v[3]) or 0
   if now < held and v[4] ~= ARGV[3] then return {0, held, now} end
-  redis.call('HSET', h, 'probe_at', now + tonumber(ARGV[2]), 'held_ms', 0)
+  redis.call('HSET', h, 'probe_at', now + tonumber(ARGV[2]), 'held_ms', 0, 'prober', ARGV[3])
   return {1, 0, now}
 end
 
 if verb == 'unprobe' then
   if redis.call('HGET', h, 'down') == '1' then
-    redis.call('HSET', h, 'probe_at', now + 1000, 'held_ms', 0)
+    redis.call('HSET', h, 'probe_at', now + 1000, 'held_ms', 0, 'prober', '')
   end
   return {1, 0, now}
 end
 
 if verb == 'leave' then
-  if redis.call('HGET', h, 'prober') == ARGV[2] then
-    redis.call('HDEL', h, 'held_ms', 'prober')
+  local v = redis.call('HMGET', h, 'prober', 'held_ms')
+  if v[1] == ARGV[2] and (tonumber(v[2]) or 0) > now then
+    redis.call('HSET', h, 'held_ms', 0, 'prober', '')
     return {1, 0, now}
   end
   return {0, 0, now}
