@@ -1118,19 +1118,18 @@ async fn a_remaining_figure_tightens_the_buckets_as_of_when_it_was_seen() {
     }
 }
 
-/// A long outage is probed less often: each failed probe's wait doubles to
-/// `probe_every_max` while the outage is young, then grows with its age (a
-/// twelfth of it, at most six times the cap), as `OutageRules::probe_wait` says.
-#[tokio::test]
-async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
-    let redis = RedisServer::start();
-    let store = store(&redis).await;
-    let rules = common::store::OutageRules {
+/// Outage rules that take the provider for down at its first failure.
+fn outage_at_once() -> common::store::OutageRules {
+    common::store::OutageRules {
         min_fails: 1,
         window: std::time::Duration::ZERO,
         ..Default::default()
-    };
-    let call = |probe| common::store::FailedCall {
+    }
+}
+
+/// A 503 of worker `w`'s call (its `probe`, or not), the probe's lease 40 s.
+fn failed_call_of_w(probe: bool) -> common::store::FailedCall<'static> {
+    common::store::FailedCall {
         took: std::time::Duration::from_millis(5),
         cause: "http_503",
         rate_limited: false,
@@ -1139,7 +1138,18 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
         worker: "w",
         probe,
         lease: std::time::Duration::from_secs(40),
-    };
+    }
+}
+
+/// A long outage is probed less often: each failed probe's wait doubles to
+/// `probe_every_max` while the outage is young, then grows with its age (a
+/// twelfth of it, at most six times the cap), as `OutageRules::probe_wait` says.
+#[tokio::test]
+async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let rules = outage_at_once();
+    let call = failed_call_of_w;
     let mut c = redis.conn();
     let field = |c: &mut redis::Connection, f: &str| -> u64 {
         let v: Option<u64> = c.hget(keys::outage(JOB), f).unwrap();
@@ -1187,22 +1197,9 @@ async fn a_long_outage_is_probed_less_often_as_the_rules_say() {
 async fn a_failed_probe_s_worker_holds_the_next_probe_s_lease() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
-    let rules = common::store::OutageRules {
-        min_fails: 1,
-        window: std::time::Duration::ZERO,
-        ..Default::default()
-    };
+    let rules = outage_at_once();
     let lease = std::time::Duration::from_secs(40);
-    let call = |probe| common::store::FailedCall {
-        took: std::time::Duration::from_millis(5),
-        cause: "http_503",
-        rate_limited: false,
-        message: "down",
-        base_url: "http://127.0.0.1:1/v1",
-        worker: "w",
-        probe,
-        lease,
-    };
+    let call = failed_call_of_w;
     let mut c = redis.conn();
     store.outage_failed(JOB, &call(false), &rules).await.unwrap();
     // A probe of a worker that does not hold the lease (it ran out, another

@@ -422,9 +422,11 @@ impl Limiter {
     /// fit [`PROBE_ROOM`] times over in the limits the spec tells: a
     /// request limit is told and holds 600 calls a minute, each told token
     /// limit holds 600 of these calls' reservations, a told concurrency cap
-    /// is 10 or more, and the fleet's slots held no grant back lately. The
-    /// limits learned from a provider's answers are not known here: without
-    /// a told request limit every probe takes its grant.
+    /// is 10 or more, and the fleet's slots held no grant back lately (as
+    /// this worker saw: such a probe holds no slot, so a cap that other
+    /// jobs of the same key keep full may see one call more). The limits
+    /// learned from a provider's answers are not known here: without a
+    /// told request limit every probe takes its grant.
     pub fn spares_probes(&self) -> bool {
         let input = self.prompt_estimate.load(Ordering::Relaxed) * 5 / 4;
         probes_fit(&self.params, input, self.max_tokens) && !self.slots_held_back()
