@@ -149,10 +149,10 @@ impl Claimer {
         // While the provider is down: no real work, one probe at a time
         // across the fleet (whoever holds the lease sends one task).
         let probe = if down {
-            match self.probe_turn(job, round).await {
-                Some(grant) => Some(grant),
-                None => return,
-            }
+            let Some(grant) = self.probe_turn(job, round).await else {
+                return;
+            };
+            Some(grant)
         } else {
             None
         };
@@ -272,7 +272,7 @@ impl Claimer {
             .take_probe(&self.fleet.store, &job.name, lease, &self.fleet.config.consumer)
             .await
         {
-            Ok(Ok(held)) => Some(held),
+            Ok(Ok(grant)) => Some(grant),
             Ok(Err(wait)) => {
                 round.probe_wait = sooner(round.probe_wait, wait);
                 None

@@ -288,16 +288,15 @@ impl OutageWatch {
 
     /// While the provider is down: takes the fleet's probe lease for
     /// `lease` (Ok: this worker sends the probe, and whether it takes a
-    /// rate grant), or says how long until
-    /// it may ask again (known from Redis's last answer: Redis is not asked
-    /// again before then, nor while this worker's own probe is out). The
-    /// worker whose probe failed holds the next one's lease from its start:
-    /// it sends it then without asking, within half of [`PROBE_MARGIN`]
-    /// (later it asks, as a late claimer must: its call could outlast the
-    /// lease). An answer that raced this
-    /// worker's probe's end names that probe's lease: it holds for this
-    /// round only (the probe's end wakes the claimer, which asks again
-    /// unless the failure said when).
+    /// rate grant), or says how long until it may ask again (known from
+    /// Redis's last answer: Redis is not asked again before then, nor while
+    /// this worker's own probe is out). The worker whose probe failed holds
+    /// the next one's lease from its start: it sends it then without
+    /// asking, within half of [`PROBE_MARGIN`] (later it asks, as a late
+    /// claimer must: its call could outlast the lease). An answer that
+    /// raced this worker's probe's end names that probe's lease: it holds
+    /// for this round only (the probe's end wakes the claimer, which asks
+    /// again unless the failure said when).
     pub async fn take_probe(
         &self,
         store: &RedisStore,
