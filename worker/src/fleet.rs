@@ -231,19 +231,19 @@ impl Fleet {
         {
             limiter.paced().mark();
         }
-        let held = HeldGrants {
-            limiter: self.limiter_for(job, route).clone(),
-            grants: got.grants,
-            tracker: self.tracker.clone(),
-        };
-        (held, got.wait, got.bound)
+        (self.held(job, route, got.grants), got.wait, got.bound)
     }
 
     /// No grants: for a probe the limits spare ([`Limiter::spares_probes`]).
     pub fn no_grants(&self, job: &Arc<JobCtx>, route: Route) -> HeldGrants {
+        self.held(job, route, Vec::new())
+    }
+
+    /// `grants` of the limiter of `route`'s provider, held for tasks.
+    fn held(&self, job: &JobCtx, route: Route, grants: Vec<Grant>) -> HeldGrants {
         HeldGrants {
             limiter: self.limiter_for(job, route).clone(),
-            grants: Vec::new(),
+            grants,
             tracker: self.tracker.clone(),
         }
     }
