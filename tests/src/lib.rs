@@ -33,5 +33,5 @@ pub use commands::{
 };
 pub use dataset::{example_spec, record_line, result_for, sink_section, spec_with, write_records};
 pub use paths::{TempDir, bin, workspace};
-pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for, worker_summary};
+pub use process::{Running, signal, stderr, stdout, thread_names, wait_exit, wait_for, wait_until, worker_summary};
 pub use servers::{LlmSim, PgServer, RedisCluster, RedisServer, TEST_PG_PASSWORD, TEST_REDIS_PASSWORD, free_port};

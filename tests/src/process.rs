@@ -36,12 +36,20 @@ pub fn thread_names(pid: u32) -> Vec<String> {
 }
 
 /// Waits for a condition, panicking with `what` after `within`.
-pub fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, within: Duration, f: impl FnMut() -> bool) {
+    assert!(wait_until(within, f), "timed out waiting for {what}");
+}
+
+/// Waits up to `within` for a condition; whether it came.
+pub fn wait_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
     while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        if Instant::now() >= deadline {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
+    true
 }
 
 /// Waits for a child to exit, killing it (and failing) after `within`.

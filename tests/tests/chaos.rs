@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use common::keys;
 use harness::{
-    LlmSim, RedisServer, Running, TempDir, enqueue_cmd, signal, spec_with, stderr, stdout, wait_for, worker_cmd,
-    write_records,
+    LlmSim, RedisServer, Running, TempDir, enqueue_cmd, signal, spec_with, stderr, stdout, wait_for, wait_until,
+    worker_cmd, write_records,
 };
 use rand::{RngExt, SeedableRng};
 use redis::Commands;
@@ -97,6 +97,26 @@ fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Requests the simulator's outages refused so far, of every mode.
+fn refused(sim: &LlmSim) -> u64 {
+    sim.stats()["outage"]["refused"]
+        .as_object()
+        .map_or(0, |r| r.values().filter_map(Value::as_u64).sum())
+}
+
+/// Seconds from `t0` to `ms` (unix ms).
+fn secs_since(ms: &u64, t0: u64) -> f64 {
+    ms.saturating_sub(t0) as f64 / 1000.0
+}
+
+/// The faults' spans as seconds since `t0` (unix ms).
+fn rounds_of(spans: &[(&str, u64, u64)], t0: u64) -> Vec<String> {
+    spans
+        .iter()
+        .map(|(kind, from, to)| format!("{kind} {:.1}-{:.1} s", secs_since(from, t0), secs_since(to, t0)))
+        .collect()
 }
 
 /// A record's requests by one worker, placed against the faults' spans.
@@ -200,6 +220,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
     let mut killed_workers: Vec<String> = vec![];
     let mut outage_secs: Vec<f64> = vec![];
     let deadline = Instant::now() + Duration::from_secs(60 + records / 10);
+    let t0 = unix_ms();
     // Exit code 0 of `status --require-complete` (it fails while Redis
     // restarts): every record settled, and every done one in the table.
     let complete = |redis: &RedisServer| {
@@ -232,10 +253,34 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         "provider outage",
         "producer re-run",
     ];
+    // The provider outage comes first, then the rest in this order: it
+    // waits for the fleet's calls, which only a job with work left makes
+    // (on a loaded machine the other rounds, each checking the job, once
+    // took longer than the whole job).
+    let fault = |round: usize| (round + 5) % kinds.len();
+    // What the fleet was doing, for a test that timed out: the rounds so
+    // far, the job's status, its outage hash and what the simulator saw.
+    let stuck = |redis: &RedisServer, spans: &[(&str, u64, u64)]| -> String {
+        let rounds = rounds_of(spans, t0);
+        let (_, status) = harness::status_json_env(&redis.url(), "chaos", &[(DB_ENV, db_url.as_str())]);
+        let outage: BTreeMap<String, String> = redis.conn().hgetall(keys::outage("chaos")).unwrap_or_default();
+        let sim = sim.stats();
+        format!(
+            "after {:.1} s; rounds: {rounds:?}\nstatus: {status}\noutage hash: {outage:?}\nsim: requests {} by status {} outage {}",
+            secs_since(&unix_ms(), t0),
+            sim["requests"],
+            sim["by_status"],
+            sim["outage"]
+        )
+    };
     while !complete(&redis) || injected.len() < 7 {
-        assert!(Instant::now() < deadline, "the job did not complete: {injected:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the job did not complete: {injected:?}\n{}",
+            stuck(&redis, &spans)
+        );
         let span_from = unix_ms();
-        match round % 7 {
+        match fault(round) {
             0 => {
                 // kill -9 a random worker, start another; time how long until its tasks run again.
                 // The worker holding the most tasks (a random one when none is known to).
@@ -303,22 +348,35 @@ fn nothing_lost_nothing_twice_whatever_dies() {
                 // not killed): the job waits, nothing goes to review. It
                 // stays down at least 5 s and until it has refused calls: a
                 // fleet just back from a Redis or PostgreSQL restart may not
-                // be calling yet.
+                // be calling yet. The first outage is the first fault (the
+                // job surely has work then); a later one ends early if the
+                // job is done, as nothing is left to call for.
                 let mode = outages[(round / 7) % outages.len()];
                 let down = Instant::now();
+                let before = refused(&sim);
                 sim.outage(Some(mode), None);
                 std::thread::sleep(Duration::from_secs(5));
                 // As long as the test may run: a fleet held back (its sink
                 // down, its backlog full) sends nothing until it may.
                 let left = deadline.saturating_duration_since(Instant::now());
-                wait_for("the outage to meet calls", left, || {
-                    sim.stats()["outage"]["refused"]
-                        .as_object()
-                        .is_some_and(|r| !r.is_empty())
+                let first = outage_secs.is_empty();
+                let mut looked = Instant::now();
+                let met = wait_until(left, || {
+                    if refused(&sim) > before {
+                        return true;
+                    }
+                    let look = !first && looked.elapsed() > Duration::from_secs(1);
+                    if look {
+                        looked = Instant::now();
+                    }
+                    look && complete(&redis)
                 });
+                assert!(met, "the outage met no calls\n{}", stuck(&redis, &spans));
                 sim.outage(None, None);
                 outage_secs.push(down.elapsed().as_secs_f64());
-                *injected.entry("provider outage").or_default() += 1;
+                if refused(&sim) > before {
+                    *injected.entry("provider outage").or_default() += 1;
+                }
             }
             _ => {
                 // The producer again, mid-run: it must add nothing.
@@ -327,7 +385,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
                 *injected.entry("producer re-run").or_default() += 1;
             }
         }
-        spans.push((kinds[round % 7], span_from, unix_ms()));
+        spans.push((kinds[fault(round)], span_from, unix_ms()));
         round += 1;
         std::thread::sleep(Duration::from_millis(1500));
     }
@@ -525,6 +583,7 @@ fn nothing_lost_nothing_twice_whatever_dies() {
         "faults": faults,
         "visibility_timeout_ms": VISIBILITY.as_millis() as u64,
         "injected": injected,
+        "rounds": rounds_of(&spans, t0),
         "workers_started": fleet.started,
         "recovery_ms": recoveries.iter().map(|d| d.as_millis() as u64).collect::<Vec<_>>(),
         "max_recovery_ms": max_recovery.as_millis() as u64,
