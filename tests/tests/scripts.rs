@@ -15,6 +15,7 @@ use common::task::{
 };
 use harness::RedisServer;
 use redis::Commands;
+use std::time::Duration;
 
 const JOB: &str = "lua";
 
@@ -269,6 +270,58 @@ async fn a_late_outcome_of_a_task_taken_over_changes_nothing() {
         Finished::Moved
     );
     assert_eq!((stream_len(&redis), pending(&redis)), (0, 0));
+}
+
+/// A delivery kept for a later call (a failed probe's, for the next probe)
+/// is renewed only while it is the live one: its idle time starts over and
+/// its delivery count stays; one another worker took over is left as it is.
+#[tokio::test]
+async fn a_kept_delivery_is_renewed_only_while_it_is_the_live_one() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
+    let mut kept = claim(&store, "w1").await.remove(0);
+    // (owner, idle ms, deliveries) of a pending entry.
+    let idle_of = |id: &str| -> (String, u64, u64) {
+        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(keys::stream(JOB, 0))
+            .arg(keys::GROUP)
+            .arg(id)
+            .arg(id)
+            .arg(1)
+            .query(&mut redis.conn())
+            .unwrap();
+        let (_, owner, idle, count) = rows.into_iter().next().expect("pending");
+        (owner, idle, count)
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let claimed_at = kept.claimed_at;
+    assert!(idle_of(&kept.entry_id).1 >= 300);
+    let state = store.renew(JOB, &mut kept).await.unwrap();
+    assert_eq!(state, Some(Some(RecordState::Queued)));
+    let (owner, idle, count) = idle_of(&kept.entry_id);
+    assert_eq!(
+        (owner.as_str(), count),
+        ("w1", 1),
+        "still w1's, its delivery count unchanged"
+    );
+    assert!(idle < 300, "its idle time started over: {idle} ms");
+    assert!(kept.claimed_at > claimed_at, "and the delivery is as fresh as a claim");
+    assert_eq!(kept.state_at_claim, Some(Some(RecordState::Queued)));
+
+    // w2 takes it over (w1 hung past the timeout): w1's renewal changes nothing.
+    let idle = [IdleEntry {
+        entry_id: kept.entry_id.clone(),
+        deliveries: 1,
+    }];
+    let live = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
+    std::thread::sleep(Duration::from_millis(300));
+    let before = kept.claimed_at;
+    assert_eq!(store.renew(JOB, &mut kept).await.unwrap(), None);
+    let (owner, idle, count) = idle_of(&live.entry_id);
+    assert_eq!((owner.as_str(), count), ("w2", 2), "still w2's");
+    assert!(idle >= 300, "w2's idle time untouched: {idle} ms");
+    assert_eq!(kept.claimed_at, before);
 }
 
 #[tokio::test]

@@ -632,8 +632,10 @@ fn failing_sim() -> LlmSim {
 /// a failed probe costs Redis no more than it must (#32 item 6): the
 /// claimer does not ask for the probe's lease while its own probe is out,
 /// learns when the next may start from the failure's own answer (not by
-/// asking again), and the record goes back on its stream without waking
-/// the fleet (no worker takes it but the next probe, on its own time).
+/// asking again), and keeps the failed probe's delivery for that probe,
+/// its own (no claim, nothing back on the stream, no one woken) until the
+/// provider is back: then the record goes back on its stream, its failed
+/// calls in its history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     let redis = RedisServer::start();
@@ -670,11 +672,13 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     let probe_at: u64 = redis.conn().hget(&outage, "probe_at").unwrap();
     let probes: u64 = redis.conn().hget(&outage, "probes").unwrap();
     assert_eq!(probes, 1, "the probe failed");
+    // Its delivery is kept for the next probe (its own): still pending for
+    // it, delivered once, and nothing added to the stream.
+    let kept = pending_of(&redis, "a");
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(kept[0].1, 1, "{kept:?}");
     let stream: u64 = redis.conn().xlen(keys::stream(JOB, 0)).unwrap();
-    assert_eq!(
-        stream, 2,
-        "its record is back on the stream, beside the one never claimed"
-    );
+    assert_eq!(stream, 2, "the probe's entry, beside the one never claimed");
     assert_eq!(wakes(), woken, "and wakes no one");
 
     // The failure said when the next probe may start (2 s after it): the
@@ -696,8 +700,14 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     // this worker's, whose probe failed, without asking for the lease (the
     // failure gave it: the lease Redis holds is still the one it set).
     tokio::time::sleep(wait).await;
+    let reads = redis.calls_of("xreadgroup");
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 1, "the next probe");
+    assert_eq!(
+        (redis.calls_of("xreadgroup"), pending_of(&redis, "a")),
+        (reads, kept.clone()),
+        "the next probe claimed nothing: it sent the kept delivery (renewed: its count unchanged)"
+    );
     let held = |c: &mut redis::Connection| -> (u64, u64, String) {
         let (at, held, prober): (u64, u64, String) = redis::cmd("HMGET")
             .arg(&outage)
@@ -748,6 +758,56 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
         other.is_ok() || other.is_err_and(|wait| wait <= Duration::from_secs(5)),
         "{other:?}: the next probe's time, not its lease's end"
     );
+    // Kept again after its second failure. The provider back, the next
+    // round gives it back to the stream first (a new entry whose task
+    // holds both failed calls), then claims work: with one slot free, the
+    // oldest entry, the record never claimed (the other stays to be read).
+    assert_eq!(pending_of(&redis, "a"), kept, "kept again after its second failure");
+    let _: () = redis.conn().hdel(&outage, "down").unwrap();
+    job.outage.from_redis(JOB, &common::store::ProviderOutage::default());
+    let busy = f.permits.clone().try_acquire_many_owned(3).unwrap();
+    let round = claimer.claim_round().await;
+    assert_eq!(round.claimed, 1, "the record never claimed, as work");
+    let pending = pending_of(&redis, "a");
+    assert!(
+        pending.len() == 1 && !pending.contains(&kept[0]),
+        "the kept delivery given back, not sent: {pending:?}"
+    );
+    drop(busy);
+    let entries: redis::streams::StreamRangeReply = redis.conn().xrange_all(keys::stream(JOB, 0)).unwrap();
+    let tasks: Vec<common::task::Task> = entries
+        .ids
+        .iter()
+        .filter(|e| e.id != kept[0].0)
+        .map(|e| {
+            let fields: Vec<(String, String)> = e
+                .map
+                .iter()
+                .map(|(k, v)| (k.clone(), redis::from_redis_value(v.clone()).unwrap()))
+                .collect();
+            common::task::Task::from_entry_fields(fields.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap()
+        })
+        .collect();
+    assert_eq!(
+        tasks.iter().map(|t| t.calls).filter(|&n| n > 0).collect::<Vec<_>>(),
+        vec![2],
+        "the probes' record back on the stream with its two failed calls (beside the \
+         record never claimed, if its call is still out)"
+    );
+}
+
+/// (entry id, deliveries) of each task pending for `consumer`.
+fn pending_of(redis: &RedisServer, consumer: &str) -> Vec<(String, u64)> {
+    let reply: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(keys::stream(JOB, 0))
+        .arg(keys::GROUP)
+        .arg("-")
+        .arg("+")
+        .arg(10)
+        .arg(consumer)
+        .query(&mut redis.conn())
+        .unwrap();
+    reply.into_iter().map(|(id, _, _, n)| (id, n)).collect()
 }
 
 /// Where the told limits do not hold a probe a second ten times over (300

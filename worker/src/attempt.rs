@@ -168,7 +168,18 @@ impl Settle<'_> {
             crate::clock::now_ms() + delay_ms
         };
         let how = if due_ms == 0 && job.outage.is_down() && job.fallback.is_none() {
-            Finish::Requeue(task)
+            // This worker's failed probe, whose failure left it the next
+            // probe's lease: its delivery is kept for that probe (no trip
+            // back through the stream); a paid call goes to the ledger with
+            // its outcome, so such a probe's record goes back.
+            if self.paid.is_some() {
+                Finish::Requeue(task)
+            } else {
+                match job.outage.keep(self.d, task) {
+                    Ok(()) => return Ok(Settled::Retried),
+                    Err(task) => Finish::Requeue(task),
+                }
+            }
         } else {
             Finish::Retry { due_ms, task }
         };

@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::store::Bound;
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::fleet::{Fleet, STORE_ERROR_PAUSE};
+use crate::fleet::{Fleet, HeldGrants, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
 use crate::outage::{PROBE_MARGIN, ProbeGrant};
 use crate::plan::Route;
@@ -137,6 +137,9 @@ impl Claimer {
             self.claim_route(job, fallback, first, round).await;
             return;
         }
+        if !down {
+            self.fleet.give_back_kept(job, false).await;
+        }
         // Until the provider answered once, one call at a time.
         let room = job.breaker.room();
         if room == 0 {
@@ -150,6 +153,7 @@ impl Claimer {
         // across the fleet (whoever holds the lease sends one task).
         let probe = if down {
             let Some(grant) = self.probe_turn(job, round).await else {
+                self.fleet.give_back_kept(job, false).await;
                 return;
             };
             Some(grant)
@@ -207,6 +211,10 @@ impl Claimer {
             }
             return;
         }
+        if probing && self.send_kept(job, first, round, &mut grants).await {
+            grants.release(&f).await;
+            return;
+        }
         let n = job.spec.job.partitions;
         for p in (0..n).map(|i| (i + self.rounds) % n) {
             let breaker_room = match route {
@@ -251,6 +259,47 @@ impl Claimer {
         if probing && round.claimed == claimed_before {
             self.probe_unsent(job).await;
         }
+    }
+
+    /// Sends this worker's probe on the delivery its failed probe kept
+    /// (renewed first: no rescuer takes it over while the call is out).
+    /// False when none is kept, another worker took it over meanwhile, or
+    /// Redis is away (then it stays kept); a fresh task is claimed instead.
+    async fn send_kept(
+        &self,
+        job: &Arc<JobCtx>,
+        first: &mut Option<OwnedSemaphorePermit>,
+        round: &mut Round,
+        grants: &mut HeldGrants,
+    ) -> bool {
+        let f = &self.fleet;
+        let Some(mut d) = job.outage.take_kept(true) else {
+            return false;
+        };
+        match f.store.renew(&job.name, &mut d).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return false,
+            Err(e) => {
+                job.outage.put_back(d);
+                f.store_error(&e).await;
+                return false;
+            }
+        }
+        let permit = match first.take() {
+            Some(p) => p,
+            None => match f.permits.clone().try_acquire_owned() {
+                Ok(p) => p,
+                Err(_) => {
+                    job.outage.put_back(d);
+                    return false;
+                }
+            },
+        };
+        round.claimed += 1;
+        job.outage.set_probe(&d.task.rid);
+        let grant = grants.pop();
+        f.spawn(job.clone(), d, permit, (grant, Route::Primary));
+        true
     }
 
     /// How long until the rate buckets of `job`'s `route` can give grants

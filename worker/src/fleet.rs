@@ -248,6 +248,22 @@ impl Fleet {
         }
     }
 
+    /// Gives the delivery this worker's failed probe kept back to its
+    /// stream (its failed calls in its task's history): when the next
+    /// probe is not this worker's own (another worker holds the lease, or
+    /// the provider is up: see [`crate::outage::OutageWatch::take_kept`]),
+    /// or `always` (the worker stops). Should Redis be away, it stays
+    /// pending for this worker and a rescuer takes it over after the
+    /// visibility timeout.
+    pub async fn give_back_kept(&self, job: &JobCtx, always: bool) {
+        let Some(d) = job.outage.take_kept(always) else {
+            return;
+        };
+        if let Err(e) = self.store.finish(&job.name, &d, &Finish::Release(d.task.clone())).await {
+            self.store_error(&e).await;
+        }
+    }
+
     /// Starts one delivered task on the tracker, to call `route`'s provider;
     /// it holds `permit` (and the rate-limit `grant`) until it is settled.
     pub fn spawn(

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::decision::ProviderState;
 use common::store::{FailedCall, OutageRules, Provider, ProviderOutage, RedisStore, StoreError};
+use common::task::{Delivery, Task};
 
 use crate::provider::{CallError, ErrorKind};
 use crate::queue::JobQueue;
@@ -79,6 +80,14 @@ pub struct OutageWatch {
     /// raced a probe's end named that probe's own lease and is not kept in
     /// `next_probe`.
     probes_ended: AtomicU64,
+    /// The record whose probe failed and left this worker the next probe's
+    /// lease: its delivery may be kept for that probe ([`OutageWatch::keep`]).
+    keepable: Mutex<Option<String>>,
+    /// The delivery of this worker's failed probe, kept for its next probe
+    /// (its task holds the failed call in its history, as the stream would):
+    /// that probe sends it again without a claim, and the failure did not
+    /// put it back on the stream (#32 item 6: 9 of a probe's 13 commands).
+    kept: Mutex<Option<Delivery>>,
 }
 
 impl OutageWatch {
@@ -99,6 +108,8 @@ impl OutageWatch {
             next_probe: Mutex::new(None),
             lease_ms: AtomicU64::new(0),
             probes_ended: AtomicU64::new(0),
+            keepable: Mutex::new(None),
+            kept: Mutex::new(None),
         }
     }
 
@@ -226,6 +237,7 @@ impl OutageWatch {
                     },
                 )
             });
+            *self.keepable.lock().unwrap_or_else(|e| e.into_inner()) = next.map(|_| rid.to_owned());
             self.end_probe(rid, next);
         }
         let (since_ms, now_ms) = (noted.since_ms, noted.now_ms);
@@ -363,6 +375,52 @@ impl OutageWatch {
             store.outage_leave(job, worker).await?;
         }
         Ok(())
+    }
+
+    /// Keeps the delivery `d` of this worker's failed probe, its task now
+    /// `task`, for the next probe, when that probe is this worker's (the
+    /// failure left it the lease) and the provider is still down; else
+    /// gives `task` back to be stored. Only a first delivery is kept (a
+    /// redelivery's count is already in its task's attempts).
+    pub fn keep(&self, d: &Delivery, task: Task) -> Result<(), Task> {
+        let mine = self.keepable.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if mine.as_deref() != Some(d.task.rid.as_str()) || d.deliveries != 1 || d.shard.is_some() {
+            return Err(task);
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.is_some() || !self.is_down() {
+            return Err(task);
+        }
+        *kept = Some(Delivery { task, ..d.clone() });
+        Ok(())
+    }
+
+    /// The kept delivery, for this worker's next probe, or to be given
+    /// back (`for_probe` false); a kept delivery is given back when this
+    /// worker learns the next probe is not its own (another worker holds
+    /// the lease, or the outage ended or began again).
+    pub fn take_kept(&self, for_probe: bool) -> Option<Delivery> {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if for_probe || !self.own_turn_next() {
+            kept.take()
+        } else {
+            None
+        }
+    }
+
+    /// Puts back a kept delivery that could not be sent this round.
+    pub fn put_back(&self, d: Delivery) {
+        *self.kept.lock().unwrap_or_else(|e| e.into_inner()) = Some(d);
+    }
+
+    /// Whether the next probe is this worker's own (its failed probe left
+    /// it the lease, and it is not yet due or taken) while the provider is down.
+    fn own_turn_next(&self) -> bool {
+        self.is_down()
+            && matches!(
+                *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()),
+                Some((_, Turn::Mine { .. }))
+            )
     }
 
     /// The probe's lease found no task to send: given back.
@@ -503,6 +561,57 @@ mod tests {
         );
         *w.next_probe.lock().unwrap() = Some((now - Duration::from_secs(1), Turn::Fleet));
         assert_eq!(w.known_turn(), None, "another's turn: Redis is asked");
+    }
+
+    fn delivery(rid: &str, deliveries: u32) -> Delivery {
+        Delivery {
+            partition: 0,
+            entry_id: "1-0".into(),
+            deliveries,
+            consumer: "w1".into(),
+            claimed_at: tokio::time::Instant::now(),
+            task: Task::new(rid, "{}", "").unwrap(),
+            state_at_claim: None,
+            shard: None,
+        }
+    }
+
+    /// A failed probe's delivery is kept only for the next probe of the
+    /// worker its failure left the lease (a first delivery, the provider
+    /// still down), and given back once the next probe is not its own.
+    #[test]
+    fn a_failed_probe_s_delivery_is_kept_only_for_its_worker_s_own_next_probe() {
+        let w = OutageWatch::new(60_000, "http://h/v1");
+        w.set("j", true, 5, String::new);
+        let d = delivery("r1", 1);
+        let keepable = |rid: &str| *w.keepable.lock().unwrap() = Some(rid.to_owned());
+        assert!(w.keep(&d, d.task.clone()).is_err(), "no failure left it the lease");
+        keepable("r2");
+        assert!(w.keep(&d, d.task.clone()).is_err(), "another record's failure did");
+        keepable("r1");
+        assert!(w.keep(&delivery("r1", 2), d.task.clone()).is_err(), "a redelivery");
+        keepable("r1");
+        let mut failed = d.task.clone();
+        failed.calls = 1;
+        w.keep(&d, failed).unwrap();
+        let turn = |t| *w.next_probe.lock().unwrap() = Some((Instant::now() + Duration::from_secs(2), t));
+        turn(Turn::Mine { after_429: false });
+        assert!(w.take_kept(false).is_none(), "kept while the next probe is its own");
+        let kept = w.take_kept(true).expect("for that probe");
+        assert_eq!(
+            (kept.task.rid.as_str(), kept.task.calls),
+            ("r1", 1),
+            "its task as the failure left it"
+        );
+        w.put_back(kept);
+        turn(Turn::Fleet);
+        assert!(
+            w.take_kept(false).is_some(),
+            "given back: the next probe is the fleet's"
+        );
+        keepable("r1");
+        w.set("j", false, 5, String::new);
+        assert!(w.keep(&d, d.task.clone()).is_err(), "the provider is up: it goes back");
     }
 
     /// A worker that still takes the provider for down learns from its

@@ -232,6 +232,7 @@ async fn drain(fleet: &Arc<Fleet>) -> RunSummary {
     }
     fleet.flush_lost_answers().await;
     for job in &fleet.jobs {
+        fleet.give_back_kept(job, true).await;
         if let Err(e) = job.outage.leave(&fleet.store, &job.name, &fleet.config.consumer).await {
             tracing::warn!(job = %job.name, error = %e, "could not give back the next probe's lease (it runs out by itself)");
         }

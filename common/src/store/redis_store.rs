@@ -156,6 +156,7 @@ pub(super) struct Scripts {
     pub shard: Script,
     pub batch_tokens: Script,
     pub outage: Script,
+    pub renew: Script,
 }
 
 /// The PEM file of the CA that signed the Redis server's certificate, for
@@ -266,6 +267,7 @@ impl RedisStore {
                 shard: Script::new(include_str!("scripts/shard.lua")),
                 batch_tokens: Script::new(include_str!("scripts/batch_tokens.lua")),
                 outage: Script::new(include_str!("scripts/outage.lua")),
+                renew: Script::new(include_str!("scripts/renew.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
                 limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
                 limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
@@ -313,6 +315,7 @@ impl RedisStore {
             &s.shard,
             &s.batch_tokens,
             &s.outage,
+            &s.renew,
         ] {
             script.load_async(&mut self.conn.clone()).await?;
         }

@@ -399,6 +399,33 @@ impl RedisStore {
         Ok((state.as_deref().and_then(RecordState::decode), live))
     }
 
+    /// A delivery its worker kept for a later call (a failed probe's, for
+    /// the next probe) made fresh: its idle time starts over, the delivery
+    /// count unchanged, while it is still the live one (`renew.lua`).
+    /// Returns None when another worker took it over meanwhile, else the
+    /// record's state (`d` then holds it, as read with a claim, and is
+    /// claimed now).
+    pub async fn renew(&self, job: &str, d: &mut Delivery) -> Result<Option<Option<RecordState>>, StoreError> {
+        let state: Option<String> = self
+            .scripts
+            .renew
+            .key(keys::stream(job, d.partition))
+            .key(keys::state(job, d.partition))
+            .arg(keys::GROUP)
+            .arg(&d.entry_id)
+            .arg(&d.consumer)
+            .arg(d.deliveries)
+            .arg(&d.task.rid)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(state.map(|state| {
+            let state = RecordState::decode(&state);
+            d.claimed_at = tokio::time::Instant::now();
+            d.state_at_claim = Some(state.clone());
+            state
+        }))
+    }
+
     /// Takes over the given entries if they are still idle at least
     /// `min_idle_ms` (their worker died or hung; XCLAIM re-checks atomically,
     /// so two workers never both take one). `idle` comes from
