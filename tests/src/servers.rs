@@ -122,6 +122,20 @@ impl RedisServer {
             .expect("connect to test redis")
     }
 
+    /// (owner, idle ms, deliveries) of the entry `id` pending in `stream`
+    /// (group [`common::keys::GROUP`]), None when it is not pending.
+    pub fn pending_entry(&self, stream: &str, id: &str) -> Option<(String, u64, u64)> {
+        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(common::keys::GROUP)
+            .arg(id)
+            .arg(id)
+            .arg(1)
+            .query(&mut self.conn())
+            .expect("XPENDING");
+        rows.into_iter().next().map(|(_, owner, idle, n)| (owner, idle, n))
+    }
+
     /// How many times the server has run `command` (lower case, e.g.
     /// `evalsha`, `xinfo|groups`) so far, script-inner calls included.
     pub fn calls_of(&self, command: &str) -> u64 {

@@ -281,19 +281,7 @@ async fn a_kept_delivery_is_renewed_only_while_it_is_the_live_one() {
     let store = store(&redis).await;
     store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
     let mut kept = claim(&store, "w1").await.remove(0);
-    // (owner, idle ms, deliveries) of a pending entry.
-    let idle_of = |id: &str| -> (String, u64, u64) {
-        let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-            .arg(keys::stream(JOB, 0))
-            .arg(keys::GROUP)
-            .arg(id)
-            .arg(id)
-            .arg(1)
-            .query(&mut redis.conn())
-            .unwrap();
-        let (_, owner, idle, count) = rows.into_iter().next().expect("pending");
-        (owner, idle, count)
-    };
+    let idle_of = |id: &str| redis.pending_entry(&keys::stream(JOB, 0), id).expect("pending");
     std::thread::sleep(Duration::from_millis(300));
     let claimed_at = kept.claimed_at;
     assert!(idle_of(&kept.entry_id).1 >= 300);

@@ -107,15 +107,9 @@ fn set_idle(redis: &RedisServer, consumer: &str, id: &str, ms: u64) {
 
 /// (owner, deliveries) of a pending entry, None when it is not pending.
 fn pending_entry(redis: &RedisServer, id: &str) -> Option<(String, u64)> {
-    let reply: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(keys::stream(JOB, 0))
-        .arg(keys::GROUP)
-        .arg(id)
-        .arg(id)
-        .arg(1)
-        .query(&mut redis.conn())
-        .unwrap();
-    reply.into_iter().next().map(|(_, owner, _, n)| (owner, n))
+    redis
+        .pending_entry(&keys::stream(JOB, 0), id)
+        .map(|(owner, _, n)| (owner, n))
 }
 
 fn states(redis: &RedisServer) -> std::collections::HashMap<String, String> {

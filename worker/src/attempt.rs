@@ -176,8 +176,8 @@ impl Settle<'_> {
                 Finish::Requeue(task)
             } else {
                 match job.outage.keep(self.d, task) {
-                    Ok(()) => return Ok(Settled::Retried),
-                    Err(task) => Finish::Requeue(task),
+                    None => return Ok(Settled::Retried),
+                    Some(task) => Finish::Requeue(task),
                 }
             }
         } else {

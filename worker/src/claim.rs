@@ -211,9 +211,8 @@ impl Claimer {
             }
             return;
         }
-        if probing && self.send_kept(job, first, round, &mut grants).await {
-            grants.release(&f).await;
-            return;
+        if probing {
+            self.send_kept(job, first, round, &mut grants).await;
         }
         let n = job.spec.job.partitions;
         for p in (0..n).map(|i| (i + self.rounds) % n) {
@@ -263,26 +262,27 @@ impl Claimer {
 
     /// Sends this worker's probe on the delivery its failed probe kept
     /// (renewed first: no rescuer takes it over while the call is out).
-    /// False when none is kept, another worker took it over meanwhile, or
-    /// Redis is away (then it stays kept); a fresh task is claimed instead.
+    /// None is sent when none is kept, another worker took it over
+    /// meanwhile, or Redis is away (then it stays kept): the round claims
+    /// a fresh task instead.
     async fn send_kept(
         &self,
         job: &Arc<JobCtx>,
         first: &mut Option<OwnedSemaphorePermit>,
         round: &mut Round,
         grants: &mut HeldGrants,
-    ) -> bool {
+    ) {
         let f = &self.fleet;
         let Some(mut d) = job.outage.take_kept(true) else {
-            return false;
+            return;
         };
         match f.store.renew(&job.name, &mut d).await {
             Ok(Some(_)) => {}
-            Ok(None) => return false,
+            Ok(None) => return,
             Err(e) => {
                 job.outage.put_back(d);
                 f.store_error(&e).await;
-                return false;
+                return;
             }
         }
         let permit = match first.take() {
@@ -291,7 +291,7 @@ impl Claimer {
                 Ok(p) => p,
                 Err(_) => {
                     job.outage.put_back(d);
-                    return false;
+                    return;
                 }
             },
         };
@@ -299,7 +299,6 @@ impl Claimer {
         job.outage.set_probe(&d.task.rid);
         let grant = grants.pop();
         f.spawn(job.clone(), d, permit, (grant, Route::Primary));
-        true
     }
 
     /// How long until the rate buckets of `job`'s `route` can give grants

@@ -379,20 +379,20 @@ impl OutageWatch {
 
     /// Keeps the delivery `d` of this worker's failed probe, its task now
     /// `task`, for the next probe, when that probe is this worker's (the
-    /// failure left it the lease) and the provider is still down; else
-    /// gives `task` back to be stored. Only a first delivery is kept (a
-    /// redelivery's count is already in its task's attempts).
-    pub fn keep(&self, d: &Delivery, task: Task) -> Result<(), Task> {
+    /// failure left it the lease) and the provider is still down (None);
+    /// else gives `task` back to be stored. Only a first delivery is kept
+    /// (a redelivery's count is already in its task's attempts).
+    pub fn keep(&self, d: &Delivery, task: Task) -> Option<Task> {
         let mine = self.keepable.lock().unwrap_or_else(|e| e.into_inner()).take();
         if mine.as_deref() != Some(d.task.rid.as_str()) || d.deliveries != 1 || d.shard.is_some() {
-            return Err(task);
+            return Some(task);
         }
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
         if kept.is_some() || !self.is_down() {
-            return Err(task);
+            return Some(task);
         }
         *kept = Some(Delivery { task, ..d.clone() });
-        Ok(())
+        None
     }
 
     /// The kept delivery, for this worker's next probe, or to be given
@@ -585,15 +585,15 @@ mod tests {
         w.set("j", true, 5, String::new);
         let d = delivery("r1", 1);
         let keepable = |rid: &str| *w.keepable.lock().unwrap() = Some(rid.to_owned());
-        assert!(w.keep(&d, d.task.clone()).is_err(), "no failure left it the lease");
+        assert!(w.keep(&d, d.task.clone()).is_some(), "no failure left it the lease");
         keepable("r2");
-        assert!(w.keep(&d, d.task.clone()).is_err(), "another record's failure did");
+        assert!(w.keep(&d, d.task.clone()).is_some(), "another record's failure did");
         keepable("r1");
-        assert!(w.keep(&delivery("r1", 2), d.task.clone()).is_err(), "a redelivery");
+        assert!(w.keep(&delivery("r1", 2), d.task.clone()).is_some(), "a redelivery");
         keepable("r1");
         let mut failed = d.task.clone();
         failed.calls = 1;
-        w.keep(&d, failed).unwrap();
+        assert!(w.keep(&d, failed).is_none(), "kept");
         let turn = |t| *w.next_probe.lock().unwrap() = Some((Instant::now() + Duration::from_secs(2), t));
         turn(Turn::Mine { after_429: false });
         assert!(w.take_kept(false).is_none(), "kept while the next probe is its own");
@@ -611,7 +611,7 @@ mod tests {
         );
         keepable("r1");
         w.set("j", false, 5, String::new);
-        assert!(w.keep(&d, d.task.clone()).is_err(), "the provider is up: it goes back");
+        assert!(w.keep(&d, d.task.clone()).is_some(), "the provider is up: it goes back");
     }
 
     /// A worker that still takes the provider for down learns from its
