@@ -671,6 +671,11 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     let kept = pending_of(&redis, "a");
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert_eq!(kept[0].1, 1, "{kept:?}");
+    let kept_rid = tasks_in_stream(&redis)
+        .into_iter()
+        .find(|(id, _)| *id == kept[0].0)
+        .map(|(_, t)| t.rid)
+        .expect("the kept entry is in the stream");
     let stream: u64 = redis.conn().xlen(keys::stream(JOB, 0)).unwrap();
     assert_eq!(stream, 2, "the probe's entry, beside the one never claimed");
     assert_eq!(wakes(), woken, "and wakes no one");
@@ -768,26 +773,64 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
         "the kept delivery given back, not sent: {pending:?}"
     );
     drop(busy);
+    let back: Vec<u32> = tasks_in_stream(&redis)
+        .into_iter()
+        .filter(|(_, t)| t.rid == kept_rid)
+        .map(|(_, t)| t.calls)
+        .collect();
+    assert_eq!(
+        back,
+        vec![2],
+        "the probes' record back on the stream with its two failed calls"
+    );
+}
+
+/// A kept probe delivery of a job that is then halted goes back to its
+/// stream at the next round (no probe goes while the job is halted; the
+/// rescuers skip a halted job, so it would stay pending until the halt is lifted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halted_job_s_kept_probe_delivery_goes_back_to_its_stream() {
+    let redis = RedisServer::start();
+    let sim = failing_sim();
+    let (_dir, f, _job, _) = fleet_of_a_down_provider(&redis, &sim, &[]).await;
+    let mut claimer = Claimer::new(f.clone(), tokio_util::sync::CancellationToken::new());
+    assert_eq!(
+        claimer.claim_round().await.claimed,
+        0,
+        "its own pending tasks read first"
+    );
+    let _: () = redis.conn().hset(keys::outage(JOB), "probe_at", 0).unwrap();
+    assert_eq!(claimer.claim_round().await.claimed, 1, "the probe");
+    settle_some(&f, 1).await;
+    let kept = pending_of(&redis, "a");
+    assert_eq!(kept.len(), 1, "kept for the next probe: {kept:?}");
+    f.halted_here(JOB, "a test halts the job");
+    assert_eq!(claimer.claim_round().await.claimed, 0);
+    assert_eq!(pending_of(&redis, "a"), vec![], "given back");
+    let calls: Vec<u32> = tasks_in_stream(&redis).into_iter().map(|(_, t)| t.calls).collect();
+    assert_eq!(
+        calls,
+        vec![0, 1],
+        "the other record, and the probe's with its failed call"
+    );
+}
+
+/// Each entry of the job's stream and its task.
+fn tasks_in_stream(redis: &RedisServer) -> Vec<(String, common::task::Task)> {
     let entries: redis::streams::StreamRangeReply = redis.conn().xrange_all(keys::stream(JOB, 0)).unwrap();
-    let tasks: Vec<common::task::Task> = entries
+    entries
         .ids
-        .iter()
-        .filter(|e| e.id != kept[0].0)
+        .into_iter()
         .map(|e| {
             let fields: Vec<(String, String)> = e
                 .map
-                .iter()
-                .map(|(k, v)| (k.clone(), redis::from_redis_value(v.clone()).unwrap()))
+                .into_iter()
+                .map(|(k, v)| (k, redis::from_redis_value(v).unwrap()))
                 .collect();
-            common::task::Task::from_entry_fields(fields.iter().map(|(k, v)| (k.as_str(), v.as_str()))).unwrap()
+            let task = common::task::Task::from_entry_fields(fields.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            (e.id, task.unwrap())
         })
-        .collect();
-    assert_eq!(
-        tasks.iter().map(|t| t.calls).filter(|&n| n > 0).collect::<Vec<_>>(),
-        vec![2],
-        "the probes' record back on the stream with its two failed calls (beside the \
-         record never claimed, if its call is still out)"
-    );
+        .collect()
 }
 
 /// (entry id, deliveries) of each task pending for `consumer`.

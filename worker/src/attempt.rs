@@ -175,7 +175,7 @@ impl Settle<'_> {
             if self.paid.is_some() {
                 Finish::Requeue(task)
             } else {
-                match job.outage.keep(self.d, task) {
+                match job.outage.keep(self.d, task, self.limits.visibility) {
                     None => return Ok(Settled::Retried),
                     Some(task) => Finish::Requeue(task),
                 }

@@ -96,11 +96,11 @@ impl Claimer {
         self.rounds = self.rounds.wrapping_add(1);
         let polling = std::mem::take(&mut self.polling);
         for job in &f.jobs {
-            if !f.is_halted(&job.name)
-                && !f.is_cancelled(&job.name)
-                && claims_online(job)
-                && (!polling || self.may_have_work(job).await)
-            {
+            let claimed = !f.is_halted(&job.name) && !f.is_cancelled(&job.name) && claims_online(job);
+            if !claimed {
+                // A job not claimed now sends no probe either.
+                f.give_back_kept(job, true).await;
+            } else if !polling || self.may_have_work(job).await {
                 self.claim_job(job, &mut first, &mut round).await;
             }
         }
@@ -273,6 +273,9 @@ impl Claimer {
         grants: &mut HeldGrants,
     ) {
         let f = &self.fleet;
+        if self.drained.is_cancelled() {
+            return; // the drain gives it back
+        }
         let Some(mut d) = job.outage.take_kept(true) else {
             return;
         };

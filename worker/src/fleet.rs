@@ -249,17 +249,23 @@ impl Fleet {
     }
 
     /// Gives the delivery this worker's failed probe kept back to its
-    /// stream (its failed calls in its task's history): when the next
-    /// probe is not this worker's own (another worker holds the lease, or
-    /// the provider is up: see [`crate::outage::OutageWatch::take_kept`]),
-    /// or `always` (the worker stops). Should Redis be away, it stays
-    /// pending for this worker and a rescuer takes it over after the
-    /// visibility timeout.
+    /// stream (its failed calls in its task's history; for a cancelled job
+    /// kept for resume, as a task it would not call): when the next probe
+    /// is not this worker's own (another worker holds the lease, or the
+    /// provider is up: see [`crate::outage::OutageWatch::take_kept`]), or
+    /// `always` (the job is not claimed now, or the worker stops). Should
+    /// Redis be away, it stays kept for the next round.
     pub async fn give_back_kept(&self, job: &JobCtx, always: bool) {
         let Some(d) = job.outage.take_kept(always) else {
             return;
         };
-        if let Err(e) = self.store.finish(&job.name, &d, &Finish::Release(d.task.clone())).await {
+        let how = if self.is_cancelled(&job.name) {
+            Finish::Cancel(d.task.clone())
+        } else {
+            Finish::Release(d.task.clone())
+        };
+        if let Err(e) = self.store.finish(&job.name, &d, &how).await {
+            job.outage.put_back(d);
             self.store_error(&e).await;
         }
     }

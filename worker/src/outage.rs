@@ -379,12 +379,22 @@ impl OutageWatch {
 
     /// Keeps the delivery `d` of this worker's failed probe, its task now
     /// `task`, for the next probe, when that probe is this worker's (the
-    /// failure left it the lease) and the provider is still down (None);
-    /// else gives `task` back to be stored. Only a first delivery is kept
-    /// (a redelivery's count is already in its task's attempts).
-    pub fn keep(&self, d: &Delivery, task: Task) -> Option<Task> {
+    /// failure left it the lease), the provider is still down, and the
+    /// probe is due soon enough to renew the delivery before its idle time
+    /// reaches `visibility` (else a rescuer would take it over: the failed
+    /// calls' history would be lost, and the redelivery count an attempt).
+    /// None when kept; else `task` back, to be stored. Only a first
+    /// delivery is kept (a redelivery's count is already in its task's attempts).
+    pub fn keep(&self, d: &Delivery, task: Task, visibility: Duration) -> Option<Task> {
         let mine = self.keepable.lock().unwrap_or_else(|e| e.into_inner()).take();
         if mine.as_deref() != Some(d.task.rid.as_str()) || d.deliveries != 1 || d.shard.is_some() {
+            return Some(task);
+        }
+        let due = match *self.next_probe.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((at, Turn::Mine { .. })) => at.saturating_duration_since(Instant::now()),
+            _ => return Some(task),
+        };
+        if d.claimed_at.elapsed() + due + PROBE_MARGIN >= visibility {
             return Some(task);
         }
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
@@ -577,25 +587,56 @@ mod tests {
     }
 
     /// A failed probe's delivery is kept only for the next probe of the
-    /// worker its failure left the lease (a first delivery, the provider
-    /// still down), and given back once the next probe is not its own.
+    /// worker its failure left the lease (a first delivery, from a stream,
+    /// the provider still down, the probe due before a rescuer could take
+    /// the delivery over), and given back once the next probe is not its own.
     #[test]
     fn a_failed_probe_s_delivery_is_kept_only_for_its_worker_s_own_next_probe() {
         let w = OutageWatch::new(60_000, "http://h/v1");
         w.set("j", true, 5, String::new);
+        let visibility = Duration::from_secs(40);
         let d = delivery("r1", 1);
         let keepable = |rid: &str| *w.keepable.lock().unwrap() = Some(rid.to_owned());
-        assert!(w.keep(&d, d.task.clone()).is_some(), "no failure left it the lease");
+        let turn = |t, due: u64| *w.next_probe.lock().unwrap() = Some((Instant::now() + Duration::from_secs(due), t));
+        let mine = Turn::Mine { after_429: false };
+        turn(mine, 2);
+        assert!(
+            w.keep(&d, d.task.clone(), visibility).is_some(),
+            "no failure left it the lease"
+        );
         keepable("r2");
-        assert!(w.keep(&d, d.task.clone()).is_some(), "another record's failure did");
+        assert!(
+            w.keep(&d, d.task.clone(), visibility).is_some(),
+            "another record's failure did"
+        );
         keepable("r1");
-        assert!(w.keep(&delivery("r1", 2), d.task.clone()).is_some(), "a redelivery");
+        assert!(
+            w.keep(&delivery("r1", 2), d.task.clone(), visibility).is_some(),
+            "a redelivery"
+        );
         keepable("r1");
+        let batched = Delivery {
+            shard: Some("s1".into()),
+            ..d.clone()
+        };
+        assert!(w.keep(&batched, d.task.clone(), visibility).is_some(), "a shard's task");
+        keepable("r1");
+        turn(mine, 31);
+        assert!(
+            w.keep(&d, d.task.clone(), visibility).is_some(),
+            "its probe due too late: a rescuer could take it over first"
+        );
+        keepable("r1");
+        turn(Turn::Fleet, 2);
+        assert!(
+            w.keep(&d, d.task.clone(), visibility).is_some(),
+            "the next probe is the fleet's"
+        );
+        keepable("r1");
+        turn(mine, 2);
         let mut failed = d.task.clone();
         failed.calls = 1;
-        assert!(w.keep(&d, failed).is_none(), "kept");
-        let turn = |t| *w.next_probe.lock().unwrap() = Some((Instant::now() + Duration::from_secs(2), t));
-        turn(Turn::Mine { after_429: false });
+        assert!(w.keep(&d, failed, visibility).is_none(), "kept");
         assert!(w.take_kept(false).is_none(), "kept while the next probe is its own");
         let kept = w.take_kept(true).expect("for that probe");
         assert_eq!(
@@ -603,15 +644,22 @@ mod tests {
             ("r1", 1),
             "its task as the failure left it"
         );
-        w.put_back(kept);
-        turn(Turn::Fleet);
+        w.put_back(kept.clone());
+        turn(Turn::Fleet, 2);
         assert!(
             w.take_kept(false).is_some(),
             "given back: the next probe is the fleet's"
         );
-        keepable("r1");
+        w.put_back(kept);
+        turn(mine, 2);
         w.set("j", false, 5, String::new);
-        assert!(w.keep(&d, d.task.clone()).is_some(), "the provider is up: it goes back");
+        assert!(w.take_kept(false).is_some(), "given back: the provider is up");
+        keepable("r1");
+        turn(mine, 2);
+        assert!(
+            w.keep(&d, d.task.clone(), visibility).is_some(),
+            "the provider is up: it goes back"
+        );
     }
 
     /// A worker that still takes the provider for down learns from its
