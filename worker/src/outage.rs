@@ -37,14 +37,14 @@ enum Turn {
 pub const PROBE_MARGIN: Duration = Duration::from_secs(10);
 
 /// A failed probe's delivery is kept for the next probe only when that
-/// probe is due within this (a young outage's probes, at most 5 s apart):
-/// while it is kept the partition holds a pending entry, which every
-/// worker's rescuer looks at every quarter of the visibility timeout, and
-/// across a longer wait those looks cost a fleet more than the claim and
-/// the trip back through the stream the keeping saves (`make
-/// bench-waiting`: an hour-old outage, 8 workers, 0.89 commands a second
-/// per worker without, 0.99 with).
-pub const KEEP_ACROSS: Duration = Duration::from_secs(5);
+/// probe is due within this (an outage's first two minutes: its probes
+/// 1 to 10 s apart): while it is kept the partition holds a pending entry,
+/// which every worker's rescuer looks at every quarter of the visibility
+/// timeout, and across a longer wait those looks cost a fleet more than
+/// the claim and the trip back through the stream the keeping saves
+/// (`make bench-waiting`: an hour-old outage, probes 30 s apart, 8
+/// workers, 0.89 commands a second per worker without, 0.99 with).
+pub const KEEP_ACROSS: Duration = Duration::from_secs(10);
 
 /// Whether the probe this worker may send takes a rate grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -632,7 +632,7 @@ mod tests {
         };
         assert!(w.keep(&batched, d.task.clone(), visibility).is_some(), "a shard's task");
         keepable("r1");
-        turn(mine, 6);
+        turn(mine, 11);
         assert!(
             w.keep(&d, d.task.clone(), visibility).is_some(),
             "its probe due past KEEP_ACROSS (an outage past its young probes)"
