@@ -617,9 +617,17 @@ async fn acquires(f: &Fleet, job: &worker::job::JobCtx) -> u64 {
     f.limiter(job).report().await.unwrap().acquires
 }
 
-/// llm-sim answering every call with a 500 after 400 ms.
+/// llm-sim answering every call with a 500 after 400 ms (and listing the
+/// calls it got, by record, at `/calls`).
 fn failing_sim() -> LlmSim {
-    LlmSim::start(&["--faults", "server_error=1", "--latency-ms", "400", "--steady-latency"])
+    LlmSim::start(&[
+        "--faults",
+        "server_error=1",
+        "--latency-ms",
+        "400",
+        "--steady-latency",
+        "--record-served",
+    ])
 }
 
 /// While the provider is taken for down one probe at a time goes out, and
@@ -741,6 +749,13 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     );
     settle_some(&f, 2).await;
     assert_eq!(sim.stats()["requests"], 2, "two probes, nothing else called");
+    let calls: Vec<serde_json::Value> = serde_json::from_value(harness::http_get_json(&sim.addr, "/calls")).unwrap();
+    let records: Vec<&str> = calls.iter().filter_map(|c| c["record"].as_str()).collect();
+    assert_eq!(
+        records,
+        vec![kept_rid.as_str(); 2],
+        "llm-sim got both probes for the kept record"
+    );
     // Its second probe failed too: the third is its own. Stopping, it gives
     // that lease back: another worker's ask waits only for the probe's time.
     let (next_at, held_ms, prober) = held(&mut redis.conn());

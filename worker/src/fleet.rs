@@ -259,12 +259,13 @@ impl Fleet {
         let Some(d) = job.outage.take_kept(always) else {
             return;
         };
-        let how = if self.is_cancelled(&job.name) {
-            Finish::Cancel(d.task.clone())
+        let given = if self.is_cancelled(&job.name) {
+            self.cancel_task(job, &d).await.map(drop)
         } else {
-            Finish::Release(d.task.clone())
+            let how = Finish::Release(d.task.clone());
+            self.store.finish(&job.name, &d, &how).await.map(drop)
         };
-        if let Err(e) = self.store.finish(&job.name, &d, &how).await {
+        if let Err(e) = given {
             job.outage.put_back(d);
             self.store_error(&e).await;
         }

@@ -143,6 +143,9 @@ fn num(h: &HashMap<String, String>, k: &str) -> u64 {
     h.get(k).and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
+/// A script call's arguments when there are none beyond its verb.
+const NO_ARGS: &[&str] = &[];
+
 impl RedisStore {
     /// Adds a transiently failed call to the fleet's streak; it may take
     /// the provider for down (see `outage.lua`).
@@ -191,13 +194,7 @@ impl RedisStore {
     /// Notes an answer: it ends the streak, and an outage (returned: the
     /// streak's start and now, Unix ms), waking the fleet.
     pub async fn outage_answered(&self, job: &str) -> Result<Option<(u64, u64)>, StoreError> {
-        let (ended, since_ms, now_ms): (u8, u64, u64) = self
-            .scripts
-            .outage
-            .key(keys::outage(job))
-            .arg("ok")
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+        let (ended, since_ms, now_ms) = self.outage_verb(job, "ok", NO_ARGS).await?;
         if ended == 1 {
             self.wake(job, super::Wake::Flags).await;
             return Ok(Some((since_ms, now_ms)));
@@ -215,14 +212,8 @@ impl RedisStore {
         lease: Duration,
         worker: &str,
     ) -> Result<Result<(), Duration>, StoreError> {
-        let (granted, at, now): (u8, u64, u64) = self
-            .scripts
-            .outage
-            .key(keys::outage(job))
-            .arg("probe")
-            .arg(lease.as_millis() as u64)
-            .arg(worker)
-            .invoke_async(&mut self.conn.clone())
+        let (granted, at, now) = self
+            .outage_verb(job, "probe", (lease.as_millis() as u64, worker))
             .await?;
         Ok(if granted == 1 {
             Ok(())
@@ -234,27 +225,32 @@ impl RedisStore {
     /// A stopping `worker` gives back the next probe's lease its failed
     /// probe left it: true when it held it.
     pub async fn outage_leave(&self, job: &str, worker: &str) -> Result<bool, StoreError> {
-        let (held, _, _): (u8, u64, u64) = self
-            .scripts
-            .outage
-            .key(keys::outage(job))
-            .arg("leave")
-            .arg(worker)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+        let (held, _, _) = self.outage_verb(job, "leave", worker).await?;
         Ok(held == 1)
     }
 
     /// Gives back a probe's lease that found nothing to send.
     pub async fn outage_unprobe(&self, job: &str) -> Result<(), StoreError> {
-        let _: (u8, u64, u64) = self
+        self.outage_verb(job, "unprobe", NO_ARGS).await?;
+        Ok(())
+    }
+
+    /// `outage.lua`'s `verb` (other than `fail`) on `job`'s outage with
+    /// `args`: its answer `{flag, ms, now}`.
+    async fn outage_verb(
+        &self,
+        job: &str,
+        verb: &str,
+        args: impl redis::ToRedisArgs,
+    ) -> Result<(u8, u64, u64), StoreError> {
+        Ok(self
             .scripts
             .outage
             .key(keys::outage(job))
-            .arg("unprobe")
+            .arg(verb)
+            .arg(args)
             .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(())
+            .await?)
     }
 
     /// The job's provider outage as Redis holds it (all zero when no call failed).
