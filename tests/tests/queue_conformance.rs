@@ -86,6 +86,7 @@ impl Bed {
                 let idle = [IdleEntry {
                     entry_id: d.entry_id.clone(),
                     deliveries: d.deliveries,
+                    idle_ms: 0,
                 }];
                 store.reclaim(JOB, 0, consumer, 0, &idle).await.unwrap().remove(0)
             }

@@ -15,6 +15,7 @@ use common::task::{
 };
 use harness::RedisServer;
 use redis::Commands;
+use std::collections::HashMap;
 use std::time::Duration;
 
 const JOB: &str = "lua";
@@ -223,6 +224,7 @@ async fn a_late_outcome_of_a_task_taken_over_changes_nothing() {
     let idle = [IdleEntry {
         entry_id: stale.entry_id.clone(),
         deliveries: 1,
+        idle_ms: 0,
     }];
     let live = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
     assert_eq!((live.consumer.as_str(), live.deliveries), ("w2", 2));
@@ -301,6 +303,7 @@ async fn a_kept_delivery_is_renewed_only_while_it_is_the_live_one() {
     let idle = [IdleEntry {
         entry_id: kept.entry_id.clone(),
         deliveries: 1,
+        idle_ms: 0,
     }];
     let live = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
     std::thread::sleep(Duration::from_millis(300));
@@ -778,6 +781,7 @@ async fn a_workers_deliveries_settled_together_are_fenced_in_one_read_each_as_if
     let idle = [IdleEntry {
         entry_id: ds[3].entry_id.clone(),
         deliveries: 1,
+        idle_ms: 0,
     }];
     let taken = store.reclaim(JOB, 0, "w2", 0, &idle).await.unwrap().remove(0);
     let recounted = Delivery {
@@ -942,6 +946,52 @@ async fn a_paid_call_is_recorded_once_however_often_its_outcome_is_stored() {
     }
     calls.sort_by(|x, y| x.rid.cmp(&y.rid));
     assert_eq!(calls, vec![pa, pb], "the first record of each call stands");
+}
+
+#[tokio::test]
+async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
+    use common::ledger::PaidCall;
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    store.enqueue(JOB, 60, &[entry("a", "{}")]).await.unwrap();
+    let d = claim(&store, "w1").await.remove(0);
+    let (spend_key, stats_key) = (keys::spend(JOB, d.partition), keys::stats(JOB, d.partition));
+    // Counters already there: small ones, one just under what a double holds
+    // exactly once added to (15 digits), and one past 2^53 (16 digits).
+    let mut conn = redis.conn();
+    let before: [(&str, &str); 3] = [("calls", "5"), ("prompt", "999999999999999"), ("nusd", "9007199254740993")];
+    let _: () = conn.hset_multiple(&spend_key, &before).unwrap();
+    let usage = common::task::Usage {
+        prompt: 1000,
+        completion: 100,
+        total: 1100,
+        ..Default::default()
+    };
+    let paid = PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage, &spec().prices, 0);
+    let (hincrby, hset) = (redis.calls_of("hincrby"), redis.calls_of("hset"));
+    let commit = Finishing::new(&d, &Finish::Commit(result_for(&d))).paid(Some(&paid));
+    assert_eq!(store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(), &Finished::Moved);
+    let spend: HashMap<String, String> = conn.hgetall(&spend_key).unwrap();
+    let nusd: u128 = spend["nusd:first"].parse().unwrap();
+    assert!(nusd > 0, "{spend:?}");
+    assert_eq!(spend["calls"], "6");
+    assert_eq!(spend["calls:first"], "1");
+    assert_eq!(spend["prompt"], "1000000000000999", "added to exactly");
+    assert_eq!(spend["completion"], "100");
+    assert_eq!(spend["nusd"], (9_007_199_254_740_993u128 + nusd).to_string(), "added to exactly past 2^53");
+    let stats: HashMap<String, String> = conn.hgetall(&stats_key).unwrap();
+    let per_minute = |kind: &str| {
+        let v: Vec<&String> = stats.iter().filter(|(f, _)| f.starts_with('t') && f.ends_with(kind)).map(|(_, v)| v).collect();
+        v
+    };
+    assert_eq!(per_minute(":c"), vec!["1"], "{stats:?}");
+    assert_eq!(per_minute(":d"), vec!["1"], "{stats:?}");
+    assert_eq!(per_minute(":u"), vec![&nusd.to_string()], "{stats:?}");
+    assert!(stats.len() >= 4, "the attempts' count too: {stats:?}");
+    // One HSET a hash (the state's, the spend's and the stats'), and an
+    // HINCRBY only for the counter a double cannot hold.
+    assert_eq!(redis.calls_of("hincrby") - hincrby, 1);
+    assert_eq!(redis.calls_of("hset") - hset, 3);
 }
 
 #[tokio::test]

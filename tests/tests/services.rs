@@ -220,12 +220,13 @@ async fn the_watcher_reads_the_flags_on_a_wake_up_not_every_round() {
     assert!(f.is_halted(JOB));
 }
 
-/// A partition with nothing pending is looked at once (one summary), then
-/// not again for a visibility timeout: nothing delivered after that look
-/// can be overdue sooner. One with tasks pending is looked at every round
-/// (the summary, then the overdue ones).
+/// A partition with nothing pending is looked at once (one `XPENDING`),
+/// then not again for a visibility timeout: nothing delivered after that
+/// look can be overdue sooner. One with tasks pending, all read by the
+/// look with their idle times, is looked at again when the most idle could
+/// be overdue, and its task is taken over then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rescuer_looks_at_a_partition_with_nothing_pending_once_a_visibility_timeout() {
+async fn a_rescuer_looks_at_a_partition_again_only_when_a_task_there_could_be_overdue() {
     let redis = RedisServer::start();
     let sim = LlmSim::start(&[]);
     let _dir = job(&redis, 2);
@@ -237,24 +238,30 @@ async fn a_rescuer_looks_at_a_partition_with_nothing_pending_once_a_visibility_t
     assert_eq!(
         redis.calls_of("xpending") - before,
         1,
-        "one summary of the one partition"
+        "one look at the one partition"
     );
     assert_eq!(rescuer.rescue_round().await, 0);
     assert_eq!(redis.calls_of("xpending") - before, 1, "not looked at again");
 
-    // Another rescuer (another worker) finds a task pending, not overdue:
-    // it looks every round, and takes nothing.
-    read_as(&redis, "busy", 1);
+    // Another rescuer (another worker) finds a task pending, 1.5 s short of
+    // overdue: it takes nothing, and looks again only once it could be.
+    let busy = read_as(&redis, "busy", 1).remove(0);
+    set_idle(&redis, "busy", &busy, VISIBILITY.as_millis() as u64 - 1_500);
     let mut other = Rescuer::new(f.clone());
     let before = redis.calls_of("xpending");
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(other.rescue_round().await, 0);
     assert_eq!(
         redis.calls_of("xpending") - before,
-        4,
-        "the summary and the overdue scan, twice"
+        1,
+        "one look (the entries with their idle times), not one a round"
     );
     assert_eq!(f.reclaim_backlog.load(Ordering::Relaxed), 0);
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    assert_eq!(other.rescue_round().await, 1, "overdue now: looked at again, and taken over");
+    settle(&f).await;
+    assert_eq!(pending_entry(&redis, &busy), None, "settled and acknowledged");
+    assert_eq!(sim.stats()["requests"], 1, "one model call, for the stuck worker's task");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -707,13 +714,18 @@ async fn a_failed_probe_says_when_the_next_may_start_and_wakes_no_one() {
     // this worker's, whose probe failed, without asking for the lease (the
     // failure gave it: the lease Redis holds is still the one it set).
     tokio::time::sleep(wait).await;
-    let reads = redis.calls_of("xreadgroup");
+    let (reads, renewals) = (redis.calls_of("xreadgroup"), redis.calls_of("xclaim"));
     let round = claimer.claim_round().await;
     assert_eq!(round.claimed, 1, "the next probe");
     assert_eq!(
         (redis.calls_of("xreadgroup"), pending_of(&redis, "a")),
         (reads, kept.clone()),
-        "the next probe claimed nothing: it sent the kept delivery (renewed: its count unchanged)"
+        "the next probe claimed nothing: it sent the kept delivery (its count unchanged)"
+    );
+    assert_eq!(
+        redis.calls_of("xclaim"),
+        renewals,
+        "its claim, 2 s old, still fresh: sent without a renewal"
     );
     let held = |c: &mut redis::Connection| -> (u64, u64, String) {
         let (at, held, prober): (u64, u64, String) = redis::cmd("HMGET")

@@ -11,7 +11,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, HeldGrants, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
-use crate::outage::{PROBE_MARGIN, ProbeGrant};
+use crate::outage::{PROBE_MARGIN, ProbeGrant, needs_renewal};
 use crate::plan::Route;
 use crate::service::Service;
 
@@ -261,7 +261,8 @@ impl Claimer {
     }
 
     /// Sends this worker's probe on the delivery its failed probe kept
-    /// (renewed first: no rescuer takes it over while the call is out).
+    /// (renewed first when its claim is no longer fresh: see
+    /// [`needs_renewal`]).
     /// None is sent when none is kept, another worker took it over
     /// meanwhile, or Redis is away (then it stays kept): the round claims
     /// a fresh task instead.
@@ -279,13 +280,16 @@ impl Claimer {
         let Some(mut d) = job.outage.take_kept(true) else {
             return;
         };
-        match f.store.renew(&job.name, &mut d).await {
-            Ok(Some(_)) => {}
-            Ok(None) => return,
-            Err(e) => {
-                job.outage.put_back(d);
-                f.store_error(&e).await;
-                return;
+        let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
+        if needs_renewal(d.claimed_at.elapsed(), lease, f.limits.visibility) {
+            match f.store.renew(&job.name, &mut d).await {
+                Ok(Some(_)) => {}
+                Ok(None) => return,
+                Err(e) => {
+                    job.outage.put_back(d);
+                    f.store_error(&e).await;
+                    return;
+                }
             }
         }
         let permit = match first.take() {

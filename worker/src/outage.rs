@@ -46,6 +46,17 @@ pub const PROBE_MARGIN: Duration = Duration::from_secs(10);
 /// workers, 0.89 commands a second per worker without, 0.99 with).
 pub const KEEP_ACROSS: Duration = Duration::from_secs(10);
 
+/// Whether a kept delivery, claimed (or last renewed) `since_claim` ago,
+/// must be renewed before its probe is sent. Not while its claim is as
+/// fresh as the claim path counts one (a state read with the claim is
+/// trusted for a quarter of the visibility timeout: `process::run_attempt`)
+/// and the probe's call, its `lease` at most, ends before the delivery
+/// could idle past `visibility` (no rescuer can take it over mid-call).
+/// A young outage's probes, 5 s apart, renew one in three.
+pub fn needs_renewal(since_claim: Duration, lease: Duration, visibility: Duration) -> bool {
+    since_claim >= (visibility / 4).min(visibility.saturating_sub(lease))
+}
+
 /// Whether the probe this worker may send takes a rate grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeGrant {
@@ -601,6 +612,23 @@ mod tests {
     /// worker its failure left the lease (a first delivery, from a stream,
     /// the provider still down, the probe due before a rescuer could take
     /// the delivery over), and given back once the next probe is not its own.
+    /// A kept delivery goes out without its renewal while its claim is
+    /// fresh and the probe's call ends before the visibility timeout.
+    #[test]
+    fn a_kept_delivery_is_renewed_once_its_claim_is_stale_or_the_call_could_outlast_it() {
+        let s = Duration::from_secs;
+        // The example's provider timeout (30 s) and its visibility (60 s): fresh for 15 s.
+        let (lease, visibility) = (s(30) + PROBE_MARGIN, s(60));
+        assert!(!needs_renewal(s(0), lease, visibility));
+        assert!(!needs_renewal(s(14), lease, visibility), "fresh");
+        assert!(needs_renewal(s(15), lease, visibility), "a quarter of the visibility timeout");
+        // A visibility timeout barely past the call: the call's end binds first.
+        let visibility = s(45);
+        assert!(!needs_renewal(s(4), lease, visibility));
+        assert!(needs_renewal(s(5), lease, visibility), "the call could end past the visibility timeout");
+        assert!(needs_renewal(s(0), lease, s(40)), "no room at all");
+    }
+
     #[test]
     fn a_failed_probe_s_delivery_is_kept_only_for_its_worker_s_own_next_probe() {
         let w = OutageWatch::new(60_000, "http://h/v1");

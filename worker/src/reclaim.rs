@@ -1,10 +1,15 @@
 //! The rescuer: takes over tasks a dead or stuck worker left pending past
 //! the visibility timeout (`XPENDING ... IDLE` over the whole pending list,
 //! then `XCLAIM`, which re-checks the idle time atomically: two workers never
-//! both take one), as far as free permits and the fleet's budget allow. A
-//! partition with nothing pending at all is looked at again only a whole
-//! visibility timeout later: no task delivered after that look can be
-//! overdue sooner (an idle fleet's commands, #32).
+//! both take one), as far as free permits and the fleet's budget allow.
+//!
+//! A look at a partition reads its oldest pending entries with their idle
+//! times (one `XPENDING`). When that is all of them, none can be overdue
+//! before the most idle of them reaches the visibility timeout, and nothing
+//! delivered after the look sooner: the partition is looked at again then
+//! (a whole visibility timeout later when nothing is pending), not every
+//! round (an idle or waiting fleet's commands, #32). A partition holding
+//! more than a look reads is scanned for its overdue entries every round.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,10 +25,13 @@ use crate::job::JobCtx;
 use crate::plan::Route;
 use crate::service::Service;
 
+/// Pending entries a look reads, the oldest first.
+const LOOK: usize = 32;
+
 pub struct Rescuer {
     fleet: Arc<Fleet>,
-    /// Partitions (job, partition) found with nothing pending, and when to
-    /// look at them again.
+    /// Partitions (job, partition) none of whose pending entries can be
+    /// overdue yet, and when one could be.
     quiet: HashMap<(String, u32), Instant>,
 }
 
@@ -44,7 +52,6 @@ impl Rescuer {
         if !f.own_pending_read.load(Ordering::Relaxed) {
             return 0;
         }
-        let visibility = f.visibility.as_millis() as u64;
         let mut backlog = 0;
         let mut started = 0;
         for job in &f.jobs {
@@ -52,20 +59,8 @@ impl Rescuer {
                 continue;
             }
             for p in 0..job.spec.job.partitions {
-                if !self.pending_here(&job.name, p).await {
+                let Some(idle) = self.overdue(&job.name, p).await else {
                     continue;
-                }
-                // Take budget only for tasks that are really there to take over.
-                let idle = match f
-                    .store
-                    .idle_pending(&job.name, p, visibility, f.config.concurrency)
-                    .await
-                {
-                    Ok(entries) => entries,
-                    Err(e) => {
-                        f.store_error(&e).await;
-                        continue;
-                    }
                 };
                 let taken = self.take_over(job, p, &idle).await;
                 started += taken;
@@ -79,27 +74,43 @@ impl Rescuer {
         started
     }
 
-    /// Whether partition `p` of `job` may hold a task to take over: false
-    /// while a look found nothing pending there less than a visibility
-    /// timeout ago, and when this look finds nothing pending.
-    async fn pending_here(&mut self, job: &str, p: u32) -> bool {
+    /// The entries of partition `p` of `job` overdue now, None when none
+    /// can be (the partition is quiet until one could be, or Redis is away).
+    async fn overdue(&mut self, job: &str, p: u32) -> Option<Vec<IdleEntry>> {
+        let f = &self.fleet;
         let key = (job.to_owned(), p);
         let now = Instant::now();
         if self.quiet.get(&key).is_some_and(|until| *until > now) {
-            return false;
+            return None;
         }
-        match self.fleet.store.pending_count(job, p).await {
-            Ok(0) => {
-                self.quiet.insert(key, now + self.fleet.visibility);
-                false
-            }
-            Ok(_) => {
-                self.quiet.remove(&key);
-                true
-            }
+        let visibility = f.visibility.as_millis() as u64;
+        let read = |min_idle, limit| f.store.idle_pending(job, p, min_idle, limit);
+        let head = match read(0, LOOK).await {
+            Ok(head) => head,
             Err(e) => {
-                self.fleet.store_error(&e).await;
-                false
+                f.store_error(&e).await;
+                return None;
+            }
+        };
+        if head.len() < LOOK {
+            // Every pending entry, read: the most idle not yet overdue says
+            // when one could be (nothing pending: a visibility timeout on).
+            let (overdue, young): (Vec<_>, Vec<_>) = head.into_iter().partition(|e| e.idle_ms >= visibility);
+            let most_idle = young.iter().map(|e| e.idle_ms).max().unwrap_or(0);
+            if overdue.is_empty() {
+                self.quiet.insert(key, now + Duration::from_millis(visibility - most_idle));
+                return None;
+            }
+            self.quiet.remove(&key);
+            return Some(overdue);
+        }
+        self.quiet.remove(&key);
+        // Take budget only for tasks that are really there to take over.
+        match read(visibility, f.config.concurrency).await {
+            Ok(idle) => Some(idle),
+            Err(e) => {
+                f.store_error(&e).await;
+                None
             }
         }
     }

@@ -14,6 +14,8 @@ pub struct IdleEntry {
     pub entry_id: String,
     /// Times it was delivered so far.
     pub deliveries: u32,
+    /// How long since its last delivery, ms, when it was read.
+    pub idle_ms: u64,
 }
 
 /// What to do with a delivered task; each is one atomic script with the ack.
@@ -462,7 +464,7 @@ impl RedisStore {
     }
 
     /// Pending entries (up to `limit`, oldest first) idle at least
-    /// `min_idle_ms`, over the whole pending list (XPENDING IDLE skips the
+    /// `min_idle_ms` (0: any), over the whole pending list (XPENDING IDLE skips the
     /// busy ones, where XAUTOCLAIM would scan only COUNT x 10 entries of it).
     pub async fn idle_pending(
         &self,
@@ -489,6 +491,7 @@ impl RedisStore {
                 Some(IdleEntry {
                     entry_id: as_string(f.first()?)?,
                     deliveries: f.get(3).and_then(as_u64).unwrap_or(1) as u32,
+                    idle_ms: f.get(2).and_then(as_u64).unwrap_or(0),
                 })
             })
             .collect())

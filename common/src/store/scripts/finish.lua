@@ -1,4 +1,4 @@
--- finish.lua: settle delivered tasks of one partition and acknowledge them,
+-- finish.lua (after counters.lua): settle delivered tasks of one partition and acknowledge them,
 -- each atomically (the whole call is one atomic step; a record's outcome is
 -- decided exactly as if it were settled alone, in the order given).
 --
@@ -101,44 +101,16 @@ local function paid(i)
   if has_sink() then
     redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
   end
-  local bucket, p, k, c, n, e, rest = string.match(ARGV[i + 9], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
-  -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
-  local tier, o = string.match(rest, '^ (%a[%w_-]*) (%d+)$')
-  if not tier then
-    tier, o = '', string.match(rest, '^ ?(%d*)$') or ''
-  end
-  add('calls', 1)
-  add('prompt', tonumber(p))
-  add('cached', tonumber(k))
-  add('completion', tonumber(c))
-  add('nusd', tonumber(n))
-  add('calls:' .. bucket, 1)
-  add('nusd:' .. bucket, tonumber(n))
-  if e == '1' then
-    add('est_calls', 1)
-    add('est_nusd', tonumber(n))
-    add('est_tokens', tonumber(p) + tonumber(c))
-  end
-  if o ~= '' and (tier == '' or tier == 'batch') then
-    add('batch_calls', 1)
-    add('batch_nusd', tonumber(n))
-    add('batch_online_nusd', tonumber(o))
-  elseif o ~= '' then
-    add('calls@' .. tier, 1)
-    add('nusd@' .. tier, tonumber(n))
-    add('std@' .. tier, tonumber(o))
-  end
+  local n = add_spend(add, ARGV[i + 9])
   count(per_minute().c, 1)
-  count(per_minute().u, tonumber(n))
+  count(per_minute().u, n)
 end
 -- The paid calls first, with their counters: nothing the outcomes do
 -- afterwards (an error included) can leave a call recorded but not counted.
 for i = 2, #ARGV, 11 do
   paid(i)
 end
-for field, n in pairs(spend) do
-  redis.call('HINCRBY', KEYS[9], field, n)
-end
+add_counters(KEYS[9], spend)
 -- The fence of every entry of the call at once when there are several, all
 -- delivered to one consumer (a worker's own call): one XPENDING of that
 -- consumer's entries over their range. An entry it did not return is not
@@ -268,9 +240,7 @@ if #acked > 0 then
   redis.call('XACK', stream, group, unpack(acked))
   redis.call('XDEL', stream, unpack(acked))
 end
-for field, n in pairs(stats) do
-  redis.call('HINCRBY', KEYS[10], field, n)
-end
+add_counters(KEYS[10], stats)
 if new_calls then
   redis.call('PERSIST', KEYS[8])
   redis.call('PERSIST', KEYS[13])

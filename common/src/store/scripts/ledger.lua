@@ -1,4 +1,4 @@
--- ledger.lua: record paid calls that left no outcome (cut off at a worker's
+-- ledger.lua (after counters.lua): record paid calls that left no outcome (cut off at a worker's
 -- drain timeout; answered, but the outcome could not be stored in time) in
 -- one partition's ledger, with the spend counters, atomically.
 --
@@ -30,43 +30,14 @@ for i = 1, #ARGV, 3 do
     if has_sink then
       redis.call('XADD', KEYS[3], '*', 'rid', string.match(ARGV[i], '^(.*):[^:]*:[^:]*$') or '', 'k', 'l', 'c', ARGV[i])
     end
-    local bucket, p, k, c, usd, e, rest = string.match(ARGV[i + 2], '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
-    -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
-    local tier, o = string.match(rest, '^ (%a[%w_-]*) (%d+)$')
-    if not tier then
-      tier, o = '', string.match(rest, '^ ?(%d*)$') or ''
-    end
-    add('calls', 1)
-    add('prompt', tonumber(p))
-    add('cached', tonumber(k))
-    add('completion', tonumber(c))
-    add('nusd', tonumber(usd))
-    add('calls:' .. bucket, 1)
-    add('nusd:' .. bucket, tonumber(usd))
-    if e == '1' then
-      add('est_calls', 1)
-      add('est_nusd', tonumber(usd))
-      add('est_tokens', tonumber(p) + tonumber(c))
-    end
-    if o ~= '' and (tier == '' or tier == 'batch') then
-      add('batch_calls', 1)
-      add('batch_nusd', tonumber(usd))
-      add('batch_online_nusd', tonumber(o))
-    elseif o ~= '' then
-      add('calls@' .. tier, 1)
-      add('nusd@' .. tier, tonumber(usd))
-      add('std@' .. tier, tonumber(o))
-    end
+    add_spend(add, ARGV[i + 2])
     n = n + 1
   end
 end
-for field, v in pairs(spend) do
-  redis.call('HINCRBY', KEYS[2], field, v)
-end
+add_counters(KEYS[2], spend)
 if n > 0 then
   redis.call('PERSIST', KEYS[1])
   redis.call('PERSIST', KEYS[5])
-  redis.call('HINCRBY', KEYS[4], minute .. ':c', n)
-  redis.call('HINCRBY', KEYS[4], minute .. ':u', spend['nusd'] or 0)
+  add_counters(KEYS[4], {[minute .. ':c'] = n, [minute .. ':u'] = spend['nusd'] or 0})
 end
 return n
