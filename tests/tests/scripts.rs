@@ -1084,7 +1084,7 @@ async fn settled_buckets(
     id: &str,
     grants: &[(String, Settlement)],
     together: bool,
-) -> std::collections::BTreeMap<String, String> {
+) -> (Vec<bool>, std::collections::BTreeMap<String, String>) {
     let mut c = redis.conn();
     let buckets = keys::limit_buckets(id);
     let _: () = c
@@ -1103,23 +1103,25 @@ async fn settled_buckets(
             ],
         )
         .unwrap();
-    for (g, _) in grants {
+    // Every grant is held, but one that expired (`:expired:`).
+    for (g, _) in grants.iter().filter(|(g, _)| !g.contains(":expired:")) {
         let _: () = c.zadd(keys::limit_inflight(id), g, -99_999_999_999_999_i64).unwrap();
     }
-    if together {
-        let held = store.limit_settle_many(id, grants).await.unwrap();
-        assert_eq!(held, vec![true; grants.len()]);
+    let held = if together {
+        store.limit_settle_many(id, grants).await.unwrap()
     } else {
+        let mut held = Vec::new();
         for (g, s) in grants {
-            assert!(store.limit_settle(id, g, s).await.unwrap());
+            held.push(store.limit_settle(id, g, s).await.unwrap());
         }
-    }
+        held
+    };
     let mut h: std::collections::BTreeMap<String, String> = c.hgetall(&buckets).unwrap();
     // When things happened (the server's clock) differs between the two runs.
     for field in ["bt", "hat", "ws"] {
         h.remove(field);
     }
-    h
+    (held, h)
 }
 
 #[tokio::test]
@@ -1145,11 +1147,18 @@ async fn grants_settled_together_leave_the_budget_as_settled_one_by_one() {
             (format!("{prefix}:21:300"), s(CallKind::RateLimited, 300, None)),
             (format!("{prefix}:22:300"), s(CallKind::Other, 300, None)),
             (format!("{prefix}:23:300"), s(CallKind::Answered, 10, Some(100))),
+            // Settled twice (held only the first time), and one expired.
+            (format!("{prefix}:13:300"), s(CallKind::RateLimited, 300, None)),
+            (format!("{prefix}:expired:300"), s(CallKind::RateLimited, 300, None)),
         ]
     };
-    let alone = settled_buckets(&store, &redis, "one", &grants("w"), false).await;
-    let together = settled_buckets(&store, &redis, "two", &grants("w"), true).await;
+    let (held, alone) = settled_buckets(&store, &redis, "one", &grants("w"), false).await;
+    let zrem = redis.calls_of("zrem");
+    let (held_together, together) = settled_buckets(&store, &redis, "two", &grants("w"), true).await;
     assert_eq!(alone, together);
+    assert_eq!(held, held_together);
+    assert_eq!(held, [vec![true; 7], vec![false; 2]].concat());
+    assert_eq!(redis.calls_of("zrem") - zrem, 1, "the grants freed in one ZREM");
     // The calls did what they say: tokens came back, the 429s cut the learned limits.
     assert_eq!(alone.get("settled").map(String::as_str), Some("2100"));
     assert!(

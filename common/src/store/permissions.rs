@@ -58,6 +58,7 @@ fn probes(tag: &str) -> Vec<(&'static str, Cmd)> {
         ("zrange", c("ZRANGE", &[&zset, "0", "0"])),
         ("zrangebyscore", c("ZRANGEBYSCORE", &[&zset, "0", "0"])),
         ("zscan", c("ZSCAN", &[&zset, "0"])),
+        ("zmscore", c("ZMSCORE", &[&zset, "m"])),
         ("zrem", c("ZREM", &[&zset, "m"])),
         ("zremrangebyscore", c("ZREMRANGEBYSCORE", &[&zset, "0", "0"])),
         ("xgroup|create", c("XGROUP", &["CREATE", &stream, "g", "0", "MKSTREAM"])),

@@ -10,10 +10,11 @@
 --
 -- add_counters(key, adds): adds each `adds[field]` to that counter of hash
 -- `key`, in two commands for the lot (one HMGET, one HSET) rather than one
--- HINCRBY a field (one field: its HINCRBY): the script is one atomic step, so the sums are those the
--- HINCRBYs would leave. A counter Lua's numbers (doubles) could not hold
--- exactly once added to (16 digits or more), or that is not a number, is
--- left to HINCRBY (which refuses the latter, as it always did).
+-- HINCRBY a field (a lone field: its HINCRBY). The script is one atomic
+-- step, so the sums are those the HINCRBYs would leave. A counter of 16
+-- digits or more (past what Lua's numbers, doubles, hold exactly once added
+-- to), or one that is not a whole number, is left to HINCRBY (which
+-- refuses the latter, as it always did).
 local function add_spend(add, spend)
   local bucket, p, k, c, n, e, rest = string.match(spend, '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
   -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
