@@ -608,10 +608,6 @@ mod tests {
         }
     }
 
-    /// A failed probe's delivery is kept only for the next probe of the
-    /// worker its failure left the lease (a first delivery, from a stream,
-    /// the provider still down, the probe due before a rescuer could take
-    /// the delivery over), and given back once the next probe is not its own.
     /// A kept delivery goes out without its renewal while its claim is
     /// fresh and the probe's call ends before the visibility timeout.
     #[test]
@@ -629,6 +625,10 @@ mod tests {
         assert!(needs_renewal(s(0), lease, s(40)), "no room at all");
     }
 
+    /// A failed probe's delivery is kept only for the next probe of the
+    /// worker its failure left the lease (a first delivery, from a stream,
+    /// the provider still down, the probe due before a rescuer could take
+    /// the delivery over), and given back once the next probe is not its own.
     #[test]
     fn a_failed_probe_s_delivery_is_kept_only_for_its_worker_s_own_next_probe() {
         let w = OutageWatch::new(60_000, "http://h/v1");

@@ -1,6 +1,7 @@
--- ledger.lua (after counters.lua): record paid calls that left no outcome (cut off at a worker's
--- drain timeout; answered, but the outcome could not be stored in time) in
--- one partition's ledger, with the spend counters, atomically.
+-- ledger.lua (after counters.lua): record paid calls that left no outcome
+-- (cut off at a worker's drain timeout; answered, but the outcome could not
+-- be stored in time) in one partition's ledger, with the spend counters,
+-- atomically.
 --
 -- KEYS[1]  partition ledger hash    bf:{job:pN}:paid
 -- KEYS[2]  partition spend hash     bf:{job:pN}:spend
