@@ -959,7 +959,11 @@ async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
     // Counters already there: small ones, one just under what a double holds
     // exactly once added to (15 digits), and one past 2^53 (16 digits).
     let mut conn = redis.conn();
-    let before: [(&str, &str); 3] = [("calls", "5"), ("prompt", "999999999999999"), ("nusd", "9007199254740993")];
+    let before: [(&str, &str); 3] = [
+        ("calls", "5"),
+        ("prompt", "999999999999999"),
+        ("nusd", "9007199254740993"),
+    ];
     let _: () = conn.hset_multiple(&spend_key, &before).unwrap();
     let usage = common::task::Usage {
         prompt: 1000,
@@ -970,7 +974,10 @@ async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
     let paid = PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage, &spec().prices, 0);
     let (hincrby, hset) = (redis.calls_of("hincrby"), redis.calls_of("hset"));
     let commit = Finishing::new(&d, &Finish::Commit(result_for(&d))).paid(Some(&paid));
-    assert_eq!(store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(), &Finished::Moved);
+    assert_eq!(
+        store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(),
+        &Finished::Moved
+    );
     let spend: HashMap<String, String> = conn.hgetall(&spend_key).unwrap();
     let nusd: u128 = spend["nusd:first"].parse().unwrap();
     assert!(nusd > 0, "{spend:?}");
@@ -978,10 +985,18 @@ async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
     assert_eq!(spend["calls:first"], "1");
     assert_eq!(spend["prompt"], "1000000000000999", "added to exactly");
     assert_eq!(spend["completion"], "100");
-    assert_eq!(spend["nusd"], (9_007_199_254_740_993u128 + nusd).to_string(), "added to exactly past 2^53");
+    assert_eq!(
+        spend["nusd"],
+        (9_007_199_254_740_993u128 + nusd).to_string(),
+        "added to exactly past 2^53"
+    );
     let stats: HashMap<String, String> = conn.hgetall(&stats_key).unwrap();
     let per_minute = |kind: &str| {
-        let v: Vec<&String> = stats.iter().filter(|(f, _)| f.starts_with('t') && f.ends_with(kind)).map(|(_, v)| v).collect();
+        let v: Vec<&String> = stats
+            .iter()
+            .filter(|(f, _)| f.starts_with('t') && f.ends_with(kind))
+            .map(|(_, v)| v)
+            .collect();
         v
     };
     assert_eq!(per_minute(":c"), vec!["1"], "{stats:?}");

@@ -235,11 +235,7 @@ async fn a_rescuer_looks_at_a_partition_again_only_when_a_task_there_could_be_ov
     let mut rescuer = Rescuer::new(f.clone());
     let before = redis.calls_of("xpending");
     assert_eq!(rescuer.rescue_round().await, 0);
-    assert_eq!(
-        redis.calls_of("xpending") - before,
-        1,
-        "one look at the one partition"
-    );
+    assert_eq!(redis.calls_of("xpending") - before, 1, "one look at the one partition");
     assert_eq!(rescuer.rescue_round().await, 0);
     assert_eq!(redis.calls_of("xpending") - before, 1, "not looked at again");
 
@@ -258,10 +254,18 @@ async fn a_rescuer_looks_at_a_partition_again_only_when_a_task_there_could_be_ov
     );
     assert_eq!(f.reclaim_backlog.load(Ordering::Relaxed), 0);
     tokio::time::sleep(Duration::from_millis(1_600)).await;
-    assert_eq!(other.rescue_round().await, 1, "overdue now: looked at again, and taken over");
+    assert_eq!(
+        other.rescue_round().await,
+        1,
+        "overdue now: looked at again, and taken over"
+    );
     settle(&f).await;
     assert_eq!(pending_entry(&redis, &busy), None, "settled and acknowledged");
-    assert_eq!(sim.stats()["requests"], 1, "one model call, for the stuck worker's task");
+    assert_eq!(
+        sim.stats()["requests"],
+        1,
+        "one model call, for the stuck worker's task"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -617,11 +617,17 @@ mod tests {
         let (lease, visibility) = (s(30) + PROBE_MARGIN, s(60));
         assert!(!needs_renewal(s(0), lease, visibility));
         assert!(!needs_renewal(s(14), lease, visibility), "fresh");
-        assert!(needs_renewal(s(15), lease, visibility), "a quarter of the visibility timeout");
+        assert!(
+            needs_renewal(s(15), lease, visibility),
+            "a quarter of the visibility timeout"
+        );
         // A visibility timeout barely past the call: the call's end binds first.
         let visibility = s(45);
         assert!(!needs_renewal(s(4), lease, visibility));
-        assert!(needs_renewal(s(5), lease, visibility), "the call could end past the visibility timeout");
+        assert!(
+            needs_renewal(s(5), lease, visibility),
+            "the call could end past the visibility timeout"
+        );
         assert!(needs_renewal(s(0), lease, s(40)), "no room at all");
     }
 

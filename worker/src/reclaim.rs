@@ -98,7 +98,8 @@ impl Rescuer {
             let (overdue, young): (Vec<_>, Vec<_>) = head.into_iter().partition(|e| e.idle_ms >= visibility);
             let most_idle = young.iter().map(|e| e.idle_ms).max().unwrap_or(0);
             if overdue.is_empty() {
-                self.quiet.insert(key, now + Duration::from_millis(visibility - most_idle));
+                self.quiet
+                    .insert(key, now + Duration::from_millis(visibility - most_idle));
                 return None;
             }
             self.quiet.remove(&key);

@@ -258,10 +258,16 @@ impl RedisStore {
             conn,
             scripts: Scripts {
                 enqueue: Script::new(ENQUEUE_LUA),
-                finish: Script::new(concat!(include_str!("scripts/counters.lua"), include_str!("scripts/finish.lua"))),
+                finish: Script::new(concat!(
+                    include_str!("scripts/counters.lua"),
+                    include_str!("scripts/finish.lua")
+                )),
                 drift_halt: Script::new(include_str!("scripts/drift_halt.lua")),
                 ledger_expire: Script::new(include_str!("scripts/ledger_expire.lua")),
-                ledger: Script::new(concat!(include_str!("scripts/counters.lua"), include_str!("scripts/ledger.lua"))),
+                ledger: Script::new(concat!(
+                    include_str!("scripts/counters.lua"),
+                    include_str!("scripts/ledger.lua")
+                )),
                 budget: Script::new(include_str!("scripts/budget.lua")),
                 audit: Script::new(include_str!("scripts/audit.lua")),
                 shard: Script::new(include_str!("scripts/shard.lua")),
