@@ -236,6 +236,22 @@ fn a_user_without_the_permissions_fails_at_start_naming_them() {
         })
         .sum();
     assert_eq!(pending, 0);
+
+    // Upgrading (docs/deployment.md): a user from before `+zmscore` joined
+    // the line is refused, the permission named; the commands the docs give
+    // let the worker start.
+    let acl = |args: &[&str]| -> redis::Value { redis::cmd("ACL").arg(args).query(&mut redis.conn()).unwrap() };
+    acl(&["SETUSER", "batchfleet", "-zmscore"]);
+    let (exit, log) =
+        Running::spawn(harness::worker_cmd(&redis, "acl", &sim, &["--drain"])).finish(Duration::from_secs(30));
+    assert!(!exit.success(), "a worker started without +zmscore");
+    assert!(log.contains("+zmscore"), "the error does not name +zmscore: {log}");
+    acl(&["SETUSER", "batchfleet", "+zmscore"]);
+    acl(&["SAVE"]);
+    let (exit, log) =
+        Running::spawn(harness::worker_cmd(&redis, "acl", &sim, &["--drain"])).finish(Duration::from_secs(60));
+    assert!(exit.success(), "{log}");
+    assert_eq!(redis.hlen_sum("acl", keys::results), 5, "the job done once granted");
 }
 
 #[test]
