@@ -280,8 +280,7 @@ impl Claimer {
         let Some(mut d) = job.outage.take_kept(true) else {
             return;
         };
-        let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
-        if needs_renewal(d.claimed_at.elapsed(), lease, f.limits.visibility) {
+        if needs_renewal(d.claimed_at.elapsed(), probe_lease(job), f.limits.visibility) {
             match f.store.renew(&job.name, &mut d).await {
                 Ok(Some(_)) => {}
                 Ok(None) => return,
@@ -321,7 +320,7 @@ impl Claimer {
     /// lease now, whether the probe takes a rate grant (else `round` learns
     /// how long until the next probe).
     async fn probe_turn(&self, job: &crate::job::JobCtx, round: &mut Round) -> Option<ProbeGrant> {
-        let lease = Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN;
+        let lease = probe_lease(job);
         match job
             .outage
             .take_probe(&self.fleet.store, &job.name, lease, &self.fleet.config.consumer)
@@ -453,4 +452,9 @@ fn claims_online(job: &JobCtx) -> bool {
     job.spec.provider.mode != common::spec::ProviderMode::Batch
         && !job.sink_full.load(Ordering::Relaxed)
         && job.plan.claims_online()
+}
+
+/// A probe's lease: its call's whole timeout and [`PROBE_MARGIN`] past it.
+fn probe_lease(job: &JobCtx) -> Duration {
+    Duration::from_secs(job.spec.provider.timeout_secs) + PROBE_MARGIN
 }
