@@ -12,29 +12,57 @@ accepted over the window against its limit, the 429 rate is its 429s over all
 requests. Each run lasts SECONDS (default 40). Release build, 127.0.0.1 only.
 
 What the throttled fleet costs Redis, per model call in the window (`INFO`
-deltas): CPU, commands (those scripts run inside included), and the command
-time of the limiter's two scripts, `limit_acquire.lua` and
-`limit_settle.lua` (SLOWLOG, which keeps every command during the window).
+deltas): CPU, commands (those scripts run inside included), the times Redis
+read a client's socket (each a wake-up of the server: what a round trip
+costs it beyond its command), and two floors measured beside the run over
+the same window, not subtracted from it: a redis-server with no client at
+all (its `serverCron`), and one answering a `PING` a model call, one at a
+time at the limit's pace (a fleet that spent one round trip a call). Then, over SCRIPT_SECONDS more (default 10), the
+command time of the limiter's two scripts, `limit_acquire.lua` and
+`limit_settle.lua` (SLOWLOG, which then keeps every command: it costs Redis
+CPU of its own, so it is not on while the CPU is measured).
 """
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 
-from benchlib import (BIN, ROOT, log_every_command, redis_commands, redis_cpu, script_times, sim_stats,
-                      start_redis, start_sim, stop_all)
+from benchlib import (BIN, ROOT, Poll, log_every_command, redis_commands, redis_cpu, redis_info, script_times,
+                      sim_stats, start_redis, start_sim, stop_all)
 
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 WARMUP = int(os.environ.get("WARMUP_SECONDS", "60"))
+SCRIPT_SECONDS = int(os.environ.get("SCRIPT_SECONDS", "10"))
 RPM = int(os.environ.get("RPM", "1200"))
+
+
+def reads(url):
+    """Reads of a client's socket so far: the server's wake-ups for work."""
+    return int(redis_info(url, "stats")["total_reads_processed"])
+
+
+def ping_every(url, every, stop):
+    """One PING every `every` seconds, each answered before the next, until stop is set."""
+    poll, due = Poll(url), time.monotonic()
+    try:
+        while not stop.is_set():
+            poll.sock.sendall(b"PING\r\n")
+            assert poll.replies.readline() == b"+PONG\r\n"
+            due += every
+            stop.wait(max(0.0, due - time.monotonic()))
+    finally:
+        poll.close()
 
 
 def run(tmp, workers, tpm, headers=None):
     """`headers`: None = the spec states the limit; else no `[limits]` at all
     and llm-sim's `--limit-headers` mode, measured after WARMUP seconds."""
     redis, url = start_redis(tmp)
+    idle, idle_url = start_redis(tmp)
+    pinged, pinged_url = start_redis(tmp)
     sim, addr = start_sim("--latency-ms", "50", "--rpm", str(RPM), *(["--tpm", str(tpm)] if tpm else []),
                           "--limit-headers", headers or "openai")
     procs = []
@@ -61,23 +89,36 @@ def run(tmp, workers, tpm, headers=None):
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if headers:
             time.sleep(WARMUP)
-        log_every_command(url)
-        a, t0, cpu0, cmd0 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url)
+        stop = threading.Event()
+        pinger = threading.Thread(target=ping_every, args=(pinged_url, 60 / RPM, stop))
+        pinger.start()
+        time.sleep(1)
+        a, t0, cpu0, cmd0, reads0 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), reads(url)
+        idle0, pinged0 = redis_cpu(idle_url), redis_cpu(pinged_url)
         time.sleep(SECONDS)
-        b, t1, cpu1, cmd1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url)
+        b, t1, cpu1, cmd1, reads1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), reads(url)
+        idle1, pinged1 = redis_cpu(idle_url), redis_cpu(pinged_url)
+        stop.set()
+        pinger.join()
+        log_every_command(url)
+        time.sleep(SCRIPT_SECONDS)
+        c = sim_stats(addr)
         scripts = script_times(url)
     finally:
-        stop_all(procs, sim, redis)
+        stop_all(procs, sim, redis, idle, pinged)
     minutes = (t1 - t0) / 60
     ok = b["by_status"].get("200", 0) - a["by_status"].get("200", 0)
     r429 = b["by_status"].get("429", 0) - a["by_status"].get("429", 0)
     tokens = (b["prompt_tokens"] + b["completion_tokens"]) - (a["prompt_tokens"] + a["completion_tokens"])
     util = tokens / (tpm * minutes) if tpm else ok / (RPM * minutes)
     calls = max(1, ok + r429)
+    script_calls = max(1, sum(c["by_status"].get(s, 0) - b["by_status"].get(s, 0) for s in ("200", "429")))
     acquire, settle = scripts.get("limit_acquire.lua", (0, 0, 0)), scripts.get("limit_settle.lua", (0, 0, 0))
-    cost = {"cpu_us": (cpu1 - cpu0) * 1e6 / calls, "commands": (cmd1 - cmd0) / calls,
-            "acquire": (acquire[0] / calls, acquire[1] / calls, acquire[2]),
-            "settle": (settle[0] / calls, settle[1] / calls, settle[2])}
+    cost = {"cpu_us": (cpu1 - cpu0) * 1e6 / calls, "idle_us": (idle1 - idle0) * 1e6 / calls,
+            "pinged_us": (pinged1 - pinged0) * 1e6 / calls, "commands": (cmd1 - cmd0) / calls,
+            "reads": (reads1 - reads0) / calls,
+            "acquire": (acquire[0] / script_calls, acquire[1] / script_calls, acquire[2]),
+            "settle": (settle[0] / script_calls, settle[1] / script_calls, settle[2])}
     return ok, r429, util, r429 / calls, cost
 
 
@@ -106,13 +147,15 @@ def main():
     for workers, bound, ok, r429, util, rate in rows:
         print(f"| {workers} | {bound} | {ok:,} | {r429} | {util:.1%} | {rate:.2%} |")
     print()
-    print("| workers | binding limit | Redis CPU per model call | Redis commands per model call "
+    print("| workers | binding limit | Redis CPU per model call | floor: an idle redis-server "
+          "| floor: one PING a model call | Redis commands per model call | round trips per model call "
           "| `limit_acquire.lua` per model call | `limit_settle.lua` per model call "
           "| limiter per model call at the scripts' median times |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for workers, bound, c in costs:
         (an, at, am), (sn, st, sm) = c["acquire"], c["settle"]
-        print(f"| {workers} | {bound} | {c['cpu_us']:.0f} us | {c['commands']:.1f} "
+        print(f"| {workers} | {bound} | {c['cpu_us']:.0f} us | {c['idle_us']:.0f} us | {c['pinged_us']:.0f} us "
+              f"| {c['commands']:.1f} | {c['reads']:.2f} "
               f"| {an:.2f} calls, {at:.1f} us (median {am} us a call) "
               f"| {sn:.2f} calls, {st:.1f} us (median {sm} us a call) | {an * am + sn * sm:.0f} us |")
     # The limiter's own cost (its two scripts' calls and command time) must
