@@ -54,8 +54,17 @@ fn fleet(rpm: u64, tpm: Option<u64>) -> Fleet {
 
 impl Fleet {
     fn add_workers(&mut self, n: usize) {
+        self.add_workers_of(n, 64);
+    }
+
+    fn add_workers_of(&mut self, n: usize, concurrency: usize) {
         for _ in 0..n {
-            let cmd = worker_cmd(&self.redis, "rl", &self.sim, &["--concurrency", "64"]);
+            let cmd = worker_cmd(
+                &self.redis,
+                "rl",
+                &self.sim,
+                &["--concurrency", &concurrency.to_string()],
+            );
             self.workers.push(Running::spawn(cmd));
         }
     }
@@ -220,6 +229,29 @@ fn scaling_from_one_to_four_workers_keeps_429s_down() {
     assert!(
         acquires as f64 <= 0.4 * grants as f64,
         "{acquires} acquires for {grants} grants: the fleet polls its budget"
+    );
+}
+
+/// A worker whose slots hold less than the second of the rate grants may
+/// be given ahead (32 slots, 50 calls a second) does not fill them all with
+/// tasks waiting for their grants, then ask for one grant (and claim one
+/// task) each time a call ends and frees a slot: it did, one acquire a call.
+#[test]
+fn a_worker_with_fewer_slots_than_a_second_of_the_rate_asks_for_stretches_of_it() {
+    let mut f = fleet(RPM, None);
+    f.add_workers_of(1, 32);
+    run_for(5);
+    let a = f.snapshot();
+    run_for(20);
+    let b = f.snapshot();
+    let summaries = f.stop();
+    let w = window(&a, &b);
+    assert_fleet_within(&w, w.request_utilization(RPM), "1 worker of 32 slots");
+    let l = &summaries[0]["limiters"]["rl"];
+    let (acquires, grants) = (l["acquires"].as_u64().unwrap(), l["grants"].as_u64().unwrap());
+    assert!(
+        acquires as f64 <= 0.4 * grants as f64,
+        "{acquires} acquires for {grants} grants: the worker asks once a call"
     );
 }
 
