@@ -197,7 +197,8 @@ impl Claimer {
         let claimed_before = round.claimed;
         let probing = probe.is_some();
         // No slot left (another route took them: a grant would come, and a
-        // task with no slot), or the rate's buckets said when to come back.
+        // task with no slot), the rate's buckets said when to come back, or
+        // a share of the slots waits for grants given ahead already.
         let free = self.claimable(first.is_some()).min(room);
         let budget_wait = self
             .budget_wait(&job.name, route)
