@@ -69,7 +69,7 @@ bench-worker: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-worker.py
 
-## bench-ratelimit: fleet utilization of the provider's limit and 429 rate, 1/2/4 workers and tokens-bound
+## bench-ratelimit: utilization of the provider's limit and 429 rate for 1/4/8 workers (told, tokens-bound, untold), and per model call the Redis CPU, commands and round trips beside an idle and a PING-a-call redis-server (RUNS=told|untold, RPM, SECONDS_PER_RUN)
 bench-ratelimit: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-ratelimit.py
