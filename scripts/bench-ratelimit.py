@@ -12,15 +12,16 @@ accepted over the window against its limit, the 429 rate is its 429s over all
 requests. Each run lasts SECONDS (default 40). Release build, 127.0.0.1 only.
 
 What the throttled fleet costs Redis, per model call in the window (`INFO`
-deltas): CPU, commands (those scripts run inside included), the times Redis
-read a client's socket (each a wake-up of the server: what a round trip
-costs it beyond its command), and two floors measured beside the run over
+deltas): CPU, commands (those scripts run inside included), round trips
+(the times Redis read a client's socket: on these machines each costs it
+more than a small command), and two floors measured beside the run over
 the same window, not subtracted from it: a redis-server with no client at
 all (its `serverCron`), and one answering a `PING` a model call, one at a
-time at the limit's pace (a fleet that spent one round trip a call). Then, over SCRIPT_SECONDS more (default 10), the
-command time of the limiter's two scripts, `limit_acquire.lua` and
-`limit_settle.lua` (SLOWLOG, which then keeps every command: it costs Redis
-CPU of its own, so it is not on while the CPU is measured).
+time at the limit's pace (a fleet that spent one round trip a call). Then,
+over SCRIPT_SECONDS more (default 10), the command time of the limiter's
+two scripts, `limit_acquire.lua` and `limit_settle.lua` (SLOWLOG, which
+then keeps every command: it costs Redis CPU of its own, so it is not on
+while the CPU is measured).
 """
 import json
 import os
@@ -40,7 +41,7 @@ RPM = int(os.environ.get("RPM", "1200"))
 
 
 def reads(url):
-    """Reads of a client's socket so far: the server's wake-ups for work."""
+    """Reads of a client's socket so far: the round trips it served."""
     return int(redis_info(url, "stats")["total_reads_processed"])
 
 
