@@ -101,6 +101,17 @@ impl Fleet {
         }
     }
 
+    /// Commands Redis has processed so far (those scripts run included).
+    fn commands(&self) -> u64 {
+        let info: String = redis::cmd("INFO").arg("stats").query(&mut self.redis.conn()).unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("total_commands_processed:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
     /// The shared buckets' `reserved` and `settled` token counters.
     fn reservations(&self) -> (i64, i64) {
         let mut c = self.redis.conn();
@@ -241,12 +252,16 @@ fn a_worker_with_fewer_slots_than_a_second_of_the_rate_asks_for_stretches_of_it(
     let mut f = fleet(RPM, None);
     f.add_workers_of(1, 32);
     run_for(5);
-    let a = f.snapshot();
+    let (a, commands_a) = (f.snapshot(), f.commands());
     run_for(20);
-    let b = f.snapshot();
+    let (b, commands_b) = (f.snapshot(), f.commands());
     let summaries = f.stop();
     let w = window(&a, &b);
     assert_fleet_within(&w, w.request_utilization(RPM), "1 worker of 32 slots");
+    // Redis's own count, per call llm-sim accepted (asking once a call:
+    // about 24; in stretches: under 10).
+    let per_call = (commands_b - commands_a) as f64 / w.accepted.max(1) as f64;
+    assert!(per_call <= 12.0, "{per_call:.1} Redis commands a model call");
     let l = &summaries[0]["limiters"]["rl"];
     let (acquires, grants) = (l["acquires"].as_u64().unwrap(), l["grants"].as_u64().unwrap());
     assert!(

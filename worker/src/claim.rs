@@ -11,6 +11,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::fleet::{Fleet, HeldGrants, STORE_ERROR_PAUSE};
 use crate::job::JobCtx;
+use crate::limiter::Grant;
 use crate::outage::{PROBE_MARGIN, ProbeGrant, needs_renewal};
 use crate::plan::Route;
 use crate::service::Service;
@@ -204,11 +205,7 @@ impl Claimer {
             .budget_wait(&job.name, route)
             .or_else(|| self.ahead_wait(&job.name, route));
         if free == 0 || budget_wait.is_some() {
-            round.limited = budget_wait.map_or(round.limited, |wait| sooner(round.limited, wait));
-            if probing {
-                self.probe_unsent(job).await;
-            }
-            return;
+            return self.claim_nothing(job, probing, budget_wait, round).await;
         }
         let want = free.min(self.last_claimed.saturating_mul(2).max(1));
         let spared = probe == Some(ProbeGrant::Spare) && f.limiter_for(job, route).spares_probes();
@@ -223,17 +220,13 @@ impl Claimer {
                 .insert((job.name.clone(), route), tokio::time::Instant::now() + wait);
         }
         if grants.is_empty() && !spared {
-            round.limited = sooner(round.limited, wait);
-            if probing {
-                self.probe_unsent(job).await;
-            }
-            return;
+            return self.claim_nothing(job, probing, Some(wait), round).await;
         }
         if probing {
             self.send_kept(job, first, round, &mut grants).await;
         }
-        let n = job.spec.job.partitions;
-        for p in (0..n).map(|i| (i + self.rounds) % n) {
+        let (n, start) = (job.spec.job.partitions, self.rounds);
+        for p in (0..n).map(|i| (i + start) % n) {
             let breaker_room = match route {
                 Route::Fallback => usize::MAX,
                 _ => job.breaker.room(),
@@ -269,9 +262,7 @@ impl Claimer {
                     job.outage.set_probe(&d.task.rid);
                 }
                 let grant = grants.pop();
-                if let Some(g) = grant.as_ref().filter(|g| g.at > tokio::time::Instant::now()) {
-                    self.ahead.entry((job.name.clone(), route)).or_default().push(g.at);
-                }
+                self.note_ahead(&job.name, route, grant.as_ref());
                 f.spawn(job.clone(), d, permit, (grant, route));
             }
         }
@@ -335,6 +326,23 @@ impl Claimer {
         let at = *self.budget_at.get(&(job.to_owned(), route))?;
         at.checked_duration_since(tokio::time::Instant::now())
             .filter(|wait| !wait.is_zero())
+    }
+
+    /// A route's claim that took nothing: `wait`, how long the rate holds
+    /// it back (if it does); a probe this round was to send goes unsent.
+    async fn claim_nothing(&self, job: &JobCtx, probing: bool, wait: Option<Duration>, round: &mut Round) {
+        round.limited = wait.map_or(round.limited, |wait| sooner(round.limited, wait));
+        if probing {
+            self.probe_unsent(job).await;
+        }
+    }
+
+    /// A task of `job`'s `route` claimed with `grant`: when the grant was
+    /// given ahead of the buckets, its time counts towards [`AHEAD_SHARE`].
+    fn note_ahead(&mut self, job: &str, route: Route, grant: Option<&Grant>) {
+        if let Some(g) = grant.filter(|g| g.at > tokio::time::Instant::now()) {
+            self.ahead.entry((job.to_owned(), route)).or_default().push(g.at);
+        }
     }
 
     /// While a share of the slots ([`AHEAD_SHARE`]) or more holds tasks of
