@@ -11,11 +11,15 @@ pick instead (#32 item 4), on one redis-server in one run, alternating.
   worker with a processor that does nothing, same concurrency.
 
 Each side's drain is timed from its worker's start to its last record
-(polled every 50 ms on one connection) and costed from `INFO` deltas over the same span:
-Redis CPU (user + system) and commands (script-inner ones included) per
-record. The server is emptied (FLUSHALL) before each run; ROUNDS (default
-2) rounds of the pair. Reported: records/s, Redis CPU and commands per
-record, and this project's figures as ratios of BullMQ's in the same
+(polled every 50 ms on one connection) and costed from `INFO` deltas over
+the same span: Redis CPU (user + system), commands (script-inner ones
+included) and round trips (reads of a client's socket) per record; and
+the CPU the side itself spent a record over the span (its worker from
+`/proc`, its start included; for batchfleet llm-sim's too, which answers
+its calls): on two cores what the clients use, Redis and the other side
+do not get. The server is emptied (FLUSHALL) before each run; ROUNDS
+(default 2) rounds of the pair. Reported: those figures, and this
+project's records/s and Redis CPU as ratios of BullMQ's in the same
 round. Ends with one JSON line. 127.0.0.1 only; everything stopped.
 """
 import json
@@ -25,7 +29,8 @@ import subprocess
 import tempfile
 import time
 
-from benchlib import (BIN, ROOT, Poll, redis_cli, redis_commands, redis_cpu, start_redis, start_sim, write_records)
+from benchlib import (BIN, ROOT, Poll, proc_cpu, redis_cli, redis_commands, redis_cpu, redis_reads, start_redis, start_sim,
+                      write_records)
 
 N = int(os.environ.get("N", "20000"))
 CONC = int(os.environ.get("CONCURRENCY", "50"))
@@ -58,17 +63,24 @@ def done(poll):
     return sum(poll.ints(*(f"HLEN bf:{{q:p{p}}}:results" for p in range(4))))
 
 
-def measured(url, start, finished):
-    """(seconds, Redis CPU s, commands) from `start()` until `finished()`."""
-    cpu0, cmd0, t0 = redis_cpu(url), redis_commands(url), time.monotonic()
+def measured(url, start, finished, helpers=()):
+    """(seconds, Redis CPU s, commands, round trips, client CPU s) from
+    `start()` until `finished()`: the client CPU is the started process's
+    (its own start included) and that of the running `helpers` over the
+    same span, read as the last record is seen."""
+    helper_cpu = lambda: sum(proc_cpu(p.pid) for p in helpers)
+    cpu0, cmd0, reads0, help0 = redis_cpu(url), redis_commands(url), redis_reads(url), helper_cpu()
+    t0 = time.monotonic()
     proc = start()
     while not finished(proc):
         time.sleep(0.05)
-    t1, cpu1, cmd1 = time.monotonic(), redis_cpu(url), redis_commands(url)
-    return proc, (t1 - t0, cpu1 - cpu0, cmd1 - cmd0 - 2)
+    t1, client = time.monotonic(), proc_cpu(proc.pid) + helper_cpu() - help0
+    cpu1, cmd1, reads1 = redis_cpu(url), redis_commands(url), redis_reads(url)
+    # The INFO and poll requests of the measure itself are left out.
+    return proc, (t1 - t0, cpu1 - cpu0, cmd1 - cmd0 - 3, reads1 - reads0 - 3, client)
 
 
-def ours(tmp, url, addr, data, job_spec):
+def ours(tmp, url, sim, addr, data, job_spec):
     subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "q", "--spec", job_spec,
                     "--redis", url, "--no-progress", "--max-backlog", "0"], check=True, stdout=subprocess.DEVNULL)
     env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
@@ -78,7 +90,7 @@ def ours(tmp, url, addr, data, job_spec):
                                       "--metrics-addr", "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL, stderr=log)
     poll = Poll(url)
     try:
-        proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None)
+        proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None, helpers=(sim,))
         assert done(poll) >= N, f"the worker stopped before the end, see {log.name}"
     finally:
         poll.close()
@@ -107,26 +119,28 @@ def main():
         write_records(data, N, "q-")
         job_spec = spec(tmp)
         for r in range(ROUNDS):
-            for name, run in (("batchfleet", lambda: ours(tmp, url, addr, data, job_spec)),
+            for name, run in (("batchfleet", lambda: ours(tmp, url, sim, addr, data, job_spec)),
                               ("bullmq", lambda: bullmq(url, data, script))):
                 redis_cli(url, "flushall")
-                secs, cpu, cmds = run()
-                rows.append((r, name, N / secs, cpu / N * 1e6, cmds / N))
-                print(f"  round {r + 1}, {name}: {N / secs:,.0f} records/s, {cpu / N * 1e6:.1f} us of Redis CPU "
-                      f"and {cmds / N:.1f} commands a record", flush=True)
+                secs, cpu, cmds, trips, client = run()
+                rows.append((r, name, N / secs, cpu / N * 1e6, cmds / N, trips / N, client / N * 1e6))
+                print(f"  round {r + 1}, {name}: {N / secs:,.0f} records/s, {cpu / N * 1e6:.1f} us of Redis CPU, "
+                      f"{cmds / N:.1f} commands and {trips / N:.2f} round trips a record; "
+                      f"{client / N * 1e6:.0f} us of client CPU a record", flush=True)
     finally:
         for p in (sim, redis):
             p.terminate()
             p.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print("| round | queue | records/s | Redis CPU a record | Redis commands a record |")
-    print("|---|---|---|---|---|")
-    for r, name, rate, us, cmds in rows:
-        print(f"| {r + 1} | {name} | {rate:,.0f} | {us:.1f} us | {cmds:.1f} |")
+    print("| round | queue | records/s | Redis CPU a record | Redis commands a record | round trips a record "
+          "| client CPU a record |")
+    print("|---|---|---|---|---|---|---|")
+    for r, name, rate, us, cmds, trips, client in rows:
+        print(f"| {r + 1} | {name} | {rate:,.0f} | {us:.1f} us | {cmds:.1f} | {trips:.2f} | {client:.0f} us |")
     ratios = []
     for r in range(ROUNDS):
-        (_, _, rate_a, us_a, _), (_, _, rate_b, us_b, _) = [x for x in rows if x[0] == r]
+        (_, _, rate_a, us_a, *_), (_, _, rate_b, us_b, *_) = [x for x in rows if x[0] == r]
         ratios.append((rate_a / rate_b, us_a / us_b))
     print()
     for r, (rate, cpu) in enumerate(ratios):

@@ -31,18 +31,13 @@ import tempfile
 import threading
 import time
 
-from benchlib import (BIN, ROOT, Poll, log_every_command, redis_commands, redis_cpu, redis_info, script_times,
+from benchlib import (BIN, ROOT, Poll, log_every_command, redis_commands, redis_cpu, redis_reads, script_times,
                       sim_stats, start_redis, start_sim, stop_all)
 
 SECONDS = int(os.environ.get("SECONDS_PER_RUN", "40"))
 WARMUP = int(os.environ.get("WARMUP_SECONDS", "60"))
 SCRIPT_SECONDS = int(os.environ.get("SCRIPT_SECONDS", "10"))
 RPM = int(os.environ.get("RPM", "1200"))
-
-
-def reads(url):
-    """Reads of a client's socket so far: the round trips it served."""
-    return int(redis_info(url, "stats")["total_reads_processed"])
 
 
 def ping_every(url, every, stop):
@@ -94,10 +89,10 @@ def run(tmp, workers, tpm, headers=None):
         pinger = threading.Thread(target=ping_every, args=(pinged_url, 60 / RPM, stop))
         pinger.start()
         time.sleep(1)
-        a, t0, cpu0, cmd0, reads0 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), reads(url)
+        a, t0, cpu0, cmd0, reads0 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), redis_reads(url)
         idle0, pinged0 = redis_cpu(idle_url), redis_cpu(pinged_url)
         time.sleep(SECONDS)
-        b, t1, cpu1, cmd1, reads1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), reads(url)
+        b, t1, cpu1, cmd1, reads1 = sim_stats(addr), time.time(), redis_cpu(url), redis_commands(url), redis_reads(url)
         idle1, pinged1 = redis_cpu(idle_url), redis_cpu(pinged_url)
         stop.set()
         pinger.join()

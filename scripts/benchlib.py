@@ -83,6 +83,11 @@ def redis_commands(url):
     return int(redis_info(url, "stats")["total_commands_processed"])
 
 
+def redis_reads(url):
+    """Reads of a client's socket so far: the round trips the server served."""
+    return int(redis_info(url, "stats")["total_reads_processed"])
+
+
 def log_every_command(url):
     """From now on SLOWLOG keeps every command (with its time), emptied;
     read it with script_times. Costs Redis a little: for slow runs only."""
