@@ -10,6 +10,13 @@
 //!
 //! Binds 127.0.0.1 unless `--bind` says otherwise; prints `llm-sim listening on http://ADDR` first.
 
+/// glibc's allocator took about a third of the simulator's CPU at zero
+/// latency (as it did the worker's, which also runs jemalloc): on the two
+/// cores a bench shares, the provider's stand-in should not be what a run
+/// measures (see BENCHMARKS.md, `make bench-queues`).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[path = "llm-sim/batch.rs"]
 mod batch;
 #[path = "llm-sim/outage.rs"]
