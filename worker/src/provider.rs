@@ -123,6 +123,9 @@ pub struct Provider {
     http: reqwest::Client,
     /// The base URL (`.../v1`) and its chat completions endpoint.
     base: String,
+    /// The base URL without credentials, query or fragment (every
+    /// attempt's trail names it: redacted once, not once a call).
+    endpoint: String,
     /// Parsed once (one that does not parse is refused by each call, as
     /// reqwest refuses it).
     url: Result<reqwest::Url, String>,
@@ -163,6 +166,7 @@ impl Provider {
         Ok(Provider {
             http,
             base: base.to_owned(),
+            endpoint: common::secret::redact_url(base),
             url: reqwest::Url::parse(&url).map_err(|_| url),
             auth,
             timeout: Duration::from_secs(spec.provider.timeout_secs),
@@ -332,7 +336,7 @@ impl Provider {
     /// Where the job's calls go, for the audit trail: the base URL without
     /// credentials, query or fragment.
     pub fn endpoint(&self) -> String {
-        common::secret::redact_url(&self.base)
+        self.endpoint.clone()
     }
 
     pub fn model(&self) -> &str {
