@@ -17,7 +17,8 @@ included) and round trips (reads of a client's socket) per record; and
 the CPU the side itself spent a record over the span (its worker from
 `/proc`, its start included; for batchfleet llm-sim's too, which answers
 its calls): on two cores what the clients use, Redis and the other side
-do not get. The server is emptied (FLUSHALL) before each run; ROUNDS
+do not get. The server is emptied (FLUSHALL) before each run; each side
+first drains WARMUP_RECORDS (default 2,000) unmeasured, then ROUNDS
 (default 2) rounds of the pair. Reported: those figures, and this
 project's records/s and Redis CPU as ratios of BullMQ's in the same
 round. Ends with one JSON line. 127.0.0.1 only; everything stopped.
@@ -33,6 +34,10 @@ from benchlib import (BIN, ROOT, Poll, proc_cpu, redis_cli, redis_commands, redi
                       write_records)
 
 N = int(os.environ.get("N", "20000"))
+# Each side drains this many records once, unmeasured, before the rounds:
+# BullMQ's first drain on a fresh server was the slower in every run (node
+# warming up), which made the first round's pair unfair.
+WARMUP = int(os.environ.get("WARMUP_RECORDS", "2000"))
 CONC = int(os.environ.get("CONCURRENCY", "50"))
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 BULLMQ = os.environ.get("BULLMQ_VERSION", "6.7")
@@ -80,7 +85,7 @@ def measured(url, start, finished, helpers=()):
     return proc, (t1 - t0, cpu1 - cpu0, cmd1 - cmd0 - 3, reads1 - reads0 - 3, client)
 
 
-def ours(tmp, url, sim, addr, data, job_spec):
+def ours(tmp, url, sim, addr, data, job_spec, n=N):
     subprocess.run([os.path.join(BIN, "producer"), "enqueue", data, "--job", "q", "--spec", job_spec,
                     "--redis", url, "--no-progress", "--max-backlog", "0"], check=True, stdout=subprocess.DEVNULL)
     env = dict(os.environ, OPENAI_API_KEY="sk-bench", RUST_LOG="warn")
@@ -90,18 +95,18 @@ def ours(tmp, url, sim, addr, data, job_spec):
                                       "--metrics-addr", "127.0.0.1:0"], env=env, stdout=subprocess.DEVNULL, stderr=log)
     poll = Poll(url)
     try:
-        proc, cost = measured(url, start, lambda p: done(poll) >= N or p.poll() is not None, helpers=(sim,))
-        assert done(poll) >= N, f"the worker stopped before the end, see {log.name}"
+        proc, cost = measured(url, start, lambda p: done(poll) >= n or p.poll() is not None, helpers=(sim,))
+        assert done(poll) >= n, f"the worker stopped before the end, see {log.name}"
     finally:
         poll.close()
     proc.wait()
     return cost
 
 
-def bullmq(url, data, script):
+def bullmq(url, data, script, n=N):
     port = url.rsplit(":", 1)[1]
-    subprocess.run(["node", script, "add", port, str(N), data], check=True, cwd=NODE_DIR)
-    start = lambda: subprocess.Popen(["node", script, "work", port, str(N), str(CONC)], cwd=NODE_DIR,
+    subprocess.run(["node", script, "add", port, str(n), data], check=True, cwd=NODE_DIR)
+    start = lambda: subprocess.Popen(["node", script, "work", port, str(n), str(CONC)], cwd=NODE_DIR,
                                      stdout=subprocess.PIPE, text=True)
     proc, cost = measured(url, start, lambda p: p.stdout.readline().strip() == "done" or p.poll() is not None)
     assert proc.wait() == 0, "the BullMQ worker failed"
@@ -118,6 +123,13 @@ def main():
         data = os.path.join(tmp, "data.jsonl")
         write_records(data, N, "q-")
         job_spec = spec(tmp)
+        if WARMUP:
+            warm = os.path.join(tmp, "warm.jsonl")
+            write_records(warm, WARMUP, "w-")
+            for run in (lambda: ours(tmp, url, sim, addr, warm, job_spec, WARMUP),
+                        lambda: bullmq(url, warm, script, WARMUP)):
+                redis_cli(url, "flushall")
+                run()
         for r in range(ROUNDS):
             for name, run in (("batchfleet", lambda: ours(tmp, url, sim, addr, data, job_spec)),
                               ("bullmq", lambda: bullmq(url, data, script))):
