@@ -556,6 +556,63 @@ async fn a_paid_answer_waits_out_a_short_redis_outage_and_is_stored_once() {
     assert_eq!(paid[0].online_nusd, Some(online));
 }
 
+/// A task's concurrency slot goes back as soon as its call's outcome goes to
+/// be stored: while the store waits (Redis refuses it, then takes it), the
+/// slot is free for another task's call, the outcome holding a storing slot
+/// instead; with no storing slot free, the task keeps its own.
+#[tokio::test(start_paused = true)]
+async fn an_outcome_waiting_to_be_stored_gives_its_call_slot_to_another_task() {
+    use tokio::sync::Semaphore;
+    use worker::slot::Slot;
+    let queue = MemoryQueue::new();
+    let (calls, storing) = (Arc::new(Semaphore::new(2)), Arc::new(Semaphore::new(1)));
+    let mut slots = Vec::new();
+    let mut settling = Vec::new();
+    for rid in ["s1", "s2"] {
+        let job = job_at("http://127.0.0.1:9/v1", &queue, |_| {});
+        queue.enqueue(task(rid));
+        let d = queue.deliver(WORKER).expect("delivered");
+        let answer = worker::batcher::answer_of_line(&batch_line(rid, GOOD)).expect("a batch line");
+        let slot = Slot::new(calls.clone().try_acquire_owned().unwrap(), storing.clone());
+        slots.push(slot.clone());
+        settling.push(tokio::spawn(async move {
+            let line = format!("batch_1:batch_req_{rid}");
+            let limits = limits();
+            slot.scope(worker::process::settle_batch_line(&job, &d, &limits, answer, line))
+                .await
+        }));
+    }
+    queue.refuse_outcomes(2);
+    // Both outcomes go to be stored; each first store is refused (a 50 ms wait).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(
+        ["s1", "s2"]
+            .iter()
+            .all(|rid| queue.state(rid) != Some(RecordState::Done)),
+        "both outcomes still wait to be stored"
+    );
+    assert_eq!(
+        calls.available_permits(),
+        1,
+        "one outcome waits on the storing slot and gave its call's slot back"
+    );
+    assert_eq!(storing.available_permits(), 0);
+    assert_eq!(
+        slots.iter().filter(|s| s.holds_call()).count(),
+        1,
+        "the other keeps its own"
+    );
+    for t in settling {
+        assert_eq!(t.await.unwrap().unwrap(), Settled::Committed);
+    }
+    for s in &slots {
+        s.release();
+    }
+    assert_eq!((calls.available_permits(), storing.available_permits()), (2, 1));
+    assert_eq!(queue.state("s1"), Some(RecordState::Done));
+    assert_eq!(queue.state("s2"), Some(RecordState::Done));
+}
+
 /// Redis never takes the outcome before the visibility timeout: the paid
 /// answer is counted lost (kept for the ledger as such), the record is left
 /// for the worker that takes the task over, and nothing was stored twice.

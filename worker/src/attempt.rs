@@ -198,6 +198,9 @@ impl Settle<'_> {
             limits,
             paid,
         } = *self;
+        // The call is over: its slot may go to another task while this
+        // outcome waits for its commit.
+        crate::slot::storing_outcome();
         let commit = span.child("commit", SpanKind::Internal);
         commit.set("batchfleet.finish", then.label());
         let deadline = limits.visibility.saturating_sub(std::time::Duration::from_secs(1));

@@ -37,8 +37,12 @@ pub struct Fleet {
     pub summary: tokio::sync::Mutex<RunSummary>,
     pub metrics: Arc<Metrics>,
     pub health: Arc<Health>,
-    /// Requests in flight in this process: one permit per task.
+    /// Requests in flight in this process: one permit per task, until its
+    /// outcome goes to be stored (see [`crate::slot`]).
     pub permits: Arc<Semaphore>,
+    /// Outcomes of tasks that gave their permit back waiting to be stored:
+    /// as many as permits.
+    pub storing: Arc<Semaphore>,
     /// Every started task, for the drain.
     pub tracker: TaskTracker,
     flags: Mutex<Flags>,
@@ -99,6 +103,7 @@ impl Fleet {
         }
         Fleet {
             permits: Arc::new(Semaphore::new(config.concurrency.max(1))),
+            storing: Arc::new(Semaphore::new(config.concurrency.max(1))),
             tracker: TaskTracker::new(),
             store,
             jobs: served,
@@ -272,7 +277,8 @@ impl Fleet {
     }
 
     /// Starts one delivered task on the tracker, to call `route`'s provider;
-    /// it holds `permit` (and the rate-limit `grant`) until it is settled.
+    /// it holds `permit` until its outcome goes to be stored (then a storing
+    /// slot, see [`crate::slot`]), and the rate-limit `grant` until it is settled.
     pub fn spawn(
         self: &Arc<Self>,
         job: Arc<JobCtx>,
@@ -290,6 +296,7 @@ impl Fleet {
             job.outage.probe_ended(&d.task.rid);
         }
         job.breaker.in_flight.fetch_add(1, Ordering::Relaxed);
+        let slot = crate::slot::Slot::new(permit, self.storing.clone());
         self.tracker.spawn(async move {
             // A grant given ahead of the buckets: its call waits for its time.
             if let Some(g) = &grant {
@@ -309,9 +316,9 @@ impl Fleet {
                 // The job was cancelled before this task ran: keep it for resume.
                 Some(me.cancel_task(&job, &d).await)
             } else {
-                Some(process(&job, d, &me.limits, &mut report, route).await)
+                Some(slot.scope(process(&job, d, &me.limits, &mut report, route)).await)
             };
-            drop(permit);
+            slot.release();
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);
             // A probe that made no call (poison, an input error...) gives its lease back.
             if probe.is_some_and(|rid| job.outage.probe_ended(&rid))

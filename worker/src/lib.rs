@@ -2,6 +2,7 @@
 //!
 //! - [`run`]: configuration, start-up checks, the services and the shutdown order.
 //! - [`fleet`]: what the services share (permits, tracker, flags); starting a task.
+//! - [`slot`]: a task's concurrency slot, given back once its outcome goes to be stored.
 //! - [`service`]: a loop as a cancellable service around a `run_once` body.
 //! - [`claim`], [`reclaim`], [`promote`], [`watch`]: the services (claim new
 //!   tasks; take over dead workers' tasks; promote due retries; read halt and
@@ -59,6 +60,7 @@ pub mod run;
 pub mod scaler;
 pub mod service;
 pub mod sink;
+pub mod slot;
 pub mod telemetry;
 pub mod wake;
 pub mod watch;

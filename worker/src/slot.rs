@@ -1,0 +1,105 @@
+//! A task's slot of the worker's concurrency (`--concurrency`: requests in
+//! flight in this process). The slot goes back as soon as the task's call is
+//! over and its outcome goes to be stored: the outcome then waits for its
+//! group commit (see `queue/redis.rs`) on one of as many storing slots, while
+//! another task already calls. Held until the commit, the slot made every
+//! record's cycle a commit longer, and a worker whose provider answers at
+//! once waited on Redis with its slots (`make bench-queues`, BENCHMARKS.md).
+
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+tokio::task_local! {
+    static SLOT: Arc<Slot>;
+}
+
+/// A running task's slot, and the storing slot its outcome moves to.
+pub struct Slot {
+    call: Mutex<Option<OwnedSemaphorePermit>>,
+    storing: Arc<Semaphore>,
+    stored: Mutex<Option<OwnedSemaphorePermit>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Slot {
+    /// The task's slot (`call`), and the storing slots its outcome may take.
+    pub fn new(call: OwnedSemaphorePermit, storing: Arc<Semaphore>) -> Arc<Slot> {
+        Arc::new(Slot {
+            call: Mutex::new(Some(call)),
+            storing,
+            stored: Mutex::new(None),
+        })
+    }
+
+    /// Runs the task's work with this slot as its own (see [`storing_outcome`]).
+    pub async fn scope<F: Future>(self: &Arc<Self>, work: F) -> F::Output {
+        SLOT.scope(self.clone(), work).await
+    }
+
+    /// The call's slot goes back once the outcome holds a storing slot; with
+    /// none free, the task keeps its own until it ends (as many outcomes as
+    /// slots wait for their commit at most).
+    fn hand_over(&self) {
+        let mut call = lock(&self.call);
+        if call.is_none() {
+            return;
+        }
+        if let Ok(storing) = self.storing.clone().try_acquire_owned() {
+            *lock(&self.stored) = Some(storing);
+            call.take();
+        }
+    }
+
+    /// Whether the task still holds its call's slot.
+    pub fn holds_call(&self) -> bool {
+        lock(&self.call).is_some()
+    }
+
+    /// The task ended: whatever it holds goes back.
+    pub fn release(&self) {
+        lock(&self.call).take();
+        lock(&self.stored).take();
+    }
+}
+
+/// The running task's call is over and its outcome goes to be stored: its
+/// slot goes back (see [`Slot::hand_over`]). Outside a task's scope, nothing.
+pub fn storing_outcome() {
+    let _ = SLOT.try_with(|s| s.hand_over());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_outcome_going_to_be_stored_gives_its_call_slot_back_while_a_storing_slot_is_free() {
+        let calls = Arc::new(Semaphore::new(2));
+        let storing = Arc::new(Semaphore::new(1));
+        let a = Slot::new(calls.clone().try_acquire_owned().unwrap(), storing.clone());
+        let b = Slot::new(calls.clone().try_acquire_owned().unwrap(), storing.clone());
+        assert_eq!(calls.available_permits(), 0);
+        // Outside a task's scope nothing moves.
+        storing_outcome();
+        assert!(a.holds_call() && b.holds_call());
+        a.scope(async { storing_outcome() }).await;
+        assert!(!a.holds_call(), "the call's slot went back");
+        assert_eq!(calls.available_permits(), 1);
+        assert_eq!(storing.available_permits(), 0, "the outcome holds the storing slot");
+        // No storing slot free: the second task keeps its call's slot.
+        b.scope(async { storing_outcome() }).await;
+        assert!(b.holds_call());
+        assert_eq!(calls.available_permits(), 1);
+        a.release();
+        assert_eq!(storing.available_permits(), 1, "the ended task's storing slot is back");
+        b.scope(async { storing_outcome() }).await;
+        assert!(!b.holds_call());
+        b.release();
+        assert_eq!((calls.available_permits(), storing.available_permits()), (2, 1));
+    }
+}
