@@ -78,11 +78,14 @@ impl Beater {
             host: self.host.clone(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             jobs: f.jobs.iter().map(|j| j.name.clone()).collect(),
-            // Concurrency permits taken, and outcomes that gave theirs back
-            // waiting to be stored: the tasks it works on now.
-            in_flight: (2 * f.config.concurrency.max(1))
-                .saturating_sub(f.permits.available_permits() + f.storing.available_permits())
-                as u64,
+            // Concurrency permits taken: the requests it works on now (an
+            // outcome waiting to be stored gave its permit back, see
+            // `crate::slot`).
+            in_flight: f
+                .config
+                .concurrency
+                .max(1)
+                .saturating_sub(f.permits.available_permits()) as u64,
             rate_per_sec: (rate_per_sec * 100.0).round() / 100.0,
             settled,
             started_ms: self.started_ms,
