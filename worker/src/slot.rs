@@ -17,22 +17,24 @@ tokio::task_local! {
 
 /// A running task's slot, and the storing slot its outcome moves to.
 pub struct Slot {
-    call: Mutex<Option<OwnedSemaphorePermit>>,
     storing: Arc<Semaphore>,
-    stored: Mutex<Option<OwnedSemaphorePermit>>,
+    /// The call's slot (until handed over), then the storing one.
+    held: Mutex<Held>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+/// The permit is held for its drop, which gives it back.
+enum Held {
+    Call { _permit: OwnedSemaphorePermit },
+    Storing { _permit: OwnedSemaphorePermit },
+    Nothing,
 }
 
 impl Slot {
     /// The task's slot (`call`), and the storing slots its outcome may take.
     pub fn new(call: OwnedSemaphorePermit, storing: Arc<Semaphore>) -> Arc<Slot> {
         Arc::new(Slot {
-            call: Mutex::new(Some(call)),
             storing,
-            stored: Mutex::new(None),
+            held: Mutex::new(Held::Call { _permit: call }),
         })
     }
 
@@ -41,29 +43,30 @@ impl Slot {
         SLOT.scope(self.clone(), work).await
     }
 
+    fn held(&self) -> MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The call's slot goes back once the outcome holds a storing slot; with
     /// none free, the task keeps its own until it ends (as many outcomes as
     /// slots wait for their commit at most).
     fn hand_over(&self) {
-        let mut call = lock(&self.call);
-        if call.is_none() {
-            return;
-        }
-        if let Ok(storing) = self.storing.clone().try_acquire_owned() {
-            *lock(&self.stored) = Some(storing);
-            call.take();
+        let mut held = self.held();
+        if matches!(*held, Held::Call { .. })
+            && let Ok(storing) = self.storing.clone().try_acquire_owned()
+        {
+            *held = Held::Storing { _permit: storing };
         }
     }
 
     /// Whether the task still holds its call's slot.
     pub fn holds_call(&self) -> bool {
-        lock(&self.call).is_some()
+        matches!(*self.held(), Held::Call { .. })
     }
 
     /// The task ended: whatever it holds goes back.
     pub fn release(&self) {
-        lock(&self.call).take();
-        lock(&self.stored).take();
+        *self.held() = Held::Nothing;
     }
 }
 
