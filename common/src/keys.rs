@@ -103,6 +103,13 @@ pub fn limit_inflight(limiter: &str) -> String {
     format!("bf:{{rl:{limiter}}}:slots")
 }
 
+/// Grants of free passes in flight, per worker, for one provider key/model
+/// (nothing limits it, and no grant is counted: see `limit_acquire.lua`): a
+/// hash from the worker's grant id prefix to `count:expiry ms`.
+pub fn limit_free(limiter: &str) -> String {
+    format!("bf:{{rl:{limiter}}}:free")
+}
+
 /// The job's deadline, Unix ms (see [`crate::route`]): set at its first
 /// enqueue from `job.deadline`, changed by `producer deadline`.
 pub fn deadline(job: &str) -> String {

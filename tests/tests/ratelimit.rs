@@ -409,3 +409,54 @@ fn without_limits_the_fleet_learns_them_from_headers_or_bare_429s() {
         );
     }
 }
+
+/// A job whose spec sets no limit, against a provider that tells none (a
+/// self-hosted server): nothing limits the key, so the worker runs on free
+/// passes. It asks the buckets a few times a second, not once a claim
+/// round, and no grant is counted in Redis (no slot, no reserved tokens,
+/// no settlement), while every record is done.
+#[test]
+fn a_key_nothing_limits_costs_redis_nothing_per_grant() {
+    let redis = RedisServer::start();
+    let sim = LlmSim::start(&[]);
+    let dir = TempDir::new("free");
+    let spec = spec_with(
+        &dir,
+        &[
+            ("requests_per_minute = 10000", ""),
+            ("input_tokens_per_minute = 2000000", ""),
+            ("output_tokens_per_minute = 500000", ""),
+            ("max_concurrent = 64", ""),
+        ],
+    );
+    let data = dir.join("d.jsonl");
+    write_records(&data, 0, 2000);
+    enqueue(&redis, &data, "free", &spec);
+    let cmd = worker_cmd(&redis, "free", &sim, &["--concurrency", "32", "--drain"]);
+    let started = Instant::now();
+    let (status, err) = Running::spawn(cmd).finish(Duration::from_secs(300));
+    assert!(status.success(), "worker: {err}");
+    let l = &harness::worker_summary(&err).expect("a worker summary")["limiters"]["free"];
+    let (acquires, grants) = (l["acquires"].as_u64().unwrap(), l["grants"].as_u64().unwrap());
+    assert!(grants >= 2000, "{l}");
+    // A pass lasts 250 ms: at most four asks a second, and the first.
+    let most = started.elapsed().as_secs_f64() * 4.0 + 2.0;
+    assert!(
+        acquires as f64 <= most,
+        "a few asks a second, not one a claim round: {acquires} (at most {most:.0}) for {grants} grants"
+    );
+    let mut c = redis.conn();
+    let keys: Vec<String> = c.keys("bf:{rl:*}:buckets").unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let (reserved, settled): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+        .arg(&keys[0])
+        .arg("reserved")
+        .arg("settled")
+        .query(&mut c)
+        .unwrap();
+    assert_eq!((reserved, settled), (None, None), "no grant counted, none settled");
+    let slots: u64 = c.zcard(keys[0].replace(":buckets", ":slots")).unwrap();
+    assert_eq!(slots, 0);
+    let (_, status) = harness::status_json(&redis, "free");
+    assert_eq!(status["done"].as_u64(), Some(2000), "{status}");
+}

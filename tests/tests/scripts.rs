@@ -7,8 +7,8 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    Acquired, Bound, CallKind, EnqueueOutcome, Finish, Finished, Finishing, IdleEntry, LimitParams, RecordSet,
-    RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
+    Acquired, Bound, CallKind, EnqueueOutcome, Finish, Finished, Finishing, FreeReport, IdleEntry, LimitParams,
+    RecordSet, RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
     Action, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
@@ -51,6 +51,7 @@ fn limits(requests: u64, max_concurrent: u64) -> LimitParams {
         burst_ms: 2000,
         lease_ms: 60_000,
         ahead_ms: 0,
+        pass_ms: 0,
     }
 }
 
@@ -1398,7 +1399,10 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
         ahead_ms: 1000,
         ..limits(600, 0)
     };
-    let a = store.limit_acquire("ahead", &p, 30, "a").await.unwrap();
+    let a = store
+        .limit_acquire("ahead", &p, 30, "a", FreeReport::default())
+        .await
+        .unwrap();
     let delays: Vec<u64> = a.grants.iter().map(|(_, d)| *d).collect();
     assert_eq!(delays.len(), 20, "the burst now and one window ahead: {delays:?}");
     assert!(delays[..10].iter().all(|&d| d == 0), "{delays:?}");
@@ -1417,8 +1421,14 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
     // Two more workers ask at once: nothing, each told its own turn, and
     // only that turn written (a refusal leaves the levels alone).
     let before: std::collections::HashMap<String, String> = c.hgetall(keys::limit_buckets("ahead")).unwrap();
-    let b = store.limit_acquire("ahead", &p, 30, "b").await.unwrap();
-    let c2 = store.limit_acquire("ahead", &p, 30, "c").await.unwrap();
+    let b = store
+        .limit_acquire("ahead", &p, 30, "b", FreeReport::default())
+        .await
+        .unwrap();
+    let c2 = store
+        .limit_acquire("ahead", &p, 30, "c", FreeReport::default())
+        .await
+        .unwrap();
     assert!(b.grants.is_empty() && b.bound == Bound::Rate, "{b:?}");
     assert!(c2.grants.is_empty() && c2.bound == Bound::Rate, "{c2:?}");
     assert!((1050..=1100).contains(&b.wait_ms), "{b:?}");
@@ -1429,21 +1439,36 @@ async fn grants_are_given_ahead_at_the_limits_pace_and_the_workers_held_back_com
     assert_eq!(before, after, "a refusal wrote more than the turn");
     // At its turn (A did not come back), B finds the window's stretch.
     tokio::time::sleep(std::time::Duration::from_millis(b.wait_ms)).await;
-    let later = store.limit_acquire("ahead", &p, 30, "b").await.unwrap();
+    let later = store
+        .limit_acquire("ahead", &p, 30, "b", FreeReport::default())
+        .await
+        .unwrap();
     let delays: Vec<u64> = later.grants.iter().map(|(_, d)| *d).collect();
     assert!((10..=12).contains(&delays.len()), "{delays:?}");
     assert!(delays.iter().all(|&d| d <= 1000), "{delays:?}");
     // A rate learned from 429s only (no limit told): nothing given ahead.
     let _: () = c.hset(keys::limit_buckets("learned"), "ar", 600).unwrap();
     let learned = store
-        .limit_acquire("learned", &LimitParams { requests: 0, ..p }, 30, "d")
+        .limit_acquire(
+            "learned",
+            &LimitParams { requests: 0, ..p },
+            30,
+            "d",
+            FreeReport::default(),
+        )
         .await
         .unwrap();
     assert_eq!(learned.grants.len(), 10, "{learned:?}");
     assert!(learned.grants.iter().all(|(_, d)| *d == 0), "{learned:?}");
     // Without a window ahead (0): only what the buckets hold now.
     let now_only = store
-        .limit_acquire("ahead-0", &LimitParams { ahead_ms: 0, ..p }, 30, "c")
+        .limit_acquire(
+            "ahead-0",
+            &LimitParams { ahead_ms: 0, ..p },
+            30,
+            "c",
+            FreeReport::default(),
+        )
         .await
         .unwrap();
     assert_eq!(now_only.grants.len(), 10);
@@ -1455,7 +1480,12 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let p = limits(0, 1);
-    let (held, _) = acquired(store.limit_acquire("slot", &p, 1, "a").await.unwrap());
+    let (held, _) = acquired(
+        store
+            .limit_acquire("slot", &p, 1, "a", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert_eq!(held.len(), 1);
     // Settled with nobody waiting: no wake-up.
     let quiet = store.wake_cursor().await.unwrap();
@@ -1466,9 +1496,19 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
             .unwrap()
     );
     assert_eq!(store.wait_wake(&quiet, 1).await.unwrap(), None);
-    let (held, _) = acquired(store.limit_acquire("slot", &p, 1, "a").await.unwrap());
+    let (held, _) = acquired(
+        store
+            .limit_acquire("slot", &p, 1, "a", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     // Another worker is refused (the slot is taken) and told to wait long: it will be woken.
-    let (none, wait_ms) = acquired(store.limit_acquire("slot", &p, 1, "b").await.unwrap());
+    let (none, wait_ms) = acquired(
+        store
+            .limit_acquire("slot", &p, 1, "b", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert!(none.is_empty());
     assert!(wait_ms >= 1000, "{wait_ms}");
     let before = store.wake_cursor().await.unwrap();
@@ -1486,7 +1526,12 @@ async fn a_slot_freed_while_a_worker_waits_for_one_wakes_the_fleet() {
             .is_some_and(|w| w.slots == ["slot"] && !w.flags),
         "the waiting worker is woken, told which limiter's slot came free"
     );
-    let (got, _) = acquired(store.limit_acquire("slot", &p, 1, "b").await.unwrap());
+    let (got, _) = acquired(
+        store
+            .limit_acquire("slot", &p, 1, "b", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert_eq!(got.len(), 1, "and gets the slot");
 }
 
@@ -1500,15 +1545,35 @@ async fn a_dead_workers_slots_expire_oldest_first_and_their_tokens_count_as_used
         ..limits(0, 3)
     };
     // A worker that dies holding two short slots, then one holding a long one.
-    let (dead, _) = acquired(store.limit_acquire("exp", &p(300), 2, "dead").await.unwrap());
-    let (alive, _) = acquired(store.limit_acquire("exp", &p(60_000), 1, "alive").await.unwrap());
+    let (dead, _) = acquired(
+        store
+            .limit_acquire("exp", &p(300), 2, "dead", FreeReport::default())
+            .await
+            .unwrap(),
+    );
+    let (alive, _) = acquired(
+        store
+            .limit_acquire("exp", &p(60_000), 1, "alive", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert_eq!((dead.len(), alive.len()), (2, 1));
-    let (none, _) = acquired(store.limit_acquire("exp", &p(60_000), 1, "new").await.unwrap());
+    let (none, _) = acquired(
+        store
+            .limit_acquire("exp", &p(60_000), 1, "new", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert!(none.is_empty(), "all three slots are taken");
     tokio::time::sleep(std::time::Duration::from_millis(400)).await;
     // The two expired slots come back (the live one does not), and their
     // reserved tokens count as settled.
-    let (got, _) = acquired(store.limit_acquire("exp", &p(60_000), 3, "new").await.unwrap());
+    let (got, _) = acquired(
+        store
+            .limit_acquire("exp", &p(60_000), 3, "new", FreeReport::default())
+            .await
+            .unwrap(),
+    );
     assert_eq!(got.len(), 2, "{got:?}");
     let slots: Vec<String> = c.zrange(keys::limit_inflight("exp"), 0, -1).unwrap();
     assert_eq!(slots.len(), 3);
@@ -1613,7 +1678,14 @@ async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pause
     };
     let take = |id: &'static str, requests| {
         let store = store.clone();
-        async move { acquired(store.limit_acquire(id, &p(requests), 1, "w").await.unwrap()) }
+        async move {
+            acquired(
+                store
+                    .limit_acquire(id, &p(requests), 1, "w", FreeReport::default())
+                    .await
+                    .unwrap(),
+            )
+        }
     };
 
     // The spec says 300/min: one 429 is that request's; the fleet goes on at 285.
@@ -1658,4 +1730,140 @@ async fn a_hinted_429_under_a_known_limit_slows_the_fleet_and_only_a_storm_pause
     let (next, wait) = take("headers", 0).await;
     assert_eq!((next.len(), wait), (1, 0));
     assert_eq!(field("headers", "ar"), Some(285.0));
+}
+
+/// A key nothing limits (no limit in the spec, none in fresh headers, none
+/// learned, no pause) gets a free pass: no grant is counted in Redis (no
+/// slot, no reserved tokens), each pass a sequence number of its own. Any
+/// limit, a pause or a worker that does not want one gets counted grants.
+#[tokio::test]
+async fn a_key_nothing_limits_gets_a_free_pass_and_nothing_is_counted_per_grant() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut c = redis.conn();
+    let free = LimitParams {
+        pass_ms: 250,
+        ..limits(0, 0)
+    };
+    let none = FreeReport::default();
+    let a = store.limit_acquire("free", &free, 30, "a", none).await.unwrap();
+    let b = store.limit_acquire("free", &free, 30, "b", none).await.unwrap();
+    let (pa, pb) = (a.pass.expect("a free pass"), b.pass.expect("a free pass"));
+    assert_eq!((pa.0, pb.0), (250, 250));
+    assert!(pb.1 > pa.1, "each pass its own sequence number: {pa:?} {pb:?}");
+    assert!(a.grants.is_empty() && b.grants.is_empty());
+    let slots: u64 = c.zcard(keys::limit_inflight("free")).unwrap();
+    let reserved: Option<u64> = c.hget(keys::limit_buckets("free"), "reserved").unwrap();
+    assert_eq!((slots, reserved), (0, None), "nothing counted per grant");
+    // Not wanted: counted grants, as before.
+    let counted = store
+        .limit_acquire("free", &LimitParams { pass_ms: 0, ..free }, 3, "c", none)
+        .await
+        .unwrap();
+    assert_eq!((counted.pass, counted.grants.len()), (None, 3));
+    // Whatever limits the key: a told request or concurrency limit, a pause,
+    // a provider's header limit while fresh, a learned rate.
+    for (id, p) in [
+        ("rpm", LimitParams { requests: 600, ..free }),
+        (
+            "conc",
+            LimitParams {
+                max_concurrent: 9,
+                ..free
+            },
+        ),
+        ("tpm", LimitParams { tokens: 90_000, ..free }),
+    ] {
+        let got = store.limit_acquire(id, &p, 3, "a", none).await.unwrap();
+        assert_eq!((got.pass, got.grants.len()), (None, 3), "{id}");
+    }
+    let paused = Settlement {
+        pause_ms: 60_000,
+        call: CallKind::RateLimitedWithHint,
+        ..Settlement::default()
+    };
+    store.limit_settle("paused", "x:1:0", &paused).await.unwrap();
+    let headers = Settlement {
+        header_limit_requests: Some(6000),
+        call: CallKind::Answered,
+        ..Settlement::default()
+    };
+    store.limit_settle("headers", "x:1:0", &headers).await.unwrap();
+    let _: () = c.hset(keys::limit_buckets("learned"), "ar", "120").unwrap();
+    for id in ["paused", "headers", "learned"] {
+        let got = store.limit_acquire(id, &free, 3, "a", none).await.unwrap();
+        assert_eq!(got.pass, None, "{id}: {got:?}");
+    }
+}
+
+/// A worker on free passes tells the buckets what it took (the fleet's
+/// sending rate, which a bare 429 cuts from, counts it) and what it has in
+/// flight (the concurrency a cut starts from counts it with the slots,
+/// while the worker's word holds: a dead worker's expires).
+#[tokio::test]
+async fn a_cut_counts_what_the_free_passes_sent_and_hold_in_flight() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let mut c = redis.conn();
+    let free = |lease_ms| LimitParams {
+        pass_ms: 250,
+        lease_ms,
+        ..limits(0, 0)
+    };
+    let told = |taken, in_flight| FreeReport {
+        taken,
+        in_flight: Some(in_flight),
+    };
+    let buckets = keys::limit_buckets("cut");
+    store
+        .limit_acquire("cut", &free(60_000), 1, "a", FreeReport::default())
+        .await
+        .unwrap();
+    store
+        .limit_acquire("cut", &free(60_000), 1, "a", told(40, 10))
+        .await
+        .unwrap();
+    store
+        .limit_acquire("cut", &free(60_000), 1, "b", told(20, 20))
+        .await
+        .unwrap();
+    // A worker that told of 50 in flight and died (its word lasts its lease).
+    store
+        .limit_acquire("cut", &free(100), 1, "dead", told(0, 50))
+        .await
+        .unwrap();
+    let wn: u64 = c.hget(&buckets, "wn").unwrap();
+    assert_eq!(wn, 60, "the grants taken on passes count in the sending rate");
+    let a: String = c.hget(keys::limit_free("cut"), "a").unwrap();
+    assert!(a.starts_with("10:"), "{a}");
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    // Two bare 429s on grants of a pass: the cut.
+    let bare = Settlement {
+        call: CallKind::RateLimited,
+        pause_ms: 1000,
+        ..Settlement::default()
+    };
+    let seq: u64 = c.hget(&buckets, "seq").unwrap();
+    let id = format!("a:{seq}:0");
+    let held = store
+        .limit_settle_many("cut", &[(id.clone(), bare), (id, bare)])
+        .await
+        .unwrap();
+    assert_eq!(held, [false, false], "nothing in Redis holds a free grant");
+    let ac: f64 = c.hget(&buckets, "ac").unwrap();
+    assert!(
+        (ac - 21.0).abs() < 1e-9,
+        "0.7 of the 30 in flight, not of the dead worker's: {ac}"
+    );
+    let ar: f64 = c.hget(&buckets, "ar").unwrap();
+    assert!(ar > 0.0, "{ar}");
+    let dead: Option<String> = c.hget(keys::limit_free("cut"), "dead").unwrap();
+    assert_eq!(dead, None, "the dead worker's word is dropped");
+    // A worker with none in flight any more says so once, and is forgotten.
+    store
+        .limit_acquire("cut", &free(60_000), 1, "b", told(0, 0))
+        .await
+        .unwrap();
+    let b: Option<String> = c.hget(keys::limit_free("cut"), "b").unwrap();
+    assert_eq!(b, None);
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::batch::GroupCommit;
 use common::spec::JobSpec;
-use common::store::{Bound, CallKind, LimitParams, RedisStore, Settlement, StoreError};
+use common::store::{Bound, CallKind, FreeReport, LimitParams, RedisStore, Settlement, StoreError};
 use reqwest::header::HeaderMap;
 use sha2::{Digest, Sha256};
 
@@ -42,6 +42,11 @@ const SLOTS_BOUND_FOR: Duration = Duration::from_secs(10);
 /// How long after the rate last paced this worker it is taken for paced
 /// ([`Limiter::paced`]).
 pub const PACED_FOR: Duration = Duration::from_secs(2);
+/// How long a free pass lasts (nothing limits the key: the worker takes its
+/// own grants meanwhile, and none is counted in Redis). A pause or a cut
+/// that another worker's call brings reaches this one's claims at the end
+/// of its pass at the latest.
+const PASS_MS: u64 = 250;
 /// How many times over the told limits must hold a provider's probes (one
 /// call a second at most, fleet-wide) for a probe to go without a grant.
 const PROBE_ROOM: u64 = 10;
@@ -55,6 +60,8 @@ pub struct Grant {
     tokens: u64,
     input: u64,
     output: u64,
+    /// Taken on a free pass: nothing in Redis holds it.
+    free: bool,
 }
 
 /// What one acquire gave, and when none (or too few) came, how long until
@@ -85,6 +92,73 @@ pub struct Limiter {
     /// When the rate last paced this worker with slots to spare (shared:
     /// the job's queue lets its outcomes wait for each other meanwhile).
     paced: std::sync::Arc<Lately>,
+    free: FreePass,
+}
+
+/// This worker's free pass, while nothing limits the key: until when, its
+/// sequence number (in its grants' ids, as a counted grant's), and what it
+/// has to tell the buckets at its next acquire.
+#[derive(Debug, Default)]
+struct FreePass {
+    until: std::sync::Mutex<Option<(tokio::time::Instant, u64)>>,
+    /// Grants taken on passes since the buckets were last told.
+    taken: AtomicU64,
+    /// Grants taken on passes and not settled yet.
+    in_flight: AtomicU64,
+    /// The buckets were told of some in flight (told again until they hear 0).
+    told: std::sync::atomic::AtomicBool,
+}
+
+impl FreePass {
+    /// The pass's sequence number, while it lasts.
+    fn seq(&self) -> Option<u64> {
+        let until = self.until.lock().unwrap_or_else(|e| e.into_inner());
+        until
+            .filter(|(at, _)| *at > tokio::time::Instant::now())
+            .map(|(_, seq)| seq)
+    }
+
+    fn start(&self, ms: u64, seq: u64) {
+        let until = tokio::time::Instant::now() + Duration::from_millis(ms);
+        *self.until.lock().unwrap_or_else(|e| e.into_inner()) = Some((until, seq));
+    }
+
+    /// Ends the pass: the next claim asks the buckets.
+    fn end(&self) {
+        *self.until.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// What to tell the buckets now (the grants taken are told once).
+    fn report(&self) -> FreeReport {
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let tell = in_flight > 0 || self.told.load(Ordering::Relaxed);
+        self.told.store(in_flight > 0, Ordering::Relaxed);
+        FreeReport {
+            taken: self.taken.swap(0, Ordering::Relaxed),
+            in_flight: tell.then_some(in_flight),
+        }
+    }
+
+    /// An acquire that carried `r` failed: told again at the next.
+    fn untold(&self, r: FreeReport) {
+        self.taken.fetch_add(r.taken, Ordering::Relaxed);
+        if r.in_flight.is_some() {
+            self.told.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// A free grant is over: settled, or given back unused (not sent: not
+    /// counted in the fleet's sending rate, unless told already).
+    fn over(&self, sent: bool) {
+        let _ = self
+            .in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if !sent {
+            let _ = self
+                .taken
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
+    }
 }
 
 /// When something last happened, if it did: read and marked from any task.
@@ -240,6 +314,7 @@ impl Limiter {
                 burst_ms: BURST_MS,
                 lease_ms: 0,
                 ahead_ms: AHEAD_MS,
+                pass_ms: PASS_MS,
             },
             prefix: consumer.to_owned(),
             max_tokens,
@@ -248,6 +323,7 @@ impl Limiter {
             stats: LimiterStats::default(),
             slots_bound: Lately::new(),
             paced: std::sync::Arc::new(Lately::new()),
+            free: FreePass::default(),
         }
     }
 
@@ -263,7 +339,12 @@ impl Limiter {
 
     /// Takes up to `want` grants, each with the moment its call may start;
     /// with fewer, also how long to wait and what held the rest back.
+    /// While nothing limits the key, on a free pass: `want` grants at once,
+    /// none asked of Redis (the buckets ask for the next pass).
     pub async fn try_acquire(&self, want: usize) -> Result<Acquired, StoreError> {
+        if let Some(seq) = self.free.seq() {
+            return Ok(self.free_grants(want, seq));
+        }
         // A margin over the running average: a longer prompt than usual must
         // not push the fleet over the limit before settlement corrects it.
         let input = self.prompt_estimate.load(Ordering::Relaxed) * 5 / 4;
@@ -272,7 +353,18 @@ impl Limiter {
         p.need_output = self.max_tokens;
         p.need_tokens = input + self.max_tokens;
         self.stats.acquires.fetch_add(1, Ordering::Relaxed);
-        let got = self.store.limit_acquire(&self.id, &p, want, &self.prefix).await?;
+        let report = self.free.report();
+        let got = match self.store.limit_acquire(&self.id, &p, want, &self.prefix, report).await {
+            Ok(got) => got,
+            Err(e) => {
+                self.free.untold(report);
+                return Err(e);
+            }
+        };
+        if let Some((ms, seq)) = got.pass {
+            self.free.start(ms, seq);
+            return Ok(self.free_grants(want, seq));
+        }
         let n = got.grants.len() as u64;
         self.stats.grants.fetch_add(n, Ordering::Relaxed);
         if got.bound == Bound::Concurrency {
@@ -291,6 +383,7 @@ impl Limiter {
                 tokens: p.need_tokens,
                 input,
                 output: self.max_tokens,
+                free: false,
             })
             .collect();
         Ok(Acquired {
@@ -300,8 +393,35 @@ impl Limiter {
         })
     }
 
+    /// `want` grants of the free pass `seq`, each to go now.
+    fn free_grants(&self, want: usize, seq: u64) -> Acquired {
+        let n = want as u64;
+        self.stats.grants.fetch_add(n, Ordering::Relaxed);
+        self.free.taken.fetch_add(n, Ordering::Relaxed);
+        self.free.in_flight.fetch_add(n, Ordering::Relaxed);
+        let now = tokio::time::Instant::now();
+        let grants = (0..want)
+            .map(|_| Grant {
+                id: format!("{}:{seq}:0", self.prefix),
+                at: now,
+                tokens: 0,
+                input: 0,
+                output: 0,
+                free: true,
+            })
+            .collect();
+        Acquired {
+            grants,
+            ..Acquired::default()
+        }
+    }
+
     /// Returns an unused grant whole (its settlement may wait a moment for others).
     pub async fn release(&self, g: Grant) -> Result<(), StoreError> {
+        if g.free {
+            self.free.over(false);
+            return Ok(());
+        }
         let s = self.returned(&g);
         self.settle_batched(g.id, s).await
     }
@@ -310,6 +430,8 @@ impl Limiter {
     /// their own: a claim round waits for it (its grants are back before
     /// the next round, and it leaves nothing behind it on the tracker).
     pub async fn release_now(&self, grants: Vec<Grant>) -> Result<(), StoreError> {
+        let (free, grants): (Vec<Grant>, Vec<Grant>) = grants.into_iter().partition(|g| g.free);
+        free.iter().for_each(|_| self.free.over(false));
         if grants.is_empty() {
             return Ok(());
         }
@@ -383,7 +505,32 @@ impl Limiter {
         self.stats
             .tokens_returned
             .fetch_add(s.tokens_back.max(0) as u64, Ordering::Relaxed);
+        if g.free {
+            return self.settle_free(g, s).await;
+        }
         self.settle_batched(g.id, s).await
+    }
+
+    /// A free grant's settlement: nothing to store (nothing in Redis holds
+    /// it), unless its call brought news the fleet must know (a 429, the
+    /// provider's limits, a pause): then it goes at once, and this worker's
+    /// pass ends, both before (no more free grants) and once it is stored
+    /// (a pass taken meanwhile did not see it).
+    async fn settle_free(&self, g: Grant, s: Settlement) -> Result<(), StoreError> {
+        self.free.over(true);
+        let news = matches!(s.call, CallKind::RateLimited | CallKind::RateLimitedWithHint)
+            || s.pause_ms > 0
+            || s.header_limit_requests.is_some()
+            || s.header_limit_tokens.is_some()
+            || s.header_remaining_requests.is_some()
+            || s.header_remaining_tokens.is_some();
+        if !news {
+            return Ok(());
+        }
+        self.free.end();
+        let stored = self.store.limit_settle_many(&self.id, &[(g.id, s)]).await.map(drop);
+        self.free.end();
+        stored
     }
 
     /// The fleet's concurrency slots held a grant back (this worker's, or
@@ -573,6 +720,7 @@ mod tests {
             burst_ms: 0,
             lease_ms: 0,
             ahead_ms: 0,
+            pass_ms: 0,
         };
         // 600 calls a minute of 300 input and 200 output tokens.
         let fits = |p: LimitParams| probes_fit(&p, 300, 200);

@@ -19,6 +19,17 @@ pub struct LimitParams {
     pub lease_ms: u64,
     /// How far ahead of the buckets a grant may be given (see `limit_acquire.lua`).
     pub ahead_ms: u64,
+    /// How long a free pass may last, when nothing limits the key (0: none wanted).
+    pub pass_ms: u64,
+}
+
+/// What a worker's free passes did since it last told the buckets: the
+/// grants it took (the fleet's sending rate counts them), and those in
+/// flight now (None: none, and none since it last told).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FreeReport {
+    pub taken: u64,
+    pub in_flight: Option<u64>,
 }
 
 /// What one acquire gave: grant ids with how long each waits before its
@@ -29,6 +40,9 @@ pub struct Acquired {
     pub grants: Vec<(String, u64)>,
     pub wait_ms: u64,
     pub bound: Bound,
+    /// Nothing limits the key: no grant was counted, and the worker takes
+    /// its own for this long, with this sequence number.
+    pub pass: Option<(u64, u64)>,
 }
 
 /// What held back the grants not given.
@@ -115,12 +129,14 @@ impl RedisStore {
         p: &LimitParams,
         want: usize,
         id_prefix: &str,
+        free: FreeReport,
     ) -> Result<Acquired, StoreError> {
         let reply: Vec<redis::Value> = self
             .scripts
             .limit_acquire
             .key(keys::limit_buckets(limiter))
             .key(keys::limit_inflight(limiter))
+            .key(keys::limit_free(limiter))
             .arg(p.requests)
             .arg(p.tokens)
             .arg(p.input_tokens)
@@ -134,6 +150,9 @@ impl RedisStore {
             .arg(p.lease_ms)
             .arg(id_prefix)
             .arg(p.ahead_ms)
+            .arg(p.pass_ms)
+            .arg(free.taken)
+            .arg(free.in_flight.map_or(-1, |n| n as i64))
             .invoke_async(&mut self.conn.clone())
             .await?;
         let int = |v: &redis::Value| match v {
@@ -146,6 +165,16 @@ impl RedisStore {
             redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
             _ => None,
         });
+        if head.get(2) == Some(&3) {
+            let pass = (
+                int(reply.get(3).unwrap_or(&redis::Value::Nil)),
+                int(reply.get(4).unwrap_or(&redis::Value::Nil)),
+            );
+            return Ok(Acquired {
+                pass: Some(pass),
+                ..Acquired::default()
+            });
+        }
         let delays = reply.iter().skip(3 + granted).map(int);
         Ok(Acquired {
             grants: ids.zip(delays.chain(std::iter::repeat(0))).collect(),
@@ -155,6 +184,7 @@ impl RedisStore {
                 Some(2) => Bound::Concurrency,
                 _ => Bound::None,
             },
+            pass: None,
         })
     }
 
@@ -174,7 +204,9 @@ impl RedisStore {
     ) -> Result<Vec<bool>, StoreError> {
         let opt = |v: Option<u64>| v.map_or(-1, |n| n as i64);
         let mut inv = self.scripts.limit_settle.prepare_invoke();
-        inv.key(keys::limit_buckets(limiter)).key(keys::limit_inflight(limiter));
+        inv.key(keys::limit_buckets(limiter))
+            .key(keys::limit_inflight(limiter))
+            .key(keys::limit_free(limiter));
         for (grant_id, s) in grants {
             inv.arg(grant_id)
                 .arg(s.tokens_back)

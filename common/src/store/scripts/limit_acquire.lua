@@ -37,10 +37,23 @@
 --          then run below zero, and the next grants wait behind it. One
 --          acquire takes a whole stretch of the budget instead of one grant
 --          each time the buckets refill.
+-- ARGV[14] how long a free pass may last, ms (0 = none wanted): when nothing
+--          limits the key (no limit in the spec, none from the headers while
+--          fresh, none learned, no pause), no grant is counted at all: the
+--          worker takes its grants by itself until then (or a 429 of its
+--          own, or its settlement's news), and says how many at its next acquire
+-- ARGV[15] grants this worker took on its free passes since it last said
+--          (they count in the fleet's sending rate, `wn`)
+-- ARGV[16] its free grants in flight now (-1: none, and none since it last
+--          said): kept per worker in KEYS[3] until the slot lease, for the
+--          concurrency a bare 429 cuts from (see limit_settle.lua)
+-- KEYS[3]  free grants in flight  bf:{rl:ID}:free (field: grant id prefix;
+--          value: count:expiry ms)
 -- Counters in the bucket hash: `reserved` (tokens of every grant) and
 -- `settled` (tokens of grants settled, released or expired); their difference
 -- is what grants in flight hold, and 0 when the fleet is idle.
--- Returns: {granted, wait_ms, bound, id1, ..., idN, delay1, ..., delayN}:
+-- Returns: {granted, wait_ms, bound, id1, ..., idN, delay1, ..., delayN}, or
+-- for a free pass {0, 0, 3, pass_ms, seq} (its grants' ids are prefix:seq:0):
 -- wait_ms says when to ask again when granted < N; bound is 1 when the
 -- rate buckets (or a pause) held back the rest (asking sooner gets nothing),
 -- 2 when the concurrency slots did (a settlement that frees one wakes the
@@ -49,9 +62,43 @@ local b, inflight = KEYS[1], KEYS[2]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local want = tonumber(ARGV[9])
-local burst, lease, ahead = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[13])
+local burst, ahead = tonumber(ARGV[10]), tonumber(ARGV[13])
 local s = redis.call('HMGET', b, 'r', 't', 'i', 'o', 'at', 'pause', 'hr', 'ht', 'hat', 'ar', 'ac', 'wn', 'ws', 'qt',
   'seq', 'reserved', 'settled')
+-- The fleet's sending rate, in windows of 5 s or more (what a 429 cuts):
+-- `sent(n)` counts n more grants and adds the fields to write to `fields`.
+local wn, ws = tonumber(s[12]) or 0, tonumber(s[13]) or now
+local function sent(n, fields)
+  wn = wn + n
+  if now - ws >= 15000 then
+    -- Far longer than a window: the fleet was idle or paused, and that time
+    -- is no sending rate. Start over.
+    wn, ws = n, now
+  elseif now - ws >= 5000 then
+    fields[#fields + 1] = 'pr'
+    fields[#fields + 1] = tostring(wn * 60000 / (now - ws))
+    wn, ws = 0, now
+  end
+  fields[#fields + 1] = 'wn'
+  fields[#fields + 1] = wn
+  fields[#fields + 1] = 'ws'
+  fields[#fields + 1] = ws
+end
+-- What this worker's free passes took and still have in flight, told first
+-- (whatever this acquire answers).
+local lease = tonumber(ARGV[11])
+local taken, free_in = tonumber(ARGV[15]) or 0, tonumber(ARGV[16]) or -1
+if taken > 0 then
+  local fields = {}
+  sent(taken, fields)
+  redis.call('HSET', b, unpack(fields))
+end
+if free_in > 0 then
+  redis.call('HSET', KEYS[3], ARGV[12], free_in .. ':' .. (now + lease))
+  if lease > 0 then redis.call('EXPIRE', KEYS[3], math.ceil(lease / 1000)) end
+elseif free_in == 0 then
+  redis.call('HDEL', KEYS[3], ARGV[12])
+end
 local pause = tonumber(s[6]) or 0
 if now < pause then
   return {0, pause - now, 1}
@@ -146,6 +193,19 @@ if ac and (maxc == 0 or math.floor(ac) < maxc) then
   maxc = math.max(1, math.floor(ac))
   learned_conc = true
 end
+-- Nothing limits the key: a free pass (nothing counted per grant; the
+-- expired grants' tokens written back with it).
+local pass = tonumber(ARGV[14]) or 0
+if pass > 0 and maxc == 0 and limits[1] == 0 and limits[2] == 0 and limits[3] == 0 and limits[4] == 0 then
+  local seq = (tonumber(s[15]) or 0) + 1
+  local fields = {'at', now, 'seq', string.format('%d', seq)}
+  if expired_tokens > 0 then
+    fields[#fields + 1] = 'settled'
+    fields[#fields + 1] = string.format('%d', (tonumber(s[17]) or 0) + expired_tokens)
+  end
+  redis.call('HSET', b, unpack(fields))
+  return {0, 0, 3, pass, seq}
+end
 local granted, wait, why = 0, 0, 0
 local delays = {}
 local in_flight = maxc > 0 and redis.call('ZCARD', inflight) or 0
@@ -208,21 +268,7 @@ if bound[5] and learned_conc then
   fields[#fields + 1] = 'cb'
   fields[#fields + 1] = now
 end
--- The fleet's sending rate, in windows of 5 s or more (what a 429 cuts).
-local wn, ws = (tonumber(s[12]) or 0) + granted, tonumber(s[13]) or now
-if now - ws >= 15000 then
-  -- Far longer than a window: the fleet was idle or paused, and that time
-  -- is no sending rate. Start over.
-  wn, ws = granted, now
-elseif now - ws >= 5000 then
-  fields[#fields + 1] = 'pr'
-  fields[#fields + 1] = tostring(wn * 60000 / (now - ws))
-  wn, ws = 0, now
-end
-fields[#fields + 1] = 'wn'
-fields[#fields + 1] = wn
-fields[#fields + 1] = 'ws'
-fields[#fields + 1] = ws
+sent(granted, fields)
 for k = 1, 4 do
   if limits[k] > 0 then
     fields[#fields + 1] = names[k]

@@ -34,6 +34,8 @@
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:slots (scored by minus the expiry)
+-- KEYS[3]  free grants in flight, per worker (see limit_acquire.lua): read
+--          by a cut only, which counts them with the slots
 -- ARGV, 15 per grant:
 --   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
 --     the `settled` counter),
@@ -109,6 +111,21 @@ local function rate_of(spec, field)
   if field == 'hr' then r = lower(r, tonumber(h['ar'])) end
   return r
 end
+-- The free passes' grants in flight (their workers' last word, while it
+-- holds); the expired are dropped.
+local function free_in_flight()
+  local n, all, gone = 0, redis.call('HGETALL', KEYS[3]), {}
+  for k = 1, #all, 2 do
+    local count, expiry = string.match(all[k + 1], '^(%d+):(%d+)$')
+    if count and tonumber(expiry) > now then
+      n = n + tonumber(count)
+    else
+      gone[#gone + 1] = all[k]
+    end
+  end
+  if #gone > 0 then redis.call('HDEL', KEYS[3], unpack(gone)) end
+  return n
+end
 -- Which grants are still held is read for all of them at once (ZMSCORE),
 -- and they are freed in one ZREM, as the ZREMs one by one would leave the
 -- set: a grant given twice in the call is held only its first time. `left`
@@ -169,7 +186,7 @@ for g = 1, #ARGV, 15 do
       -- The cut is from what the fleet was sending, never below half the
       -- learned rate at once (a window that included a pause reads low).
       if ar == nil then ar = sending elseif sending < ar then ar = math.max(sending, ar * 0.5 / 0.7) end
-      local n = redis.call('ZCARD', inflight) + left
+      local n = redis.call('ZCARD', inflight) + left + free_in_flight()
       local ac = tonumber(h['ac'])
       if ac == nil or n < ac then ac = n end
       -- The request bucket restarts empty: no burst into a provider just refused.
