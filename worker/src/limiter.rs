@@ -513,9 +513,10 @@ impl Limiter {
 
     /// A free grant's settlement: nothing to store (nothing in Redis holds
     /// it), unless its call brought news the fleet must know (a 429, the
-    /// provider's limits, a pause): then it goes at once, and this worker's
-    /// pass ends, both before (no more free grants) and once it is stored
-    /// (a pass taken meanwhile did not see it).
+    /// provider's limits, a pause): then it is stored as a counted grant's
+    /// (a 429 or a pause at once), and this worker's pass ends, both before
+    /// (no more free grants) and once it is stored (a pass taken meanwhile
+    /// did not see it).
     async fn settle_free(&self, g: Grant, s: Settlement) -> Result<(), StoreError> {
         self.free.over(true);
         let news = matches!(s.call, CallKind::RateLimited | CallKind::RateLimitedWithHint)
@@ -528,7 +529,7 @@ impl Limiter {
             return Ok(());
         }
         self.free.end();
-        let stored = self.store.limit_settle_many(&self.id, &[(g.id, s)]).await.map(drop);
+        let stored = self.settle_batched(g.id, s).await;
         self.free.end();
         stored
     }
@@ -735,6 +736,33 @@ mod tests {
         assert!(!fits(told(10_000, 0, 179_999, 0, 0)), "input tokens");
         assert!(!fits(told(10_000, 0, 0, 119_999, 0)), "output tokens");
         assert!(!fits(told(10_000, 0, 0, 0, 9)), "a concurrency cap under 10");
+    }
+
+    #[test]
+    fn a_free_pass_tells_what_it_took_once_and_what_is_in_flight_until_none_is() {
+        let f = FreePass::default();
+        let told = |taken, in_flight| FreeReport { taken, in_flight };
+        assert_eq!(f.report(), told(0, None), "nothing to tell");
+        f.start(250, 7);
+        assert_eq!(f.seq(), Some(7));
+        f.taken.fetch_add(3, Ordering::Relaxed);
+        f.in_flight.fetch_add(3, Ordering::Relaxed);
+        f.over(false); // given back unused: not sent
+        f.over(true);
+        assert_eq!(f.report(), told(2, Some(1)));
+        assert_eq!(f.report(), told(0, Some(1)), "what it took is told once");
+        f.over(true);
+        assert_eq!(f.report(), told(0, Some(0)), "none in flight is told once");
+        assert_eq!(f.report(), told(0, None));
+        // An acquire that failed: told again at the next.
+        f.untold(told(5, Some(0)));
+        assert_eq!(f.report(), told(5, Some(0)));
+        f.over(true);
+        assert_eq!(f.in_flight.load(Ordering::Relaxed), 0, "never below none");
+        f.end();
+        assert_eq!(f.seq(), None, "ended: the next claim asks the buckets");
+        f.start(0, 8);
+        assert_eq!(f.seq(), None, "a pass of 0 ms is over at once");
     }
 
     #[test]
