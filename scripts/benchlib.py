@@ -96,6 +96,11 @@ def log_every_command(url):
     redis_cli(url, "slowlog", "reset")
 
 
+# The scripts loaded after a prelude, as `RedisStore::connect` loads them.
+PRELUDES = {"finish.lua": "counters.lua", "ledger.lua": "counters.lua",
+            "limit_acquire.lua": "limit_free.lua", "limit_settle.lua": "limit_free.lua"}
+
+
 def script_names():
     """{SHA1: script file name} of every script under
     common/src/store/scripts as it is now and, where git can tell, as every
@@ -104,9 +109,12 @@ def script_names():
     rel = "common/src/store/scripts"
     folder = os.path.join(ROOT, rel)
     names = {}
+    read = lambda f: open(os.path.join(folder, f), "rb").read()
     for f in os.listdir(folder):
-        with open(os.path.join(folder, f), "rb") as src:
-            names[hashlib.sha1(src.read()).hexdigest()] = f
+        names[hashlib.sha1(read(f)).hexdigest()] = f
+        # Loaded after its prelude (see redis_store.rs).
+        if f in PRELUDES:
+            names[hashlib.sha1(read(PRELUDES[f]) + read(f)).hexdigest()] = f
         path = f"{rel}/{f}"
         log = subprocess.run(["git", "-C", ROOT, "log", "--format=%H", "--", path],
                              capture_output=True, text=True)

@@ -7,8 +7,8 @@
 use common::keys;
 use common::spec::JobSpec;
 use common::store::{
-    Acquired, Bound, CallKind, EnqueueOutcome, Finish, Finished, Finishing, FreeReport, IdleEntry, LimitParams,
-    RecordSet, RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
+    Acquired, Bound, CallKind, EnqueueOutcome, Finish, Finished, Finishing, FreeReport, FreeWord, IdleEntry,
+    LimitParams, RecordSet, RedisStore, ReviewAction, ReviewOutcome, Settlement, SunkResult, TaskEntry,
 };
 use common::task::{
     Action, Attempt, Delivery, HistoryItem, RecordState, ResultRecord, ReviewEntry, ReviewFacts, Stamp, Task,
@@ -1859,6 +1859,36 @@ async fn a_cut_counts_what_the_free_passes_sent_and_hold_in_flight() {
     assert!(ar > 0.0, "{ar}");
     let dead: Option<String> = c.hget(keys::limit_free("cut"), "dead").unwrap();
     assert_eq!(dead, None, "the dead worker's word is dropped");
+    // A 429 on a free grant whose limiter never told anything at an acquire:
+    // its settlement carries its word, and the cut starts from it.
+    let word = FreeWord {
+        prefix: "w",
+        report: told(64, 64),
+        lease_ms: 60_000,
+    };
+    let first = store
+        .limit_settle_told("cut-first", &[("w:1:0".into(), bare), ("w:1:0".into(), bare)], word)
+        .await
+        .unwrap();
+    assert_eq!(first, [false, false]);
+    let first = keys::limit_buckets("cut-first");
+    let (ac, ar): (f64, f64) = (c.hget(&first, "ac").unwrap(), c.hget(&first, "ar").unwrap());
+    assert!((ac - 44.8).abs() < 1e-9, "0.7 of the 64 told in flight: {ac}");
+    assert!(
+        (ar - 0.7 * 64.0 * 60.0).abs() < 1e-6,
+        "0.7 of 64 sent within the first second: {ar}"
+    );
+    // Under the learned concurrency, an acquire counts the free grants
+    // still out with the slots: 44 allowed, 40 told in flight (the request
+    // bucket, emptied by the cut, refilled and the 429s' pause lifted for
+    // the test).
+    let _: () = c.hset(&first, "r", 100).unwrap();
+    let _: () = c.hdel(&first, "pause").unwrap();
+    let got = store
+        .limit_acquire("cut-first", &free(60_000), 10, "w", told(0, 40))
+        .await
+        .unwrap();
+    assert_eq!((got.pass, got.grants.len()), (None, 4), "{got:?}");
     // A worker with none in flight any more says so once, and is forgotten.
     store
         .limit_acquire("cut", &free(60_000), 1, "b", told(0, 0))

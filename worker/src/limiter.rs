@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::batch::GroupCommit;
 use common::spec::JobSpec;
-use common::store::{Bound, CallKind, FreeReport, LimitParams, RedisStore, Settlement, StoreError};
+use common::store::{Bound, CallKind, FreeReport, FreeWord, LimitParams, RedisStore, Settlement, StoreError};
 use reqwest::header::HeaderMap;
 use sha2::{Digest, Sha256};
 
@@ -92,15 +92,22 @@ pub struct Limiter {
     /// When the rate last paced this worker with slots to spare (shared:
     /// the job's queue lets its outcomes wait for each other meanwhile).
     paced: std::sync::Arc<Lately>,
-    free: FreePass,
+    free: std::sync::Arc<FreePass>,
 }
 
-/// This worker's free pass, while nothing limits the key: until when, its
+/// Numbers this process's limiters apart: each tells the buckets of its
+/// own free grants, under a grant id prefix of its own (two jobs on one
+/// key and model share the buckets, not the count).
+static LIMITERS: AtomicU64 = AtomicU64::new(0);
+
+/// This limiter's free pass, while nothing limits the key: until when, its
 /// sequence number (in its grants' ids, as a counted grant's), and what it
-/// has to tell the buckets at its next acquire.
+/// has to tell the buckets at its next acquire or settlement.
 #[derive(Debug, Default)]
 struct FreePass {
     until: std::sync::Mutex<Option<(tokio::time::Instant, u64)>>,
+    /// How long its word on the grants in flight holds (the slot lease, ms).
+    lease_ms: AtomicU64,
     /// Grants taken on passes since the buckets were last told.
     taken: AtomicU64,
     /// Grants taken on passes and not settled yet.
@@ -139,7 +146,16 @@ impl FreePass {
         }
     }
 
-    /// An acquire that carried `r` failed: told again at the next.
+    /// What to tell the buckets with a settlement (see [`FreePass::report`]).
+    fn word<'a>(&self, prefix: &'a str) -> FreeWord<'a> {
+        FreeWord {
+            prefix,
+            report: self.report(),
+            lease_ms: self.lease_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    /// An acquire or a settlement that carried `r` failed: told again at the next.
     fn untold(&self, r: FreeReport) {
         self.taken.fetch_add(r.taken, Ordering::Relaxed);
         if r.in_flight.is_some() {
@@ -282,18 +298,30 @@ impl Limiter {
         id.truncate(16);
         let max_tokens = u64::from(spec.provider.max_tokens);
         let system = estimate_tokens(&common::spec::system_prompt(spec));
-        let (settle_store, settle_id) = (store.clone(), id.clone());
+        let prefix = format!("{consumer}/{}", LIMITERS.fetch_add(1, Ordering::Relaxed));
+        let free = std::sync::Arc::new(FreePass::default());
+        let (settle_store, settle_id, settle_free, settle_prefix) =
+            (store.clone(), id.clone(), free.clone(), prefix.clone());
         let settler = GroupCommit::lingering(
             SETTLE_BATCH,
             SETTLE_LINGER,
             |s: &Settling| s.urgent,
             move |batch: Vec<Settling>| {
-                let (store, id) = (settle_store.clone(), settle_id.clone());
+                let (store, id, free, prefix) = (
+                    settle_store.clone(),
+                    settle_id.clone(),
+                    settle_free.clone(),
+                    settle_prefix.clone(),
+                );
                 let grants: Vec<(String, Settlement)> = batch.into_iter().map(|s| (s.grant, s.settlement)).collect();
                 async move {
-                    match store.limit_settle_many(&id, &grants).await {
+                    let word = free.word(&prefix);
+                    match store.limit_settle_told(&id, &grants, word).await {
                         Ok(held) => held.into_iter().map(Ok).collect(),
-                        Err(e) => grants.iter().map(|_| Err(e.clone())).collect(),
+                        Err(e) => {
+                            free.untold(word.report);
+                            grants.iter().map(|_| Err(e.clone())).collect()
+                        }
                     }
                 }
             },
@@ -316,14 +344,14 @@ impl Limiter {
                 ahead_ms: AHEAD_MS,
                 pass_ms: PASS_MS,
             },
-            prefix: consumer.to_owned(),
+            prefix,
             max_tokens,
             timeout_grace: spec.provider.timeout_grace(),
             prompt_estimate: AtomicU64::new(system + 100),
             stats: LimiterStats::default(),
             slots_bound: Lately::new(),
             paced: std::sync::Arc::new(Lately::new()),
-            free: FreePass::default(),
+            free,
         }
     }
 
@@ -335,6 +363,7 @@ impl Limiter {
     /// visibility timeout, known once every job is loaded).
     pub fn set_lease(&mut self, lease: Duration) {
         self.params.lease_ms = lease.as_millis() as u64;
+        self.free.lease_ms.store(self.params.lease_ms, Ordering::Relaxed);
     }
 
     /// Takes up to `want` grants, each with the moment its call may start;
@@ -513,18 +542,18 @@ impl Limiter {
 
     /// A free grant's settlement: nothing to store (nothing in Redis holds
     /// it), unless its call brought news the fleet must know (a 429, the
-    /// provider's limits, a pause): then it is stored as a counted grant's
-    /// (a 429 or a pause at once), and this worker's pass ends, both before
-    /// (no more free grants) and once it is stored (a pass taken meanwhile
-    /// did not see it).
+    /// provider's limits, a pause; a `remaining` figure alone changes
+    /// nothing while no limit is known): then it is stored as a counted
+    /// grant's (a 429 or a pause at once), with what this limiter's passes
+    /// took and hold (a cut starts from them), and its pass ends, both
+    /// before (no more free grants) and once it is stored (a pass taken
+    /// meanwhile did not see it).
     async fn settle_free(&self, g: Grant, s: Settlement) -> Result<(), StoreError> {
         self.free.over(true);
         let news = matches!(s.call, CallKind::RateLimited | CallKind::RateLimitedWithHint)
             || s.pause_ms > 0
             || s.header_limit_requests.is_some()
-            || s.header_limit_tokens.is_some()
-            || s.header_remaining_requests.is_some()
-            || s.header_remaining_tokens.is_some();
+            || s.header_limit_tokens.is_some();
         if !news {
             return Ok(());
         }

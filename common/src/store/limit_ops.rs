@@ -32,6 +32,16 @@ pub struct FreeReport {
     pub in_flight: Option<u64>,
 }
 
+/// A limiter's word on its free passes, told with its settlements: its
+/// grant id prefix, the report, and how long the count in flight holds
+/// (the slot lease).
+#[derive(Debug, Clone, Copy)]
+pub struct FreeWord<'a> {
+    pub prefix: &'a str,
+    pub report: FreeReport,
+    pub lease_ms: u64,
+}
+
 /// What one acquire gave: grant ids with how long each waits before its
 /// call (ms), and, when fewer than asked, when to ask again and what held
 /// the rest back.
@@ -202,11 +212,32 @@ impl RedisStore {
         limiter: &str,
         grants: &[(String, Settlement)],
     ) -> Result<Vec<bool>, StoreError> {
+        let none = FreeWord {
+            prefix: "",
+            report: FreeReport::default(),
+            lease_ms: 0,
+        };
+        self.limit_settle_told(limiter, grants, none).await
+    }
+
+    /// [`RedisStore::limit_settle_many`], told first what the settling
+    /// limiter's free passes took and hold in flight (`word`): a 429 on a
+    /// free grant may cut the learned limits at once, from what they sent.
+    pub async fn limit_settle_told(
+        &self,
+        limiter: &str,
+        grants: &[(String, Settlement)],
+        word: FreeWord<'_>,
+    ) -> Result<Vec<bool>, StoreError> {
         let opt = |v: Option<u64>| v.map_or(-1, |n| n as i64);
         let mut inv = self.scripts.limit_settle.prepare_invoke();
         inv.key(keys::limit_buckets(limiter))
             .key(keys::limit_inflight(limiter))
-            .key(keys::limit_free(limiter));
+            .key(keys::limit_free(limiter))
+            .arg(word.prefix)
+            .arg(word.report.taken)
+            .arg(opt(word.report.in_flight))
+            .arg(word.lease_ms);
         for (grant_id, s) in grants {
             inv.arg(grant_id)
                 .arg(s.tokens_back)

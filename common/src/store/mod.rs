@@ -21,7 +21,7 @@ mod worker_ops;
 
 pub use audit_ops::AuditItem;
 pub use budget_ops::{BudgetState, Reserved};
-pub use limit_ops::{Acquired, Bound, CallKind, FreeReport, LimitParams, Settlement};
+pub use limit_ops::{Acquired, Bound, CallKind, FreeReport, FreeWord, LimitParams, Settlement};
 pub use outage_ops::{FailedCall, Noted, OutageRules, Provider, ProviderOutage};
 pub use read_ops::RecordSet;
 pub use redis_store::{CA_CERT_ENV, Conn, EnqueueOutcome, RedisStore, TaskEntry};

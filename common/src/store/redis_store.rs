@@ -275,8 +275,14 @@ impl RedisStore {
                 outage: Script::new(include_str!("scripts/outage.lua")),
                 renew: Script::new(include_str!("scripts/renew.lua")),
                 promote: Script::new(include_str!("scripts/promote.lua")),
-                limit_acquire: Script::new(include_str!("scripts/limit_acquire.lua")),
-                limit_settle: Script::new(include_str!("scripts/limit_settle.lua")),
+                limit_acquire: Script::new(concat!(
+                    include_str!("scripts/limit_free.lua"),
+                    include_str!("scripts/limit_acquire.lua")
+                )),
+                limit_settle: Script::new(concat!(
+                    include_str!("scripts/limit_free.lua"),
+                    include_str!("scripts/limit_settle.lua")
+                )),
                 review_action: Script::new(include_str!("scripts/review_action.lua")),
                 cancel_page: Script::new(include_str!("scripts/cancel_page.lua")),
                 resume_page: Script::new(include_str!("scripts/resume_page.lua")),

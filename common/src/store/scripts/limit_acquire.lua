@@ -42,13 +42,12 @@
 --          fresh, none learned, no pause), no grant is counted at all: the
 --          worker takes its grants by itself until then (or a 429 of its
 --          own, or its settlement's news), and says how many at its next acquire
--- ARGV[15] grants this worker took on its free passes since it last said
+-- ARGV[15] grants this limiter took on its free passes since it last said
 --          (they count in the fleet's sending rate, `wn`)
 -- ARGV[16] its free grants in flight now (-1: none, and none since it last
---          said): kept per worker in KEYS[3] until the slot lease, for the
---          concurrency a bare 429 cuts from (see limit_settle.lua)
--- KEYS[3]  free grants in flight  bf:{rl:ID}:free (field: grant id prefix;
---          value: count:expiry ms)
+--          said): see limit_free.lua, the prelude
+-- KEYS[3]  free grants in flight  bf:{rl:ID}:free (see limit_free.lua); under
+--          a learned concurrency they count with the slots
 -- Counters in the bucket hash: `reserved` (tokens of every grant) and
 -- `settled` (tokens of grants settled, released or expired); their difference
 -- is what grants in flight hold, and 0 when the fleet is idle.
@@ -84,21 +83,14 @@ local function sent(n, fields)
   fields[#fields + 1] = 'ws'
   fields[#fields + 1] = ws
 end
--- What this worker's free passes took and still have in flight, told first
+-- What this limiter's free passes took and still have in flight, told first
 -- (whatever this acquire answers).
 local lease = tonumber(ARGV[11])
-local taken, free_in = tonumber(ARGV[15]) or 0, tonumber(ARGV[16]) or -1
-if taken > 0 then
+free_told(ARGV[12], tonumber(ARGV[15]) or 0, tonumber(ARGV[16]) or -1, now, lease, function(n)
   local fields = {}
-  sent(taken, fields)
+  sent(n, fields)
   redis.call('HSET', b, unpack(fields))
-end
-if free_in > 0 then
-  redis.call('HSET', KEYS[3], ARGV[12], free_in .. ':' .. (now + lease))
-  if lease > 0 then redis.call('EXPIRE', KEYS[3], math.ceil(lease / 1000)) end
-elseif free_in == 0 then
-  redis.call('HDEL', KEYS[3], ARGV[12])
-end
+end)
 local pause = tonumber(s[6]) or 0
 if now < pause then
   return {0, pause - now, 1}
@@ -199,6 +191,8 @@ local pass = tonumber(ARGV[14]) or 0
 if pass > 0 and maxc == 0 and limits[1] == 0 and limits[2] == 0 and limits[3] == 0 and limits[4] == 0 then
   local seq = (tonumber(s[15]) or 0) + 1
   local fields = {'at', now, 'seq', string.format('%d', seq)}
+  -- The sending rate's window goes on (or starts over after a gap).
+  sent(0, fields)
   if expired_tokens > 0 then
     fields[#fields + 1] = 'settled'
     fields[#fields + 1] = string.format('%d', (tonumber(s[17]) or 0) + expired_tokens)
@@ -209,6 +203,9 @@ end
 local granted, wait, why = 0, 0, 0
 local delays = {}
 local in_flight = maxc > 0 and redis.call('ZCARD', inflight) or 0
+-- Under a learned concurrency the free passes' calls still out count too
+-- (the cut that learned it counted them).
+if learned_conc then in_flight = in_flight + free_in_flight(now) end
 while granted < want do
   local d = delay_of_next()
   if d > ahead then

@@ -34,9 +34,13 @@
 --
 -- KEYS[1]  bucket hash       bf:{rl:ID}:buckets
 -- KEYS[2]  in-flight zset    bf:{rl:ID}:slots (scored by minus the expiry)
--- KEYS[3]  free grants in flight, per worker (see limit_acquire.lua): read
---          by a cut only, which counts them with the slots
--- ARGV, 15 per grant:
+-- KEYS[3]  free grants in flight (see limit_free.lua, the prelude): a cut
+--          counts them with the slots
+-- ARGV[1..3]  the settling limiter's word on its free passes (see
+--          limit_free.lua): its grant id prefix, the grants it took since
+--          it last said (0), those in flight now (-1: nothing to say)
+-- ARGV[4]  the slot lease, ms (how long that word holds)
+-- then, 15 per grant:
 --   grant id (prefix:seq:reserved_tokens; the reserved tokens are added to
 --     the `settled` counter),
 --   reserved minus used: total, input, output tokens (may be negative),
@@ -111,21 +115,14 @@ local function rate_of(spec, field)
   if field == 'hr' then r = lower(r, tonumber(h['ar'])) end
   return r
 end
--- The free passes' grants in flight (their workers' last word, while it
--- holds); the expired are dropped.
-local function free_in_flight()
-  local n, all, gone = 0, redis.call('HGETALL', KEYS[3]), {}
-  for k = 1, #all, 2 do
-    local count, expiry = string.match(all[k + 1], '^(%d+):(%d+)$')
-    if count and tonumber(expiry) > now then
-      n = n + tonumber(count)
-    else
-      gone[#gone + 1] = all[k]
-    end
-  end
-  if #gone > 0 then redis.call('HDEL', KEYS[3], unpack(gone)) end
-  return n
-end
+-- The settling limiter's word on its free passes, before the grants: a
+-- 429 on a free grant may cut at once, from what they sent and hold.
+free_told(ARGV[1], tonumber(ARGV[2]) or 0, tonumber(ARGV[3]) or -1, now, tonumber(ARGV[4]) or 0, function(n)
+  if h['ws'] == nil then set('ws', now) end
+  set('wn', (tonumber(h['wn']) or 0) + n)
+end)
+-- Grants start after the word.
+local G = 5
 -- Which grants are still held is read for all of them at once (ZMSCORE),
 -- and they are freed in one ZREM, as the ZREMs one by one would leave the
 -- set: a grant given twice in the call is held only its first time. `left`
@@ -134,7 +131,7 @@ end
 local held_of, left = {}, 0
 do
   local ids, taking, once = {}, {}, {}
-  for g = 1, #ARGV, 15 do
+  for g = G, #ARGV, 15 do
     ids[#ids + 1] = ARGV[g]
   end
   local scores = redis.call('ZMSCORE', inflight, unpack(ids))
@@ -149,9 +146,9 @@ do
   left = #taking
   if left > 0 then redis.call('ZREM', inflight, unpack(taking)) end
 end
-for g = 1, #ARGV, 15 do
+for g = G, #ARGV, 15 do
   local id = ARGV[g]
-  local held = held_of[(g - 1) / 15 + 1]
+  local held = held_of[(g - G) / 15 + 1]
   if held == 1 then
     settled = settled + (tonumber(string.match(id, ':(%d+)$')) or 0)
     add('t', tonumber(ARGV[g + 1]))
@@ -186,7 +183,7 @@ for g = 1, #ARGV, 15 do
       -- The cut is from what the fleet was sending, never below half the
       -- learned rate at once (a window that included a pause reads low).
       if ar == nil then ar = sending elseif sending < ar then ar = math.max(sending, ar * 0.5 / 0.7) end
-      local n = redis.call('ZCARD', inflight) + left + free_in_flight()
+      local n = redis.call('ZCARD', inflight) + left + free_in_flight(now)
       local ac = tonumber(h['ac'])
       if ac == nil or n < ac then ac = n end
       -- The request bucket restarts empty: no burst into a provider just refused.
