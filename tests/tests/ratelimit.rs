@@ -300,6 +300,24 @@ struct Learned {
     exposition: String,
 }
 
+/// The example spec with no `[limits]` at all.
+fn spec_without_limits(dir: &TempDir) -> PathBuf {
+    let spec = spec_with(
+        dir,
+        &[
+            ("requests_per_minute = 10000", ""),
+            ("input_tokens_per_minute = 2000000", ""),
+            ("output_tokens_per_minute = 500000", ""),
+            ("max_concurrent = 64", ""),
+        ],
+    );
+    assert!(
+        !std::fs::read_to_string(&spec).unwrap().contains("_per_minute ="),
+        "the spec sets no limit"
+    );
+    spec
+}
+
 /// A job whose spec says nothing about limits, against llm-sim enforcing
 /// `LEARN_RPM` and telling it only as `mode` does (`--limit-headers`): two
 /// workers, a minute to learn, then 40 s measured.
@@ -314,19 +332,7 @@ fn learn(mode: &'static str) -> Learned {
         mode,
     ]);
     let dir = TempDir::new("learn");
-    let spec = spec_with(
-        &dir,
-        &[
-            ("requests_per_minute = 10000", ""),
-            ("input_tokens_per_minute = 2000000", ""),
-            ("output_tokens_per_minute = 500000", ""),
-            ("max_concurrent = 64", ""),
-        ],
-    );
-    assert!(
-        !std::fs::read_to_string(&spec).unwrap().contains("_per_minute ="),
-        "the spec sets no limit"
-    );
+    let spec = spec_without_limits(&dir);
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 4000);
     enqueue(&redis, &data, "rl", &spec);
@@ -420,15 +426,7 @@ fn a_key_nothing_limits_costs_redis_nothing_per_grant() {
     let redis = RedisServer::start();
     let sim = LlmSim::start(&[]);
     let dir = TempDir::new("free");
-    let spec = spec_with(
-        &dir,
-        &[
-            ("requests_per_minute = 10000", ""),
-            ("input_tokens_per_minute = 2000000", ""),
-            ("output_tokens_per_minute = 500000", ""),
-            ("max_concurrent = 64", ""),
-        ],
-    );
+    let spec = spec_without_limits(&dir);
     let data = dir.join("d.jsonl");
     write_records(&data, 0, 2000);
     enqueue(&redis, &data, "free", &spec);
