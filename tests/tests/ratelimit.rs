@@ -457,4 +457,10 @@ fn a_key_nothing_limits_costs_redis_nothing_per_grant() {
     assert_eq!(slots, 0);
     let (_, status) = harness::status_json(&redis, "free");
     assert_eq!(status["done"].as_u64(), Some(2000), "{status}");
+    // What the provider saw: every record's call answered, none refused,
+    // and no call without its grant.
+    let seen = sim.stats();
+    let answered = seen["by_status"]["200"].as_u64().unwrap_or(0);
+    assert!((2000..=grants).contains(&answered), "{seen}");
+    assert_eq!(seen["by_status"]["429"].as_u64().unwrap_or(0), 0, "{seen}");
 }

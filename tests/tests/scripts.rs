@@ -1889,11 +1889,15 @@ async fn a_cut_counts_what_the_free_passes_sent_and_hold_in_flight() {
         .await
         .unwrap();
     assert_eq!((got.pass, got.grants.len()), (None, 4), "{got:?}");
-    // A worker with none in flight any more says so once, and is forgotten.
-    store
-        .limit_acquire("cut", &free(60_000), 1, "b", told(0, 0))
+    // A worker with none in flight any more says so once, and is forgotten;
+    // what it took is counted even while the cut's pause answers it.
+    let paused = store
+        .limit_acquire("cut", &free(60_000), 1, "b", told(5, 0))
         .await
         .unwrap();
+    assert_eq!((paused.bound, paused.grants.len()), (Bound::Rate, 0), "{paused:?}");
+    let wn: u64 = c.hget(&buckets, "wn").unwrap();
+    assert_eq!(wn, 65);
     let b: Option<String> = c.hget(keys::limit_free("cut"), "b").unwrap();
     assert_eq!(b, None);
 }

@@ -429,9 +429,10 @@ impl Limiter {
         self.free.taken.fetch_add(n, Ordering::Relaxed);
         self.free.in_flight.fetch_add(n, Ordering::Relaxed);
         let now = tokio::time::Instant::now();
+        let id = format!("{}:{seq}:0", self.prefix);
         let grants = (0..want)
             .map(|_| Grant {
-                id: format!("{}:{seq}:0", self.prefix),
+                id: id.clone(),
                 at: now,
                 tokens: 0,
                 input: 0,

@@ -169,22 +169,19 @@ impl RedisStore {
             redis::Value::Int(n) => (*n).max(0) as u64,
             _ => 0,
         };
-        let head: Vec<u64> = reply.iter().take(3).map(int).collect();
+        let head: Vec<u64> = reply.iter().take(5).map(int).collect();
+        // A free pass: {0, 0, 3, pass_ms, seq}.
+        if let [_, _, 3, ms, seq] = head[..] {
+            return Ok(Acquired {
+                pass: Some((ms, seq)),
+                ..Acquired::default()
+            });
+        }
         let granted = head.first().copied().unwrap_or(0) as usize;
         let ids = reply.iter().skip(3).take(granted).filter_map(|v| match v {
             redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
             _ => None,
         });
-        if head.get(2) == Some(&3) {
-            let pass = (
-                int(reply.get(3).unwrap_or(&redis::Value::Nil)),
-                int(reply.get(4).unwrap_or(&redis::Value::Nil)),
-            );
-            return Ok(Acquired {
-                pass: Some(pass),
-                ..Acquired::default()
-            });
-        }
         let delays = reply.iter().skip(3 + granted).map(int);
         Ok(Acquired {
             grants: ids.zip(delays.chain(std::iter::repeat(0))).collect(),

@@ -84,15 +84,22 @@ local function sent(n, fields)
   fields[#fields + 1] = ws
 end
 -- What this limiter's free passes took and still have in flight, told first
--- (whatever this acquire answers).
+-- (whatever this acquire answers): what they took goes into the rate
+-- window, its fields in `told`, written with the hash whichever way this
+-- acquire ends.
 local lease = tonumber(ARGV[11])
+local told = {}
 free_told(ARGV[12], tonumber(ARGV[15]) or 0, tonumber(ARGV[16]) or -1, now, lease, function(n)
-  local fields = {}
-  sent(n, fields)
-  redis.call('HSET', b, unpack(fields))
+  sent(n, told)
 end)
+-- `told` and then `more` written to the hash in one HSET (`more` taken).
+local function write(more)
+  for _, v in ipairs(more) do told[#told + 1] = v end
+  if #told > 0 then redis.call('HSET', b, unpack(told)) end
+end
 local pause = tonumber(s[6]) or 0
 if now < pause then
+  write({})
   return {0, pause - now, 1}
 end
 -- Header limits are trusted for a minute after they were last seen.
@@ -162,9 +169,9 @@ local first = delay_of_next()
 if first > ahead then
   local at = come_back(first)
   if bound[1] and learned_rate then
-    redis.call('HSET', b, 'qt', at, 'rb', now)
+    write({'qt', at, 'rb', now})
   else
-    redis.call('HSET', b, 'qt', at)
+    write({'qt', at})
   end
   return {0, at - now, 1}
 end
@@ -197,7 +204,7 @@ if pass > 0 and maxc == 0 and limits[1] == 0 and limits[2] == 0 and limits[3] ==
     fields[#fields + 1] = 'settled'
     fields[#fields + 1] = string.format('%d', (tonumber(s[17]) or 0) + expired_tokens)
   end
-  redis.call('HSET', b, unpack(fields))
+  write(fields)
   return {0, 0, 3, pass, seq}
 end
 local granted, wait, why = 0, 0, 0
@@ -272,7 +279,7 @@ for k = 1, 4 do
     fields[#fields + 1] = tostring(level[k])
   end
 end
-redis.call('HSET', b, unpack(fields))
+write(fields)
 local out = {granted, wait, why}
 for _, id in ipairs(ids) do out[#out + 1] = id end
 for _, d in ipairs(delays) do out[#out + 1] = d end
