@@ -143,7 +143,7 @@ pub fn results(job: &str, partition: u32) -> String {
 
 /// Hash of a partition's paid calls (see [`crate::ledger`]): the call's key
 /// (record id, call number, nonce) -> the encoded call; written once per key
-/// (HSETNX) by the script that settles the record. For a job without a sink
+/// (only when new to it) by the script that settles the record. For a job without a sink
 /// never deleted from; with one, a call leaves it a while after the sink
 /// holds it (see [`ledger_sunk`]).
 pub fn ledger(job: &str, partition: u32) -> String {

@@ -3,8 +3,8 @@
 //! A call that may be billed (the provider reported usage; or it timed out,
 //! or answered without usage, and the server may have billed it anyway:
 //! estimated) becomes one [`PaidCall`] entry in its partition's ledger hash,
-//! under a key unique to the call ([`PaidCall::key`]), written with `HSETNX`
-//! by the same atomic script as the record's outcome, together with
+//! under a key unique to the call ([`PaidCall::key`]), written once (only
+//! when new to the ledger) by the same atomic script as the record's outcome, together with
 //! counters that only grow (the partition's spend hash: calls, tokens and
 //! nano-USD, in total and by bucket) — only when the entry is new, so a call
 //! whose store call is retried, or recorded again as lost, counts once. A

@@ -973,7 +973,11 @@ async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
         ..Default::default()
     };
     let paid = PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage, &spec().prices, 0);
-    let (hincrby, hset) = (redis.calls_of("hincrby"), redis.calls_of("hset"));
+    let (hincrby, hset, hsetnx) = (
+        redis.calls_of("hincrby"),
+        redis.calls_of("hset"),
+        redis.calls_of("hsetnx"),
+    );
     let commit = Finishing::new(&d, &Finish::Commit(result_for(&d))).paid(Some(&paid));
     assert_eq!(
         store.finish_many(JOB, &[commit]).await[0].as_ref().unwrap(),
@@ -1004,10 +1008,87 @@ async fn spend_and_stats_counters_add_up_exactly_in_two_commands_a_hash() {
     assert_eq!(per_minute(":d"), vec!["1"], "{stats:?}");
     assert_eq!(per_minute(":u"), vec![&nusd.to_string()], "{stats:?}");
     assert!(stats.len() >= 4, "the attempts' count too: {stats:?}");
-    // One HSET a hash (the state's, the spend's and the stats'), and an
-    // HINCRBY only for the counter a double cannot hold.
+    // One HSET a hash (the ledger's, the result's, the state's, the spend's
+    // and the stats'), no HSETNX, and an HINCRBY only for the counter a
+    // double cannot hold.
     assert_eq!(redis.calls_of("hincrby") - hincrby, 1);
-    assert_eq!(redis.calls_of("hset") - hset, 3);
+    assert_eq!(redis.calls_of("hset") - hset, 5);
+    assert_eq!(redis.calls_of("hsetnx") - hsetnx, 0);
+}
+
+/// A call settling many outcomes reads and writes each hash once (the
+/// ledger, the results, the states), yet decides each as if alone: a paid
+/// call met twice in the call is recorded and counted once, calls of the
+/// same spend line are counted together to the exact sum, and a record that
+/// somehow has a result already keeps it.
+#[tokio::test]
+async fn outcomes_stored_together_touch_each_hash_once_and_count_each_paid_call_once() {
+    use common::ledger::PaidCall;
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let entries: Vec<TaskEntry> = ["a", "b", "c", "d"].iter().map(|r| entry(r, "{}")).collect();
+    store.enqueue(JOB, 60, &entries).await.unwrap();
+    let ds = claim(&store, "w1").await;
+    let (a, b, c, d) = (&ds[0], &ds[1], &ds[2], &ds[3]);
+    let mut conn = redis.conn();
+    let _: () = conn.hset(keys::results(JOB, 0), "d", "kept").unwrap();
+    let usage = |prompt: u64| common::task::Usage {
+        prompt,
+        completion: 100,
+        total: prompt + 100,
+        ..Default::default()
+    };
+    let paid =
+        |d: &Delivery, prompt| PaidCall::new(&d.task, 1, 1, d.deliveries, "w1", usage(prompt), &spec().prices, 0);
+    // a and b: the same spend line; c another; d's call the same as b's line.
+    let (pa, pb, pc, pd) = (paid(a, 1000), paid(b, 1000), paid(c, 3000), paid(d, 1000));
+    let commit = |d: &Delivery, p: &PaidCall| Finishing::new(d, &Finish::Commit(result_for(d))).paid(Some(p));
+    let items = [
+        commit(a, &pa),
+        commit(b, &pb),
+        commit(a, &pa),
+        commit(c, &pc),
+        commit(d, &pd),
+    ];
+    let (hset, hmget) = (redis.calls_of("hset"), redis.calls_of("hmget"));
+    let done = finished(&store, &items).await;
+    assert_eq!(
+        done,
+        [
+            Finished::Moved,
+            Finished::Moved,
+            Finished::Stale,
+            Finished::Moved,
+            Finished::AlreadySettled
+        ]
+    );
+    // HSETs: the ledger, the results, the states, the spend, the stats;
+    // HMGETs: the ledger, the states, the results, the spend, the stats.
+    assert_eq!(redis.calls_of("hset") - hset, 5);
+    assert_eq!(redis.calls_of("hmget") - hmget, 5);
+    let results: HashMap<String, String> = conn.hgetall(keys::results(JOB, 0)).unwrap();
+    assert_eq!(results["d"], "kept", "a result is never written over");
+    assert_eq!(results.len(), 4);
+    assert_eq!(state(&store, "d").await, Some(RecordState::Queued));
+    let spend = store.spend(JOB, 1).await.unwrap();
+    assert_eq!(spend.totals.calls, 4, "{spend:?}");
+    assert_eq!(spend.totals.prompt_tokens, 6000);
+    assert_eq!(spend.totals.completion_tokens, 400);
+    let nusd: HashMap<String, u128> = conn.hgetall(keys::spend(JOB, 0)).unwrap();
+    let one = |p: &PaidCall| p.cost_nusd as u128;
+    assert_eq!(nusd["nusd"], one(&pa) + one(&pb) + one(&pc) + one(&pd));
+    assert_eq!(nusd["calls:first"], 4);
+    let stats: HashMap<String, String> = conn.hgetall(keys::stats(JOB, 0)).unwrap();
+    let minute = |kind: &str| {
+        stats
+            .iter()
+            .find(|(f, _)| f.starts_with('t') && f.ends_with(kind))
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(minute(":c").as_deref(), Some("4"), "{stats:?}");
+    assert_eq!(minute(":d").as_deref(), Some("3"), "{stats:?}");
+    assert_eq!(minute(":u"), Some(nusd["nusd"].to_string()));
+    assert_eq!(stats["a:1"], "3", "each commit's attempts, counted once a moved record");
 }
 
 #[tokio::test]

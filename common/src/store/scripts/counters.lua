@@ -1,12 +1,13 @@
 -- counters.lua: the prelude of the scripts that count paid calls (finish.lua,
 -- ledger.lua); it is put before each of them as it is loaded.
 --
--- add_spend(add, spend): what one paid call adds to the spend counters, from
+-- add_spend(add, spend, times): what `times` paid calls (one when not given)
+-- with the same spend line add to the spend counters, from
 -- its spend line (`bucket prompt cached completion nano-USD estimated`, then
 -- for a call not at standard prices its tier and its cost at them in nano-USD:
 -- through the Batch API (`batch`, or no name) `batch_calls`, `batch_nusd`,
 -- `batch_online_nusd`; another tier (`flex`) `calls@flex`, `nusd@flex`,
--- `std@flex`), each through `add(field, n)`. Returns its nano-USD.
+-- `std@flex`), each through `add(field, n)`. Returns one call's nano-USD.
 --
 -- add_counters(key, adds): adds each `adds[field]` to that counter of hash
 -- `key`, in two commands for the lot (one HMGET, one HSET) rather than one
@@ -15,7 +16,11 @@
 -- digits or more (past what Lua's numbers, doubles, hold exactly once added
 -- to), or one that is not a whole number, is left to HINCRBY (which
 -- refuses the latter, as it always did).
-local function add_spend(add, spend)
+local function add_spend(add_one, spend, times)
+  times = times or 1
+  local function add(field, n)
+    add_one(field, n * times)
+  end
   local bucket, p, k, c, n, e, rest = string.match(spend, '^(%S+) (%d+) (%d+) (%d+) (%d+) (%d)(.*)$')
   -- A route's name and the call's cost at standard prices; a bare number: the Batch API's.
   local tier, o = string.match(rest, '^ (%a[%w_-]*) (%d+)$')

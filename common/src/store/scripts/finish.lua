@@ -93,22 +93,75 @@ end
 local function count(field, n)
   stats[field] = (stats[field] or 0) + n
 end
-local function paid(i)
-  if ARGV[i + 7] == '' or redis.call('HSETNX', KEYS[8], ARGV[i + 7], ARGV[i + 8]) == 0 then
-    return
+-- A hash's fields read, and written, in one command a thousand rather than
+-- one a field: a command run from Lua costs far more than the little each
+-- of these does. The call is one atomic step, so what they read and leave
+-- is what the commands a field would have (the writes are kept in order in
+-- `writes`, and what the call itself wrote is what it reads afterwards).
+local function read_fields(key, fields)
+  local got = {}
+  for a = 1, #fields, 1000 do
+    local part = redis.call('HMGET', key, unpack(fields, a, math.min(a + 999, #fields)))
+    for j = 1, #part do
+      got[fields[a + j - 1]] = part[j]
+    end
   end
-  new_calls = true
-  if has_sink() then
-    redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
+  return got
+end
+local function write_fields(key, writes)
+  local flat = {}
+  for _, field in ipairs(writes) do
+    flat[#flat + 1] = field
+    flat[#flat + 1] = writes[field]
   end
-  local n = add_spend(add, ARGV[i + 9])
-  count(per_minute().c, 1)
-  count(per_minute().u, n)
+  for a = 1, #flat, 1000 do
+    redis.call('HSET', key, unpack(flat, a, math.min(a + 999, #flat)))
+  end
+end
+local function set_field(writes, field, value)
+  if writes[field] == nil then
+    writes[#writes + 1] = field
+  end
+  writes[field] = value
+end
+for i = 2, #ARGV, 11 do
+  local mode = ARGV[i + 2]
+  if mode ~= 'commit' and mode ~= 'commit_audit' and mode ~= 'retry' and mode ~= 'review' and mode ~= 'drop'
+      and mode ~= 'cancel' and mode ~= 'release' then
+    return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))
+  end
 end
 -- The paid calls first, with their counters: nothing the outcomes do
--- afterwards (an error included) can leave a call recorded but not counted.
-for i = 2, #ARGV, 11 do
-  paid(i)
+-- afterwards can leave a call recorded but not counted. A key already in
+-- the ledger, or met earlier in this call, is not new.
+do
+  local keys = {}
+  for i = 2, #ARGV, 11 do
+    if ARGV[i + 7] ~= '' then
+      keys[#keys + 1] = ARGV[i + 7]
+    end
+  end
+  local ledger, writes, lines = read_fields(KEYS[8], keys), {}, {}
+  for i = 2, #ARGV, 11 do
+    local key = ARGV[i + 7]
+    if key ~= '' and not ledger[key] then
+      ledger[key] = true
+      set_field(writes, key, ARGV[i + 8])
+      new_calls = true
+      if has_sink() then
+        redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', key)
+      end
+      -- Calls of the same spend line are counted together.
+      set_field(lines, ARGV[i + 9], (lines[ARGV[i + 9]] or 0) + 1)
+    end
+  end
+  write_fields(KEYS[8], writes)
+  for _, line in ipairs(lines) do
+    local times = lines[line]
+    local n = add_spend(add, line, times)
+    count(per_minute().c, times)
+    count(per_minute().u, n * times)
+  end
 end
 add_counters(KEYS[9], spend)
 -- The fence of every entry of the call at once when there are several, all
@@ -119,12 +172,7 @@ add_counters(KEYS[9], spend)
 local fence, fenced_all = {}, false
 do
   local consumer, lo, hi, n = nil, nil, nil, 0
-  local function before(a, b)
-    local am, as = string.match(a, '^(%d+)-(%d+)$')
-    local bm, bs = string.match(b, '^(%d+)-(%d+)$')
-    am, bm = tonumber(am), tonumber(bm)
-    return am < bm or (am == bm and tonumber(as) < tonumber(bs))
-  end
+  local lo_ms, lo_seq, hi_ms, hi_seq
   for i = 2, #ARGV, 11 do
     local entry = ARGV[i]
     if entry ~= '' then
@@ -133,8 +181,14 @@ do
         break
       end
       consumer, n = ARGV[i + 5], n + 1
-      if lo == nil or before(entry, lo) then lo = entry end
-      if hi == nil or before(hi, entry) then hi = entry end
+      local ms, seq = string.match(entry, '^(%d+)-(%d+)$')
+      ms, seq = tonumber(ms), tonumber(seq)
+      if lo == nil or ms < lo_ms or (ms == lo_ms and seq < lo_seq) then
+        lo, lo_ms, lo_seq = entry, ms, seq
+      end
+      if hi == nil or ms > hi_ms or (ms == hi_ms and seq > hi_seq) then
+        hi, hi_ms, hi_seq = entry, ms, seq
+      end
     end
   end
   if n > 1 then
@@ -146,26 +200,44 @@ do
     fenced_all = #got < limit
   end
 end
+-- Which deliveries are live, in order (an entry given twice is live the
+-- first time only), then the states of their records and, for a commit,
+-- whether the record has a result, each in one read.
+local live, rids, committed = {}, {}, {}
 for i = 2, #ARGV, 11 do
-  local entry, rid, mode, value = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local entry, rid = ARGV[i], ARGV[i + 1]
+  if entry == '' then
+    live[i] = redis.call('HDEL', KEYS[12], rid) == 1
+  elseif not acked[entry] then
+    local owner = fence[entry] or (not fenced_all and redis.call('XPENDING', stream, group, entry, entry, 1)[1])
+    live[i] = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6]) or false
+    if live[i] then
+      acked[#acked + 1] = entry
+      acked[entry] = true
+    end
+  end
+  if live[i] then
+    rids[#rids + 1] = rid
+    if string.sub(ARGV[i + 2], 1, 6) == 'commit' then
+      committed[#committed + 1] = rid
+    end
+  end
+end
+local state_of, result_of = read_fields(states, rids), read_fields(KEYS[3], committed)
+local state_writes, result_writes, stat_lines = {}, {}, {}
+local function set_state(rid, state)
+  state_of[rid] = state
+  set_field(state_writes, rid, state)
+end
+for i = 2, #ARGV, 11 do
+  local rid, mode, value = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local audit = mode == 'commit_audit'
   if audit then
     mode = 'commit'
   end
-  local held = entry == ''
   local moved = -1
-  local live
-  if held then
-    live = redis.call('HDEL', KEYS[12], rid) == 1
-  else
-    local owner = false
-    if not acked[entry] then
-      owner = fence[entry] or (not fenced_all and redis.call('XPENDING', stream, group, entry, entry, 1)[1])
-    end
-    live = owner and owner[2] == ARGV[i + 5] and tonumber(owner[4]) == tonumber(ARGV[i + 6])
-  end
-  if live then
-    local state = redis.call('HGET', states, rid)
+  if live[i] then
+    local state = state_of[rid]
     local batched = state == 'batched'
     if batched then
       state = 'queued'
@@ -175,7 +247,7 @@ for i = 2, #ARGV, 11 do
       if state == 'queued' then
         redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
         if batched then
-          redis.call('HSET', states, rid, 'queued')
+          set_state(rid, 'queued')
         end
         moved = 1
       end
@@ -184,18 +256,20 @@ for i = 2, #ARGV, 11 do
       if state == 'queued' and ARGV[i + 4] == '0' then
         redis.call('XADD', stream, '*', 'rid', rid, 'task', value)
         if batched then
-          redis.call('HSET', states, rid, 'queued')
+          set_state(rid, 'queued')
         end
         moved = 1
       elseif state == 'queued' then
         redis.call('ZADD', KEYS[4], ARGV[i + 4], value)
-        redis.call('HSET', states, rid, 'delayed')
+        set_state(rid, 'delayed')
         moved = 1
       end
     elseif state == 'queued' or state == 'delayed' then
       if mode == 'commit' then
-        if redis.call('HSETNX', KEYS[3], rid, value) == 1 then
-          redis.call('HSET', states, rid, 'done')
+        if not result_of[rid] then
+          result_of[rid] = true
+          set_field(result_writes, rid, value)
+          set_state(rid, 'done')
           moved = 1
           if audit then
             redis.call('HSETNX', KEYS[11], rid, '')
@@ -203,42 +277,42 @@ for i = 2, #ARGV, 11 do
         end
       elseif mode == 'review' then
         redis.call('HSET', KEYS[5], rid, value)
-        redis.call('HSET', states, rid, 'review')
+        set_state(rid, 'review')
         moved = 1
       elseif mode == 'drop' then
-        redis.call('HSET', states, rid, 'dropped:' .. value)
-        moved = 1
-      elseif mode == 'cancel' then
-        redis.call('HSET', KEYS[6], rid, value)
-        redis.call('HSET', states, rid, 'cancelled')
+        set_state(rid, 'dropped:' .. value)
         moved = 1
       else
-        return redis.error_reply('finish.lua: unknown mode ' .. tostring(mode))
+        redis.call('HSET', KEYS[6], rid, value)
+        set_state(rid, 'cancelled')
+        moved = 1
       end
     end
     if moved == 1 and mode ~= 'retry' and mode ~= 'release' and has_sink() then
       redis.call('XADD', KEYS[7], '*', 'rid', rid, 'k', mode == 'commit' and 'r' or 'f')
     end
     if moved == 1 then
-      for field in string.gmatch(ARGV[i + 10], '[^\n]+') do
-        count(field, 1)
-      end
+      set_field(stat_lines, ARGV[i + 10], (stat_lines[ARGV[i + 10]] or 0) + 1)
       if mode == 'commit' then
         count(per_minute().d, 1)
       elseif mode == 'review' or mode == 'drop' then
         count(per_minute().f, 1)
       end
     end
-    if not held then
-      acked[#acked + 1] = entry
-      acked[entry] = true
-    end
   end
   out[#out + 1] = moved
 end
+write_fields(KEYS[3], result_writes)
+write_fields(states, state_writes)
 if #acked > 0 then
   redis.call('XACK', stream, group, unpack(acked))
   redis.call('XDEL', stream, unpack(acked))
+end
+-- The stats fields of the outcomes that moved, each set of them once.
+for _, line in ipairs(stat_lines) do
+  for field in string.gmatch(line, '[^\n]+') do
+    count(field, stat_lines[line])
+  end
 end
 add_counters(KEYS[10], stats)
 if new_calls then
