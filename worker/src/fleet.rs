@@ -316,7 +316,10 @@ impl Fleet {
                 // The job was cancelled before this task ran: keep it for resume.
                 Some(me.cancel_task(&job, &d).await)
             } else {
-                Some(slot.scope(process(&job, d, &me.limits, &mut report, route)).await)
+                // Boxed: the task's work is a future of about 11 KB, which
+                // held here would make every task's future (moved as it is
+                // spawned) twice that; boxed, the task's is under 2 KB.
+                Some(Box::pin(slot.scope(process(&job, d, &me.limits, &mut report, route))).await)
             };
             slot.release();
             job.breaker.in_flight.fetch_sub(1, Ordering::Relaxed);

@@ -39,8 +39,11 @@ impl Slot {
     }
 
     /// Runs the task's work with this slot as its own (see [`storing_outcome`]).
-    pub async fn scope<F: Future>(self: &Arc<Self>, work: F) -> F::Output {
-        SLOT.scope(self.clone(), work).await
+    /// A plain function, not an `async` one: an `async fn` would hold `work`
+    /// twice (its argument, and inside the future it awaits), and a task's
+    /// work is a future of many kilobytes, copied whenever it moves.
+    pub fn scope<F: Future>(self: &Arc<Self>, work: F) -> impl Future<Output = F::Output> {
+        SLOT.scope(self.clone(), work)
     }
 
     fn held(&self) -> MutexGuard<'_, Held> {
@@ -104,5 +107,24 @@ mod tests {
         assert!(!b.holds_call());
         b.release();
         assert_eq!((calls.available_permits(), storing.available_permits()), (2, 1));
+    }
+
+    /// A task's work is a large future: the scope around it adds only the
+    /// task-local's few bytes, it does not hold the work twice.
+    #[test]
+    fn a_scope_holds_its_work_once() {
+        let slot = Slot::new(
+            Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap(),
+            Arc::new(Semaphore::new(1)),
+        );
+        let big = [0u8; 8192];
+        let work = async move {
+            tokio::task::yield_now().await;
+            big.len()
+        };
+        let alone = std::mem::size_of_val(&work);
+        assert!(alone >= 8192);
+        let scoped = slot.scope(work);
+        assert!(std::mem::size_of_val(&scoped) < alone + 256, "{alone}");
     }
 }
