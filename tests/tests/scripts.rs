@@ -1050,7 +1050,11 @@ async fn outcomes_stored_together_touch_each_hash_once_and_count_each_paid_call_
         commit(c, &pc),
         commit(d, &pd),
     ];
-    let (hset, hmget) = (redis.calls_of("hset"), redis.calls_of("hmget"));
+    let (hset, hmget, hsetnx) = (
+        redis.calls_of("hset"),
+        redis.calls_of("hmget"),
+        redis.calls_of("hsetnx"),
+    );
     let done = finished(&store, &items).await;
     assert_eq!(
         done,
@@ -1066,6 +1070,9 @@ async fn outcomes_stored_together_touch_each_hash_once_and_count_each_paid_call_
     // HMGETs: the ledger, the states, the results, the spend, the stats.
     assert_eq!(redis.calls_of("hset") - hset, 5);
     assert_eq!(redis.calls_of("hmget") - hmget, 5);
+    assert_eq!(redis.calls_of("hsetnx") - hsetnx, 0);
+    let ledger: HashMap<String, String> = conn.hgetall(keys::ledger(JOB, 0)).unwrap();
+    assert_eq!(ledger.len(), 4, "each paid call recorded once: {:?}", ledger.keys());
     let results: HashMap<String, String> = conn.hgetall(keys::results(JOB, 0)).unwrap();
     assert_eq!(results["d"], "kept", "a result is never written over");
     assert_eq!(results.len(), 4);

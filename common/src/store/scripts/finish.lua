@@ -141,26 +141,31 @@ do
       keys[#keys + 1] = ARGV[i + 7]
     end
   end
-  local ledger, writes, lines = read_fields(KEYS[8], keys), {}, {}
+  local ledger, writes, lines, new = read_fields(KEYS[8], keys), {}, {}, {}
   for i = 2, #ARGV, 11 do
     local key = ARGV[i + 7]
     if key ~= '' and not ledger[key] then
       ledger[key] = true
       set_field(writes, key, ARGV[i + 8])
-      new_calls = true
-      if has_sink() then
-        redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', key)
-      end
+      new[#new + 1] = i
       -- Calls of the same spend line are counted together.
       set_field(lines, ARGV[i + 9], (lines[ARGV[i + 9]] or 0) + 1)
     end
   end
-  write_fields(KEYS[8], writes)
+  -- Counted before anything is written: a spend line that cannot be read
+  -- fails the call with nothing recorded.
   for _, line in ipairs(lines) do
     local times = lines[line]
     local n = add_spend(add, line, times)
     count(per_minute().c, times)
     count(per_minute().u, n * times)
+  end
+  write_fields(KEYS[8], writes)
+  new_calls = #new > 0
+  if new_calls and has_sink() then
+    for _, i in ipairs(new) do
+      redis.call('XADD', KEYS[7], '*', 'rid', ARGV[i + 1], 'k', 'l', 'c', ARGV[i + 7])
+    end
   end
 end
 add_counters(KEYS[9], spend)
