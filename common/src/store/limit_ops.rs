@@ -35,7 +35,7 @@ pub struct FreeReport {
 /// A limiter's word on its free passes, told with its settlements: its
 /// grant id prefix, the report, and how long the count in flight holds
 /// (the slot lease).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct FreeWord<'a> {
     pub prefix: &'a str,
     pub report: FreeReport,
@@ -209,12 +209,7 @@ impl RedisStore {
         limiter: &str,
         grants: &[(String, Settlement)],
     ) -> Result<Vec<bool>, StoreError> {
-        let none = FreeWord {
-            prefix: "",
-            report: FreeReport::default(),
-            lease_ms: 0,
-        };
-        self.limit_settle_told(limiter, grants, none).await
+        self.limit_settle_told(limiter, grants, FreeWord::default()).await
     }
 
     /// [`RedisStore::limit_settle_many`], told first what the settling
