@@ -1,5 +1,6 @@
 //! The Redis implementation of the store.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -127,11 +128,12 @@ impl ConnectionLike for Conn {
 #[derive(Clone)]
 pub struct RedisStore {
     pub(super) conn: Conn,
-    pub(super) scripts: Scripts,
+    /// Shared by every clone: a store is cloned for each group commit and
+    /// settlement, and the scripts' code is about 100 KB.
+    pub(super) scripts: Arc<Scripts>,
 }
 
 /// The Lua scripts, loaded on first use (and again after a server restart).
-#[derive(Clone)]
 pub(super) struct Scripts {
     pub enqueue: Script,
     pub finish: Script,
@@ -256,7 +258,7 @@ impl RedisStore {
         let _: String = redis::cmd("PING").query_async(&mut conn).await.map_err(unreachable)?;
         let store = RedisStore {
             conn,
-            scripts: Scripts {
+            scripts: Arc::new(Scripts {
                 enqueue: Script::new(ENQUEUE_LUA),
                 finish: Script::new(concat!(
                     include_str!("scripts/counters.lua"),
@@ -293,7 +295,7 @@ impl RedisStore {
                 revise: Script::new(include_str!("scripts/revise.lua")),
                 dataset_tag: Script::new(include_str!("scripts/dataset_tag.lua")),
                 ids_page: Script::new(include_str!("scripts/ids_page.lua")),
-            },
+            }),
         };
         store.check_permissions().await?;
         store.load_scripts().await?;
