@@ -109,7 +109,7 @@ bench-waiting: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-waiting.py
 
-## bench-queues: one worker's records/s, Redis CPU, commands and round trips a record, and its own CPU, against BullMQ's no-op worker on the same Redis, alternating (npm installs BullMQ under .bench/)
+## bench-queues: one worker's records/s, Redis CPU, commands and round trips a record, and its own CPU, against BullMQ's no-op worker on the same Redis, alternating, beside a floor (the same data stored by native commands, no script) (npm installs BullMQ under .bench/)
 bench-queues: deps
 	$(CARGO) build --release --workspace --bins
 	python3 scripts/bench-queues.py
