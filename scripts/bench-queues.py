@@ -20,7 +20,8 @@ pick instead (#32 item 4), on one redis-server in one run, alternating.
   counters' `HMGET` and `HSET`), with a result, a paid call and counter
   fields taken from batchfleet's own drain. It checks nothing: what the
   data this design keeps costs Redis with no Lua at all, the least any
-  script for it could cost.
+  script for it could cost. Its records/s are those of this Python client
+  calling no model, not a queue's.
 
 Each side's drain is timed from its worker's start to its last record
 (polled every 50 ms on one connection) and costed from `INFO` deltas over
@@ -284,7 +285,7 @@ def main():
     ratios = []
     for r in range(ROUNDS):
         side = {name: (rate, us) for (k, name, rate, us, *_) in rows if k == r}
-        (rate_a, us_a), (rate_f, us_f), (rate_b, us_b) = side["batchfleet"], side["floor"], side["bullmq"]
+        (rate_a, us_a), (_, us_f), (rate_b, us_b) = side["batchfleet"], side["floor"], side["bullmq"]
         ratios.append((rate_a / rate_b, us_a / us_b, us_f / us_b))
     print()
     for r, (rate, cpu, floor_cpu) in enumerate(ratios):
