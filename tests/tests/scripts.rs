@@ -73,6 +73,13 @@ async fn claim(store: &RedisStore, consumer: &str) -> Vec<Delivery> {
     store.claim(JOB, 0, consumer, 100, false).await.unwrap()
 }
 
+/// Records a, b, c and d enqueued and claimed by w1, in that order.
+async fn four_claimed(store: &RedisStore) -> Vec<Delivery> {
+    let entries: Vec<TaskEntry> = ["a", "b", "c", "d"].iter().map(|r| entry(r, "{}")).collect();
+    store.enqueue(JOB, 60, &entries).await.unwrap();
+    claim(store, "w1").await
+}
+
 fn stream_len(redis: &RedisServer) -> u64 {
     redis.conn().xlen(keys::stream(JOB, 0)).unwrap()
 }
@@ -705,9 +712,7 @@ async fn finished(store: &RedisStore, items: &[Finishing]) -> Vec<Finished> {
 async fn outcomes_finished_together_are_each_decided_as_if_alone() {
     let redis = RedisServer::start();
     let store = store(&redis).await;
-    let entries: Vec<TaskEntry> = ["a", "b", "c", "d"].iter().map(|r| entry(r, "{}")).collect();
-    store.enqueue(JOB, 60, &entries).await.unwrap();
-    let ds = claim(&store, "w1").await;
+    let ds = four_claimed(&store).await;
     assert_eq!(ds.len(), 4);
     // Claimed fresh: the state came with the claim.
     assert!(ds.iter().all(|d| d.state_at_claim == Some(Some(RecordState::Queued))));
@@ -1026,9 +1031,7 @@ async fn outcomes_stored_together_touch_each_hash_once_and_count_each_paid_call_
     use common::ledger::PaidCall;
     let redis = RedisServer::start();
     let store = store(&redis).await;
-    let entries: Vec<TaskEntry> = ["a", "b", "c", "d"].iter().map(|r| entry(r, "{}")).collect();
-    store.enqueue(JOB, 60, &entries).await.unwrap();
-    let ds = claim(&store, "w1").await;
+    let ds = four_claimed(&store).await;
     let (a, b, c, d) = (&ds[0], &ds[1], &ds[2], &ds[3]);
     let mut conn = redis.conn();
     let _: () = conn.hset(keys::results(JOB, 0), "d", "kept").unwrap();
